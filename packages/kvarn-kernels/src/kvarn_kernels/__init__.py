@@ -1,0 +1,1 @@
+"""kvarn_kernels"""
