@@ -17,12 +17,24 @@ def test_k4v2_g128_d128_headline() -> None:
     assert round(layout.ratio_vs_fp16, 2) == 4.74
     assert layout.pad_bytes == 0
     assert [f.name for f in layout.fields] == [
-        "k_codes", "k_scale", "k_zero", "k_token_scale",
-        "v_codes", "v_channel_scale", "v_scale", "v_zero",
+        "k_codes",
+        "k_scale",
+        "k_zero",
+        "k_token_scale",
+        "v_codes",
+        "v_channel_scale",
+        "v_scale",
+        "v_zero",
     ]
     assert layout.offsets() == {
-        "k_codes": 0, "k_scale": 8192, "k_zero": 8448, "k_token_scale": 8704,
-        "v_codes": 8960, "v_channel_scale": 13056, "v_scale": 13312, "v_zero": 13568,
+        "k_codes": 0,
+        "k_scale": 8192,
+        "k_zero": 8448,
+        "k_token_scale": 8704,
+        "v_codes": 8960,
+        "v_channel_scale": 13056,
+        "v_scale": 13312,
+        "v_zero": 13568,
     }
     assert layout.field("k_codes").shape == (128, 64)
     assert layout.field("v_codes").shape == (128, 32)

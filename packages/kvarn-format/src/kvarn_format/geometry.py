@@ -102,7 +102,9 @@ class RecordLayout:
         for f in self.fields:
             if f.name == name:
                 return f
-        raise KeyError(f"{self.dtype} has no field {name!r}; fields: {[f.name for f in self.fields]}")
+        raise KeyError(
+            f"{self.dtype} has no field {name!r}; fields: {[f.name for f in self.fields]}"
+        )
 
     def offsets(self) -> dict[str, int]:
         return {f.name: f.offset for f in self.fields}
@@ -181,13 +183,23 @@ def _dense_layout(fmt: DenseFormat, head_dim: int, rounding: SlotRounding) -> Re
     check_dense_head_dim(fmt, head_dim)
     d, g = head_dim, fmt.group
     b = _Builder()
-    b.add("k_codes", "u8", (d, _packed_bytes(g, fmt.key_bits)),
-          "K codes, channel-major [D][G]: codes along tokens", fmt.key_bits)
+    b.add(
+        "k_codes",
+        "u8",
+        (d, _packed_bytes(g, fmt.key_bits)),
+        "K codes, channel-major [D][G]: codes along tokens",
+        fmt.key_bits,
+    )
     b.add("k_scale", "f16", (d,), "per-channel absorbed K scale (Sinkhorn x RTN)")
     b.add("k_zero", "f16", (d,), "per-channel absorbed K zero point")
     b.add("k_token_scale", "f16", (g,), "per-token K Sinkhorn scale")
-    b.add("v_codes", "u8", (g, _packed_bytes(d, fmt.value_bits)),
-          "V codes, token-major [G][D]: codes along channels", fmt.value_bits)
+    b.add(
+        "v_codes",
+        "u8",
+        (g, _packed_bytes(d, fmt.value_bits)),
+        "V codes, token-major [G][D]: codes along channels",
+        fmt.value_bits,
+    )
     b.add("v_channel_scale", "f16", (d,), "per-channel V Sinkhorn scale")
     b.add("v_scale", "f16", (g,), "per-token absorbed V scale (Sinkhorn x RTN)")
     b.add("v_zero", "f16", (g,), "per-token absorbed V zero point")
@@ -204,23 +216,34 @@ def _mla_layout(fmt: MLAFormat) -> RecordLayout:
     b = _Builder()
     if g == 128:
         # Official layout: token-major codes, fp16 RoPE.
-        b.add("latent_codes", "u8", (g, _packed_bytes(r, fmt.latent_bits)),
-              "latent codes, token-major [G][R]: codes along channels", fmt.latent_bits)
+        b.add(
+            "latent_codes",
+            "u8",
+            (g, _packed_bytes(r, fmt.latent_bits)),
+            "latent codes, token-major [G][R]: codes along channels",
+            fmt.latent_bits,
+        )
         b.add("latent_scale", "f16", (r,), "per-channel absorbed latent scale")
         b.add("latent_zero", "f16", (r,), "per-channel absorbed latent zero point")
         b.add("latent_token_scale", "f16", (g,), "per-token latent Sinkhorn scale")
         b.add("rope", "f16", (g, rope), "decoupled RoPE key, exact, unrotated")
     else:
         # g64 family: channel-major codes, bf16 RoPE.
-        b.add("latent_codes", "u8", (r, _packed_bytes(g, fmt.latent_bits)),
-              "latent codes, channel-major [R][G]: codes along tokens", fmt.latent_bits)
+        b.add(
+            "latent_codes",
+            "u8",
+            (r, _packed_bytes(g, fmt.latent_bits)),
+            "latent codes, channel-major [R][G]: codes along tokens",
+            fmt.latent_bits,
+        )
         b.add("latent_scale", "f16", (r,), "per-channel absorbed latent scale")
         b.add("latent_zero", "f16", (r,), "per-channel absorbed latent zero point")
         b.add("latent_token_scale", "f16", (g,), "per-token latent Sinkhorn scale")
         b.add("rope", "bf16", (g, rope), "decoupled RoPE key, exact, unrotated")
     payload = b.offset
-    return RecordLayout(fmt.name, "mla", r, g, tuple(b.fields), payload,
-                        _round_up(payload, 8), "align8")
+    return RecordLayout(
+        fmt.name, "mla", r, g, tuple(b.fields), payload, _round_up(payload, 8), "align8"
+    )
 
 
 @cache

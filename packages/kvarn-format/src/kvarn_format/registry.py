@@ -109,7 +109,8 @@ _MLA: Final[tuple[MLAFormat, ...]] = (
     _mla(4, 64),
     _mla(5, 64),
 )
-_TABLE: Final[dict[str, KVarNFormat]] = {f.name: f for f in (*_DENSE, *_MLA)}
+_ALL: Final[tuple[KVarNFormat, ...]] = (*_DENSE, *_MLA)
+_TABLE: Final[dict[str, KVarNFormat]] = {f.name: f for f in _ALL}
 
 DENSE_DTYPES: Final[tuple[str, ...]] = tuple(f.name for f in _DENSE)
 MLA_DTYPES: Final[tuple[str, ...]] = tuple(f.name for f in _MLA)
