@@ -1,0 +1,394 @@
+"""Side-pool bookkeeping for one KV-cache group: pure Python, no torch, no vLLM.
+
+KVarN keeps some blocks of every request in an fp16 *side pool* instead of the packed paged
+cache: the request's first block (the sink, never quantized while the request lives) and every
+block that is still being written. A block is quantized ("flushed") into its packed record only
+once all of its ``G`` tokens are *committed*, so a speculative token that may still be rejected
+is never frozen into the packed record.
+
+This module decides, step by step, which physical block owns which pool slot, which blocks
+to flush, and which slots to reclaim. It has no GPU state: it emits :class:`StepPlan` objects
+that the vLLM metadata builder (``kvarn_vllm.runtime``) applies on the device before the
+forward pass. Keeping it free of torch and vLLM makes every rule unit-testable.
+
+The one invariant everything else relies on, per physical (kernel) block ``b``:
+
+* ``b`` holds a pool slot  ->  the authoritative data of ``b`` is the fp16 slot;
+* ``b`` holds no slot      ->  the authoritative data of ``b`` is its packed record.
+
+Kernels read a block from wherever ``block_to_slot[b]`` says, so any block a request can see
+(its own, or one it shares through a prefix-cache hit) is valid at all times. Writes always go
+to the pool: a block receives a slot before its first token is written.
+
+Request lifecycle comes from vLLM's scheduler output (new, cached, resumed, finished and
+preempted requests, with their block ids), which every worker receives; see
+``kvarn_vllm.runtime.step_input_from_scheduler_output``.
+
+Prefix caching (vLLM caches only *full* blocks, and only blocks whose tokens are computed):
+
+* when a request ends (finished or preempted), its full non-sink blocks that still hold slots
+  are flushed so a later hit finds a valid packed record; partial blocks are dropped (vLLM
+  never hits on them);
+* its sink is *retired* rather than flushed: the block keeps its fp16 slot so that the next
+  request with the same first block re-adopts it byte for byte and sees exactly the fp16 sink
+  a run without caching would see. A retired sink is flushed (quantized, still valid) only when
+  the pool needs its slot. A hit on a sink that was already flushed reads the quantized record:
+  valid, but not bit-identical to a cold run (documented in docs/vllm-plugin.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CachedRequest",
+    "NewRequest",
+    "SidePoolExhaustedError",
+    "SidePoolTracker",
+    "StepInput",
+    "StepPlan",
+]
+
+
+class SidePoolExhaustedError(RuntimeError):
+    """The fp16 side pool has no free slot and nothing that can be evicted."""
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request the worker sees for the first time (or again after preemption).
+
+    ``block_ids`` are the scheduler's block ids for this KV-cache group; ``num_computed_tokens``
+    is the prefix-cache hit length (a multiple of the block size) or 0.
+    """
+
+    req_id: str
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequest:
+    """A running request scheduled again.
+
+    ``new_block_ids`` are appended to its blocks (``None`` = no new blocks); when ``resumed``
+    is set the request comes back from preemption and ``new_block_ids`` is its full block list.
+    """
+
+    req_id: str
+    new_block_ids: Sequence[int] | None
+    resumed: bool
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    """What one scheduler step tells the worker, reduced to what the pool needs."""
+
+    finished: Collection[str] = ()
+    preempted: Collection[str] = ()
+    new: Sequence[NewRequest] = ()
+    cached: Sequence[CachedRequest] = ()
+    #: Tokens scheduled this step per request (prompt chunk, decode token, drafts).
+    num_scheduled: Mapping[str, int] = field(default_factory=dict)
+    #: Speculative draft tokens among ``num_scheduled`` per request.
+    num_spec: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Device work for one step, applied in this order before the forward pass.
+
+    1. Flush: quantize pool slot ``flush_slots[i]`` into the packed record of block
+       ``flush_blocks[i]`` (all pairs, every layer of the group).
+    2. Map: set ``block_to_slot[map_blocks[i]] = map_slots[i]`` (``-1`` = no slot).
+    """
+
+    step: int
+    flush_slots: list[int] = field(default_factory=list)
+    flush_blocks: list[int] = field(default_factory=list)
+    map_blocks: list[int] = field(default_factory=list)
+    map_slots: list[int] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.flush_slots or self.map_blocks)
+
+
+@dataclass(slots=True)
+class _Request:
+    blocks: list[int]
+    #: The scheduler's computed-token count: where this step's tokens start.
+    computed: int
+    #: Tokens known to be final (never rolled back): safe to quantize.
+    committed: int
+    #: Tokens whose K/V have been written (prefix-hit tokens included).
+    written: int
+    #: Blocks [1, flushed_upto) have been considered for flushing already.
+    flushed_upto: int = 1
+    #: The block whose sink reference this request holds (pool-resident block 0), if any.
+    sink: int | None = None
+
+
+class SidePoolTracker:
+    """Slot allocator and flush planner for one KV-cache group.
+
+    Args:
+        num_slots: slots in each layer's side pool.
+        group: tokens per tile (= kernel block size ``G``).
+        blocks_per_scheduler_block: how many ``G``-token kernel blocks one scheduler block
+            holds (1 unless vLLM's hybrid page unification enlarged the group's block size).
+        prefix_caching: whether vLLM's prefix cache may hand a finished request's blocks to a
+            later request; if not, finished requests' slots are simply dropped.
+        spec_margin: tokens by which the scheduler's computed-token count may be optimistic
+            (async scheduling with speculative decoding counts drafts before verification);
+            flushes stay this many tokens behind it.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        group: int,
+        *,
+        blocks_per_scheduler_block: int = 1,
+        prefix_caching: bool = True,
+        spec_margin: int = 0,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if group < 1:
+            raise ValueError(f"group must be >= 1, got {group}")
+        if blocks_per_scheduler_block < 1:
+            raise ValueError(
+                f"blocks_per_scheduler_block must be >= 1, got {blocks_per_scheduler_block}"
+            )
+        if spec_margin < 0:
+            raise ValueError(f"spec_margin must be >= 0, got {spec_margin}")
+        self.num_slots = num_slots
+        self.group = group
+        self.ratio = blocks_per_scheduler_block
+        self.prefix_caching = prefix_caching
+        self.spec_margin = spec_margin
+
+        # Stack of free slots; popping from the end hands out low slot ids first.
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._slot_of: dict[int, int] = {}
+        self._sink_refs: dict[int, int] = {}
+        self._retired: OrderedDict[int, None] = OrderedDict()
+        self._reqs: dict[str, _Request] = {}
+        # Requests whose committed count moved (insertion-ordered so plans are deterministic).
+        self._dirty: dict[str, None] = {}
+        self._pending: list[StepPlan] = []
+        self._plan = StepPlan(step=0)
+        self._step = 0
+        self.peak_slots_used = 0
+        self.total_flushed = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def slots_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def slot_of(self, block: int) -> int | None:
+        """The pool slot of kernel block ``block``, or ``None`` when it lives packed."""
+        return self._slot_of.get(block)
+
+    def resident_blocks(self) -> dict[int, int]:
+        """A copy of the block -> slot map (for tests and debugging)."""
+        return dict(self._slot_of)
+
+    def retired_sinks(self) -> list[int]:
+        """Retired sink blocks, least recently retired first."""
+        return list(self._retired)
+
+    def request_blocks(self, req_id: str) -> list[int]:
+        """Kernel block ids of a live request."""
+        return list(self._reqs[req_id].blocks)
+
+    def live_requests(self) -> list[str]:
+        return list(self._reqs)
+
+    def take_pending(self) -> list[StepPlan]:
+        """Plans produced since the last call, oldest first (each applied once)."""
+        plans, self._pending = self._pending, []
+        return plans
+
+    # ------------------------------------------------------------------ the step
+    def step(self, inp: StepInput) -> StepPlan:
+        """Advance one scheduler step; returns (and queues) the device plan for it."""
+        self._step += 1
+        self._plan = StepPlan(step=self._step)
+
+        for req_id in (*inp.finished, *(inp.preempted or ())):
+            self._release(req_id)
+        for new in inp.new:
+            self._release(new.req_id)  # a re-added id (streaming input) starts afresh
+            self._register(new.req_id, new.block_ids, new.num_computed_tokens)
+        for cached in inp.cached:
+            req = self._reqs.get(cached.req_id)
+            if cached.resumed or req is None:
+                self._release(cached.req_id)
+                self._register(
+                    cached.req_id, cached.new_block_ids or (), cached.num_computed_tokens
+                )
+                continue
+            if cached.new_block_ids:
+                req.blocks.extend(self._kernel_blocks(cached.new_block_ids))
+            req.computed = cached.num_computed_tokens
+            req.committed = max(req.committed, cached.num_computed_tokens - self.spec_margin)
+            self._dirty[cached.req_id] = None
+
+        # Pass 1: flush every committed full block of the requests that moved, so their
+        # slots are free before this step allocates.
+        for req_id in list(self._dirty):
+            req = self._reqs.get(req_id)
+            if req is not None:
+                self._flush_committed(req)
+        self._dirty.clear()
+
+        # Pass 2: give every block that receives tokens this step a slot.
+        for req_id, num_tokens in inp.num_scheduled.items():
+            req = self._reqs.get(req_id)
+            if req is None:
+                raise KeyError(
+                    f"kvarn side pool: request {req_id!r} is scheduled but was never added; "
+                    "the worker missed a scheduler output"
+                )
+            if num_tokens <= 0:
+                continue
+            spec = inp.num_spec.get(req_id, 0)
+            start = req.computed
+            end = start + num_tokens
+            last = (end - 1) // self.group
+            if last >= len(req.blocks):
+                raise ValueError(
+                    f"kvarn side pool: request {req_id!r} writes token {end - 1} but has only "
+                    f"{len(req.blocks)} blocks of {self.group} tokens"
+                )
+            for index in range(start // self.group, last + 1):
+                self._ensure_slot(req.blocks[index])
+            req.written = end
+            self._dirty[req_id] = None
+            # After this step's forward, every non-draft token written is committed.
+            req.committed = max(req.committed, end - spec - self.spec_margin)
+
+        self.peak_slots_used = max(self.peak_slots_used, self.slots_used)
+        plan = self._plan
+        if not plan.empty:
+            self._pending.append(plan)
+        return plan
+
+    # ------------------------------------------------------------------ internals
+    def _kernel_blocks(self, block_ids: Iterable[int]) -> list[int]:
+        r = self.ratio
+        if r == 1:
+            return list(block_ids)
+        return [b * r + j for b in block_ids for j in range(r)]
+
+    def _register(self, req_id: str, block_ids: Sequence[int], num_computed: int) -> None:
+        blocks = self._kernel_blocks(block_ids)
+        req = _Request(
+            blocks=blocks,
+            computed=num_computed,
+            committed=max(0, num_computed - self.spec_margin),
+            written=num_computed,
+        )
+        self._reqs[req_id] = req
+        self._dirty[req_id] = None
+        if not blocks:
+            return
+        sink = blocks[0]
+        if sink in self._slot_of:
+            # Pool-resident: a live request's sink (shared prefix) or a retired sink.
+            self._retired.pop(sink, None)
+            self._sink_refs[sink] = self._sink_refs.get(sink, 0) + 1
+            req.sink = sink
+        elif num_computed < self.group:
+            # Block 0 is written from scratch now; its slot is allocated in pass 2.
+            self._sink_refs[sink] = self._sink_refs.get(sink, 0) + 1
+            req.sink = sink
+        # else: a prefix hit on a sink that was flushed earlier -> packed sink (valid).
+
+    def _flush_committed(self, req: _Request) -> None:
+        upto = min(req.committed // self.group, len(req.blocks))
+        for index in range(max(req.flushed_upto, 1), upto):
+            block = req.blocks[index]
+            if block in self._slot_of and not self._is_sink(block):
+                self._flush(block)
+        req.flushed_upto = max(req.flushed_upto, upto)
+
+    def _is_sink(self, block: int) -> bool:
+        return block in self._sink_refs or block in self._retired
+
+    def _release(self, req_id: str) -> None:
+        req = self._reqs.pop(req_id, None)
+        self._dirty.pop(req_id, None)
+        if req is None:
+            return
+        # Every token written so far is final now; vLLM caches only the accepted ones, so a
+        # full block with a rejected draft is never hit and flushing it is harmless.
+        full = min(req.written // self.group, len(req.blocks))
+        for index, block in enumerate(req.blocks):
+            if block not in self._slot_of:
+                continue
+            if index == 0 and req.sink == block:
+                refs = self._sink_refs.get(block, 0) - 1
+                if refs > 0:
+                    self._sink_refs[block] = refs
+                    continue
+                self._sink_refs.pop(block, None)
+                if self.prefix_caching and full >= 1:
+                    self._retired[block] = None
+                    self._retired.move_to_end(block)
+                else:
+                    self._drop(block)
+            elif self._is_sink(block):
+                continue
+            elif index < full and self.prefix_caching:
+                self._flush(block)
+            else:
+                self._drop(block)
+
+    def _ensure_slot(self, block: int) -> None:
+        if block in self._slot_of:
+            # A retired sink whose block vLLM handed out again as a fresh block: it is now
+            # an ordinary block of the new owner (its old bytes get overwritten).
+            if block in self._retired and block not in self._sink_refs:
+                self._retired.pop(block)
+            return
+        if not self._free:
+            self._evict_retired()
+        slot = self._free.pop()
+        self._slot_of[block] = slot
+        self._plan.map_blocks.append(block)
+        self._plan.map_slots.append(slot)
+
+    def _evict_retired(self) -> None:
+        if not self._retired:
+            raise SidePoolExhaustedError(
+                f"kvarn side pool exhausted: all {self.num_slots} slots hold live sink or "
+                f"in-progress blocks ({len(self._reqs)} live requests). The pool is sized from "
+                "max_num_seqs and max_num_batched_tokens; lower --max-num-seqs or "
+                "--max-num-batched-tokens."
+            )
+        block, _ = self._retired.popitem(last=False)
+        self._flush(block)
+
+    def _flush(self, block: int) -> None:
+        slot = self._slot_of.pop(block)
+        self._plan.flush_slots.append(slot)
+        self._plan.flush_blocks.append(block)
+        self._unmap(block, slot)
+        self.total_flushed += 1
+
+    def _drop(self, block: int) -> None:
+        slot = self._slot_of.pop(block)
+        self._unmap(block, slot)
+
+    def _unmap(self, block: int, slot: int) -> None:
+        self._retired.pop(block, None)
+        self._free.append(slot)
+        self._plan.map_blocks.append(block)
+        self._plan.map_slots.append(-1)

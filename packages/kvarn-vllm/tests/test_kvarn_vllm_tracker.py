@@ -1,0 +1,469 @@
+"""Side-pool bookkeeping: hand-worked scenarios plus a randomized serving simulation.
+
+The simulation models what matters of vLLM's scheduler (paged blocks, a content-hashed
+prefix cache with LRU eviction, chunked prefill, preemption with recompute, speculative
+drafts that may be rejected) and of the device (pool slots, packed tiles). After every
+step it checks that every position a scheduled request reads is found, with the right
+content, wherever ``block_to_slot`` says the block lives. That is the property the
+tracker exists for: a wrong flush (a draft frozen into a tile, a sink quantized too early,
+a finished request's block lost before a prefix hit) shows up as a wrong read.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvarn_vllm.tracker import (
+    CachedRequest,
+    NewRequest,
+    SidePoolExhaustedError,
+    SidePoolTracker,
+    StepInput,
+    StepPlan,
+)
+
+G = 4
+
+
+def _mapping(plans: list[StepPlan]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for p in plans:
+        out.update(zip(p.map_blocks, p.map_slots, strict=True))
+    return out
+
+
+def _flushes(plans: list[StepPlan]) -> list[tuple[int, int]]:
+    return [pair for p in plans for pair in zip(p.flush_slots, p.flush_blocks, strict=True)]
+
+
+def test_prompt_then_decode_keeps_sink_and_tail_flushes_committed_blocks() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G)
+    # A 10-token prompt in blocks 7, 3, 9.
+    plan = tr.step(StepInput(new=[NewRequest("a", [7, 3, 9], 0)], num_scheduled={"a": 10}))
+    assert plan.flush_blocks == []
+    assert set(plan.map_blocks) == {7, 3, 9} and -1 not in plan.map_slots
+    # Next step: the prompt is committed; block 3 (full, not the sink) is quantized,
+    # block 7 (sink) and block 9 (in progress, 2 of 4 tokens) stay in the pool.
+    slot3 = tr.slot_of(3)
+    plan = tr.step(StepInput(cached=[CachedRequest("a", None, False, 10)], num_scheduled={"a": 1}))
+    assert list(zip(plan.flush_slots, plan.flush_blocks, strict=True)) == [(slot3, 3)]
+    assert tr.slot_of(3) is None and tr.slot_of(7) is not None and tr.slot_of(9) is not None
+    # Tokens 11 and 12 complete block 9 and open block 5.
+    tr.step(StepInput(cached=[CachedRequest("a", None, False, 11)], num_scheduled={"a": 1}))
+    plan = tr.step(StepInput(cached=[CachedRequest("a", [5], False, 12)], num_scheduled={"a": 1}))
+    assert plan.flush_blocks == [9]
+    assert tr.slot_of(5) is not None
+    assert tr.slot_of(7) is not None  # the sink is never quantized while the request lives
+    assert tr.slots_used == 2
+
+
+def test_only_committed_tokens_are_flushed_with_speculative_drafts() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G)
+    tr.step(StepInput(new=[NewRequest("a", [0, 1, 2], 0)], num_scheduled={"a": 5}))
+    # Verify step: last token (pos 5) + 2 drafts (pos 6, 7) fill block 1 ...
+    tr.step(
+        StepInput(
+            cached=[CachedRequest("a", None, False, 5)],
+            num_scheduled={"a": 3},
+            num_spec={"a": 2},
+        )
+    )
+    # ... but both drafts are rejected: the scheduler reports 6 computed tokens.
+    plan = tr.step(StepInput(cached=[CachedRequest("a", None, False, 6)], num_scheduled={"a": 1}))
+    assert 1 not in plan.flush_blocks, "a block holding unverified drafts was quantized"
+    assert tr.slot_of(1) is not None
+    # Position 6 and 7 are rewritten; once 8 tokens are committed, block 1 is flushed.
+    tr.step(StepInput(cached=[CachedRequest("a", None, False, 7)], num_scheduled={"a": 1}))
+    plan = tr.step(StepInput(cached=[CachedRequest("a", None, False, 8)], num_scheduled={"a": 1}))
+    assert plan.flush_blocks == [1]
+
+
+def test_finished_request_flushes_full_blocks_and_retires_its_sink() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G)
+    tr.step(StepInput(new=[NewRequest("a", [4, 5, 6], 0)], num_scheduled={"a": 10}))
+    # Finishes right after its prompt (no later step ever committed blocks 5 and 6).
+    plan = tr.step(StepInput(finished=["a"]))
+    assert plan.flush_blocks == [5], "full non-sink blocks must hold valid packed tiles"
+    assert tr.slot_of(6) is None, "partial blocks are dropped"
+    assert tr.retired_sinks() == [4] and tr.slot_of(4) is not None
+    # A prefix hit on blocks 4 and 5 re-adopts the fp16 sink as is and reads block 5 packed.
+    plan = tr.step(StepInput(new=[NewRequest("b", [4, 5, 8], 8)], num_scheduled={"b": 2}))
+    assert plan.flush_blocks == []
+    assert tr.retired_sinks() == []
+    assert tr.slot_of(4) is not None and tr.slot_of(5) is None and tr.slot_of(8) is not None
+
+
+def test_without_prefix_caching_nothing_is_flushed_on_release() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G, prefix_caching=False)
+    tr.step(StepInput(new=[NewRequest("a", [4, 5, 6], 0)], num_scheduled={"a": 10}))
+    plan = tr.step(StepInput(finished=["a"]))
+    assert plan.flush_blocks == []
+    assert tr.slots_used == 0 and tr.retired_sinks() == []
+
+
+def test_shared_sink_stays_until_last_owner_finishes() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G)
+    tr.step(StepInput(new=[NewRequest("a", [4, 5], 0)], num_scheduled={"a": 6}))
+    tr.step(
+        StepInput(
+            new=[NewRequest("b", [4, 7], 4)],
+            cached=[CachedRequest("a", None, False, 6)],
+            num_scheduled={"a": 1, "b": 2},
+        )
+    )
+    tr.step(StepInput(finished=["a"]))
+    assert tr.slot_of(4) is not None and tr.retired_sinks() == []
+    tr.step(StepInput(finished=["b"]))
+    assert tr.retired_sinks() == [4]
+
+
+def test_preempted_request_recomputes_and_hits_its_own_blocks() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G)
+    tr.step(StepInput(new=[NewRequest("a", [1, 2, 3], 0)], num_scheduled={"a": 9}))
+    plan = tr.step(StepInput(preempted=["a"]))
+    assert plan.flush_blocks == [2]
+    assert tr.live_requests() == []
+    # Resumed (V1 style) with a hit on its first two blocks and a fresh third block.
+    plan = tr.step(
+        StepInput(cached=[CachedRequest("a", [1, 2, 11], True, 8)], num_scheduled={"a": 2})
+    )
+    assert tr.request_blocks("a") == [1, 2, 11]
+    assert tr.slot_of(1) is not None and tr.slot_of(2) is None and tr.slot_of(11) is not None
+
+
+def test_retired_sinks_are_evicted_under_pressure_then_pool_exhausts_loudly() -> None:
+    tr = SidePoolTracker(num_slots=3, group=G)
+    tr.step(StepInput(new=[NewRequest("a", [0, 1], 0)], num_scheduled={"a": 4}))
+    tr.step(StepInput(finished=["a"]))
+    assert tr.retired_sinks() == [0]
+    # Three new blocks need three slots: the retired sink is quantized to make room.
+    plan = tr.step(StepInput(new=[NewRequest("b", [5, 6, 7], 0)], num_scheduled={"b": 12}))
+    assert (0 in plan.flush_blocks) and tr.slot_of(0) is None
+    # Next step b's full blocks 6 and 7 are flushed (2 free slots), but c needs 3 and b's
+    # live sink cannot be evicted.
+    with pytest.raises(SidePoolExhaustedError, match="max-num-seqs"):
+        tr.step(StepInput(new=[NewRequest("c", [8, 9, 10], 0)], num_scheduled={"c": 12}))
+
+
+def test_scheduler_blocks_spanning_several_tiles_are_expanded() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G, blocks_per_scheduler_block=2)
+    plan = tr.step(StepInput(new=[NewRequest("a", [3, 5], 0)], num_scheduled={"a": 9}))
+    assert tr.request_blocks("a") == [6, 7, 10, 11]
+    assert sorted(plan.map_blocks) == [6, 7, 10]
+
+
+def test_unknown_request_and_missing_blocks_fail_closed() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G)
+    with pytest.raises(KeyError, match="never added"):
+        tr.step(StepInput(num_scheduled={"ghost": 1}))
+    with pytest.raises(ValueError, match="has only 1 blocks"):
+        tr.step(StepInput(new=[NewRequest("a", [0], 0)], num_scheduled={"a": 5}))
+
+
+def test_constructor_validates() -> None:
+    with pytest.raises(ValueError):
+        SidePoolTracker(0, G)
+    with pytest.raises(ValueError):
+        SidePoolTracker(4, 0)
+    with pytest.raises(ValueError):
+        SidePoolTracker(4, G, spec_margin=-1)
+
+
+def test_pending_plans_accumulate_in_order() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G)
+    tr.step(StepInput(new=[NewRequest("a", [0, 1, 2], 0)], num_scheduled={"a": 5}))
+    tr.step(StepInput())  # nothing to flush or map: no plan
+    tr.step(StepInput(cached=[CachedRequest("a", None, False, 5)], num_scheduled={"a": 4}))
+    plans = tr.take_pending()
+    assert [p.step for p in plans] == [1, 3]
+    assert tr.take_pending() == []
+    assert _mapping(plans)[0] == tr.slot_of(0)
+
+
+# ----------------------------------------------------------------------------- simulation
+
+
+@dataclass
+class _Req:
+    rid: str
+    tokens: list[int]
+    prompt_len: int
+    max_new: int
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    generated: int = 0
+    resumed: bool = False
+    #: Block 0 came from the prefix cache (it may then be a packed record).
+    sink_hit: bool = False
+
+
+class _Sim:
+    """A small vLLM-like engine driving the tracker, with a device model that checks reads."""
+
+    def __init__(
+        self,
+        seed: int,
+        *,
+        num_blocks: int,
+        num_slots: int,
+        prefix_caching: bool,
+        spec: int,
+        v2_resume: bool,
+        budget: int = 24,
+    ) -> None:
+        self.rng = random.Random(seed)
+        self.tr = SidePoolTracker(num_slots, G, prefix_caching=prefix_caching)
+        self.prefix_caching = prefix_caching
+        self.spec = spec
+        self.v2_resume = v2_resume
+        self.budget = budget
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.hash_of: dict[int, tuple[int, ...]] = {}
+        self.block_of_hash: dict[tuple[int, ...], int] = {}
+        self.refs: dict[int, int] = {}
+        self.waiting: list[_Req] = []
+        self.running: list[_Req] = []
+        self.finished: list[str] = []
+        self.block_to_slot: dict[int, int] = {}
+        self.pool: dict[int, list[int | None]] = {s: [None] * G for s in range(num_slots)}
+        self.tiles: dict[int, tuple[int | None, ...]] = {}
+        self.next_id = 0
+        self.prefixes = [[self.rng.randrange(1000) for _ in range(n)] for n in (5, 9, 13)]
+        self.reads = 0
+        self.fp16_sink_hits = 0
+
+    # -- scheduler side
+    def add_request(self) -> None:
+        prefix = self.rng.choice(self.prefixes)
+        prompt = prefix + [self.rng.randrange(1000) for _ in range(self.rng.randrange(0, 7))]
+        self.waiting.append(
+            _Req(f"r{self.next_id}", list(prompt), len(prompt), self.rng.randrange(1, 12))
+        )
+        self.next_id += 1
+
+    def _alloc_block(self) -> int | None:
+        if not self.free:
+            return None
+        block, _ = self.free.popitem(last=False)
+        h = self.hash_of.pop(block, None)
+        if h is not None:
+            self.block_of_hash.pop(h, None)
+        self.refs[block] = 1
+        return block
+
+    def _free_blocks(self, req: _Req) -> None:
+        for block in reversed(req.blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                del self.refs[block]
+                self.free[block] = None
+        req.blocks = []
+
+    def _cache_full_blocks(self, req: _Req) -> None:
+        if not self.prefix_caching:
+            return
+        for i in range(req.num_computed // G):
+            h = tuple(req.tokens[: (i + 1) * G])
+            if h not in self.block_of_hash:
+                self.block_of_hash[h] = req.blocks[i]
+                self.hash_of[req.blocks[i]] = h
+
+    def _prefix_hit(self, req: _Req) -> None:
+        if not self.prefix_caching:
+            return
+        for i in range((len(req.tokens) - 1) // G):
+            block = self.block_of_hash.get(tuple(req.tokens[: (i + 1) * G]))
+            if block is None:
+                break
+            if block in self.free:
+                del self.free[block]
+            self.refs[block] = self.refs.get(block, 0) + 1
+            req.blocks.append(block)
+            req.num_computed = (i + 1) * G
+            if i == 0:
+                req.sink_hit = True
+                if block in self.block_to_slot:
+                    self.fp16_sink_hits += 1
+
+    def _grow(self, req: _Req, upto_tokens: int) -> list[int] | None:
+        new: list[int] = []
+        while len(req.blocks) < -(-upto_tokens // G):
+            block = self._alloc_block()
+            if block is None:
+                return None
+            req.blocks.append(block)
+            new.append(block)
+        return new
+
+    def step(self) -> None:
+        finished, self.finished = self.finished, []
+        preempted: list[str] = []
+        new_data: list[NewRequest] = []
+        cached: list[CachedRequest] = []
+        sched: dict[str, int] = {}
+        spec: dict[str, int] = {}
+        drafts: dict[str, list[int]] = {}
+        budget = self.budget
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            k = self.spec if (self.spec and req.num_computed >= req.prompt_len) else 0
+            todo = min(len(req.tokens) - req.num_computed, budget)
+            if k:
+                todo = 1
+            new_blocks = self._grow(req, req.num_computed + todo + k)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._free_blocks(victim)
+                victim.num_computed = 0
+                victim.resumed = True
+                self.waiting.insert(0, victim)
+                victim.sink_hit = False
+                preempted.append(victim.rid)
+                sched.pop(victim.rid, None)
+                spec.pop(victim.rid, None)
+                cached = [c for c in cached if c.req_id != victim.rid]
+                if victim is req:
+                    break
+                new_blocks = self._grow(req, req.num_computed + todo + k)
+            if new_blocks is None:
+                continue
+            sched[req.rid] = todo + k
+            budget -= todo + k
+            if k:
+                spec[req.rid] = k
+                drafts[req.rid] = [self.rng.randrange(1000) for _ in range(k)]
+            cached.append(CachedRequest(req.rid, new_blocks or None, False, req.num_computed))
+        while self.waiting and budget > 0 and len(self.running) < 6:
+            req = self.waiting[0]
+            if req.rid in preempted:
+                break
+            self._prefix_hit(req)
+            todo = min(len(req.tokens) - req.num_computed, budget)
+            if self._grow(req, req.num_computed + todo) is None:
+                self._free_blocks(req)
+                req.num_computed = 0
+                req.sink_hit = False
+                break
+            self.waiting.pop(0)
+            self.running.append(req)
+            sched[req.rid] = todo
+            budget -= todo
+            if req.resumed and not self.v2_resume:
+                cached.append(CachedRequest(req.rid, list(req.blocks), True, req.num_computed))
+            else:
+                new_data.append(NewRequest(req.rid, list(req.blocks), req.num_computed))
+            req.resumed = False
+        self.tr.step(
+            StepInput(
+                finished=finished,
+                preempted=preempted,
+                new=new_data,
+                cached=cached,
+                num_scheduled=sched,
+                num_spec=spec,
+            )
+        )
+        for plan in self.tr.take_pending():
+            self._apply(plan)
+        self._forward(sched, drafts)
+
+    # -- device side
+    def _apply(self, plan: StepPlan) -> None:
+        for slot, block in zip(plan.flush_slots, plan.flush_blocks, strict=True):
+            content = tuple(self.pool[slot])
+            assert None not in content, f"flushed a partial tile into block {block}"
+            self.tiles[block] = content
+        for block, slot in zip(plan.map_blocks, plan.map_slots, strict=True):
+            if slot < 0:
+                self.block_to_slot.pop(block, None)
+            else:
+                self.block_to_slot[block] = slot
+
+    def _read(self, block: int, offset: int) -> int | None:
+        slot = self.block_to_slot.get(block)
+        if slot is not None:
+            return self.pool[slot][offset]
+        tile = self.tiles.get(block)
+        return None if tile is None else tile[offset]
+
+    def _forward(self, sched: dict[str, int], drafts: dict[str, list[int]]) -> None:
+        by_id = {r.rid: r for r in self.running}
+        for rid, n in sched.items():
+            req = by_id[rid]
+            start = req.num_computed
+            content = req.tokens[start : start + n - len(drafts.get(rid, []))] + drafts.get(rid, [])
+            assert len(content) == n
+            for i, tok in enumerate(content):
+                pos = start + i
+                slot = self.block_to_slot.get(req.blocks[pos // G])
+                assert slot is not None, f"{rid} writes position {pos} into a block without a slot"
+                self.pool[slot][pos % G] = tok
+            expected = req.tokens[:start] + content
+            if req.blocks[0] not in self.block_to_slot:
+                assert req.sink_hit, f"{rid}: its own sink was quantized while it runs"
+            for pos, tok in enumerate(expected):
+                got = self._read(req.blocks[pos // G], pos % G)
+                assert got == tok, f"{rid} reads position {pos}: got {got}, want {tok}"
+                self.reads += 1
+        for rid, n in sched.items():
+            req = by_id[rid]
+            if rid in drafts:
+                # Verified: the last sampled token plus the first ``accepted`` drafts; the
+                # rejected drafts' positions are rewritten by later steps.
+                accepted = self.rng.randrange(0, len(drafts[rid]) + 1)
+                del req.tokens[req.num_computed + 1 :]
+                req.tokens.extend(drafts[rid][:accepted])
+                req.num_computed += 1 + accepted
+            else:
+                req.num_computed += n
+            self._cache_full_blocks(req)
+            if req.num_computed == len(req.tokens):
+                if req.generated >= req.max_new:
+                    self.running.remove(req)
+                    self._free_blocks(req)
+                    self.finished.append(rid)
+                    continue
+                req.tokens.append(self.rng.randrange(1000))
+                req.generated += 1
+
+
+@pytest.mark.parametrize(
+    ("seed", "prefix_caching", "spec", "v2_resume", "num_blocks"),
+    [
+        (0, True, 0, False, 40),
+        (1, True, 0, True, 14),
+        (2, False, 0, False, 40),
+        (3, True, 2, False, 40),
+        (4, True, 3, True, 16),
+        (5, False, 2, True, 14),
+    ],
+)
+def test_random_serving_reads_are_always_valid(
+    seed: int, prefix_caching: bool, spec: int, v2_resume: bool, num_blocks: int
+) -> None:
+    sim = _Sim(
+        seed,
+        num_blocks=num_blocks,
+        num_slots=64,
+        prefix_caching=prefix_caching,
+        spec=spec,
+        v2_resume=v2_resume,
+    )
+    for step in range(400):
+        if step % 3 == 0 and len(sim.waiting) < 8:
+            sim.add_request()
+        sim.step()
+    assert sim.reads > 2000
+    assert sim.tr.total_flushed > 20
+    if prefix_caching:
+        assert sim.fp16_sink_hits > 0, "no request re-adopted a pool-resident sink"
+    # Live requests hold at most a sink and a few in-progress blocks each.
+    live = len(sim.tr.live_requests())
+    assert sim.tr.slots_used <= 3 * live + len(sim.tr.retired_sinks()) + sim.budget // G + 2
