@@ -692,11 +692,16 @@ def solve_kv_budget(
             "and activations): use more GPUs (--tp), a higher --mem-util or smaller weights"
         )
     budget = available_bytes - pool_bytes
-    if budget < 0 or (ws is not None and budget < mla_workspace_bytes(ws, 0, serving).total_bytes):
-        fits = _max_seqs_that_fit(layers, serving, available_bytes - page_sum * blocks_per_request)
+    ws_floor = mla_workspace_bytes(ws, 0, serving).total_bytes if ws is not None else 0
+    if budget < ws_floor:
+        fits = _max_seqs_that_fit(
+            layers, serving, available_bytes - ws_floor - page_sum * blocks_per_request
+        )
+        need = f"the KVarN side pool ({pool_slots} slots, {pool_bytes / GiB:.2f} GiB)"
+        if ws is not None:
+            need += f" plus the MLA workspace's fixed rows ({ws_floor / GiB:.2f} GiB)"
         raise BudgetError(
-            f"the KVarN side pool ({pool_slots} slots, {pool_bytes / GiB:.2f} GiB) does not fit "
-            f"in the {available_bytes / GiB:.2f} GiB left for the KV cache at "
+            f"{need} exceeds the {available_bytes / GiB:.2f} GiB left for the KV cache at "
             f"max_num_seqs={serving.max_num_seqs}, max_num_batched_tokens="
             f"{serving.max_num_batched_tokens}, spec_tokens={serving.spec_tokens}; at most "
             f"{fits} sequences would fit: lower --max-num-seqs or --max-num-batched-tokens"
