@@ -254,8 +254,11 @@ def test_plan_rows_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
         assert tuple(r) == PLAN_ROW_KEYS
         assert r["fits"] is False and "no memory is left" in r["error"]
         assert r["kv_tokens"] == 0 and r["ratio_vs_fp16"] is None
+        # The memory terms are still reported, so the reader sees why.
+        assert r["weight_bytes"] > r["requested_bytes"] > 0 and r["available_bytes"] < 0
     code, out, _ = _run(capsys, "plan", "--model", "Llama-3.1-70B")
     assert code == 0 and "does not fit: no memory is left" in out
+    assert "per GPU: requested 125.82 GiB = weights 131.42 GiB" in out
     # Asking for one format that does not fit is an error.
     err = _error(capsys, "plan", "--model", "Llama-3.1-70B", "--kv-cache-dtype", "fp8")
     assert "no memory is left" in err

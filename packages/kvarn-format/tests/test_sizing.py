@@ -91,7 +91,7 @@ def test_concurrency_counts_whole_requests() -> None:
 def test_fails_closed_when_one_request_does_not_fit() -> None:
     block, layers = _qwen8_k4v2()
     # max_model_len 1024 needs 8 blocks; only 7 fit.
-    with pytest.raises(BudgetError, match="fewer than the 8 one request"):
+    with pytest.raises(BudgetError, match="fewer than the 8 blocks one request"):
         solve_kv_budget(layers, QWEN8_POOL + 7 * QWEN8_PAGE, SMALL, block_size=block)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,10 +37,12 @@ from kvarn_format.sizing import (
     BudgetError,
     GiB,
     KVPlan,
+    ServingConfig,
+    WorkerMemory,
     plan,
     resolve_cache_format,
-    resolve_gpu,
     valid_cache_dtypes,
+    worker_memory,
 )
 from kvarn_format.weights import WeightFormat, parse_weight_format
 
@@ -245,23 +248,15 @@ def _configure_plan(p: argparse.ArgumentParser) -> None:
 
 
 def _failed_row(dtype: str, error: str, ctx: dict[str, Any]) -> dict[str, Any]:
+    """A plan row for a format that does not fit: same keys, zero capacity, the error."""
     row: dict[str, Any] = dict.fromkeys(PLAN_ROW_KEYS, 0)
     row.update(ctx)
-    row.update(
-        dtype=dtype,
-        fits=False,
-        error=error,
-        ratio_vs_fp16=None,
-        weight_format=ctx.get("weight_format", ""),
-        layers=[],
-        notes=[],
-    )
+    row.update(dtype=dtype, fits=False, error=error, ratio_vs_fp16=None, layers=[], notes=[])
     return row
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     model = load_model(args.model)
-    gpu = resolve_gpu(args.gpu)
     weight_fmt: WeightFormat | None = None
     if args.weights is not None:
         weight_fmt = parse_weight_format(args.weights, scope=args.weights_scope)
@@ -272,99 +267,99 @@ def _run_plan(args: argparse.Namespace) -> int:
         dtypes: tuple[str, ...] = (args.kv_cache_dtype,)
     else:
         dtypes = valid_cache_dtypes(model)
-    kwargs: dict[str, Any] = {
-        "gpu": gpu,
-        "tp": args.tp,
-        "mem_util": args.mem_util,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "spec_tokens": args.spec_tokens,
-        "weights": weight_fmt,
-        "weight_bytes": args.weight_gib,
-        "overhead_bytes": args.overhead_gib,
-    }
+    max_model_len = args.max_model_len or model.max_position_embeddings
+    if max_model_len is None:
+        raise ValueError(f"{model.name} has no max_position_embeddings: pass --max-model-len")
+    serving = ServingConfig(
+        max_model_len, args.max_num_seqs, args.max_num_batched_tokens, args.spec_tokens
+    )
+    memory = worker_memory(
+        model,
+        serving,
+        gpu=args.gpu,
+        tp=args.tp,
+        mem_util=args.mem_util,
+        weights=weight_fmt,
+        weight_bytes=args.weight_gib,
+        overhead_bytes=args.overhead_gib,
+    )
     plans: list[KVPlan | tuple[str, str]] = []
     for dtype in dtypes:
         try:
-            plans.append(plan(model, dtype, **kwargs))
+            plans.append(
+                plan(
+                    model,
+                    dtype,
+                    tp=args.tp,
+                    max_model_len=serving.max_model_len,
+                    max_num_seqs=serving.max_num_seqs,
+                    max_num_batched_tokens=serving.max_num_batched_tokens,
+                    spec_tokens=serving.spec_tokens,
+                    memory=memory,
+                )
+            )
         except BudgetError as e:
             if args.kv_cache_dtype is not None:
                 raise
             plans.append((dtype, str(e)))
-    ctx = _context(model, gpu.name, gpu.total_bytes, args, plans)
     if args.json:
+        ctx = _context(model, serving, memory)
         rows = [
             p.as_dict() if isinstance(p, KVPlan) else _failed_row(p[0], p[1], ctx) for p in plans
         ]
         print(json.dumps(rows, indent=2))
         return 0
-    _print_plan_table(model, gpu.name, args, plans)
+    _print_plan_table(model, serving, memory, plans)
     return 0
 
 
-def _context(
-    model: ModelGeometry,
-    gpu: str,
-    gpu_total: int,
-    args: argparse.Namespace,
-    plans: Sequence[KVPlan | tuple[str, str]],
-) -> dict[str, Any]:
-    ctx: dict[str, Any] = {
+def _context(model: ModelGeometry, serving: ServingConfig, memory: WorkerMemory) -> dict[str, Any]:
+    return {
         "model": model.name,
-        "tp": args.tp,
-        "gpu": gpu,
-        "gpu_total_bytes": gpu_total,
-        "mem_util": args.mem_util,
-        "max_model_len": args.max_model_len or model.max_position_embeddings or 0,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "spec_tokens": args.spec_tokens,
+        "tp": memory.tp,
+        "gpu": memory.gpu.name,
+        "gpu_total_bytes": memory.gpu.total_bytes,
+        "mem_util": memory.mem_util,
+        "max_model_len": serving.max_model_len,
+        "max_num_seqs": serving.max_num_seqs,
+        "max_num_batched_tokens": serving.max_num_batched_tokens,
+        "spec_tokens": serving.spec_tokens,
+        "requested_bytes": memory.requested_bytes,
+        "weight_bytes": memory.weight_bytes,
+        "weight_format": memory.weight_format,
+        "overhead_bytes": memory.overhead_bytes,
+        "available_bytes": memory.available_bytes,
     }
-    for p in plans:
-        if isinstance(p, KVPlan):
-            ctx.update(
-                requested_bytes=p.requested_bytes,
-                weight_bytes=p.weight_bytes,
-                weight_format=p.weight_format,
-                overhead_bytes=p.overhead_bytes,
-                available_bytes=p.available_bytes,
-            )
-            break
-    return ctx
 
 
 def _print_plan_table(
     model: ModelGeometry,
-    gpu: str,
-    args: argparse.Namespace,
+    serving: ServingConfig,
+    memory: WorkerMemory,
     plans: Sequence[KVPlan | tuple[str, str]],
 ) -> None:
-    ok = [p for p in plans if isinstance(p, KVPlan)]
-    spec = resolve_gpu(gpu)
+    gpu = memory.gpu
+    print(model.describe())
     print(
-        f"{model.describe()}\n"
-        f"GPU {spec.name}: {spec.total_gib:.2f} GiB ({spec.nominal}), tp={args.tp}, "
-        f"mem-util {args.mem_util:g}"
+        f"GPU {gpu.name}: {gpu.total_gib:.2f} GiB ({gpu.nominal}), tp={memory.tp}, "
+        f"mem-util {memory.mem_util:g}"
     )
-    if ok:
-        p0 = ok[0]
-        s = p0.serving
-        print(
-            f"max_model_len {s.max_model_len:,}, max_num_seqs {s.max_num_seqs}, "
-            f"max_num_batched_tokens {s.max_num_batched_tokens:,}, spec tokens {s.spec_tokens}"
-        )
-        print(
-            f"per GPU: requested {_fmt_bytes(p0.requested_bytes)} = weights "
-            f"{_fmt_bytes(p0.weight_bytes)} ({p0.weight_format}, {p0.weight_note}) + overhead "
-            f"{_fmt_bytes(p0.overhead_bytes)} ({'estimated' if p0.overhead else 'given'}) + "
-            f"KV budget {_fmt_bytes(p0.available_bytes)}"
-        )
-    mml = ok[0].serving.max_model_len if ok else (args.max_model_len or 0)
+    print(
+        f"max_model_len {serving.max_model_len:,}, max_num_seqs {serving.max_num_seqs}, "
+        f"max_num_batched_tokens {serving.max_num_batched_tokens:,}, "
+        f"spec tokens {serving.spec_tokens}"
+    )
+    overhead = "estimated" if memory.overhead is not None else "given"
+    print(
+        f"per GPU: requested {_fmt_bytes(memory.requested_bytes)} = weights "
+        f"{_fmt_bytes(memory.weight_bytes)} ({memory.weight_format}, {memory.weight_note}) + "
+        f"overhead {_fmt_bytes(memory.overhead_bytes)} ({overhead}) + KV budget "
+        f"{_fmt_bytes(memory.available_bytes)}"
+    )
+    conc = f"max conc @{serving.max_model_len:,}"
     header = (
-        f"{'dtype':<18} {'block':>5} {'KV tokens':>12} {'x fp16':>7} "
-        f"{'max conc @' + format(mml, ','):>18} {'side pool':>11} {'workspace':>11} "
-        f"{'KV pages':>11}"
+        f"{'dtype':<18} {'block':>5} {'KV tokens':>12} {'x fp16':>7} {conc:>18} "
+        f"{'side pool':>11} {'workspace':>11} {'KV pages':>11}"
     )
     print()
     print(header)
@@ -380,7 +375,7 @@ def _print_plan_table(
             )
         else:
             print(f"{p[0]:<18} does not fit: {p[1]}")
-    notes = sorted({n for p in ok for n in p.notes})
+    notes = sorted({n for p in plans if isinstance(p, KVPlan) for n in p.notes})
     if notes:
         print()
         for n in notes:
@@ -522,6 +517,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     run: Callable[[argparse.Namespace], int] = args._run
     try:
         return run(args)
+    except BrokenPipeError:
+        # The reader went away (``kvarn plan | head``): stop quietly, as other tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except (CacheDTypeError, ModelConfigError, BudgetError, ValueError, OSError) as e:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"kvarn {args.command}: error: {message}", file=sys.stderr)

@@ -78,6 +78,7 @@ __all__ = [
     "OverheadEstimate",
     "ServingConfig",
     "SidePool",
+    "WorkerMemory",
     "WorkspaceBreakdown",
     "estimate_overhead",
     "layer_caches",
@@ -89,6 +90,7 @@ __all__ = [
     "side_pool_slots",
     "solve_kv_budget",
     "valid_cache_dtypes",
+    "worker_memory",
 ]
 
 GiB: Final[int] = 1 << 30
@@ -734,15 +736,15 @@ def solve_kv_budget(
         layers=layers,
     )
     if num_blocks < blocks_per_request:
-        extra = ""
-        if pool_bytes or breakdown is not None:
-            extra = (
-                f" after the side pool ({pool_bytes / GiB:.2f} GiB) and workspace "
-                f"({result.workspace_bytes / GiB:.2f} GiB)"
-            )
+        parts = []
+        if pool_bytes:
+            parts.append(f"the side pool ({pool_bytes / GiB:.2f} GiB)")
+        if breakdown is not None:
+            parts.append(f"the MLA workspace ({breakdown.total_bytes / GiB:.2f} GiB)")
+        extra = f" after {' and '.join(parts)}" if parts else ""
         raise BudgetError(
-            f"only {num_blocks} blocks ({num_blocks * block_size:,} tokens) fit{extra}, fewer "
-            f"than the {blocks_per_request} one request of max_model_len="
+            f"only {num_blocks:,} blocks ({num_blocks * block_size:,} tokens) fit{extra}, fewer "
+            f"than the {blocks_per_request:,} blocks one request of max_model_len="
             f"{serving.max_model_len:,} needs: lower --max-model-len or --max-num-seqs, or "
             "add memory"
         )
@@ -810,6 +812,80 @@ def estimate_overhead(
 
 # ---------------------------------------------------------------------------------------------
 # The plan
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMemory:
+    """One worker's memory before the KV cache: what vLLM requests, and what it charges first."""
+
+    gpu: GpuSpec
+    tp: int
+    mem_util: float
+    requested_bytes: int
+    weight_bytes: int
+    weight_format: str
+    weight_note: str
+    overhead: OverheadEstimate | None
+    overhead_bytes: int
+
+    @property
+    def available_bytes(self) -> int:
+        """What is left for the KV cache, its side pools and the MLA workspace."""
+        return self.requested_bytes - self.weight_bytes - self.overhead_bytes
+
+
+def worker_memory(
+    model: ModelGeometry | str,
+    serving: ServingConfig,
+    *,
+    gpu: GpuSpec | str | float = "h200",
+    tp: int = 1,
+    mem_util: float = 0.9,
+    weights: WeightFormat | str | None = None,
+    weight_bytes: int | None = None,
+    overhead_bytes: int | None = None,
+) -> WorkerMemory:
+    """``requested = ceil(total * mem_util)``, the weights of one TP rank (estimated from the
+    config in the checkpoint's own format unless ``weights`` names another or ``weight_bytes``
+    gives them) and the profiled overhead (:func:`estimate_overhead` unless given)."""
+    geo = _model(model)
+    if isinstance(mem_util, bool) or not (
+        isinstance(mem_util, int | float) and 0.0 < float(mem_util) <= 1.0
+    ):
+        raise ValueError(f"gpu memory utilization must be in (0, 1], got {mem_util!r}")
+    _tp_kv_heads(geo, tp)
+    gpu_spec = resolve_gpu(gpu)
+    if weight_bytes is not None:
+        if weight_bytes < 0:
+            raise ValueError(f"weight bytes must be >= 0, got {weight_bytes}")
+        w_bytes, w_label, w_note = int(weight_bytes), "given", "given per GPU"
+    else:
+        if weights is None:
+            wfmt, why = weight_format_from_config(geo)
+        else:
+            wfmt = parse_weight_format(weights) if isinstance(weights, str) else weights
+            why = "chosen format"
+        w_bytes = estimate_weights(geo, wfmt, tp=tp).per_rank_bytes
+        w_label, w_note = wfmt.label, f"estimated: {why}"
+    overhead: OverheadEstimate | None
+    if overhead_bytes is not None:
+        if overhead_bytes < 0:
+            raise ValueError(f"overhead bytes must be >= 0, got {overhead_bytes}")
+        overhead, o_bytes = None, int(overhead_bytes)
+    else:
+        overhead = estimate_overhead(geo, serving, tp=tp)
+        o_bytes = overhead.total_bytes
+    return WorkerMemory(
+        gpu=gpu_spec,
+        tp=tp,
+        mem_util=float(mem_util),
+        requested_bytes=math.ceil(gpu_spec.total_bytes * float(mem_util)),
+        weight_bytes=w_bytes,
+        weight_format=w_label,
+        weight_note=w_note,
+        overhead=overhead,
+        overhead_bytes=o_bytes,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -924,19 +1000,18 @@ def plan(
     overhead_bytes: int | None = None,
     slot_rounding: SlotRounding = "align8",
     with_fp16_baseline: bool = True,
+    memory: WorkerMemory | None = None,
 ) -> KVPlan:
     """Plan the KV cache of ``model`` with ``cache_dtype`` on one worker of ``tp``.
 
     ``max_model_len`` defaults to the model's ``max_position_embeddings``. Weights default to
     the estimate for the checkpoint's own format (``weights`` overrides the format,
     ``weight_bytes`` the per-rank bytes); ``overhead_bytes`` overrides
-    :func:`estimate_overhead`. Raises :class:`UnsupportedGeometryError` for a format the model
-    cannot take, :class:`BudgetError` when the configuration does not fit.
+    :func:`estimate_overhead`; ``memory`` (from :func:`worker_memory`) replaces all of these
+    and the GPU. Raises :class:`UnsupportedGeometryError` for a format the model cannot take,
+    :class:`BudgetError` when the configuration does not fit.
     """
     geo = _model(model)
-    if not (isinstance(mem_util, int | float) and 0.0 < float(mem_util) <= 1.0):
-        raise ValueError(f"gpu memory utilization must be in (0, 1], got {mem_util!r}")
-    gpu_spec = resolve_gpu(gpu)
     if max_model_len is None:
         if geo.max_position_embeddings is None:
             raise ValueError(f"{geo.name} has no max_position_embeddings: give max_model_len")
@@ -944,33 +1019,23 @@ def plan(
     serving = ServingConfig(max_model_len, max_num_seqs, max_num_batched_tokens, spec_tokens)
     cache = resolve_cache_format(cache_dtype)
     block, layers = layer_caches(geo, cache, tp=tp, slot_rounding=slot_rounding)
-
+    if memory is None:
+        memory = worker_memory(
+            geo,
+            serving,
+            gpu=gpu,
+            tp=tp,
+            mem_util=mem_util,
+            weights=weights,
+            weight_bytes=weight_bytes,
+            overhead_bytes=overhead_bytes,
+        )
+    elif memory.tp != tp:
+        raise ValueError(f"memory was computed for tp={memory.tp}, not tp={tp}")
     notes: list[str] = []
-    if weight_bytes is not None:
-        if weight_bytes < 0:
-            raise ValueError(f"weight bytes must be >= 0, got {weight_bytes}")
-        w_bytes, w_label, w_note = int(weight_bytes), "given", "given per rank"
-    else:
-        if weights is None:
-            wfmt, w_note = weight_format_from_config(geo)
-        else:
-            wfmt = parse_weight_format(weights) if isinstance(weights, str) else weights
-            w_note = "chosen weight format"
-        est = estimate_weights(geo, wfmt, tp=tp)
-        w_bytes, w_label = est.per_rank_bytes, wfmt.label
-        w_note = f"estimated: {w_note}"
-    overhead: OverheadEstimate | None
-    if overhead_bytes is not None:
-        if overhead_bytes < 0:
-            raise ValueError(f"overhead bytes must be >= 0, got {overhead_bytes}")
-        overhead, o_bytes = None, int(overhead_bytes)
-    else:
-        overhead = estimate_overhead(geo, serving, tp=tp)
-        o_bytes = overhead.total_bytes
-        if tp > 1:
-            notes.append("runtime overhead is calibrated at tp=1 only")
-    requested = math.ceil(gpu_spec.total_bytes * float(mem_util))
-    available = requested - w_bytes - o_bytes
+    if tp > 1 and memory.overhead is not None:
+        notes.append("runtime overhead is calibrated at tp=1 only")
+    available = memory.available_bytes
     budget = solve_kv_budget(layers, available, serving, block_size=block)
 
     fp16_tokens: int | None = None
@@ -990,22 +1055,22 @@ def plan(
         )
     if budget.max_concurrency > serving.max_num_seqs:
         notes.append(
-            f"the KV cache holds {budget.max_concurrency} max-length requests but the scheduler "
-            f"runs at most max_num_seqs={serving.max_num_seqs}"
+            "the KV cache holds more max-length requests than the scheduler runs at once "
+            f"(max_num_seqs={serving.max_num_seqs})"
         )
     return KVPlan(
         model=geo.name,
         dtype=cache.name,
         tp=tp,
-        gpu=gpu_spec,
-        mem_util=float(mem_util),
+        gpu=memory.gpu,
+        mem_util=memory.mem_util,
         serving=serving,
-        requested_bytes=requested,
-        weight_bytes=w_bytes,
-        weight_format=w_label,
-        weight_note=w_note,
-        overhead=overhead,
-        overhead_bytes=o_bytes,
+        requested_bytes=memory.requested_bytes,
+        weight_bytes=memory.weight_bytes,
+        weight_format=memory.weight_format,
+        weight_note=memory.weight_note,
+        overhead=memory.overhead,
+        overhead_bytes=memory.overhead_bytes,
         budget=budget,
         fp16_kv_tokens=fp16_tokens,
         notes=tuple(notes),
