@@ -705,8 +705,9 @@ def solve_kv_budget(
         raise BudgetError(
             f"{need} exceeds the {available_bytes / GiB:.2f} GiB left for the KV cache at "
             f"max_num_seqs={serving.max_num_seqs}, max_num_batched_tokens="
-            f"{serving.max_num_batched_tokens}, spec_tokens={serving.spec_tokens}; at most "
-            f"{fits} sequences would fit: lower --max-num-seqs or --max-num-batched-tokens"
+            f"{serving.max_num_batched_tokens}, spec_tokens={serving.spec_tokens}; a pool for "
+            f"at most {fits} sequences leaves room for one max_model_len request: lower "
+            "--max-num-seqs or --max-num-batched-tokens"
         )
 
     if ws is None:
