@@ -185,10 +185,11 @@ def _check_bound(fmt: DenseFormat, rec: np.ndarray, k: np.ndarray, v: np.ndarray
         return 0.5 * np.abs(a) * b + slack + 1e-5 * np.abs(x) + 1e-30
 
     # K[t, d]: row = channel d (scale, zero), column = token t
-    kb = bound(f["k_scale"][None, :], f["k_zero"][None, :], f["k_token_scale"][:, None],
-               fmt.key_bits, k)  # fmt: skip
-    vb = bound(f["v_scale"][:, None], f["v_zero"][:, None], f["v_channel_scale"][None, :],
-               fmt.value_bits, v)  # fmt: skip
+    ka, kz, kt = f["k_scale"][None, :], f["k_zero"][None, :], f["k_token_scale"][:, None]
+    kb = bound(ka, kz, kt, fmt.key_bits, k)
+    # V[t, d]: row = token t (scale, zero), column = channel d
+    va, vz, vc = f["v_scale"][:, None], f["v_zero"][:, None], f["v_channel_scale"][None, :]
+    vb = bound(va, vz, vc, fmt.value_bits, v)
     assert np.all(np.abs(k_hat - k) <= kb), float(np.max(np.abs(k_hat - k) - kb))
     assert np.all(np.abs(v_hat - v) <= vb), float(np.max(np.abs(v_hat - v) - vb))
 

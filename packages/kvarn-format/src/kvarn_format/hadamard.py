@@ -40,9 +40,16 @@ def hadamard_matrix(d: int) -> npt.NDArray[np.float64]:
 
 
 def rotate(x: npt.ArrayLike) -> npt.NDArray[np.float64]:
-    """``x @ H`` over the last axis (the channel axis), computed in float64."""
-    arr = np.asarray(x, dtype=np.float64)
-    return arr @ hadamard_matrix(arr.shape[-1])
+    """``x @ H`` over the last axis (the channel axis), computed in float64.
+
+    Batched inputs are flattened to one 2-D GEMM, which takes NumPy's BLAS path even when
+    ``x`` is a transposed view.
+    """
+    arr = np.ascontiguousarray(x, dtype=np.float64)
+    if arr.ndim == 0:
+        raise ValueError("rotate needs at least one axis (the channel axis)")
+    d = arr.shape[-1]
+    return (arr.reshape(-1, d) @ hadamard_matrix(d)).reshape(arr.shape)
 
 
 def unrotate(x_rot: npt.ArrayLike) -> npt.NDArray[np.float64]:

@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvarn_format.geometry import Field, RecordLayout, SlotRounding, record_layout
-from kvarn_format.hadamard import hadamard_matrix
+from kvarn_format.hadamard import hadamard_matrix, rotate
 from kvarn_format.packing import pack_codes, unpack_codes
 from kvarn_format.quant import FP16_MAX, bf16_bits_to_float32, rtn, to_bf16_bits, to_fp16
 from kvarn_format.registry import DenseFormat, KVarNFormat, MLAFormat, check_dense_head_dim
@@ -247,7 +247,7 @@ def _encode_dense(
     k: npt.NDArray[np.floating],
     v: npt.NDArray[np.floating],
     *,
-    rotate: bool,
+    original: bool,
     use_sinkhorn: bool,
     iters: int,
     slot_rounding: SlotRounding,
@@ -259,8 +259,8 @@ def _encode_dense(
     for start in range(0, n, _CHUNK):
         sl = slice(start, min(start + _CHUNK, n))
         rec = out[sl]
-        k_rot = _fp16_values(_rotate(k[sl]) if rotate else k[sl])  # [n, G, D]
-        v_rot = _fp16_values(_rotate(v[sl]) if rotate else v[sl])  # [n, G, D]
+        k_rot = _fp16_values(rotate(k[sl]) if original else k[sl])  # [n, G, D]
+        v_rot = _fp16_values(rotate(v[sl]) if original else v[sl])  # [n, G, D]
         k_tile = np.ascontiguousarray(k_rot.transpose(0, 2, 1))  # [n, D, G]: rows = channels
         codes, k_scale, k_zero, k_tok = _quantize_rows(k_tile, fmt.key_bits, iters, use_sinkhorn)
         _put(rec, f("k_codes"), pack_codes(codes, fmt.key_bits))
@@ -278,7 +278,7 @@ def _encode_dense(
 
 
 def _decode_dense(
-    fmt: DenseFormat, rec: U8Array, layout: RecordLayout, *, rotate: bool
+    fmt: DenseFormat, rec: U8Array, layout: RecordLayout, *, original: bool
 ) -> tuple[F32Array, F32Array]:
     n = rec.shape[0]
     g, d = fmt.group, layout.head_dim
@@ -297,8 +297,8 @@ def _decode_dense(
         v += _get_f16(r, f("v_zero"))[:, :, None]
         v *= _get_f16(r, f("v_channel_scale"))[:, None, :]
         k = k.transpose(0, 2, 1)
-        k_out[sl] = _unrotate(k) if rotate else k
-        v_out[sl] = _unrotate(v) if rotate else v
+        k_out[sl] = _unrotate(k) if original else k
+        v_out[sl] = _unrotate(v) if original else v
     return k_out, v_out
 
 
@@ -323,7 +323,7 @@ def encode_rotated_tiles(
         dense,
         ka,
         va,
-        rotate=False,
+        original=False,
         use_sinkhorn=sinkhorn,
         iters=_check_iters(sinkhorn_iters),
         slot_rounding=slot_rounding,
@@ -342,16 +342,12 @@ def decode_rotated_tiles(
         raise ValueError(f"{fmt} is not a dense format; use decode_mla_tiles for it")
     layout = record_layout(fmt, head_dim, slot_rounding=slot_rounding)
     rec = _records("records", layout, records, batched=True)
-    return _decode_dense(fmt, rec, layout, rotate=False)
-
-
-def _rotate(x: npt.NDArray[np.floating]) -> npt.NDArray[np.float64]:
-    return np.asarray(x, dtype=np.float64) @ hadamard_matrix(x.shape[-1])
+    return _decode_dense(fmt, rec, layout, original=False)
 
 
 def _unrotate(x_rot: F32Array) -> F32Array:
-    h = hadamard_matrix(x_rot.shape[-1])
-    return (x_rot.astype(np.float64) @ h).astype(_F32)
+    """Inverse rotation (H is its own inverse), returned as float32."""
+    return rotate(x_rot).astype(_F32)
 
 
 def encode_tiles(
@@ -374,7 +370,7 @@ def encode_tiles(
         dense,
         ka,
         va,
-        rotate=True,
+        original=True,
         use_sinkhorn=sinkhorn,
         iters=_check_iters(sinkhorn_iters),
         slot_rounding=slot_rounding,
@@ -393,7 +389,7 @@ def decode_tiles(
         raise ValueError(f"{fmt} is not a dense format; use decode_mla_tiles for it")
     layout = record_layout(fmt, head_dim, slot_rounding=slot_rounding)
     rec = _records("records", layout, records, batched=True)
-    return _decode_dense(fmt, rec, layout, rotate=True)
+    return _decode_dense(fmt, rec, layout, original=True)
 
 
 def encode_rotated_tile(
@@ -544,7 +540,7 @@ def _encode_mla(
     latent: npt.NDArray[np.floating],
     rope: npt.NDArray[np.floating],
     *,
-    rotate: bool,
+    original: bool,
     use_sinkhorn: bool,
     iters: int,
 ) -> U8Array:
@@ -557,7 +553,7 @@ def _encode_mla(
     for start in range(0, n, _CHUNK):
         sl = slice(start, min(start + _CHUNK, n))
         rec = out[sl]
-        lat = _fp16_values(_rotate(latent[sl]) if rotate else latent[sl])  # [n, G, R]
+        lat = _fp16_values(rotate(latent[sl]) if original else latent[sl])  # [n, G, R]
         tile = np.ascontiguousarray(lat.transpose(0, 2, 1))  # [n, R, G]: rows = channels
         codes, scale, zero, tok = _quantize_rows(tile, bits, iters, use_sinkhorn)
         if _token_major(fmt):
@@ -573,7 +569,7 @@ def _encode_mla(
     return out
 
 
-def _decode_mla(fmt: MLAFormat, rec: U8Array, *, rotate: bool) -> tuple[F32Array, F32Array]:
+def _decode_mla(fmt: MLAFormat, rec: U8Array, *, original: bool) -> tuple[F32Array, F32Array]:
     layout = record_layout(fmt)
     n = rec.shape[0]
     g, r, bits = fmt.group, fmt.latent_rank, fmt.latent_bits
@@ -591,7 +587,7 @@ def _decode_mla(fmt: MLAFormat, rec: U8Array, *, rotate: bool) -> tuple[F32Array
         lat += _get_f16(rec[sl], f("latent_zero"))[:, :, None]
         lat *= _get_f16(rec[sl], f("latent_token_scale"))[:, None, :]
         lat = lat.transpose(0, 2, 1)
-        lat_out[sl] = _unrotate(lat) if rotate else lat
+        lat_out[sl] = _unrotate(lat) if original else lat
     rope = _get_bf16(rec, rope_field) if rope_field.dtype == "bf16" else _get_f16(rec, rope_field)
     return lat_out, rope
 
@@ -612,7 +608,7 @@ def encode_rotated_mla_tiles(
     """
     mla, la, ra = _mla_inputs(fmt, latent_rot, rope, batched=True)
     return _encode_mla(
-        mla, la, ra, rotate=False, use_sinkhorn=sinkhorn, iters=_check_iters(sinkhorn_iters)
+        mla, la, ra, original=False, use_sinkhorn=sinkhorn, iters=_check_iters(sinkhorn_iters)
     )
 
 
@@ -621,7 +617,7 @@ def decode_rotated_mla_tiles(fmt: KVarNFormat, records: npt.ArrayLike) -> tuple[
     if not isinstance(fmt, MLAFormat):
         raise ValueError(f"{fmt} is not an MLA format; use decode_tiles for it")
     rec = _records("records", record_layout(fmt), records, batched=True)
-    return _decode_mla(fmt, rec, rotate=False)
+    return _decode_mla(fmt, rec, original=False)
 
 
 def encode_mla_tiles(
@@ -635,7 +631,7 @@ def encode_mla_tiles(
     """Encode ``N`` MLA tiles given in the original frame (the latent is rotated by H_R here)."""
     mla, la, ra = _mla_inputs(fmt, latent, rope, batched=True)
     return _encode_mla(
-        mla, la, ra, rotate=True, use_sinkhorn=sinkhorn, iters=_check_iters(sinkhorn_iters)
+        mla, la, ra, original=True, use_sinkhorn=sinkhorn, iters=_check_iters(sinkhorn_iters)
     )
 
 
@@ -644,7 +640,7 @@ def decode_mla_tiles(fmt: KVarNFormat, records: npt.ArrayLike) -> tuple[F32Array
     if not isinstance(fmt, MLAFormat):
         raise ValueError(f"{fmt} is not an MLA format; use decode_tiles for it")
     rec = _records("records", record_layout(fmt), records, batched=True)
-    return _decode_mla(fmt, rec, rotate=True)
+    return _decode_mla(fmt, rec, original=True)
 
 
 def encode_rotated_mla_tile(
