@@ -1,1 +1,35 @@
-"""kvarn_kernels"""
+"""kvarn-kernels: Triton kernels for KVarN, one typed function per op, usable without vLLM.
+
+Serving data model (per attention layer):
+
+* paged cache ``kv_cache: uint8 [num_blocks, Hk, tile_bytes]``: one record per (block, KV
+  head), laid out by :func:`kvarn_format.record_layout`;
+* side pool ``pool_k, pool_v: fp16 [num_slots, G, Hk, D]``, rotated (``x @ H``);
+* ``block_to_slot: int32 [num_blocks]``: a block's pool slot, or -1 when it is a packed record.
+
+Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store),
+:func:`decode_attention`, :func:`prefill_attention`, plus :func:`hadamard_matrix`.
+Pure-torch references live in :mod:`kvarn_kernels.reference`.
+"""
+
+from kvarn_kernels.attention import (
+    choose_decode_splits,
+    decode_attention,
+    decode_workspace_numel,
+    prefill_attention,
+)
+from kvarn_kernels.rotation import hadamard_matrix, rotate, write_side_pool
+from kvarn_kernels.store import flush_tiles
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "choose_decode_splits",
+    "decode_attention",
+    "decode_workspace_numel",
+    "flush_tiles",
+    "hadamard_matrix",
+    "prefill_attention",
+    "rotate",
+    "write_side_pool",
+]

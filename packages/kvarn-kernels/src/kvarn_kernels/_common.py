@@ -1,0 +1,168 @@
+"""Shared validation and geometry plumbing of the kernels.
+
+Every size and offset a kernel uses comes from :func:`kvarn_format.record_layout`; this module
+turns a layout into the small set of integers the Triton kernels take as compile-time
+constants, and checks the tensors the public functions receive so that a wrong dtype, shape or
+device fails with a message that says what to change instead of producing garbage.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from kvarn_format import DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype, record_layout
+from kvarn_format.registry import KVarNFormat
+
+__all__ = [
+    "ACT_DTYPES",
+    "DenseGeometry",
+    "check_device",
+    "check_dtype",
+    "check_head_dim",
+    "check_index_tensor",
+    "check_ndim",
+    "debug_checks_enabled",
+    "dense_geometry",
+    "resolve_format",
+    "triton_interpret",
+]
+
+#: Activation dtypes the ops accept for q/k/v.
+ACT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
+def triton_interpret() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def debug_checks_enabled(flag: bool | None) -> bool:
+    """Resolve a per-call ``check`` flag; ``None`` reads ``KVARN_KERNELS_DEBUG`` (default off).
+
+    The debug checks read device tensors back to the host, so they are off by default and
+    must stay off under CUDA-graph capture.
+    """
+    if flag is not None:
+        return flag
+    return os.environ.get("KVARN_KERNELS_DEBUG", "0") not in ("", "0")
+
+
+def resolve_format(fmt: KVarNFormat | str) -> DenseFormat:
+    """Accept a :class:`DenseFormat` or its dtype string; reject MLA and unknown formats."""
+    resolved = parse_cache_dtype(fmt) if isinstance(fmt, str) else fmt
+    if not isinstance(resolved, DenseFormat):
+        raise ValueError(
+            f"{resolved} is an MLA format; the dense kernels take only dense formats "
+            "(kvarn_k4v2_g128, kvarn_k4v4_g128, kvarn_k4v2_g64, kvarn_k4v4_g64, kvarn_k5v5_g64)"
+        )
+    return resolved
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in DENSE_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim {head_dim} is not supported by the KVarN kernels; supported head dims: "
+            f"{', '.join(map(str, DENSE_HEAD_DIMS))}"
+        )
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValueError(
+            f"{name} must have dtype {names}; got {str(t.dtype).removeprefix('torch.')}"
+        )
+
+
+def check_ndim(name: str, t: torch.Tensor, ndim: int, expected: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have shape {expected}; got {tuple(t.shape)}")
+
+
+def check_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+
+
+def check_index_tensor(name: str, t: torch.Tensor, ndim: int, expected: str) -> None:
+    check_ndim(name, t, ndim, expected)
+    check_dtype(name, t, (torch.int32,))
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+@dataclass(frozen=True, slots=True)
+class DenseGeometry:
+    """Compile-time constants of one (format, head_dim, record stride) for the kernels."""
+
+    fmt: DenseFormat
+    head_dim: int
+    group: int
+    key_bits: int
+    value_bits: int
+    #: Bytes between consecutive records in the paged cache (the cache tensor's last dim).
+    record_stride: int
+    payload_bytes: int
+    k_codes: int
+    k_scale: int
+    k_zero: int
+    k_token_scale: int
+    v_codes: int
+    v_channel_scale: int
+    v_scale: int
+    v_zero: int
+
+    def offsets(self) -> dict[str, int]:
+        """Field offsets as keyword arguments of the kernels."""
+        return {
+            "OFF_KC": self.k_codes,
+            "OFF_KS": self.k_scale,
+            "OFF_KZ": self.k_zero,
+            "OFF_KT": self.k_token_scale,
+            "OFF_VC": self.v_codes,
+            "OFF_VCS": self.v_channel_scale,
+            "OFF_VS": self.v_scale,
+            "OFF_VZ": self.v_zero,
+        }
+
+
+@cache
+def dense_geometry(fmt: DenseFormat, head_dim: int, record_stride: int) -> DenseGeometry:
+    """Geometry for a paged cache whose records are ``record_stride`` bytes apart.
+
+    ``record_stride`` must be the tile size of one of kvarn-format's slot roundings
+    (``align8`` or ``pow2``); the field offsets are the same for both.
+    """
+    check_head_dim(head_dim)
+    layout = record_layout(fmt, head_dim)
+    allowed = {layout.tile_bytes, record_layout(fmt, head_dim, slot_rounding="pow2").tile_bytes}
+    if record_stride not in allowed:
+        raise ValueError(
+            f"kv_cache's last dim is {record_stride} bytes, but a {fmt.name} record at head_dim "
+            f"{head_dim} is {' or '.join(map(str, sorted(allowed)))} bytes "
+            "(record_layout(fmt, head_dim).tile_bytes); allocate the cache from kvarn-format's "
+            "geometry"
+        )
+    off = layout.offsets()
+    return DenseGeometry(
+        fmt=fmt,
+        head_dim=head_dim,
+        group=fmt.group,
+        key_bits=fmt.key_bits,
+        value_bits=fmt.value_bits,
+        record_stride=record_stride,
+        payload_bytes=layout.payload_bytes,
+        k_codes=off["k_codes"],
+        k_scale=off["k_scale"],
+        k_zero=off["k_zero"],
+        k_token_scale=off["k_token_scale"],
+        v_codes=off["v_codes"],
+        v_channel_scale=off["v_channel_scale"],
+        v_scale=off["v_scale"],
+        v_zero=off["v_zero"],
+    )

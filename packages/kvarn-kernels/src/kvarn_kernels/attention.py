@@ -1,0 +1,781 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton JIT kernels and their @triton.jit helpers are untyped by nature; the public
+# wrappers in this module are fully annotated.)
+"""Fused attention over packed KVarN records and the fp16 side pool: decode and prefill.
+
+One kernel serves both ops. A program owns a tile of query rows of one KV head (all the GQA
+query heads of that head, times ``BQ`` query tokens, padded to at least 16 rows for
+``tl.dot``) and one split of the request's blocks, and streams the blocks through the block
+table, ``BN`` tokens at a time:
+
+* a packed record is never dequantized to full values. The per-channel K scale is folded into
+  the query and the per-token V scale into the probabilities, so the inner products run on the
+  raw integer codes (``score[t] = k_tok[t] * (sum_d q[d] k_scale[d] code[d, t] + sum_d q[d]
+  k_zero[d])`` and ``out[d] = v_chan[d] * (sum_t p[t] v_scale[t] code[t, d] + sum_t p[t]
+  v_zero[t])``). Codes become fp16 by OR-ing them into the mantissa of 1024.0 (``0x6400``);
+  the constant 1024 is subtracted once per row afterwards, outside the token loop;
+* a block whose ``block_to_slot`` entry is a pool slot (the sink, the in-progress tile, a
+  prefill chunk not yet flushed) is read from the fp16 pool instead. The record bytes of the
+  next chunk are loaded one chunk ahead unconditionally (software prefetch), and a pool block
+  overrides the record result with a branch; its record bytes are unused;
+* online softmax in base 2; split-K partials ``(acc / l, lse)`` go to an fp32 workspace and a
+  second kernel merges the splits, un-rotates (``out @ H``, two fp16 MMAs on a hi/lo split of
+  the fp32 result against the exact sign matrix) and casts to the query dtype.
+
+Nothing depends on ``seq_lens`` values on the host: grids and split counts come from shapes
+(batch, heads, ``block_table.shape[1]``), so both ops can be captured in a CUDA graph when the
+caller passes a preallocated workspace.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+from kvarn_format.registry import KVarNFormat
+from kvarn_kernels._common import (
+    ACT_DTYPES,
+    DenseGeometry,
+    check_device,
+    check_dtype,
+    check_index_tensor,
+    check_ndim,
+    dense_geometry,
+    resolve_format,
+)
+from kvarn_kernels.rotation import _check_pool, rotate_f32, sign_matrix
+
+__all__ = [
+    "choose_decode_splits",
+    "decode_attention",
+    "decode_workspace_numel",
+    "prefill_attention",
+]
+
+_LOG2E = 1.4426950408889634
+_FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# record access
+
+
+@triton.jit
+def _load_codes(
+    base,
+    R: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    byte0,
+    N: tl.constexpr,
+    BITS: tl.constexpr,
+    valid,
+):
+    """Raw bytes of ``N`` codes starting at code ``byte0 * 8 / BITS`` of each of ``R`` rows.
+
+    Returns two tensors: for 2/4 bits the packed bytes ``[R, N*BITS/8]`` (twice); for 5 bits
+    the low and high byte under each code ``[R, N]`` (a code can straddle two bytes).
+    """
+    r = tl.arange(0, R)
+    if BITS == 5:
+        bit = tl.arange(0, N) * 5
+        ptr = base + r[:, None] * ROW_BYTES + byte0 + (bit // 8)[None, :]
+        b0 = tl.load(ptr, mask=valid, other=0)
+        b1 = tl.load(ptr + 1, mask=valid, other=0)
+    else:
+        j = tl.arange(0, N * BITS // 8)
+        b0 = tl.load(base + r[:, None] * ROW_BYTES + byte0 + j[None, :], mask=valid, other=0)
+        b1 = b0
+    return b0, b1
+
+
+@triton.jit
+def _codes_f16(b0, b1, N: tl.constexpr, BITS: tl.constexpr):
+    """Unpack to ``[R, N]`` fp16 holding ``1024 + code`` (exact: the code sits in the mantissa)."""
+    if BITS == 4:
+        c = tl.interleave(b0 & 15, b0 >> 4)
+    elif BITS == 2:
+        c = tl.interleave(
+            tl.interleave(b0 & 3, (b0 >> 4) & 3), tl.interleave((b0 >> 2) & 3, b0 >> 6)
+        )
+    else:
+        sh = (tl.arange(0, N) * 5) % 8
+        w = b0.to(tl.int16) | (b1.to(tl.int16) << 8)
+        c = (w >> sh[None, :].to(tl.int16)) & 31
+    return (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _load_f16(ptr, valid):
+    return tl.load(ptr, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_chunk(
+    rec,
+    c,
+    valid,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BN: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr,
+    OFF_VCS: tl.constexpr,
+    OFF_VS: tl.constexpr,
+    OFF_VZ: tl.constexpr,
+):
+    """Everything chunk ``c`` (tokens ``c*BN ..``) of record ``rec`` contributes."""
+    dd = tl.arange(0, D)
+    tt = c * BN + tl.arange(0, BN)
+    kb0, kb1 = _load_codes(rec + OFF_KC, D, G * KB // 8, c * (BN * KB // 8), BN, KB, valid)
+    vb0, vb1 = _load_codes(rec + OFF_VC + c * BN * (D * VB // 8), BN, D * VB // 8, 0, D, VB, valid)
+    ks = _load_f16((rec + OFF_KS).to(tl.pointer_type(tl.float16)) + dd, valid)
+    kz = _load_f16((rec + OFF_KZ).to(tl.pointer_type(tl.float16)) + dd, valid)
+    kt = _load_f16((rec + OFF_KT).to(tl.pointer_type(tl.float16)) + tt, valid)
+    vcs = _load_f16((rec + OFF_VCS).to(tl.pointer_type(tl.float16)) + dd, valid)
+    vs = _load_f16((rec + OFF_VS).to(tl.pointer_type(tl.float16)) + tt, valid)
+    vz = _load_f16((rec + OFF_VZ).to(tl.pointer_type(tl.float16)) + tt, valid)
+    return kb0, kb1, vb0, vb1, ks, kz, kt, vcs, vs, vz
+
+
+@triton.jit
+def _norm(x):
+    """max |x| as a positive scale (1 for an all-zero vector)."""
+    m = tl.max(tl.abs(x), axis=0)
+    return tl.where(m > 0, m, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the attention kernel
+
+
+@triton.jit
+def _attn_kernel(
+    Q,
+    KV,
+    POOL_K,
+    POOL_V,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    BLOCK_TO_SLOT,
+    QSL,
+    O_PART,
+    LSE_PART,
+    qk_scale,
+    stride_bt,
+    max_blocks,
+    n_rows_total,
+    num_reqs,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    QPK: tl.constexpr,
+    QPK_P: tl.constexpr,
+    BQ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    B_P: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    STRIDE: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr,
+    OFF_VCS: tl.constexpr,
+    OFF_VS: tl.constexpr,
+    OFF_VZ: tl.constexpr,
+    BN: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+
+    m = tl.arange(0, BLOCK_M)
+    mi = m // QPK_P  # query token of the row within the tile
+    mj = m % QPK_P  # query head of the row within the KV head's group
+    if DECODE:
+        b = pid
+        seq_len = tl.load(SEQ_LENS + b)
+        tok = b + mi * 0
+        row_ok = (mi < 1) & (mj < QPK)
+        q_pos = seq_len - 1 + mi * 0
+        kv_len = seq_len
+    else:
+        # Request of this tile: tiles of request r start at qsl[r] // BQ + r (an upper bound
+        # of the tiles before it), so the grid needs only cdiv(T, BQ) + B programs.
+        ridx = tl.arange(0, B_P)
+        qsl_v = tl.load(QSL + ridx, mask=ridx < num_reqs, other=0)
+        starts = qsl_v // BQ + ridx
+        b = tl.sum(((starts <= pid) & (ridx < num_reqs)).to(tl.int32), axis=0) - 1
+        q_begin = tl.load(QSL + b)
+        q_end = tl.load(QSL + b + 1)
+        first = q_begin + (pid - (q_begin // BQ + b)) * BQ
+        if first >= q_end:
+            return
+        seq_len = tl.load(SEQ_LENS + b)
+        tok = first + mi
+        row_ok = (mi < BQ) & (mj < QPK) & (tok < q_end)
+        q_pos = seq_len - (q_end - q_begin) + (tok - q_begin)
+        kv_len = seq_len - (q_end - q_begin) + tl.minimum(first + BQ, q_end) - q_begin
+
+    dd = tl.arange(0, D)
+    rows = tok.to(tl.int64) * HQ + h * QPK + mj
+    q = tl.load(Q + rows[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
+    q = q * qk_scale
+    # Per-row normalization keeps the fp16 MMA operands within [-1, 1] for any query scale.
+    qmax = tl.max(tl.abs(q), axis=1)
+    qmax = tl.where(qmax > 0, qmax, 1.0)
+    qn = q / qmax[:, None]
+    qn16 = qn.to(tl.float16)
+
+    n_blocks = tl.cdiv(kv_len, G)
+    if NUM_SPLITS > 1:
+        per = tl.cdiv(n_blocks, NUM_SPLITS)
+        blk_lo = split * per
+        blk_hi = tl.minimum(blk_lo + per, n_blocks)
+    else:
+        blk_lo = 0
+        blk_hi = n_blocks
+    NCH: tl.constexpr = G // BN
+    n_it = tl.maximum(blk_hi - blk_lo, 0) * NCH
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_bt
+    tn = tl.arange(0, BN)
+
+    # Prefetch chunk 0.
+    ok = n_it > 0
+    blk = tl.load(bt_row + blk_lo, mask=ok & (blk_lo < max_blocks), other=0).to(tl.int64)
+    slot = tl.load(BLOCK_TO_SLOT + blk, mask=ok, other=0)
+    (kb0, kb1, vb0, vb1, ks, kz, kt, vcs, vs, vz) = _load_chunk(
+        KV + (blk * HK + h) * STRIDE,
+        0,
+        ok,
+        D,
+        G,
+        BN,
+        KB,
+        VB,
+        OFF_KC,
+        OFF_KS,
+        OFF_KZ,
+        OFF_KT,
+        OFF_VC,
+        OFF_VCS,
+        OFF_VS,
+        OFF_VZ,
+    )
+    for it in range(0, n_it):
+        c_kb0 = kb0
+        c_kb1 = kb1
+        c_vb0 = vb0
+        c_vb1 = vb1
+        c_ks = ks
+        c_kz = kz
+        c_kt = kt
+        c_vcs = vcs
+        c_vs = vs
+        c_vz = vz
+        c_slot = slot
+        bi = blk_lo + it // NCH
+        c = it % NCH
+
+        # Issue the next chunk's loads before computing this one.
+        nit = it + 1
+        n_ok = nit < n_it
+        n_bi = blk_lo + nit // NCH
+        n_c = nit % NCH
+        blk = tl.load(bt_row + n_bi, mask=n_ok & (n_bi < max_blocks), other=0).to(tl.int64)
+        slot = tl.load(BLOCK_TO_SLOT + blk, mask=n_ok, other=0)
+        (kb0, kb1, vb0, vb1, ks, kz, kt, vcs, vs, vz) = _load_chunk(
+            KV + (blk * HK + h) * STRIDE,
+            n_c,
+            n_ok,
+            D,
+            G,
+            BN,
+            KB,
+            VB,
+            OFF_KC,
+            OFF_KS,
+            OFF_KZ,
+            OFF_KT,
+            OFF_VC,
+            OFF_VCS,
+            OFF_VS,
+            OFF_VZ,
+        )
+
+        tpos = bi * G + c * BN + tn
+        # --- scores from the record: fold k_scale into q, run the MMA on raw codes ---
+        ksn = _norm(c_ks)
+        qk16 = (qn * (c_ks / ksn)[None, :]).to(tl.float16)
+        off_k = 1024.0 * tl.sum(qk16.to(tl.float32), axis=1)
+        zt = tl.sum(qn * c_kz[None, :], axis=1)
+        kcodes = _codes_f16(c_kb0, c_kb1, BN, KB)  # [D, BN]
+        raw = tl.dot(qk16, kcodes)
+        s = ((raw - off_k[:, None]) * ksn + zt[:, None]) * (c_kt[None, :] * qmax[:, None])
+        if c_slot >= 0:
+            # fp16 pool block (sink, in-progress tile, unflushed prefill chunk).
+            prow = ((c_slot.to(tl.int64) * G + c * BN + tn) * HK + h) * D
+            kmask = tpos < kv_len
+            kp = tl.load(POOL_K + prow[None, :] + dd[:, None], mask=kmask[None, :], other=0.0)
+            s = tl.dot(qn16, kp) * qmax[:, None]
+        keep = (tpos[None, :] <= q_pos[:, None]) & (tpos[None, :] < kv_len)
+        s = tl.where(keep, s, float("-inf"))
+
+        # --- online softmax (base 2) ---
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        # --- values from the record: fold v_scale into p, MMA on raw codes ---
+        vsn = _norm(c_vs)
+        pw16 = (p * (c_vs / vsn)[None, :]).to(tl.float16)
+        off_v = 1024.0 * tl.sum(pw16.to(tl.float32), axis=1)
+        zs = tl.sum(p * c_vz[None, :], axis=1)
+        vcodes = _codes_f16(c_vb0, c_vb1, D, VB)  # [BN, D]
+        rawv = tl.dot(pw16, vcodes)
+        pv = ((rawv - off_v[:, None]) * vsn + zs[:, None]) * c_vcs[None, :]
+        if c_slot >= 0:
+            prow = ((c_slot.to(tl.int64) * G + c * BN + tn) * HK + h) * D
+            vmask = tpos < kv_len
+            vp = tl.load(POOL_V + prow[:, None] + dd[None, :], mask=vmask[:, None], other=0.0)
+            pv = tl.dot(p.to(tl.float16), vp)
+        acc = acc * alpha[:, None] + pv
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    prow_out = split.to(tl.int64) * n_rows_total + rows
+    tl.store(O_PART + prow_out[:, None] * D + dd[None, :], o, mask=row_ok[:, None])
+    tl.store(LSE_PART + prow_out, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_unrotate_kernel(
+    O_PART,
+    LSE_PART,
+    OUT,
+    S_MAT,
+    n_rows,
+    inv_sqrt_d,
+    NUM_SPLITS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    """Merge split partials by log-sum-exp, un-rotate (``@ H``) and cast to the output dtype."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    dd = tl.arange(0, D)
+    if NUM_SPLITS > 1:
+        mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        for sp in range(NUM_SPLITS):
+            lse = tl.load(LSE_PART + sp * n_rows + rows64, mask=rmask, other=float("-inf"))
+            mx = tl.maximum(mx, lse)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        o = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+        wsum = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for sp in range(NUM_SPLITS):
+            lse = tl.load(LSE_PART + sp * n_rows + rows64, mask=rmask, other=float("-inf"))
+            w = tl.exp2(lse - mx)
+            part = tl.load(
+                O_PART + (sp * n_rows + rows64)[:, None] * D + dd[None, :],
+                mask=rmask[:, None],
+                other=0.0,
+            )
+            o += w[:, None] * part
+            wsum += w
+        o = o / tl.where(wsum > 0, wsum, 1.0)[:, None]
+    else:
+        o = tl.load(O_PART + rows64[:, None] * D + dd[None, :], mask=rmask[:, None], other=0.0)
+    # fp32 result as hi + lo fp16 parts: two MMAs against the exact +-1 matrix keep ~22 bits.
+    hi32 = tl.minimum(tl.maximum(o, -_FP16_MAX), _FP16_MAX)
+    hi = hi32.to(tl.float16)
+    lo = (o - hi.to(tl.float32)).to(tl.float16)
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in tl.static_range(0, D, BLOCK_N):
+        smat = tl.load(S_MAT + dd[:, None] * D + (n0 + cols)[None, :])
+        y = tl.dot(hi, smat)
+        y = tl.dot(lo, smat, y)
+        y = y * inv_sqrt_d
+        ptrs = OUT + rows64[:, None] * D + (n0 + cols)[None, :]
+        if OUT_BF16:
+            tl.store(ptrs, y.to(tl.bfloat16), mask=rmask[:, None])
+        else:
+            y = tl.minimum(tl.maximum(y, -_FP16_MAX), _FP16_MAX)
+            tl.store(ptrs, y.to(tl.float16), mask=rmask[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# launch helpers
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 8
+
+
+def _chunk_tokens(d: int, g: int) -> int:
+    """Tokens per inner step: the whole tile while ``D * BN <= 128 * 64``."""
+    return max(16, min(g, (128 * 64) // d))
+
+
+def choose_decode_splits(
+    batch: int, num_kv_heads: int, max_blocks: int, device: torch.device
+) -> int:
+    """Split count from static shapes only (CUDA-graph safe): enough programs to fill the GPU.
+
+    Aims at about four programs per SM, and at least 4 blocks per split.
+    """
+    progs = max(1, batch * num_kv_heads)
+    want = triton.cdiv(4 * _num_sms(device), progs)
+    cap = max(1, triton.cdiv(max_blocks, 4))
+    return int(max(1, min(want, cap, 64)))
+
+
+def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements a preallocated ``decode_attention`` workspace needs."""
+    rows = batch * num_q_heads
+    return rows * head_dim + num_splits * rows * (head_dim + 1)
+
+
+def _launch(
+    geo: DenseGeometry,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    softmax_scale: float,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    num_splits: int,
+    decode: bool,
+    block_n: int | None,
+    num_warps: int | None,
+) -> None:
+    t, hq, d = (int(s) for s in q.shape)
+    hk = int(pool_k.shape[2])
+    qpk = hq // hk
+    qpk_p = triton.next_power_of_2(qpk)
+    n_rows = t * hq
+    if n_rows == 0:
+        return
+    q_rot = workspace[: n_rows * d]
+    o_part = workspace[n_rows * d : n_rows * d * (1 + num_splits)]
+    lse_part = workspace[
+        n_rows * d * (1 + num_splits) : n_rows * (d * (1 + num_splits) + num_splits)
+    ]
+    rotate_f32(q, out=q_rot)
+    if decode:
+        bq = 1
+        block_m = max(16, qpk_p)
+        b = t
+        grid_x = b
+    else:
+        assert query_start_loc is not None
+        block_m = max(64 if d <= 128 else 32, qpk_p)
+        bq = block_m // qpk_p
+        b = int(query_start_loc.shape[0]) - 1
+        grid_x = triton.cdiv(t, bq) + b
+    bn = block_n or _chunk_tokens(d, geo.group)
+    warps = num_warps or (4 if d <= 128 else 8)
+    _attn_kernel[(grid_x, hk, num_splits)](
+        q_rot,
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        query_start_loc if query_start_loc is not None else seq_lens,
+        o_part,
+        lse_part,
+        float(softmax_scale) * _LOG2E,
+        block_table.stride(0),
+        int(block_table.shape[1]),
+        n_rows,
+        b,
+        HQ=hq,
+        HK=hk,
+        QPK=qpk,
+        QPK_P=qpk_p,
+        BQ=bq,
+        BLOCK_M=block_m,
+        B_P=triton.next_power_of_2(b + 1),
+        D=d,
+        G=geo.group,
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **geo.offsets(),
+        BN=bn,
+        NUM_SPLITS=num_splits,
+        DECODE=decode,
+        num_warps=warps,
+    )
+    block_r = 16
+    _merge_unrotate_kernel[(triton.cdiv(n_rows, block_r),)](
+        o_part,
+        lse_part,
+        out,
+        sign_matrix(d, q.device, torch.float16),
+        n_rows,
+        1.0 / math.sqrt(d),
+        NUM_SPLITS=num_splits,
+        D=d,
+        BLOCK_R=block_r,
+        BLOCK_N=min(d, 128),
+        OUT_BF16=out.dtype == torch.bfloat16,
+        num_warps=4,
+    )
+
+
+def _check_common(
+    fmt: KVarNFormat | str,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    out: torch.Tensor | None,
+    q_layout: str,
+) -> tuple[DenseGeometry, torch.Tensor]:
+    dense = resolve_format(fmt)
+    _, g, hk, d = _check_pool(pool_k, pool_v)
+    if g != dense.group:
+        raise ValueError(f"{dense.name} has {dense.group}-token tiles but the pool holds G={g}")
+    check_ndim("q", q, 3, q_layout)
+    check_dtype("q", q, ACT_DTYPES)
+    if q.shape[2] != d:
+        raise ValueError(f"q has head_dim {q.shape[2]} but the pool has head_dim {d}")
+    hq = int(q.shape[1])
+    if hq % hk:
+        raise ValueError(f"q has {hq} heads, not a multiple of the {hk} KV heads")
+    check_ndim("kv_cache", kv_cache, 3, "[num_blocks, Hk, tile_bytes]")
+    check_dtype("kv_cache", kv_cache, (torch.uint8,))
+    if kv_cache.shape[1] != hk or not kv_cache.is_contiguous():
+        raise ValueError(
+            f"kv_cache must be a contiguous [num_blocks, {hk}, tile_bytes] uint8 tensor; got "
+            f"{tuple(kv_cache.shape)}"
+        )
+    geo = dense_geometry(dense, d, int(kv_cache.shape[2]))
+    check_ndim("block_table", block_table, 2, "[B, max_blocks]")
+    check_dtype("block_table", block_table, (torch.int32,))
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table rows must be contiguous")
+    check_index_tensor("seq_lens", seq_lens, 1, "[B]")
+    check_index_tensor("block_to_slot", block_to_slot, 1, "[num_blocks]")
+    if seq_lens.shape[0] != block_table.shape[0]:
+        raise ValueError(
+            f"seq_lens has {seq_lens.shape[0]} entries for {block_table.shape[0]} block-table rows"
+        )
+    check_device(
+        q.device,
+        kv_cache=kv_cache,
+        pool_k=pool_k,
+        pool_v=pool_v,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        block_to_slot=block_to_slot,
+    )
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    else:
+        if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous {str(q.dtype).removeprefix('torch.')} tensor of shape "
+                f"{tuple(q.shape)}; got {str(out.dtype).removeprefix('torch.')} {tuple(out.shape)}"
+            )
+        check_device(q.device, out=out)
+    return geo, out
+
+
+def _q_for_kernel(q: torch.Tensor) -> torch.Tensor:
+    return q if q.stride(-1) == 1 else q.contiguous()
+
+
+def decode_attention(
+    fmt: KVarNFormat | str,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    softmax_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Decode attention: one query token per request over packed records and the side pool.
+
+    Args:
+        fmt: dense KVarN format (or its dtype string).
+        q: ``[B, Hq, D]`` fp16/bf16, unrotated; ``Hq`` a multiple of ``Hk`` (any GQA ratio).
+        kv_cache: ``uint8 [num_blocks, Hk, tile_bytes]`` packed records.
+        pool_k, pool_v: ``[num_slots, G, Hk, D]`` fp16 rotated side pool.
+        block_table: ``[B, max_blocks]`` int32 block ids of each request.
+        seq_lens: ``[B]`` int32 tokens of each request including the current one (whose K/V
+            is already in the pool); 0 gives a zero output row.
+        block_to_slot: ``[num_blocks]`` int32 pool slot of a block, or -1 (packed record).
+        softmax_scale: scale of ``q . k``.
+        out: optional ``[B, Hq, D]`` output in q's dtype.
+        workspace: optional contiguous fp32 tensor with at least
+            ``decode_workspace_numel(B, Hq, D, num_splits)`` elements (preallocate it, with a
+            fixed ``num_splits``, for CUDA-graph capture).
+        num_splits: split-K factor; default :func:`choose_decode_splits` (static shapes only).
+        block_n, num_warps: tuning overrides (tokens per inner step, warps per program).
+
+    Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
+    """
+    geo, out = _check_common(
+        fmt, q, kv_cache, pool_k, pool_v, block_table, seq_lens, block_to_slot, out, "[B, Hq, D]"
+    )
+    if q.shape[0] != block_table.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
+    bsz, hq, d = (int(s) for s in q.shape)
+    splits = num_splits or choose_decode_splits(
+        bsz, int(pool_k.shape[2]), int(block_table.shape[1]), q.device
+    )
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
+    need = decode_workspace_numel(bsz, hq, d, splits)
+    workspace = _workspace(workspace, need, q.device)
+    _launch(
+        geo,
+        _q_for_kernel(q),
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        None,
+        softmax_scale,
+        out,
+        workspace,
+        splits,
+        True,
+        block_n,
+        num_warps,
+    )
+    return out
+
+
+def prefill_attention(
+    fmt: KVarNFormat | str,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    softmax_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    num_splits: int = 1,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of several query tokens per request over cached context.
+
+    The chunk's own K/V must already be in the side pool (:func:`write_side_pool` runs
+    first). Query ``i`` of request ``r`` (``q_len = qsl[r+1] - qsl[r]``) sits at position
+    ``seq_lens[r] - q_len + i`` and attends to every position up to its own, read from the pool
+    or from packed records. Covers chunked-prefill continuation, prefix-cache hits and
+    speculative verify.
+
+    Args:
+        q: ``[T, Hq, D]`` fp16/bf16, unrotated.
+        query_start_loc: ``[B + 1]`` int32 cumulative query counts (``qsl[B] == T``).
+        seq_lens: ``[B]`` int32 total tokens of each request after this chunk.
+        workspace: optional fp32, ``decode_workspace_numel(T, Hq, D, num_splits)`` elements.
+        num_splits: split-K factor over the context (default 1).
+        other arguments: as :func:`decode_attention`.
+
+    Returns ``[T, Hq, D]`` in q's dtype, unrotated.
+    """
+    geo, out = _check_common(
+        fmt, q, kv_cache, pool_k, pool_v, block_table, seq_lens, block_to_slot, out, "[T, Hq, D]"
+    )
+    check_index_tensor("query_start_loc", query_start_loc, 1, "[B + 1]")
+    if query_start_loc.shape[0] != block_table.shape[0] + 1:
+        raise ValueError(
+            f"query_start_loc must have B + 1 = {block_table.shape[0] + 1} entries; got "
+            f"{query_start_loc.shape[0]}"
+        )
+    check_device(q.device, query_start_loc=query_start_loc)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    t, hq, d = (int(s) for s in q.shape)
+    workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, num_splits), q.device)
+    _launch(
+        geo,
+        _q_for_kernel(q),
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        query_start_loc,
+        softmax_scale,
+        out,
+        workspace,
+        num_splits,
+        False,
+        block_n,
+        num_warps,
+    )
+    return out
+
+
+def _workspace(ws: torch.Tensor | None, need: int, device: torch.device) -> torch.Tensor:
+    if ws is None:
+        return torch.empty(need, dtype=torch.float32, device=device)
+    if ws.dtype != torch.float32 or not ws.is_contiguous() or ws.numel() < need:
+        raise ValueError(
+            f"workspace must be a contiguous fp32 tensor of at least {need} elements "
+            f"(decode_workspace_numel); got {str(ws.dtype).removeprefix('torch.')} with "
+            f"{ws.numel()} elements"
+        )
+    if ws.device != device:
+        raise ValueError(f"workspace is on {ws.device} but q is on {device}")
+    return ws.view(-1)

@@ -1,0 +1,240 @@
+"""Pure-torch references of every op, in float64 where it matters, for tests and benchmarks.
+
+They follow kvarn-format's reference codec: records decode exactly as
+:func:`kvarn_format.reference.decode_rotated_tiles` does (same fp32 operations in the same
+order; a test checks bit equality), the store reference *is* the reference encoder, and the
+attention references work in float64 on the decoded values. They are written for clarity, not
+speed (a Python loop over requests), and run on any device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvarn_format.geometry import SlotRounding, record_layout
+from kvarn_format.hadamard import hadamard_matrix as _np_hadamard
+from kvarn_format.reference import encode_rotated_tiles
+from kvarn_format.registry import KVarNFormat
+from kvarn_kernels._common import dense_geometry, resolve_format
+
+__all__ = [
+    "decode_attention_ref",
+    "dequantize_records",
+    "flush_tiles_ref",
+    "gather_kv",
+    "prefill_attention_ref",
+    "rotate_ref",
+    "unpack_codes_torch",
+    "write_side_pool_ref",
+]
+
+
+def _h64(d: int, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.array(_np_hadamard(d))).to(device)
+
+
+def rotate_ref(x: torch.Tensor) -> torch.Tensor:
+    """``fp16(saturate(x @ H))`` with the product in float64."""
+    y = x.double() @ _h64(x.shape[-1], x.device)
+    return y.clamp(-65504.0, 65504.0).to(torch.float16)
+
+
+def write_side_pool_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_to_slot: torch.Tensor,
+) -> None:
+    """Reference of :func:`kvarn_kernels.write_side_pool` (skips padding and pool-less blocks)."""
+    g = pool_k.shape[1]
+    for t, s in enumerate(slot_mapping.tolist()):
+        if s < 0:
+            continue
+        ps = int(block_to_slot[s // g])
+        if ps < 0:
+            continue
+        pool_k[ps, s % g] = rotate_ref(k[t])
+        pool_v[ps, s % g] = rotate_ref(v[t])
+
+
+def flush_tiles_ref(
+    fmt: KVarNFormat | str,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    src_slots: torch.Tensor,
+    kv_cache: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    *,
+    sinkhorn_iters: int = 8,
+) -> None:
+    """Reference of :func:`kvarn_kernels.flush_tiles`: kvarn-format's NumPy encoder per tile."""
+    dense = resolve_format(fmt)
+    n, g, hk, d = pool_k.shape[0], pool_k.shape[1], pool_k.shape[2], pool_k.shape[3]
+    del n, g
+    stride = kv_cache.shape[2]
+    rounding: SlotRounding = "align8" if stride == record_layout(dense, d).tile_bytes else "pow2"
+    slots = src_slots.long().cpu()
+    k = pool_k[slots].float().cpu().permute(0, 2, 1, 3).reshape(-1, dense.group, d).numpy()
+    v = pool_v[slots].float().cpu().permute(0, 2, 1, 3).reshape(-1, dense.group, d).numpy()
+    rec = encode_rotated_tiles(dense, k, v, sinkhorn_iters=sinkhorn_iters, slot_rounding=rounding)
+    out = torch.from_numpy(rec).reshape(-1, hk, stride).to(kv_cache.device)
+    kv_cache[dst_blocks.long()] = out
+
+
+def unpack_codes_torch(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of the format's LSB-first bitstream packing: ``uint8[..., n*bits/8]`` to codes."""
+    lead = packed.shape[:-1]
+    grouped = packed.reshape(*lead, n // 8, bits).to(torch.int64)
+    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    word = (grouped << byte_shifts).sum(dim=-1)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    codes = (word[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*lead, n).to(torch.float32)
+
+
+def dequantize_records(
+    fmt: KVarNFormat | str, records: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Records ``uint8 [N, stride]`` to rotated-frame ``(k, v)``, each fp32 ``[N, G, D]``.
+
+    Same operations as ``kvarn_format.reference.decode_rotated_tiles``:
+    ``k[d, t] = (code * k_scale[d] + k_zero[d]) * k_token_scale[t]`` and
+    ``v[t, d] = (code * v_scale[t] + v_zero[t]) * v_channel_scale[d]``, in fp32.
+    """
+    dense = resolve_format(fmt)
+    geo = dense_geometry(dense, head_dim, int(records.shape[-1]))
+    g, d = dense.group, head_dim
+    n = records.shape[0]
+
+    def f16(off: int, count: int) -> torch.Tensor:
+        return records[:, off : off + 2 * count].contiguous().view(torch.float16).float()
+
+    kq = unpack_codes_torch(
+        records[:, geo.k_codes : geo.k_codes + d * g * dense.key_bits // 8].reshape(n, d, -1),
+        dense.key_bits,
+        g,
+    )
+    k = kq * f16(geo.k_scale, d)[:, :, None]
+    k = k + f16(geo.k_zero, d)[:, :, None]
+    k = k * f16(geo.k_token_scale, g)[:, None, :]
+    vq = unpack_codes_torch(
+        records[:, geo.v_codes : geo.v_codes + g * d * dense.value_bits // 8].reshape(n, g, -1),
+        dense.value_bits,
+        d,
+    )
+    v = vq * f16(geo.v_scale, g)[:, :, None]
+    v = v + f16(geo.v_zero, g)[:, :, None]
+    v = v * f16(geo.v_channel_scale, d)[:, None, :]
+    return k.transpose(1, 2).contiguous(), v
+
+
+def gather_kv(
+    fmt: KVarNFormat | str,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    blocks: torch.Tensor,
+    n_tokens: int,
+    block_to_slot: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated-frame K and V ``[n_tokens, Hk, D]`` fp32 of one request, from pool or records."""
+    dense = resolve_format(fmt)
+    g, hk, d = pool_k.shape[1], pool_k.shape[2], pool_k.shape[3]
+    nb = -(-n_tokens // g)
+    ks, vs = [], []
+    for blk in blocks[:nb].tolist():
+        slot = int(block_to_slot[blk])
+        if slot >= 0:
+            ks.append(pool_k[slot].float())
+            vs.append(pool_v[slot].float())
+        else:
+            k, v = dequantize_records(dense, kv_cache[blk], d)  # [Hk, G, D]
+            ks.append(k.transpose(0, 1))
+            vs.append(v.transpose(0, 1))
+    if not ks:
+        empty = torch.zeros(0, hk, d, device=pool_k.device)
+        return empty, empty
+    return torch.cat(ks)[:n_tokens], torch.cat(vs)[:n_tokens]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """float64 causal attention in the rotated frame; q [n, Hq, D] unrotated, k/v rotated."""
+    d = q.shape[-1]
+    h = _h64(d, q.device)
+    hq, hk = q.shape[1], k.shape[1]
+    q_rot = q.double() @ h
+    kk = k.double().repeat_interleave(hq // hk, dim=1)  # [S, Hq, D]
+    vv = v.double().repeat_interleave(hq // hk, dim=1)
+    s = torch.einsum("nhd,shd->nhs", q_rot, kk) * scale
+    t = torch.arange(k.shape[0], device=q.device)
+    mask = t[None, None, :] <= pos[:, None, None]
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)
+    o = torch.einsum("nhs,shd->nhd", p, vv)
+    return o @ h
+
+
+def decode_attention_ref(
+    fmt: KVarNFormat | str,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """float64 reference of :func:`kvarn_kernels.decode_attention` (returns float64)."""
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    for b, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        k, v = gather_kv(fmt, kv_cache, pool_k, pool_v, block_table[b], n, block_to_slot)
+        pos = torch.tensor([n - 1], device=q.device)
+        out[b] = _attend(q[b : b + 1], k, v, pos, softmax_scale)[0]
+    return out
+
+
+def prefill_attention_ref(
+    fmt: KVarNFormat | str,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """float64 reference of :func:`kvarn_kernels.prefill_attention` (returns float64)."""
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    qsl = query_start_loc.tolist()
+    for b, n in enumerate(seq_lens.tolist()):
+        q0, q1 = qsl[b], qsl[b + 1]
+        if q1 == q0:
+            continue
+        k, v = gather_kv(fmt, kv_cache, pool_k, pool_v, block_table[b], n, block_to_slot)
+        pos = n - (q1 - q0) + torch.arange(q1 - q0, device=q.device)
+        out[q0:q1] = _attend(q[q0:q1], k, v, pos, softmax_scale)
+    return out
+
+
+def fp16_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Unquantized float64 attention in the original frame (quality yardstick for tests)."""
+    hq, hk = q.shape[1], k.shape[1]
+    kk = k.double().repeat_interleave(hq // hk, dim=1)
+    vv = v.double().repeat_interleave(hq // hk, dim=1)
+    s = torch.einsum("nhd,shd->nhs", q.double(), kk) * scale
+    t = torch.arange(k.shape[0], device=q.device)
+    s = s.masked_fill(~(t[None, None, :] <= pos[:, None, None]), float("-inf"))
+    return torch.einsum("nhs,shd->nhd", torch.softmax(s, dim=-1), vv)

@@ -1,0 +1,320 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton JIT kernels and their @triton.jit helpers are untyped by nature; the public
+# wrappers in this module are fully annotated.)
+"""Hadamard rotation of activations along head_dim, and the fp16 side-pool writer.
+
+The format fixes the rotation to ``x @ H`` with ``H`` the natural-order Sylvester matrix over
+``sqrt(D)`` (kvarn_format.hadamard). The kernels never multiply by ``H`` itself: they multiply
+by the exact ``+-1`` sign matrix on the tensor cores (fp16 or bf16 operands, fp32 accumulation:
+every product is exact and only the fp32 sums round) and apply ``1/sqrt(D)`` once in fp32.
+That is "rotate in fp32" at tensor-core speed. The result is cast to fp16 with saturation,
+because the side pool and the quantizer are fp16: a rotated value past 65504 becomes +-65504,
+never inf.
+
+:func:`write_side_pool` fuses the rotation with the scatter into the paged fp16 side pool, so
+an incoming token is read once and written once.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+from kvarn_format.hadamard import hadamard_matrix as _np_hadamard
+from kvarn_kernels._common import (
+    ACT_DTYPES,
+    check_device,
+    check_dtype,
+    check_head_dim,
+    check_index_tensor,
+    check_ndim,
+    debug_checks_enabled,
+    triton_interpret,
+)
+
+__all__ = ["hadamard_matrix", "rotate", "rotate_f32", "sign_matrix", "write_side_pool"]
+
+FP16_MAX = 65504.0
+_FP16_MAX: tl.constexpr = tl.constexpr(FP16_MAX)
+
+
+@cache
+def hadamard_matrix(
+    head_dim: int, device: torch.device | str, dtype: torch.dtype = torch.float16
+) -> torch.Tensor:
+    """The format's rotation ``H`` (``[D, D]``, symmetric, ``H @ H = I``) on ``device``.
+
+    Built from :func:`kvarn_format.hadamard.hadamard_matrix` (float64) and cast to ``dtype``;
+    cached per ``(head_dim, device, dtype)``. Do not modify the returned tensor.
+    """
+    check_head_dim(head_dim)
+    h = torch.from_numpy(np.array(_np_hadamard(head_dim)))
+    return h.to(device=torch.device(device), dtype=dtype)
+
+
+@cache
+def sign_matrix(head_dim: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """``H * sqrt(D)``: the exact ``+-1`` matrix the kernels multiply by (cached)."""
+    check_head_dim(head_dim)
+    s = np.rint(np.array(_np_hadamard(head_dim)) * np.sqrt(head_dim))
+    return torch.from_numpy(s).to(device=torch.device(device), dtype=dtype).contiguous()
+
+
+@triton.jit
+def _rotate_rows_kernel(
+    X,
+    Y,
+    S,
+    SLOT_MAPPING,
+    BLOCK_TO_SLOT,
+    n_rows,
+    stride_xt,
+    stride_xh,
+    inv_sqrt_d,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    OUT_F32: tl.constexpr,
+    SCATTER: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Rows ``r = t * HK + h`` of ``X[t, h, :]`` times the sign matrix, over sqrt(D).
+
+    Plain mode writes row ``r`` of a contiguous ``Y[n_rows, D]``. Scatter mode writes token
+    ``t``, head ``h`` to the pool row ``(block_to_slot[s // G] * G + s % G) * HK + h`` with
+    ``s = slot_mapping[t]``, and skips tokens with ``s < 0`` (padding) or no pool slot.
+    """
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = rows < n_rows
+    t = (rows // HK).to(tl.int64)
+    h = (rows % HK).to(tl.int64)
+    x_row = t * stride_xt + h * stride_xh
+    if SCATTER:
+        slot = tl.load(SLOT_MAPPING + t, mask=valid, other=-1).to(tl.int64)
+        valid = valid & (slot >= 0)
+        blk = tl.where(valid, slot // G, 0)
+        pool_slot = tl.load(BLOCK_TO_SLOT + blk, mask=valid, other=-1).to(tl.int64)
+        valid = valid & (pool_slot >= 0)
+        y_row = ((pool_slot * G + slot % G) * HK + h) * D
+    else:
+        y_row = rows.to(tl.int64) * D
+    cols = tl.arange(0, BLOCK_C)
+    for n0 in tl.static_range(0, D, BLOCK_C):
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        for k0 in tl.static_range(0, D, BLOCK_C):
+            x = tl.load(X + x_row[:, None] + (k0 + cols)[None, :], mask=valid[:, None], other=0.0)
+            s = tl.load(S + (k0 + cols)[:, None] * D + (n0 + cols)[None, :])
+            acc = tl.dot(x, s, acc, input_precision="ieee") if IEEE else tl.dot(x, s, acc)
+        y = acc * inv_sqrt_d
+        y_ptrs = Y + y_row[:, None] + (n0 + cols)[None, :]
+        if OUT_F32:
+            tl.store(y_ptrs, y, mask=valid[:, None])
+        else:
+            # Saturate: |y| > 65504 becomes +-65504; NaN fails both tests and stays NaN.
+            y = tl.where(y > _FP16_MAX, _FP16_MAX, y)
+            y = tl.where(y < -_FP16_MAX, -_FP16_MAX, y)
+            tl.store(y_ptrs, y.to(tl.float16), mask=valid[:, None])
+
+
+def _block_r(n_rows: int) -> int:
+    return 16 if n_rows <= 16 else (32 if n_rows <= 4096 else 64)
+
+
+def _launch_rotate(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    n_rows: int,
+    hk: int,
+    out_f32: bool,
+    slot_mapping: torch.Tensor | None = None,
+    block_to_slot: torch.Tensor | None = None,
+    group: int = 1,
+) -> None:
+    d = x.shape[-1]
+    if n_rows == 0:
+        return
+    if x.dtype == torch.bfloat16 and triton_interpret():
+        # NumPy (the interpreter's backend) has no bfloat16 matmul; the widening is exact.
+        x = x.float()
+    # x is [rows, D] (plain) or [T, Hk, D] (scatter); rows are t * hk + h.
+    stride_t = x.stride(0)
+    stride_h = x.stride(1) if x.dim() == 3 else 0
+    s = sign_matrix(d, x.device, x.dtype)
+    block_r = _block_r(n_rows)
+    block_c = min(d, 128)
+    scatter = slot_mapping is not None
+    dummy = s  # any tensor: the scatter-only pointers are not read in plain mode
+    grid = (triton.cdiv(n_rows, block_r),)
+    _rotate_rows_kernel[grid](
+        x,
+        y,
+        s,
+        slot_mapping if slot_mapping is not None else dummy,
+        block_to_slot if block_to_slot is not None else dummy,
+        n_rows,
+        stride_t,
+        stride_h,
+        float(1.0 / np.sqrt(d)),
+        HK=hk,
+        D=d,
+        G=group,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        OUT_F32=out_f32,
+        SCATTER=scatter,
+        IEEE=x.dtype == torch.float32,
+        num_warps=4,
+    )
+
+
+def _check_rotate_input(x: torch.Tensor, allow_f32: bool) -> int:
+    allowed = (*ACT_DTYPES, torch.float32) if allow_f32 else ACT_DTYPES
+    check_dtype("x", x, allowed)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (the head_dim axis)")
+    d = int(x.shape[-1])
+    check_head_dim(d)
+    return d
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x[..., D]`` by the format's Hadamard matrix: ``fp16(saturate(x @ H))``.
+
+    ``x`` may be fp16, bf16 or fp32; products are exact and sums are fp32, then the result is
+    rounded to fp16 with saturation (the side pool's representation). Returns a new contiguous
+    fp16 tensor of ``x``'s shape.
+    """
+    d = _check_rotate_input(x, allow_f32=True)
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape, dtype=torch.float16, device=x.device)
+    _launch_rotate(x2, y, n_rows=x2.shape[0], hk=1, out_f32=False)
+    return y.reshape(x.shape)
+
+
+def rotate_f32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ H`` in fp32 without the fp16 cast (the attention ops rotate queries with this).
+
+    ``x`` is ``[..., D]`` fp16/bf16/fp32; ``out`` (optional) a contiguous fp32 tensor with
+    ``x.numel()`` elements.
+    """
+    d = _check_rotate_input(x, allow_f32=True)
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if out is None:
+        out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    elif out.dtype != torch.float32 or out.numel() != x2.numel() or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 tensor of {x2.numel()} elements")
+    _launch_rotate(x2, out, n_rows=x2.shape[0], hk=1, out_f32=True)
+    return out.reshape(x.shape)
+
+
+def _check_pool(pool_k: torch.Tensor, pool_v: torch.Tensor) -> tuple[int, int, int, int]:
+    check_ndim("pool_k", pool_k, 4, "[num_slots, G, Hk, D]")
+    check_dtype("pool_k", pool_k, (torch.float16,))
+    check_dtype("pool_v", pool_v, (torch.float16,))
+    if pool_v.shape != pool_k.shape:
+        raise ValueError(
+            f"pool_v must have pool_k's shape {tuple(pool_k.shape)}; got {tuple(pool_v.shape)}"
+        )
+    if not (pool_k.is_contiguous() and pool_v.is_contiguous()):
+        raise ValueError("pool_k and pool_v must be contiguous [num_slots, G, Hk, D] tensors")
+    n, g, hk, d = (int(s) for s in pool_k.shape)
+    check_head_dim(d)
+    return n, g, hk, d
+
+
+def write_side_pool(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    *,
+    check: bool | None = None,
+) -> None:
+    """Rotate incoming K/V tokens and scatter them into the paged fp16 side pool.
+
+    Args:
+        k, v: ``[T, Hk, D]`` fp16 or bf16, unrotated (last dim contiguous).
+        pool_k, pool_v: ``[num_slots, G, Hk, D]`` fp16, contiguous; written in place.
+        slot_mapping: ``[T]`` int32/int64, vLLM slot ``block_id * G + offset``; ``-1`` skips
+            the token (padding).
+        block_to_slot: ``[num_blocks]`` int32, the pool slot of each block or ``-1``.
+        check: when true (default: env ``KVARN_KERNELS_DEBUG=1``), raise ``ValueError`` if a
+            token's block has no pool slot. Such tokens are a caller bug; without the check
+            they are skipped (never written elsewhere). The check syncs with the host, so keep
+            it off under CUDA-graph capture.
+
+    Token ``t`` lands at ``pool[block_to_slot[s // G], s % G]`` with ``s = slot_mapping[t]``,
+    as ``fp16(saturate(x @ H))``.
+    """
+    _, g, hk, d = _check_pool(pool_k, pool_v)
+    for name, x in (("k", k), ("v", v)):
+        check_ndim(name, x, 3, "[T, Hk, D]")
+        check_dtype(name, x, ACT_DTYPES)
+        if tuple(x.shape[1:]) != (hk, d):
+            raise ValueError(
+                f"{name} must have shape [T, {hk}, {d}] to match the pool; got {tuple(x.shape)}"
+            )
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along head_dim")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v must hold the same tokens; got {k.shape[0]} and {v.shape[0]}")
+    check_ndim("slot_mapping", slot_mapping, 1, "[T]")
+    check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens"
+        )
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous")
+    check_index_tensor("block_to_slot", block_to_slot, 1, "[num_blocks]")
+    check_device(
+        pool_k.device,
+        k=k,
+        v=v,
+        pool_v=pool_v,
+        slot_mapping=slot_mapping,
+        block_to_slot=block_to_slot,
+    )
+    t = int(k.shape[0])
+    if debug_checks_enabled(check) and t:
+        _check_slots(slot_mapping, block_to_slot, g)
+    for x, pool in ((k, pool_k), (v, pool_v)):
+        _launch_rotate(
+            x,
+            pool,
+            n_rows=t * hk,
+            hk=hk,
+            out_f32=False,
+            slot_mapping=slot_mapping,
+            block_to_slot=block_to_slot,
+            group=g,
+        )
+
+
+def _check_slots(slot_mapping: torch.Tensor, block_to_slot: torch.Tensor, g: int) -> None:
+    slots = slot_mapping.long()
+    live = slots >= 0
+    blocks = torch.where(live, slots // g, torch.zeros_like(slots))
+    if bool((blocks >= block_to_slot.shape[0]).any()):
+        raise ValueError("slot_mapping points past block_to_slot: a block id is out of range")
+    missing = live & (block_to_slot.long()[blocks] < 0)
+    if bool(missing.any()):
+        idx = torch.nonzero(missing).flatten()[:8].tolist()
+        raise ValueError(
+            f"tokens {idx} (of {int(missing.sum())}) belong to blocks without a side-pool slot "
+            "(block_to_slot == -1); allocate their pool slots before write_side_pool"
+        )

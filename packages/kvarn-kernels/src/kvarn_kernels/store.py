@@ -1,0 +1,492 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton JIT kernels and their @triton.jit helpers are untyped by nature; the public
+# wrappers in this module are fully annotated.)
+"""Store (flush): quantize full tiles of the fp16 side pool into packed records, one launch.
+
+For every ``(tile n, KV head h)`` one program quantizes the K tile and another the V tile of
+``pool[src_slots[n], :, h, :]`` and writes the record at ``kv_cache[dst_blocks[n], h]``. The
+whole batch is one launch, grid ``(N, Hk, 2)``. The arithmetic mirrors the reference codec
+(:mod:`kvarn_format.reference`) operation by operation, in the same order and with
+correctly-rounded fp32 division, square root, exp and log:
+
+1. Sinkhorn with best-imbalance tracking in the log domain (two-pass unbiased stds, column
+   update then row update, ``<=`` keeps the later state);
+2. the best scales rounded to fp16, the tile divided by them;
+3. min/max RTN per row, round half to even;
+4. the RTN step and minimum absorbed into the row scale, the power-of-two overflow guard,
+   fp16 fields, codes packed LSB-first (a dense bitstream for 5 bits).
+
+The one difference is the order of the fp32 sums inside a standard deviation (a tree across
+threads on the GPU, NumPy's pairwise/sequential order in the reference). It moves a std by an
+ulp or so, which can move a stored fp16 scale by one ulp and then flip codes of that tile; the
+tests measure how often and bound the dequantized difference. Under ``TRITON_INTERPRET=1`` the
+sums are NumPy's own and the records are byte-identical.
+
+The tile lives in registers, which covers ``D * G <= 256 * 128``. Head dim 512 goes through
+the same algorithm written with batched torch ops (:func:`_flush_torch`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+from triton.language.extra import libdevice  # type: ignore[import-untyped]
+
+from kvarn_format import DenseFormat
+from kvarn_format.registry import KVarNFormat
+from kvarn_kernels._common import (
+    DenseGeometry,
+    check_device,
+    check_dtype,
+    check_index_tensor,
+    check_ndim,
+    dense_geometry,
+    resolve_format,
+    triton_interpret,
+)
+
+__all__ = ["flush_tiles"]
+
+_FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    y = libdevice.exp(x) if PRECISE else tl.exp(x)
+    return y
+
+
+@triton.jit
+def _log(x, PRECISE: tl.constexpr):
+    y = libdevice.log(x) if PRECISE else tl.log(x)
+    return y
+
+
+@triton.jit
+def _log2(x, PRECISE: tl.constexpr):
+    y = libdevice.log2(x) if PRECISE else tl.log2(x)
+    return y
+
+
+@triton.jit
+def _std(x, AXIS: tl.constexpr, N: tl.constexpr):
+    """Unbiased std along AXIS in two passes, as the reference (mean, then centred squares)."""
+    mean = tl.div_rn(tl.sum(x, axis=AXIS), float(N))
+    centred = x - mean[None, :] if AXIS == 0 else x - mean[:, None]
+    var = tl.div_rn(tl.sum(centred * centred, axis=AXIS), float(N - 1))
+    return tl.sqrt_rn(var)
+
+
+@triton.jit
+def _ratio(std):
+    return tl.div_rn(tl.max(std, axis=0), tl.maximum(tl.min(std, axis=0), 1e-8))
+
+
+@triton.jit
+def _log_step(log_s, std, PRECISE: tl.constexpr):
+    clamped = tl.minimum(tl.maximum(std, 1e-3), 1e3)
+    return tl.minimum(tl.maximum(log_s + _log(clamped, PRECISE), -0.3), 10.0)
+
+
+@triton.jit
+def _to_f16(x):
+    return tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16)
+
+
+@triton.jit
+def _quantize_tile(
+    SRC,
+    src_base,
+    stride_r,
+    stride_c,
+    REC,
+    OFF_CODES: tl.constexpr,
+    OFF_ROW_SCALE: tl.constexpr,
+    OFF_ROW_ZERO: tl.constexpr,
+    OFF_COL_SCALE: tl.constexpr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    ITERS: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """Quantize the tile ``x[r, c] = SRC[src_base + r*stride_r + c*stride_c]`` along rows."""
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    x = tl.load(SRC + src_base + r[:, None] * stride_r + c[None, :] * stride_c).to(tl.float32)
+
+    # --- Sinkhorn, best-imbalance state in the log domain (reference: sinkhorn_batched) ---
+    col_std = _std(x, 0, R)
+    best = _ratio(col_std) + _ratio(_std(x, 1, C))
+    log_c = tl.zeros([C], dtype=tl.float32)
+    log_r = tl.zeros([R], dtype=tl.float32)
+    best_c = tl.zeros([C], dtype=tl.float32)
+    best_r = tl.zeros([R], dtype=tl.float32)
+    for _ in range(ITERS):
+        log_c = _log_step(log_c, col_std, PRECISE)
+        inv_c = _exp(-log_c, PRECISE)
+        inv_r = _exp(-log_r, PRECISE)
+        cur = x * inv_c[None, :]
+        cur = cur * inv_r[:, None]
+        log_r = _log_step(log_r, _std(cur, 1, C), PRECISE)
+        inv_r = _exp(-log_r, PRECISE)
+        cur = x * inv_c[None, :]
+        cur = cur * inv_r[:, None]
+        col_std = _std(cur, 0, R)
+        score = _ratio(col_std) + _ratio(_std(cur, 1, C))
+        take = score <= best
+        best = tl.where(take, score, best)
+        best_c = tl.where(take, log_c, best_c)
+        best_r = tl.where(take, log_r, best_r)
+
+    # --- scales as stored (fp16), balance, RTN (reference: _quantize_rows, rtn) ---
+    col_s = _to_f16(_exp(best_c, PRECISE)).to(tl.float32)
+    row_s = _to_f16(_exp(best_r, PRECISE)).to(tl.float32)
+    bal = tl.div_rn(x, col_s[None, :])
+    bal = tl.div_rn(bal, row_s[:, None])
+    qmax: tl.constexpr = (1 << BITS) - 1
+    lo = tl.min(bal, axis=1)
+    hi = tl.max(bal, axis=1)
+    step = tl.maximum(tl.div_rn(hi - lo, float(qmax)), 1e-10)
+    y = tl.div_rn(bal - lo[:, None], step[:, None])
+    # Round half to even: adding and removing 1.5 * 2**23 leaves the nearest-even integer
+    # (y lies in [0, qmax] up to rounding, far inside the trick's [0, 2**22) range).
+    y = (y + 12582912.0) - 12582912.0
+    q = tl.minimum(tl.maximum(y, 0.0), float(qmax)).to(tl.int32)
+
+    # --- absorption and the power-of-two overflow guard ---
+    a = row_s * step
+    z = row_s * lo
+    peak = tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(z), axis=0))
+    need = tl.ceil(_log2(tl.div_rn(tl.maximum(peak, 1.0), _FP16_MAX), PRECISE))
+    room = tl.floor(_log2(tl.div_rn(_FP16_MAX, tl.max(col_s, axis=0)), PRECISE))
+    shift = tl.maximum(tl.minimum(need, room), 0.0)
+    # 2**shift built from its exponent bits: exact, no exp2 rounding.
+    factor = ((shift.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    a = tl.div_rn(a, factor)
+    z = tl.div_rn(z, factor)
+    col_s = col_s * factor
+    tl.store((REC + OFF_ROW_SCALE).to(tl.pointer_type(tl.float16)) + r, _to_f16(a))
+    tl.store((REC + OFF_ROW_ZERO).to(tl.pointer_type(tl.float16)) + r, _to_f16(z))
+    tl.store((REC + OFF_COL_SCALE).to(tl.pointer_type(tl.float16)) + c, _to_f16(col_s))
+
+    # --- pack codes along the row, LSB first ---
+    row_bytes: tl.constexpr = C * BITS // 8
+    if BITS == 4:
+        ev, od = tl.split(tl.reshape(q, [R, C // 2, 2]))
+        packed = ev | (od << 4)
+        jb = tl.arange(0, C // 2)
+        tl.store(REC + OFF_CODES + r[:, None] * row_bytes + jb[None, :], packed.to(tl.uint8))
+    elif BITS == 2:
+        b0, b1 = tl.split(tl.reshape(q, [R, C // 4, 2, 2]))
+        c0, c2 = tl.split(b0)
+        c1, c3 = tl.split(b1)
+        packed = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
+        jb = tl.arange(0, C // 4)
+        tl.store(REC + OFF_CODES + r[:, None] * row_bytes + jb[None, :], packed.to(tl.uint8))
+    else:
+        tl.static_assert(BITS == 5, "code widths are 2, 4 or 5")
+        s0, s1 = tl.split(tl.reshape(q, [R, C // 8, 2, 2, 2]))
+        s00, s01 = tl.split(s0)
+        s10, s11 = tl.split(s1)
+        c0, c4 = tl.split(s00)
+        c2, c6 = tl.split(s01)
+        c1, c5 = tl.split(s10)
+        c3, c7 = tl.split(s11)
+        jb = tl.arange(0, C // 8)
+        base = REC + OFF_CODES + r[:, None] * row_bytes + 5 * jb[None, :]
+        tl.store(base + 0, ((c0 | (c1 << 5)) & 0xFF).to(tl.uint8))
+        tl.store(base + 1, (((c1 >> 3) | (c2 << 2) | (c3 << 7)) & 0xFF).to(tl.uint8))
+        tl.store(base + 2, (((c3 >> 1) | (c4 << 4)) & 0xFF).to(tl.uint8))
+        tl.store(base + 3, (((c4 >> 4) | (c5 << 1) | (c6 << 6)) & 0xFF).to(tl.uint8))
+        tl.store(base + 4, (((c6 >> 2) | (c7 << 3)) & 0xFF).to(tl.uint8))
+
+
+@triton.jit
+def _flush_kernel(
+    POOL_K,
+    POOL_V,
+    SRC_SLOTS,
+    KV_CACHE,
+    DST_BLOCKS,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    STRIDE: tl.constexpr,
+    PAYLOAD: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr,
+    OFF_VCS: tl.constexpr,
+    OFF_VS: tl.constexpr,
+    OFF_VZ: tl.constexpr,
+    ITERS: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    which = tl.program_id(2)
+    slot = tl.load(SRC_SLOTS + n).to(tl.int64)
+    blk = tl.load(DST_BLOCKS + n).to(tl.int64)
+    src_base = slot * (G * HK * D) + h * D
+    rec = KV_CACHE + (blk * HK + h) * STRIDE
+    if which == 0:
+        # K tile [R = D channels, C = G tokens]: rows are channels (per-channel RTN).
+        _quantize_tile(
+            POOL_K,
+            src_base,
+            1,
+            HK * D,
+            rec,
+            OFF_KC,
+            OFF_KS,
+            OFF_KZ,
+            OFF_KT,
+            D,
+            G,
+            KB,
+            ITERS,
+            PRECISE,
+        )
+    else:
+        # V tile [R = G tokens, C = D channels]: rows are tokens (per-token RTN).
+        _quantize_tile(
+            POOL_V,
+            src_base,
+            HK * D,
+            1,
+            rec,
+            OFF_VC,
+            OFF_VS,
+            OFF_VZ,
+            OFF_VCS,
+            G,
+            D,
+            VB,
+            ITERS,
+            PRECISE,
+        )
+        if STRIDE > PAYLOAD:
+            # Zero the record's padding so records are byte-identical to the reference.
+            for p0 in tl.static_range(PAYLOAD, STRIDE, PAD_BLOCK):
+                p = p0 + tl.arange(0, PAD_BLOCK)
+                tl.store(rec + p, tl.zeros([PAD_BLOCK], dtype=tl.uint8), mask=p < STRIDE)
+
+
+def _num_warps(d: int, g: int) -> int:
+    elems = d * g
+    return 4 if elems <= 64 * 64 else (8 if elems <= 128 * 128 else 16)
+
+
+def flush_tiles(
+    fmt: KVarNFormat | str,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    src_slots: torch.Tensor,
+    kv_cache: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    *,
+    sinkhorn_iters: int = 8,
+) -> None:
+    """Quantize full side-pool tiles and scatter their records into the paged cache.
+
+    Args:
+        fmt: a dense KVarN format (or its dtype string); its group must equal the pool's G.
+        pool_k, pool_v: ``[num_slots, G, Hk, D]`` fp16, rotated (as :func:`write_side_pool`
+            stores them); read only.
+        src_slots: ``[N]`` int32 pool slots holding full tiles.
+        kv_cache: ``uint8 [num_blocks, Hk, tile_bytes]`` (tile_bytes from
+            ``record_layout(fmt, D)``, ``align8`` or ``pow2``); records are written in place.
+        dst_blocks: ``[N]`` int32 block ids receiving the records.
+        sinkhorn_iters: Sinkhorn iterations (the dense formats use 8).
+
+    One launch per call for head dims up to 256 (grid ``(N, Hk, 2)``: K and V tiles);
+    head dim 512 runs the same algorithm as batched torch ops. Every tile must be full
+    (``G`` written tokens): the pool's unwritten rows would otherwise enter the statistics.
+    """
+    dense = resolve_format(fmt)
+    geo = _check_flush_args(dense, pool_k, pool_v, src_slots, kv_cache, dst_blocks)
+    if (
+        isinstance(sinkhorn_iters, bool)
+        or not isinstance(sinkhorn_iters, int)
+        or sinkhorn_iters < 0
+    ):
+        raise ValueError(f"sinkhorn_iters must be a non-negative int, got {sinkhorn_iters!r}")
+    n = int(src_slots.shape[0])
+    if n == 0:
+        return
+    hk = int(pool_k.shape[2])
+    if geo.head_dim > 256:
+        _flush_torch(geo, pool_k, pool_v, src_slots, kv_cache, dst_blocks, sinkhorn_iters)
+        return
+    pad = geo.record_stride - geo.payload_bytes
+    _flush_kernel[(n, hk, 2)](
+        pool_k,
+        pool_v,
+        src_slots,
+        kv_cache,
+        dst_blocks,
+        HK=hk,
+        D=geo.head_dim,
+        G=geo.group,
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        PAYLOAD=geo.payload_bytes,
+        PAD_BLOCK=max(16, triton.next_power_of_2(min(max(pad, 1), 4096))),
+        **geo.offsets(),
+        ITERS=sinkhorn_iters,
+        PRECISE=not triton_interpret(),
+        num_warps=_num_warps(geo.head_dim, geo.group),
+    )
+
+
+def _check_flush_args(
+    fmt: DenseFormat,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    src_slots: torch.Tensor,
+    kv_cache: torch.Tensor,
+    dst_blocks: torch.Tensor,
+) -> DenseGeometry:
+    from kvarn_kernels.rotation import _check_pool
+
+    _, g, hk, d = _check_pool(pool_k, pool_v)
+    if g != fmt.group:
+        raise ValueError(f"{fmt.name} has {fmt.group}-token tiles but the pool holds G={g}")
+    check_ndim("kv_cache", kv_cache, 3, "[num_blocks, Hk, tile_bytes]")
+    check_dtype("kv_cache", kv_cache, (torch.uint8,))
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    if kv_cache.shape[1] != hk:
+        raise ValueError(f"kv_cache has {kv_cache.shape[1]} KV heads but the pool has {hk}")
+    geo = dense_geometry(fmt, d, int(kv_cache.shape[2]))
+    check_index_tensor("src_slots", src_slots, 1, "[N]")
+    check_index_tensor("dst_blocks", dst_blocks, 1, "[N]")
+    if src_slots.shape != dst_blocks.shape:
+        raise ValueError(
+            f"src_slots and dst_blocks must have the same length; got {src_slots.shape[0]} "
+            f"and {dst_blocks.shape[0]}"
+        )
+    check_device(
+        pool_k.device, pool_v=pool_v, src_slots=src_slots, kv_cache=kv_cache, dst_blocks=dst_blocks
+    )
+    return geo
+
+
+# ---------------------------------------------------------------------------------------------
+# head dim 512: the same algorithm as batched torch ops (a tile does not fit in registers)
+
+
+def _t_std(x: torch.Tensor, dim: int) -> torch.Tensor:
+    n = x.shape[dim]
+    centred = x - x.sum(dim=dim, keepdim=True) / n
+    return torch.sqrt((centred * centred).sum(dim=dim) / max(n - 1, 1))
+
+
+def _t_ratio(std: torch.Tensor) -> torch.Tensor:
+    return std.amax(dim=-1) / std.amin(dim=-1).clamp_min(1e-8)
+
+
+def _t_step(log_s: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    return (log_s + torch.log(std.clamp(1e-3, 1e3))).clamp(-0.3, 10.0)
+
+
+def _t_fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-65504.0, 65504.0).to(torch.float16)
+
+
+def _quantize_rows_torch(
+    x: torch.Tensor, bits: int, iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batched ``[N, R, C]`` fp32 version of the reference's ``_quantize_rows``."""
+    n, r, c = x.shape
+    log_c = x.new_zeros(n, c)
+    log_r = x.new_zeros(n, r)
+    best_c = x.new_zeros(n, c)
+    best_r = x.new_zeros(n, r)
+    col_std = _t_std(x, 1)
+    best = _t_ratio(col_std) + _t_ratio(_t_std(x, 2))
+    for _ in range(iters):
+        log_c = _t_step(log_c, col_std)
+        inv_c = torch.exp(-log_c)
+        cur = x * inv_c[:, None, :] * torch.exp(-log_r)[:, :, None]
+        log_r = _t_step(log_r, _t_std(cur, 2))
+        cur = x * inv_c[:, None, :] * torch.exp(-log_r)[:, :, None]
+        col_std = _t_std(cur, 1)
+        score = _t_ratio(col_std) + _t_ratio(_t_std(cur, 2))
+        take = score <= best
+        best = torch.where(take, score, best)
+        best_c = torch.where(take[:, None], log_c, best_c)
+        best_r = torch.where(take[:, None], log_r, best_r)
+    col_s = _t_fp16(torch.exp(best_c)).float()
+    row_s = _t_fp16(torch.exp(best_r)).float()
+    bal = x / col_s[:, None, :] / row_s[:, :, None]
+    qmax = float((1 << bits) - 1)
+    lo = bal.amin(dim=2)
+    hi = bal.amax(dim=2)
+    step = ((hi - lo) / qmax).clamp_min(1e-10)
+    q = torch.round((bal - lo[:, :, None]) / step[:, :, None]).clamp(0, qmax).to(torch.uint8)
+    a = row_s * step
+    z = row_s * lo
+    peak = torch.maximum(a.abs().amax(dim=1), z.abs().amax(dim=1))
+    need = torch.ceil(torch.log2(peak.clamp_min(1.0) / 65504.0))
+    room = torch.floor(torch.log2(65504.0 / col_s.amax(dim=1)))
+    factor = torch.exp2(torch.minimum(need, room).clamp_min(0.0))
+    a = a / factor[:, None]
+    z = z / factor[:, None]
+    col_s = col_s * factor[:, None]
+    return q, _t_fp16(a), _t_fp16(z), _t_fp16(col_s)
+
+
+def _pack_torch(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """LSB-first bitstream packing of ``codes[..., n]`` (n a multiple of 8) into bytes."""
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    grouped = codes.reshape(*lead, n // 8, 8).to(torch.int64)
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+    word = (grouped << shifts).sum(dim=-1)  # disjoint bits: the sum is an OR
+    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    out = (word[..., None] >> byte_shifts) & 0xFF
+    return out.reshape(*lead, n // 8 * bits).to(torch.uint8)
+
+
+def _put_field(rec: torch.Tensor, offset: int, data: torch.Tensor) -> None:
+    raw = data.contiguous().view(torch.uint8).reshape(rec.shape[0], -1)
+    rec[:, offset : offset + raw.shape[1]] = raw
+
+
+def _flush_torch(
+    geo: DenseGeometry,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    src_slots: torch.Tensor,
+    kv_cache: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    iters: int,
+) -> None:
+    hk = pool_k.shape[2]
+    chunk = max(1, 256 // hk)
+    for start in range(0, src_slots.shape[0], chunk):
+        slots = src_slots[start : start + chunk].long()
+        blocks = dst_blocks[start : start + chunk].long()
+        m = slots.shape[0]
+        k = pool_k[slots].float().permute(0, 2, 3, 1).reshape(m * hk, geo.head_dim, geo.group)
+        v = pool_v[slots].float().permute(0, 2, 1, 3).reshape(m * hk, geo.group, geo.head_dim)
+        rec = torch.zeros(m * hk, geo.record_stride, dtype=torch.uint8, device=kv_cache.device)
+        codes, ks, kz, kt = _quantize_rows_torch(k, geo.key_bits, iters)
+        _put_field(rec, geo.k_codes, _pack_torch(codes, geo.key_bits))
+        _put_field(rec, geo.k_scale, ks)
+        _put_field(rec, geo.k_zero, kz)
+        _put_field(rec, geo.k_token_scale, kt)
+        codes, vs, vz, vc = _quantize_rows_torch(v, geo.value_bits, iters)
+        _put_field(rec, geo.v_codes, _pack_torch(codes, geo.value_bits))
+        _put_field(rec, geo.v_channel_scale, vc)
+        _put_field(rec, geo.v_scale, vs)
+        _put_field(rec, geo.v_zero, vz)
+        kv_cache[blocks] = rec.reshape(m, hk, geo.record_stride)

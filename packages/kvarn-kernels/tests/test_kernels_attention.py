@@ -1,0 +1,426 @@
+"""decode_attention / prefill_attention against the float64 reference on decoded records.
+
+Every case is built the serving way (tokens rotated into the fp16 pool, non-pool tiles
+flushed to records) with poisoned memory around it: NaN in unwritten pool rows and in slot 0,
+random bytes in the records of pool-resident blocks, -1 past each request's blocks in the
+block table, NaN in the output before the call. The kernel runs its MMAs on fp16 operands
+(the query scaled per row, the probabilities as in FlashAttention), so the bar is the fp16
+attention level: relative Frobenius error below 3e-3 over the batch and 2e-2 on any row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvarn_format import parse_cache_dtype, record_layout
+from kvarn_format.reference import decode_rotated_tiles
+from kvarn_kernels import (
+    decode_attention,
+    decode_workspace_numel,
+    prefill_attention,
+)
+from kvarn_kernels.reference import (
+    decode_attention_ref,
+    dequantize_records,
+    fp16_attention_ref,
+    prefill_attention_ref,
+)
+from kvarn_kernels.testing import build_case
+
+INTERPRET = not torch.cuda.is_available()
+
+
+def _assert_close(
+    out: torch.Tensor, ref: torch.Tensor, *, tot: float = 3e-3, row: float = 2e-2
+) -> None:
+    assert bool(torch.isfinite(out).all()), "output has NaN/Inf (unwritten or poisoned)"
+    o = out.double()
+    err = float((o - ref).norm() / ref.norm().clamp_min(1e-30))
+    assert err < tot, f"relative error {err:.2e}"
+    rn = ref.norm(dim=-1)
+    live = rn > 0
+    row_err = ((o - ref).norm(dim=-1)[live] / rn[live]).max()
+    assert float(row_err) < row, f"worst row relative error {float(row_err):.2e}"
+    assert bool((o[~live] == 0).all()), "rows without context must be zero"
+
+
+def test_torch_dequant_matches_reference_decoder(device: torch.device) -> None:
+    for name, d in (("kvarn_k4v2_g128", 64), ("kvarn_k5v5_g64", 128), ("kvarn_k4v4_g64", 64)):
+        fmt = parse_cache_dtype(name)
+        case = build_case(fmt, d, 2, [3 * fmt.group + 5], device=device, encoder="reference")
+        blocks = case.block_table[0, 1:3].long()
+        rec = case.kv_cache[blocks].reshape(-1, record_layout(fmt, d).tile_bytes)
+        k, v = dequantize_records(fmt, rec, d)
+        kr, vr = decode_rotated_tiles(fmt, rec.cpu().numpy(), d)
+        assert torch.equal(k.cpu(), torch.from_numpy(kr))
+        assert torch.equal(v.cpu(), torch.from_numpy(vr))
+
+
+# (format, head_dim, Hq, Hk, seq_lens, num_splits)
+DECODE_CPU = [
+    ("kvarn_k4v2_g64", 64, 4, 1, [200, 65, 0], 1),  # in-progress tile of 8 / 1 token; empty row
+    ("kvarn_k4v4_g64", 64, 8, 2, [127, 300], 3),  # in-progress tile of G-1 tokens; split-K
+    ("kvarn_k5v5_g64", 64, 2, 2, [130, 257], 2),  # GQA 1
+    ("kvarn_k4v2_g128", 64, 8, 1, [383, 129], 2),  # GQA 8, G-1 and 1
+    ("kvarn_k4v4_g128", 128, 12, 4, [300], 1),  # GQA 3 (not a power of two)
+]
+
+
+@pytest.mark.parametrize(("name", "d", "hq", "hk", "lens", "splits"), DECODE_CPU)
+def test_decode_attention(
+    device: torch.device, name: str, d: int, hq: int, hk: int, lens: list[int], splits: int
+) -> None:
+    case = build_case(
+        name,
+        d,
+        hk,
+        lens,
+        device=device,
+        seed=len(lens) + d,
+        encoder="reference" if INTERPRET else "kernel",
+        constant_tile=True,
+    )
+    gen = torch.Generator().manual_seed(d)
+    q = (torch.randn(len(lens), hq, d, generator=gen) * 2).half().to(device)
+    scale = 1.0 / math.sqrt(d)
+    out = torch.full_like(q, float("nan"))
+    res = decode_attention(
+        name,
+        q,
+        case.kv_cache,
+        case.pool_k,
+        case.pool_v,
+        case.block_table,
+        case.seq_lens,
+        case.block_to_slot,
+        scale,
+        out=out,
+        num_splits=splits,
+    )
+    assert res is out
+    ref = decode_attention_ref(
+        name,
+        q,
+        case.kv_cache,
+        case.pool_k,
+        case.pool_v,
+        case.block_table,
+        case.seq_lens,
+        case.block_to_slot,
+        scale,
+    )
+    _assert_close(out, ref)
+
+
+def test_decode_bf16_and_default_splits_against_fp16_attention(device: torch.device) -> None:
+    """bf16 queries; and the quantized attention stays close to unquantized attention."""
+    name, d, hq, hk, lens = "kvarn_k4v4_g64", 64, 4, 2, [256, 150]
+    case = build_case(
+        name,
+        d,
+        hk,
+        lens,
+        device=device,
+        seed=3,
+        encoder="reference" if INTERPRET else "kernel",
+        key_outliers=False,
+    )
+    q = torch.randn(len(lens), hq, d).to(torch.bfloat16).to(device)
+    scale = 1.0 / math.sqrt(d)
+    out = decode_attention(
+        name,
+        q,
+        case.kv_cache,
+        case.pool_k,
+        case.pool_v,
+        case.block_table,
+        case.seq_lens,
+        case.block_to_slot,
+        scale,
+    )
+    assert out.dtype == torch.bfloat16
+    ref = decode_attention_ref(
+        name,
+        q,
+        case.kv_cache,
+        case.pool_k,
+        case.pool_v,
+        case.block_table,
+        case.seq_lens,
+        case.block_to_slot,
+        scale,
+    )
+    _assert_close(out, ref, tot=8e-3, row=3e-2)  # the output itself is rounded to bf16
+    for b, n in enumerate(lens):
+        exact = fp16_attention_ref(
+            q[b : b + 1],
+            case.keys[b].to(device),
+            case.values[b].to(device),
+            torch.tensor([n - 1], device=device),
+            scale,
+        )[0]
+        rel = float((out[b].double() - exact).norm() / exact.norm())
+        # A sanity bar, not a quality claim: random tokens give ~0.1 at 4 bits, while a wrong
+        # frame, permutation or scale lands near 1 or more.
+        assert rel < 0.25, f"4-bit attention is {rel:.2f} away from fp16 attention"
+
+
+# (format, head_dim, Hq, Hk, seq_lens, q_lens, num_splits)
+PREFILL_CPU = [
+    ("kvarn_k4v2_g64", 64, 4, 1, [200, 65], [70, 3], 1),  # chunked prefill continuation
+    ("kvarn_k4v4_g64", 64, 6, 2, [300, 64, 5], [1, 64, 5], 2),  # GQA 3, first chunk, q_len 1
+    ("kvarn_k5v5_g64", 64, 8, 8, [192, 150], [64, 22], 1),  # prefix hit at a block boundary
+    ("kvarn_k4v2_g128", 64, 8, 1, [400, 390, 260], [4, 5, 3], 2),  # speculative verify
+]
+
+
+@pytest.mark.parametrize(("name", "d", "hq", "hk", "lens", "qlens", "splits"), PREFILL_CPU)
+def test_prefill_attention(
+    device: torch.device,
+    name: str,
+    d: int,
+    hq: int,
+    hk: int,
+    lens: list[int],
+    qlens: list[int],
+    splits: int,
+) -> None:
+    pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
+    case = build_case(
+        name,
+        d,
+        hk,
+        lens,
+        device=device,
+        seed=sum(qlens),
+        encoder="reference" if INTERPRET else "kernel",
+        pool_from=pool_from,
+    )
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(qlens), hq, d, generator=gen).half().to(device)
+    qsl = torch.tensor(
+        [0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
+    scale = 1.0 / math.sqrt(d)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(
+        name,
+        q,
+        case.kv_cache,
+        case.pool_k,
+        case.pool_v,
+        case.block_table,
+        qsl,
+        case.seq_lens,
+        case.block_to_slot,
+        scale,
+        out=out,
+        num_splits=splits,
+    )
+    ref = prefill_attention_ref(
+        name,
+        q,
+        case.kv_cache,
+        case.pool_k,
+        case.pool_v,
+        case.block_table,
+        qsl,
+        case.seq_lens,
+        case.block_to_slot,
+        scale,
+    )
+    _assert_close(out, ref)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("q_dtype", "q must have dtype"),
+        ("heads", "not a multiple"),
+        ("head_dim", "head_dim"),
+        ("stride", "record at head_dim"),
+        ("table_dtype", "block_table must have dtype"),
+        ("workspace", "workspace must be"),
+    ],
+)
+def test_decode_validation(device: torch.device, change: str, message: str) -> None:
+    name, d, hk = "kvarn_k4v2_g64", 64, 2
+    tile = record_layout(parse_cache_dtype(name), d).tile_bytes
+    pool = torch.zeros(2, 64, hk, d, dtype=torch.float16, device=device)
+    q = torch.zeros(
+        1,
+        3 if change == "heads" else 4,
+        32 if change == "head_dim" else d,
+        dtype=torch.float32 if change == "q_dtype" else torch.float16,
+        device=device,
+    )
+    kv = torch.zeros(
+        2, hk, tile + (8 if change == "stride" else 0), dtype=torch.uint8, device=device
+    )
+    bt = torch.zeros(
+        1, 2, dtype=torch.int64 if change == "table_dtype" else torch.int32, device=device
+    )
+    sl = torch.ones(1, dtype=torch.int32, device=device)
+    b2s = torch.zeros(2, dtype=torch.int32, device=device)
+    ws = torch.zeros(3, device=device) if change == "workspace" else None
+    with pytest.raises(ValueError, match=message):
+        decode_attention(name, q, kv, pool, pool.clone(), bt, sl, b2s, 0.1, workspace=ws)
+
+
+# ---------------------------------------------------------------------------------------------
+# real sizes (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("name", "d", "hq", "hk"),
+    [
+        ("kvarn_k4v2_g128", 128, 32, 8),
+        ("kvarn_k4v4_g128", 128, 32, 8),
+        ("kvarn_k4v2_g64", 128, 32, 8),
+        ("kvarn_k4v4_g64", 128, 32, 8),
+        ("kvarn_k5v5_g64", 128, 32, 8),
+        ("kvarn_k4v2_g128", 64, 8, 8),
+        ("kvarn_k4v4_g64", 256, 16, 2),
+        ("kvarn_k4v2_g128", 512, 8, 1),
+    ],
+)
+def test_decode_attention_gpu(device: torch.device, name: str, d: int, hq: int, hk: int) -> None:
+    g = parse_cache_dtype(name).group
+    lens = [4096, 1, g - 1, 3000, 2 * g + 1, 777, 0, 1500]
+    case = build_case(name, d, hk, lens, device=device, seed=d, max_blocks=4096 // g + 8)
+    q = torch.randn(len(lens), hq, d, device=device).half()
+    scale = 1.0 / math.sqrt(d)
+    for splits in (1, None):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(
+            name,
+            q,
+            case.kv_cache,
+            case.pool_k,
+            case.pool_v,
+            case.block_table,
+            case.seq_lens,
+            case.block_to_slot,
+            scale,
+            out=out,
+            num_splits=splits,
+        )
+        ref = decode_attention_ref(
+            name,
+            q,
+            case.kv_cache,
+            case.pool_k,
+            case.pool_v,
+            case.block_table,
+            case.seq_lens,
+            case.block_to_slot,
+            scale,
+        )
+        _assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("name", "d"), [("kvarn_k4v2_g128", 128), ("kvarn_k5v5_g64", 128), ("kvarn_k4v4_g64", 256)]
+)
+def test_prefill_attention_gpu(device: torch.device, name: str, d: int) -> None:
+    hq, hk = 32, 8
+    lens = [2048 + 512, 1030, 300, 4000]
+    qlens = [512, 6, 300, 128]
+    pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
+    case = build_case(name, d, hk, lens, device=device, seed=1, pool_from=pool_from)
+    q = torch.randn(sum(qlens), hq, d, device=device).half()
+    qsl = torch.tensor(
+        [0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
+    scale = 1.0 / math.sqrt(d)
+    for splits in (1, 4):
+        out = torch.full_like(q, float("nan"))
+        prefill_attention(
+            name,
+            q,
+            case.kv_cache,
+            case.pool_k,
+            case.pool_v,
+            case.block_table,
+            qsl,
+            case.seq_lens,
+            case.block_to_slot,
+            scale,
+            out=out,
+            num_splits=splits,
+        )
+        ref = prefill_attention_ref(
+            name,
+            q,
+            case.kv_cache,
+            case.pool_k,
+            case.pool_v,
+            case.block_table,
+            qsl,
+            case.seq_lens,
+            case.block_to_slot,
+            scale,
+        )
+        _assert_close(out, ref)
+
+
+@pytest.mark.gpu
+def test_decode_attention_cuda_graph(device: torch.device) -> None:
+    """Captured once with a fixed workspace, replayed with new queries and lengths."""
+    name, d, hq, hk = "kvarn_k4v2_g128", 128, 32, 8
+    lens = [1000, 2000, 129, 3000]
+    case = build_case(name, d, hk, lens, device=device, seed=9, max_blocks=32)
+    bsz = len(lens)
+    splits = 4
+    ws = torch.empty(decode_workspace_numel(bsz, hq, d, splits), device=device)
+    q = torch.randn(bsz, hq, d, device=device).half()
+    out = torch.empty_like(q)
+    seq = case.seq_lens.clone()
+    scale = 1.0 / math.sqrt(d)
+
+    def run() -> None:
+        decode_attention(
+            name,
+            q,
+            case.kv_cache,
+            case.pool_k,
+            case.pool_v,
+            case.block_table,
+            seq,
+            case.block_to_slot,
+            scale,
+            out=out,
+            workspace=ws,
+            num_splits=splits,
+        )
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run()  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for trial in range(2):
+        q.copy_(torch.randn_like(q))
+        seq.copy_(case.seq_lens - trial * 7)  # shorter contexts, same blocks
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = decode_attention_ref(
+            name,
+            q,
+            case.kv_cache,
+            case.pool_k,
+            case.pool_v,
+            case.block_table,
+            seq,
+            case.block_to_slot,
+            scale,
+        )
+        _assert_close(out, ref)

@@ -1,0 +1,130 @@
+"""rotate / write_side_pool against the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvarn_format.hadamard import hadamard_matrix as np_hadamard
+from kvarn_kernels import hadamard_matrix, rotate, write_side_pool
+from kvarn_kernels.reference import rotate_ref, write_side_pool_ref
+
+
+def _fp16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in fp16 ulps (through the ordered integer view of the bit patterns)."""
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        i = x.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -(i & 0x7FFF), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def test_hadamard_matrix_is_the_format_matrix(device: torch.device) -> None:
+    h = hadamard_matrix(128, device, torch.float32)
+    assert h is hadamard_matrix(128, device, torch.float32)  # cached
+    np.testing.assert_allclose(h.cpu().numpy(), np_hadamard(128), rtol=0, atol=1e-7)
+    eye = (h.double() @ h.double()).cpu()
+    assert torch.allclose(eye, torch.eye(128, dtype=torch.float64), atol=1e-6)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        hadamard_matrix(96, device)
+
+
+@pytest.mark.parametrize(
+    ("d", "dtype", "rows"),
+    [
+        (64, torch.float16, 37),
+        (128, torch.bfloat16, 50),
+        (128, torch.float32, 20),
+        (256, torch.float16, 17),
+        pytest.param(512, torch.bfloat16, 3000, marks=pytest.mark.gpu),
+        pytest.param(128, torch.float16, 100_000, marks=pytest.mark.gpu),
+    ],
+)
+def test_rotate_matches_reference(
+    device: torch.device, d: int, dtype: torch.dtype, rows: int
+) -> None:
+    gen = torch.Generator().manual_seed(d + rows)
+    x = (torch.randn(rows, d, generator=gen) * 4).to(dtype)
+    x[0] = 60000.0  # rotated row 0 exceeds the fp16 range: must saturate, not overflow
+    x = x.to(device)
+    y = rotate(x)
+    ref = rotate_ref(x)
+    assert y.dtype == torch.float16 and y.shape == x.shape
+    assert bool(torch.isfinite(y).all())
+    assert float(y[0, 0]) == 65504.0
+    # fp32 sums vs float64: a value within ~1e-7 of an fp16 rounding boundary may land on the
+    # other side, so allow one-ulp differences, and only rarely.
+    ulps = _fp16_ulps(y, ref)
+    assert int(ulps.max()) <= 1
+    assert float((ulps > 0).float().mean()) < 1e-3
+
+
+def test_write_side_pool_scatters_rotated_tokens(device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(7)
+    g, hk, d = 64, 2, 64
+    t = 150
+    k = torch.randn(t, hk, d, generator=gen).to(torch.bfloat16).to(device)
+    v = torch.randn(t, hk, d, generator=gen).half().to(device)
+    block_to_slot = torch.tensor([3, -1, 0, 2, 1, -1], dtype=torch.int32, device=device)
+    # unique destinations in pooled blocks, some padding (-1), some in block 1 (no pool slot)
+    pooled = torch.tensor([0, 2, 3, 4, 1])
+    positions = (pooled[:, None] * g + torch.arange(g)[None, :]).flatten()
+    slots = positions[torch.randperm(positions.numel(), generator=gen)[:t]]
+    slots[::7] = -1
+    slots = slots.to(device)
+    nan = float("nan")
+    pool_k = torch.full((4, g, hk, d), nan, dtype=torch.float16, device=device)
+    pool_v = torch.full_like(pool_k, nan)
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    write_side_pool(k, v, pool_k, pool_v, slots, block_to_slot)
+    write_side_pool_ref(k, v, ref_k, ref_v, slots.cpu(), block_to_slot.cpu())
+    for got, ref in ((pool_k, ref_k), (pool_v, ref_v)):
+        written = ~torch.isnan(ref)
+        assert torch.equal(torch.isnan(got), torch.isnan(ref))  # nothing else touched
+        assert int(_fp16_ulps(got[written], ref[written]).max()) <= 1
+    assert bool(written.any())
+
+
+def test_write_side_pool_rejects_tokens_without_pool_slot(device: torch.device) -> None:
+    g, hk, d = 64, 1, 64
+    k = torch.randn(2, hk, d).half().to(device)
+    pool = torch.full((1, g, hk, d), float("nan"), dtype=torch.float16, device=device)
+    pool_v = pool.clone()
+    block_to_slot = torch.tensor([0, -1], dtype=torch.int32, device=device)
+    slots = torch.tensor([3, g + 5], dtype=torch.int64, device=device)  # 2nd token: block 1
+    with pytest.raises(ValueError, match="without a side-pool slot"):
+        write_side_pool(k, k, pool, pool_v, slots, block_to_slot, check=True)
+    write_side_pool(k, k, pool, pool_v, slots, block_to_slot, check=False)
+    # the token of block 1 is skipped, never written elsewhere
+    assert int((~torch.isnan(pool)).sum()) == hk * d
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"k_dtype": torch.float32}, "k must have dtype"),
+        ({"pool_dtype": torch.bfloat16}, "pool_k must have dtype"),
+        ({"head_dim": 96}, "head_dim 96"),
+        ({"slot_dtype": torch.float32}, "slot_mapping must have dtype"),
+        ({"k_heads": 3}, "k must have shape"),
+    ],
+)
+def test_write_side_pool_validation(
+    device: torch.device, kwargs: dict[str, object], message: str
+) -> None:
+    d = int(kwargs.get("head_dim", 64))  # type: ignore[call-overload]
+    hk = 2
+    k_heads = int(kwargs.get("k_heads", hk))  # type: ignore[call-overload]
+    k_dtype = kwargs.get("k_dtype", torch.float16)
+    pool_dtype = kwargs.get("pool_dtype", torch.float16)
+    slot_dtype = kwargs.get("slot_dtype", torch.int64)
+    assert isinstance(k_dtype, torch.dtype) and isinstance(pool_dtype, torch.dtype)
+    assert isinstance(slot_dtype, torch.dtype)
+    k = torch.zeros(4, k_heads, d, dtype=k_dtype, device=device)
+    pool = torch.zeros(2, 64, hk, d, dtype=pool_dtype, device=device)
+    slots = torch.zeros(4, dtype=slot_dtype, device=device)
+    b2s = torch.zeros(4, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=message):
+        write_side_pool(k, k, pool, pool.clone(), slots, b2s)
