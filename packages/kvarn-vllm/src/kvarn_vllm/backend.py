@@ -1,0 +1,643 @@
+"""The KVarN attention backend for vLLM 0.23: backend class, metadata builder and impl.
+
+* :class:`KvarnAttentionBackend` declares what it serves (dense ``kvarn_*`` dtypes of one tile
+  size ``G``, head sizes 64/128/256/512, block size ``G``, decoder self-attention only) so that
+  vLLM's own ``validate_configuration`` rejects everything else. There is one subclass per
+  ``G`` because vLLM asks a backend for its block sizes without saying which dtype.
+* :class:`KvarnMetadataBuilder` is a thin adapter: it applies the side-pool plans of
+  :class:`~kvarn_vllm.runtime.KvarnGroupRuntime` (flushes, ``block_to_slot``) before the
+  forward, splits the batch (decodes first, then runs of first prefill chunks and of
+  continuations) and hands the impl what it needs.
+* :class:`KvarnAttentionImpl` writes the step's K/V (rotated, fp16) into the side pool in
+  ``do_kv_cache_update``, then routes: decode rows -> the fused decode kernel; first prefill
+  chunks (``seq_len == query_len``) -> FlashAttention on the raw K/V (torch SDPA where
+  ``vllm.vllm_flash_attn`` is unavailable, e.g. on CPU); continuations and verifies ->
+  prefill-with-context over pool and packed tiles.
+
+CUDA graphs: pure-decode batches are captured (``UNIFORM_SINGLE_TOKEN_DECODE``, so vLLM's
+default ``FULL_AND_PIECEWISE`` mode keeps full graphs for decode and piecewise graphs around
+attention otherwise). Everything a captured decode reads (``block_to_slot``, the pools, the
+workspace, vLLM's block table and seq_lens) is a persistent buffer, and the split count is
+fixed from ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+from kvarn_format import DENSE_DTYPES, DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype
+from kvarn_vllm.runtime import KvarnGroupRuntime
+from kvarn_vllm.specs import KvarnFullAttentionSpec, lookup_tile_stride
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+__all__ = [
+    "BACKENDS",
+    "KvarnAttentionBackend",
+    "KvarnAttentionBackendG64",
+    "KvarnAttentionBackendG128",
+    "KvarnAttentionImpl",
+    "KvarnMetadata",
+    "KvarnMetadataBuilder",
+    "backend_for",
+    "decode_num_splits",
+]
+
+logger = logging.getLogger("vllm.kvarn")
+
+
+def decode_num_splits(max_model_len: int, group: int) -> int:
+    """Split-K partitions of the decode kernel, fixed from static limits (CUDA graphs).
+
+    One split per 16 tiles of the longest possible context, clamped to [1, 64], rounded to a
+    power of two: short contexts run unsplit, long ones spread over many SMs.
+    """
+    kvarn_kernels = _kernels()
+    fn = getattr(kvarn_kernels, "decode_num_splits", None)
+    if fn is not None:
+        return int(fn(max_model_len, group))
+    tiles = -(-max_model_len // group)
+    splits = 1
+    while splits < 64 and splits * 16 < tiles:
+        splits *= 2
+    return splits
+
+
+def _kernels() -> Any:
+    import kvarn_kernels
+
+    return kvarn_kernels
+
+
+def _dense(cache_dtype: str) -> DenseFormat:
+    fmt = parse_cache_dtype(cache_dtype)
+    if not isinstance(fmt, DenseFormat):
+        raise ValueError(
+            f"{cache_dtype} is an MLA format: MLA models are not yet supported by kvarn-vllm"
+        )
+    return fmt
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend
+
+
+class KvarnAttentionBackend(AttentionBackend):
+    """Base of the per-tile-size backends; never selected itself."""
+
+    #: Tokens per tile (= block size) this backend serves.
+    group: ClassVar[int] = 0
+
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = []
+
+    @staticmethod
+    def get_name() -> str:
+        # Attention.__init__ evaluates AttentionBackendEnum[get_name()]; CUSTOM is the slot
+        # vLLM reserves for out-of-tree backends (registered by patch P2).
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[KvarnAttentionImpl]:
+        return KvarnAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KvarnMetadataBuilder]:
+        return KvarnMetadataBuilder
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls) -> list[int | MultipleOf]:
+        return [cls.group]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(DENSE_HEAD_DIMS)
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """``(num_blocks, Hk, tile_stride)`` uint8: one record per (block, KV head)."""
+        fmt = _dense(cache_dtype_str)
+        if block_size != fmt.group:
+            raise ValueError(
+                f"{cache_dtype_str} needs kernel blocks of {fmt.group} tokens (one tile), got "
+                f"{block_size}"
+            )
+        stride = lookup_tile_stride(cache_dtype_str, num_kv_heads, head_size)
+        return (num_blocks, num_kv_heads, stride)
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: Any) -> bool:
+        return kv_cache_dtype in cls.supported_kv_cache_dtypes
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability | None) -> bool:
+        # None on CPU (Triton interpreter); the Triton kernels need Ampere or newer on CUDA.
+        return capability is None or capability.major >= 8
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        # A connector would move packed blocks without their side-pool state.
+        return False
+
+    @classmethod
+    def supports_combination(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: Any,
+        block_size: int | None,
+        use_mla: bool,
+        has_sink: bool,
+        use_sparse: bool,
+        device_capability: Any,
+    ) -> str | None:
+        if block_size is not None and block_size % cls.group:
+            return (
+                f"block_size {block_size} is not a multiple of the {cls.group}-token tile; "
+                f"pass --block-size {cls.group}"
+            )
+        return None
+
+
+class KvarnAttentionBackendG64(KvarnAttentionBackend):
+    """KVarN dense formats with 64-token tiles."""
+
+    group = 64
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = [d for d in DENSE_DTYPES if d.endswith("_g64")]
+
+
+class KvarnAttentionBackendG128(KvarnAttentionBackend):
+    """KVarN dense formats with 128-token tiles."""
+
+    group = 128
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = [
+        d for d in DENSE_DTYPES if d.endswith("_g128")
+    ]
+
+
+BACKENDS: dict[int, type[KvarnAttentionBackend]] = {
+    KvarnAttentionBackendG64.group: KvarnAttentionBackendG64,
+    KvarnAttentionBackendG128.group: KvarnAttentionBackendG128,
+}
+
+
+def backend_for(cache_dtype: str) -> type[KvarnAttentionBackend]:
+    """The backend class serving ``cache_dtype`` (raises for MLA and unknown dtypes)."""
+    fmt = _dense(cache_dtype)
+    try:
+        return BACKENDS[fmt.group]
+    except KeyError:
+        raise ValueError(f"no KVarN backend for {fmt.group}-token tiles") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+
+# One runtime per (layers, KV-cache generation), shared by the builders vLLM creates for one
+# group (e.g. one per micro-batch). Weak: it dies with the builders of a discarded KV cache.
+_RUNTIME_BY_KEY: weakref.WeakValueDictionary[tuple[Any, ...], KvarnGroupRuntime] = (
+    weakref.WeakValueDictionary()
+)
+
+
+def _shared_runtime(
+    spec: KvarnFullAttentionSpec,
+    layer_names: list[str],
+    vllm_config: VllmConfig,
+    device: torch.device,
+) -> KvarnGroupRuntime:
+    key = (
+        tuple(layer_names),
+        id(vllm_config),
+        vllm_config.cache_config.num_gpu_blocks,
+        str(device),
+    )
+    runtime = _RUNTIME_BY_KEY.get(key)
+    if runtime is None:
+        runtime = KvarnGroupRuntime(spec, layer_names, vllm_config, device)
+        _RUNTIME_BY_KEY[key] = runtime
+    return runtime
+
+
+@dataclass(slots=True)
+class PrefillRun:
+    """Consecutive prefill rows of one kind: ``first`` chunks or ``context`` continuations."""
+
+    kind: str
+    req_start: int
+    req_end: int
+    tok_start: int
+    tok_end: int
+    max_query_len: int
+    max_seq_len: int
+    #: ``[n + 1]`` int32 on the device: query offsets relative to ``tok_start``.
+    cu_seqlens: torch.Tensor
+    #: Host copies for the SDPA fallback.
+    query_lens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KvarnMetadata(AttentionMetadata):
+    runtime: KvarnGroupRuntime
+    block_to_slot: torch.Tensor
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    num_decodes: int
+    num_decode_tokens: int
+    max_seq_len: int
+    prefill_runs: list[PrefillRun]
+
+
+class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
+    """Applies the side-pool plan, then describes the batch for the impl."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if not isinstance(kv_cache_spec, KvarnFullAttentionSpec):
+            raise TypeError(
+                f"kvarn: the KVarN backend got a {type(kv_cache_spec).__name__} for layers "
+                f"{layer_names[:3]}...; the spec hook (patch P3) did not run in this process"
+            )
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+        self.runtime = _shared_runtime(kv_cache_spec, layer_names, vllm_config, device)
+        if self.runtime.num_splits is None:
+            self.runtime.num_splits = decode_num_splits(
+                vllm_config.model_config.max_model_len, self.runtime.group
+            )
+        self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self.num_q_heads = int(
+            vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        )
+
+    def _ensure_workspace(self) -> None:
+        """Allocate the fixed decode workspace once, outside any CUDA-graph capture."""
+        rt = self.runtime
+        if rt.decode_workspace is not None:
+            return
+        shape_fn = getattr(_kernels(), "decode_workspace_shape", None)
+        if shape_fn is None:
+            return  # this kvarn-kernels allocates its own scratch
+        assert rt.num_splits is not None
+        shape = shape_fn(self.max_num_seqs, self.num_q_heads, rt.head_size, rt.num_splits)
+        rt.decode_workspace = torch.empty(shape, dtype=torch.float32, device=self.device)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> KvarnMetadata:
+        self.runtime.apply_pending()
+        return self._describe(common_attn_metadata)
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> KvarnMetadata:
+        # No side-pool work at capture time: only describe the (dummy) decode batch.
+        return self._describe(common_attn_metadata)
+
+    def _describe(self, cam: CommonAttentionMetadata) -> KvarnMetadata:
+        if not cam.causal:
+            raise ValueError("kvarn: non-causal attention is not supported")
+        table = self.runtime.ensure_block_table()
+        self._ensure_workspace()
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+            cam, decode_threshold=1
+        )
+        runs: list[PrefillRun] = []
+        if num_prefills:
+            runs = self._prefill_runs(cam, num_decodes)
+        return KvarnMetadata(
+            runtime=self.runtime,
+            block_to_slot=table,
+            num_actual_tokens=cam.num_actual_tokens,
+            slot_mapping=cam.slot_mapping,
+            seq_lens=cam.seq_lens,
+            block_table=cam.block_table_tensor,
+            query_start_loc=cam.query_start_loc,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            max_seq_len=cam.max_seq_len,
+            prefill_runs=runs,
+        )
+
+    @staticmethod
+    def _prefill_runs(cam: CommonAttentionMetadata, first_row: int) -> list[PrefillRun]:
+        qsl = cam.query_start_loc_cpu.numpy()[: cam.num_reqs + 1]
+        seq_cpu = cam.seq_lens_cpu_upper_bound
+        if seq_cpu is None:
+            seq_cpu = cam.seq_lens.to("cpu")
+        seq = seq_cpu.numpy()[: cam.num_reqs].astype(np.int64)
+        q_lens = np.diff(qsl).astype(np.int64)
+        runs: list[PrefillRun] = []
+        row = first_row
+        while row < cam.num_reqs:
+            if q_lens[row] == 0:
+                row += 1
+                continue
+            kind = "first" if seq[row] == q_lens[row] else "context"
+            end = row + 1
+            while end < cam.num_reqs and q_lens[end] > 0:
+                end_kind = "first" if seq[end] == q_lens[end] else "context"
+                if end_kind != kind:
+                    break
+                end += 1
+            t0, t1 = int(qsl[row]), int(qsl[end])
+            cu = cam.query_start_loc[row : end + 1] - t0
+            runs.append(
+                PrefillRun(
+                    kind=kind,
+                    req_start=row,
+                    req_end=end,
+                    tok_start=t0,
+                    tok_end=t1,
+                    max_query_len=int(q_lens[row:end].max()),
+                    max_seq_len=int(seq[row:end].max()),
+                    cu_seqlens=cu,
+                    query_lens=[int(x) for x in q_lens[row:end]],
+                )
+            )
+            row = end
+        return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Impl
+
+
+def _metadata_for(layer_name: str) -> KvarnMetadata | None:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    raw: Any = get_forward_context().attn_metadata
+    if isinstance(raw, list):
+        # Speculative decoding passes one dict per draft step; [0] is the target model's.
+        raw = raw[0] if raw else None
+    if isinstance(raw, dict):
+        raw = raw.get(layer_name)
+    return raw if isinstance(raw, KvarnMetadata) else None
+
+
+class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
+    """Side-pool write, then decode / first-chunk / context attention by batch part."""
+
+    supports_quant_query_input: bool = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra: Any,
+    ) -> None:
+        unsupported = {
+            "ALiBi slopes": alibi_slopes is not None,
+            "a sliding window": sliding_window is not None,
+            "logits soft-capping": bool(logits_soft_cap),
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+            "attention sinks": extra.get("sinks") is not None,
+        }
+        bad = [what for what, flag in unsupported.items() if flag]
+        if bad:
+            raise ValueError(
+                f"kvarn: {kv_cache_dtype} does not support {', '.join(bad)} in this layer; add "
+                "the layer to --kv-cache-dtype-skip-layers or use another --kv-cache-dtype"
+            )
+        self.fmt = _dense(kv_cache_dtype)
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"kvarn: {num_heads} query heads are not a multiple of {self.num_kv_heads}"
+            )
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self._fa: Any = None
+        self._fa_version: int | None = None
+        self._fa_checked = False
+
+    # ------------------------------------------------------------------ KV write
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Rotate this step's K/V and write them, fp16, into the layer's side pool."""
+        layer_name = str(getattr(layer, "layer_name", ""))
+        meta = _metadata_for(layer_name)
+        if meta is None:
+            return
+        n = int(slot_mapping.shape[0])
+        if n == 0:
+            return
+        pools = meta.runtime.pools_for(layer_name)
+        _kernels().write_side_pool(
+            key[:n], value[:n], pools.k, pools.v, slot_mapping, meta.block_to_slot
+        )
+
+    # ------------------------------------------------------------------ attention
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: KvarnMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvarn: fused output quantization is not supported")
+        if attn_metadata is None:
+            # Memory profiling run: vLLM skips attention. Touch the transient buffers a real
+            # step of this size would need so the profiler's peak includes them.
+            self._profile_transients(query)
+            return output.zero_()
+        meta = attn_metadata
+        n = meta.num_actual_tokens
+        if n == 0:
+            return output
+        name = layer.layer_name  # type: ignore[attr-defined]
+        pools = meta.runtime.pools_for(name)
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        kk = _kernels()
+
+        nd, ndt = meta.num_decodes, meta.num_decode_tokens
+        if nd:
+            kk.decode_attention(
+                self.fmt,
+                q[:ndt],
+                kv_cache,
+                pools.k,
+                pools.v,
+                meta.block_table[:nd],
+                meta.seq_lens[:nd],
+                meta.block_to_slot,
+                self.scale,
+                out=out[:ndt],
+                workspace=meta.runtime.decode_workspace,
+                num_splits=meta.runtime.num_splits,
+            )
+        if meta.prefill_runs:
+            k = key[:n].view(n, self.num_kv_heads, self.head_size)
+            v = value[:n].view(n, self.num_kv_heads, self.head_size)
+            for run in meta.prefill_runs:
+                t0, t1 = run.tok_start, run.tok_end
+                if run.kind == "first":
+                    self._first_chunk(q[t0:t1], k[t0:t1], v[t0:t1], out[t0:t1], run)
+                else:
+                    kk.prefill_attention(
+                        self.fmt,
+                        q[t0:t1],
+                        kv_cache,
+                        pools.k,
+                        pools.v,
+                        meta.block_table[run.req_start : run.req_end],
+                        run.cu_seqlens,
+                        meta.seq_lens[run.req_start : run.req_end],
+                        meta.block_to_slot,
+                        self.scale,
+                        out=out[t0:t1],
+                    )
+        return output
+
+    def _profile_transients(self, query: torch.Tensor) -> None:
+        # The kernels' per-call temporaries are at most a rotated fp32 copy of q and an fp32
+        # output accumulator for every token of the step.
+        n = query.shape[0]
+        tmp = torch.empty(
+            (2, n, self.num_heads, self.head_size), dtype=torch.float32, device=query.device
+        )
+        del tmp
+
+    # ------------------------------------------------------------------ first chunks
+    def _flash_attn(self) -> Any:
+        if not self._fa_checked:
+            self._fa_checked = True
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cuda():
+                try:
+                    from vllm.v1.attention.backends.fa_utils import (
+                        get_flash_attn_version,
+                        is_flash_attn_varlen_func_available,
+                    )
+
+                    if is_flash_attn_varlen_func_available():
+                        from vllm.v1.attention.backends import fa_utils
+
+                        self._fa = getattr(fa_utils, "flash_attn_varlen_func")  # noqa: B009
+                        self._fa_version = get_flash_attn_version(head_size=self.head_size)
+                except ImportError:  # pragma: no cover - CUDA wheel without FA
+                    self._fa = None
+            if self._fa is None:
+                logger.info("kvarn: first prefill chunks use torch SDPA (no FlashAttention)")
+        return self._fa
+
+    def _first_chunk(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        run: PrefillRun,
+    ) -> None:
+        """Causal attention of first chunks over their own raw (unquantized) K/V."""
+        fa = self._flash_attn()
+        if fa is not None:
+            kwargs: dict[str, Any] = {}
+            if self._fa_version is not None:
+                kwargs["fa_version"] = self._fa_version
+            fa(
+                q=q,
+                k=k,
+                v=v,
+                cu_seqlens_q=run.cu_seqlens,
+                cu_seqlens_k=run.cu_seqlens,
+                max_seqlen_q=run.max_query_len,
+                max_seqlen_k=run.max_query_len,
+                softmax_scale=self.scale,
+                causal=True,
+                out=out,
+                **kwargs,
+            )
+            return
+        start = 0
+        for length in run.query_lens:
+            end = start + length
+            qi = q[start:end].transpose(0, 1)
+            ki = k[start:end].transpose(0, 1)
+            vi = v[start:end].transpose(0, 1)
+            oi = F.scaled_dot_product_attention(
+                qi,
+                ki,
+                vi,
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[start:end] = oi.transpose(0, 1).to(out.dtype)
+            start = end

@@ -1,0 +1,224 @@
+"""Charging KVarN's extra memory in vLLM's KV budget, and reporting the resulting capacity.
+
+Besides its paged blocks a KVarN layer needs an fp16 *side pool* (every request's sink tile and
+in-progress tile, the tiles of in-flight prefill chunks), and the decode kernel needs a
+fixed-size split-K workspace. vLLM's memory profiler cannot see them (they are allocated when
+the KV cache is, after profiling), so patch P5 subtracts them from each worker's available KV
+memory before vLLM counts blocks: vLLM then never over-commits, with or without
+``kv_cache_memory_bytes``.
+
+The slot count is kvarn-format's (:func:`kvarn_format.sizing.side_pool_slots`), the single
+source of truth the offline planner (``kvarn plan``) uses too.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvarn_format import DenseFormat, parse_cache_dtype
+from kvarn_format.sizing import ServingConfig, SidePool, side_pool_slots
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = [
+    "Reservation",
+    "ServingLimits",
+    "decode_workspace_bytes",
+    "log_capacity",
+    "pool_slots_for",
+    "reservation_for_worker",
+    "serving_limits",
+]
+
+logger = logging.getLogger("vllm.kvarn")
+
+
+@dataclass(frozen=True, slots=True)
+class ServingLimits:
+    """The scheduler limits that size the side pool and the decode workspace."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    spec_tokens: int
+    #: Tokens the scheduler's computed count may run ahead of verified ones (async + spec).
+    spec_margin: int
+
+    def serving_config(self) -> ServingConfig:
+        return ServingConfig(
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
+            spec_tokens=self.spec_tokens,
+        )
+
+
+def serving_limits(vllm_config: VllmConfig) -> ServingLimits:
+    sched = vllm_config.scheduler_config
+    spec_cfg = vllm_config.speculative_config
+    spec_tokens = int(getattr(spec_cfg, "num_speculative_tokens", 0) or 0) if spec_cfg else 0
+    async_sched = bool(getattr(sched, "async_scheduling", False))
+    return ServingLimits(
+        max_model_len=int(vllm_config.model_config.max_model_len),
+        max_num_seqs=int(sched.max_num_seqs),
+        max_num_batched_tokens=int(sched.max_num_batched_tokens),
+        spec_tokens=spec_tokens,
+        spec_margin=spec_tokens if async_sched else 0,
+    )
+
+
+def pool_slots_for(fmt: DenseFormat, limits: ServingLimits) -> int:
+    """Side-pool slots per layer for these limits (kvarn-format's dense rule)."""
+    return side_pool_slots(SidePool("dense", fmt.group, 0), limits.serving_config())
+
+
+def decode_workspace_bytes(num_rows: int, num_q_heads: int, head_size: int, splits: int) -> int:
+    """Bytes of the split-K decode workspace for ``num_rows`` decode requests.
+
+    Each (row, query head, split) keeps a partial output of ``head_size`` fp32 plus its
+    log-sum-exp and max (fp32): what :func:`kvarn_kernels.decode_workspace_shape` asks for.
+    """
+    try:
+        import kvarn_kernels
+
+        fn = getattr(kvarn_kernels, "decode_workspace_bytes", None)
+        if fn is not None:
+            return int(fn(num_rows, num_q_heads, head_size, splits))
+    except ImportError:  # pragma: no cover - kvarn-kernels is a dependency
+        pass
+    return num_rows * num_q_heads * splits * (head_size + 2) * 4
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What KVarN takes from one worker's KV memory before vLLM counts blocks."""
+
+    cache_dtype: str
+    kvarn_layers: int
+    pool_slots: int
+    pool_bytes: int
+    workspace_bytes: int
+    table_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pool_bytes + self.workspace_bytes + self.table_bytes
+
+
+def _num_q_heads(vllm_config: VllmConfig) -> int:
+    model = vllm_config.model_config
+    return int(model.get_num_attention_heads(vllm_config.parallel_config))
+
+
+def reservation_for_worker(
+    vllm_config: VllmConfig, specs: dict[str, Any], available_bytes: int
+) -> Reservation | None:
+    """The side pools, decode workspace and ``block_to_slot`` table of one worker's KVarN layers.
+
+    ``specs`` is that worker's layer -> KV-cache spec map. ``None`` when it has no KVarN layer.
+    """
+    from kvarn_vllm.specs import KvarnFullAttentionSpec
+
+    kvarn = [s for s in specs.values() if isinstance(s, KvarnFullAttentionSpec)]
+    if not kvarn:
+        return None
+    dtypes = {s.kvarn_dtype for s in kvarn}
+    if len(dtypes) != 1:
+        raise ValueError(f"kvarn: one worker mixes KVarN formats {sorted(dtypes)}")
+    cache_dtype = dtypes.pop()
+    fmt = parse_cache_dtype(cache_dtype)
+    assert isinstance(fmt, DenseFormat)
+    limits = serving_limits(vllm_config)
+    slots = pool_slots_for(fmt, limits)
+    pool_bytes = sum(slots * 2 * fmt.group * s.num_kv_heads * s.head_size * 2 for s in kvarn)
+    head_size = max(s.head_size for s in kvarn)
+    from kvarn_vllm.backend import decode_num_splits
+
+    splits = decode_num_splits(limits.max_model_len, fmt.group)
+    workspace = decode_workspace_bytes(
+        limits.max_num_seqs, _num_q_heads(vllm_config), head_size, splits
+    )
+    # block_to_slot holds one int32 per G-token block; bound the block count from above.
+    page_sum = sum(int(s.page_size_bytes) for s in specs.values()) or 1
+    min_tiles = min(s.tiles_per_block for s in kvarn)
+    table = 4 * max(0, available_bytes // page_sum) * max(min_tiles, 1)
+    return Reservation(cache_dtype, len(kvarn), slots, pool_bytes, workspace, table)
+
+
+def shrink_available_memory(
+    vllm_config: VllmConfig, kv_cache_specs: list[dict[str, Any]], available_memory: list[int]
+) -> tuple[list[int], list[Reservation | None]]:
+    """Subtract each worker's reservation; raise when nothing is left for the KV cache."""
+    reservations = [
+        reservation_for_worker(vllm_config, specs, avail)
+        for specs, avail in zip(kv_cache_specs, available_memory, strict=True)
+    ]
+    out: list[int] = []
+    for avail, res in zip(available_memory, reservations, strict=True):
+        if res is None:
+            out.append(avail)
+            continue
+        left = avail - res.total_bytes
+        if left <= 0:
+            raise ValueError(
+                f"kvarn: the {res.cache_dtype} side pool ({res.pool_slots} slots x "
+                f"{res.kvarn_layers} layers = {res.pool_bytes / (1 << 30):.2f} GiB) and decode "
+                f"workspace ({res.workspace_bytes / (1 << 20):.1f} MiB) exceed the "
+                f"{avail / (1 << 30):.2f} GiB available for the KV cache: lower "
+                "--max-num-seqs or --max-num-batched-tokens, or raise "
+                "--gpu-memory-utilization / --kv-cache-memory-bytes"
+            )
+        out.append(left)
+    return out, reservations
+
+
+def log_capacity(
+    vllm_config: VllmConfig,
+    kv_cache_configs: list[Any],
+    reservations: list[Reservation | None],
+    available_before: list[int],
+) -> list[int]:
+    """Log the KVarN capacity in tokens per worker; returns the token counts logged."""
+    from kvarn_vllm.specs import KvarnFullAttentionSpec
+
+    tokens_out: list[int] = []
+    for rank, (config, res, avail) in enumerate(
+        zip(kv_cache_configs, reservations, available_before, strict=True)
+    ):
+        if res is None:
+            continue
+        block_size = 0
+        fp16_page = 0
+        for group in config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            inner = getattr(spec, "kv_cache_specs", None)
+            layer_specs = list(inner.values()) if inner else [spec] * len(group.layer_names)
+            for s in layer_specs:
+                if isinstance(s, KvarnFullAttentionSpec):
+                    block_size = max(block_size, s.block_size)
+                    fp16_page += 2 * s.block_size * s.num_kv_heads * s.head_size * 2
+                else:
+                    fp16_page += int(s.page_size_bytes)
+        tokens = config.num_blocks * block_size
+        tokens_out.append(tokens)
+        fp16_tokens = (avail // fp16_page) * block_size if fp16_page else 0
+        ratio = tokens / fp16_tokens if fp16_tokens else float("nan")
+        logger.info(
+            "kvarn: worker %d KV cache capacity %s tokens with %s (%d blocks of %d tokens; "
+            "%.2fx an fp16 cache in the same memory); side pool %d slots x %d layers = %.2f "
+            "GiB and decode workspace %.1f MiB charged to the KV budget",
+            rank,
+            f"{tokens:,}",
+            res.cache_dtype,
+            config.num_blocks,
+            block_size,
+            ratio,
+            res.pool_slots,
+            res.kvarn_layers,
+            res.pool_bytes / (1 << 30),
+            res.workspace_bytes / (1 << 20),
+        )
+    return tokens_out

@@ -1,0 +1,299 @@
+"""Device state of one KVarN KV-cache group: side pools, ``block_to_slot``, decode workspace.
+
+One :class:`KvarnGroupRuntime` exists per KV-cache group of KVarN layers in a worker. The
+metadata builders of the group share it (vLLM may create several builders for one group,
+e.g. one per micro-batch). It owns:
+
+* per layer, the fp16 side pools ``pool_k``/``pool_v`` ``[num_slots, G, Hk, D]`` (rotated);
+* ``block_to_slot`` ``int32 [num_kernel_blocks]``, shared by all layers of the group;
+* the decode workspace, fixed-size so CUDA graphs can capture the decode kernel;
+* the :class:`~kvarn_vllm.tracker.SidePoolTracker` that decides flushes and slots.
+
+Request lifecycle reaches the tracker through :func:`observe_scheduler_output`, which the
+patched ``Worker.execute_model`` calls with every scheduler output before the model runner
+runs (patch P6). The builder then applies the resulting plans on the device in ``build`` —
+before the forward and never inside CUDA-graph capture.
+
+Memory: the pools and the workspace are allocated when the real KV cache is initialized and
+are charged in vLLM's KV budget by patch P5 (:mod:`kvarn_vllm.budget`), so the profiler never
+sees them and vLLM never over-commits. While vLLM builds its throw-away profiling KV cache
+(``num_gpu_blocks`` is still unknown) a runtime gets one-slot pools.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvarn_format import DenseFormat, record_layout
+from kvarn_vllm.budget import pool_slots_for, serving_limits
+from kvarn_vllm.tracker import CachedRequest, NewRequest, SidePoolTracker, StepInput, StepPlan
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from kvarn_vllm.specs import KvarnFullAttentionSpec
+
+__all__ = [
+    "KvarnGroupRuntime",
+    "PoolPair",
+    "live_runtimes",
+    "observe_scheduler_output",
+    "step_input_from_scheduler_output",
+]
+
+logger = logging.getLogger("vllm.kvarn")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPair:
+    """The fp16 side pools of one layer, ``[num_slots, G, Hk, D]`` each, rotated."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+# Live runtimes of this process; weak so that vLLM dropping its builders (after the profiling
+# KV cache, or at shutdown) frees their pools.
+_RUNTIMES: weakref.WeakSet[KvarnGroupRuntime] = weakref.WeakSet()
+
+
+def live_runtimes() -> list[KvarnGroupRuntime]:
+    """Runtimes alive in this process, oldest first."""
+    return sorted(_RUNTIMES, key=lambda r: r.serial)
+
+
+_SERIAL = iter(range(1 << 62))
+
+
+class KvarnGroupRuntime:
+    """Side pools, ``block_to_slot`` and the tracker of one KV-cache group of KVarN layers."""
+
+    def __init__(
+        self,
+        spec: KvarnFullAttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        self.serial = next(_SERIAL)
+        fmt = _dense(spec.kvarn_dtype)
+        self.fmt: DenseFormat = fmt
+        self.group = fmt.group
+        self.head_size = spec.head_size
+        self.num_kv_heads = spec.num_kv_heads
+        self.layout = record_layout(fmt, spec.head_size)
+        self.device = device
+        self.layer_names = tuple(layer_names)
+        self.vllm_config = vllm_config
+        cache = vllm_config.cache_config
+        self.profiling = cache.num_gpu_blocks is None
+        limits = serving_limits(vllm_config)
+        self.num_slots = 1 if self.profiling else pool_slots_for(fmt, limits)
+        self.prefix_caching = bool(cache.enable_prefix_caching)
+        self.spec_margin = limits.spec_margin
+
+        layers = get_layers_from_vllm_config(vllm_config, Attention, list(layer_names))
+        self._layers = layers
+        # Layers sharing another layer's KV cache read (and never write) that layer's pools.
+        self.pool_owner: dict[str, str] = {}
+        self.pools: dict[str, PoolPair] = {}
+        shape = (self.num_slots, self.group, self.num_kv_heads, self.head_size)
+        for name in layer_names:
+            target = getattr(layers[name], "kv_sharing_target_layer_name", None) or name
+            self.pool_owner[name] = target
+        for owner in dict.fromkeys(self.pool_owner.values()):
+            self.pools[owner] = PoolPair(
+                torch.zeros(shape, dtype=torch.float16, device=device),
+                torch.zeros(shape, dtype=torch.float16, device=device),
+            )
+
+        self.block_to_slot: torch.Tensor | None = None
+        self.tracker: SidePoolTracker | None = None
+        self.group_id: int | None = None
+        self.decode_workspace: Any = None
+        self.num_splits: int | None = None
+        _RUNTIMES.add(self)
+        if not self.profiling:
+            pool_bytes = 2 * len(self.pools) * self.num_slots * self.slot_bytes // 2
+            logger.info(
+                "kvarn: %s side pool: %d slots x %d layers (%.2f GiB); prefix caching %s",
+                fmt.name,
+                self.num_slots,
+                len(self.pools),
+                pool_bytes / (1 << 30),
+                "on" if self.prefix_caching else "off",
+            )
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot of one layer, K and V."""
+        return 2 * self.group * self.num_kv_heads * self.head_size * 2
+
+    def pools_for(self, layer_name: str) -> PoolPair:
+        return self.pools[self.pool_owner[layer_name]]
+
+    def kv_cache_of(self, layer_name: str) -> torch.Tensor:
+        kv = self._layers[layer_name].kv_cache
+        if not isinstance(kv, torch.Tensor) or kv.numel() == 0:
+            raise RuntimeError(f"kvarn: layer {layer_name} has no KV cache bound yet")
+        return kv
+
+    def ensure_block_table(self) -> torch.Tensor:
+        """Allocate ``block_to_slot`` once the KV cache tensors exist (size = kernel blocks)."""
+        if self.block_to_slot is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("kvarn: block_to_slot must exist before CUDA-graph capture")
+            owner = next(iter(self.pools))
+            num_blocks = int(self.kv_cache_of(owner).shape[0])
+            self.block_to_slot = torch.full(
+                (num_blocks,), -1, dtype=torch.int32, device=self.device
+            )
+        return self.block_to_slot
+
+    # ------------------------------------------------------------------ lifecycle
+    def _resolve_group(self, kv_cache_config: Any) -> None:
+        """Find this runtime's KV-cache group id and scheduler block size (once)."""
+        if self.group_id is not None:
+            return
+        first = self.layer_names[0]
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+            if first in group.layer_names:
+                manager_block = int(group.kv_cache_spec.block_size)
+                if manager_block % self.group:
+                    raise RuntimeError(
+                        f"kvarn: KV-cache group {gid} uses {manager_block}-token blocks, not a "
+                        f"multiple of the {self.group}-token tile"
+                    )
+                self.group_id = gid
+                self.tracker = SidePoolTracker(
+                    self.num_slots,
+                    self.group,
+                    blocks_per_scheduler_block=manager_block // self.group,
+                    prefix_caching=self.prefix_caching,
+                    spec_margin=self.spec_margin,
+                )
+                return
+        raise RuntimeError(f"kvarn: layer {first} is in no KV-cache group of this worker")
+
+    def observe(self, scheduler_output: Any, kv_cache_config: Any) -> None:
+        """Feed one scheduler output to the tracker (CPU only; plans are applied in build)."""
+        if self.profiling:
+            return
+        self._resolve_group(kv_cache_config)
+        assert self.tracker is not None and self.group_id is not None
+        self.tracker.step(step_input_from_scheduler_output(scheduler_output, self.group_id))
+
+    def apply_pending(self) -> None:
+        """Run queued flushes and ``block_to_slot`` updates on the device (before the forward).
+
+        All queued plans are merged: flushes only read pool slots, and a slot freed by one
+        plan cannot be written again before a forward pass, so every flush reads the data it
+        was planned for. The mapping keeps the last value per block.
+        """
+        if self.tracker is None:
+            return
+        plans = self.tracker.take_pending()
+        if not plans:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kvarn: side-pool flushes must not run under CUDA-graph capture")
+        table = self.ensure_block_table()
+        flush_slots, flush_blocks, mapping = _merge(plans)
+        if flush_slots:
+            kvarn_kernels: Any = importlib.import_module("kvarn_kernels")
+
+            src = self._to_device(flush_slots)
+            dst = self._to_device(flush_blocks)
+            for owner, pair in self.pools.items():
+                kvarn_kernels.flush_tiles(
+                    self.fmt, pair.k, pair.v, src, self.kv_cache_of(owner), dst
+                )
+        if mapping:
+            blocks = self._to_device(list(mapping))
+            slots = self._to_device(list(mapping.values()))
+            table.index_copy_(0, blocks.long(), slots)
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.int32)
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
+
+
+def _merge(plans: list[StepPlan]) -> tuple[list[int], list[int], dict[int, int]]:
+    flush_slots: list[int] = []
+    flush_blocks: list[int] = []
+    mapping: dict[int, int] = {}
+    for plan in plans:
+        flush_slots.extend(plan.flush_slots)
+        flush_blocks.extend(plan.flush_blocks)
+        for block, slot in zip(plan.map_blocks, plan.map_slots, strict=True):
+            mapping.pop(block, None)
+            mapping[block] = slot
+    return flush_slots, flush_blocks, mapping
+
+
+def _dense(cache_dtype: str) -> DenseFormat:
+    from kvarn_format import parse_cache_dtype
+
+    fmt = parse_cache_dtype(cache_dtype)
+    if not isinstance(fmt, DenseFormat):
+        raise ValueError(f"{cache_dtype}: MLA formats are not yet supported by kvarn-vllm")
+    return fmt
+
+
+def step_input_from_scheduler_output(scheduler_output: Any, group_id: int) -> StepInput:
+    """Reduce vLLM's ``SchedulerOutput`` to what the tracker of KV-cache group ``group_id`` needs."""
+    new = [
+        NewRequest(r.req_id, list(r.block_ids[group_id]), int(r.num_computed_tokens))
+        for r in scheduler_output.scheduled_new_reqs
+    ]
+    cached_data = scheduler_output.scheduled_cached_reqs
+    resumed = cached_data.resumed_req_ids
+    cached = []
+    for i, req_id in enumerate(cached_data.req_ids):
+        blocks = cached_data.new_block_ids[i]
+        cached.append(
+            CachedRequest(
+                req_id,
+                None if blocks is None else list(blocks[group_id]),
+                req_id in resumed,
+                int(cached_data.num_computed_tokens[i]),
+            )
+        )
+    return StepInput(
+        finished=tuple(scheduler_output.finished_req_ids),
+        preempted=tuple(scheduler_output.preempted_req_ids or ()),
+        new=new,
+        cached=cached,
+        num_scheduled=dict(scheduler_output.num_scheduled_tokens),
+        num_spec={k: len(v) for k, v in scheduler_output.scheduled_spec_decode_tokens.items()},
+    )
+
+
+def observe_scheduler_output(worker: Any, scheduler_output: Any) -> None:
+    """Called (patch P6) at the start of every ``Worker.execute_model`` of this process."""
+    runtimes = [r for r in live_runtimes() if not r.profiling]
+    if not runtimes:
+        return
+    runner = getattr(worker, "model_runner", None)
+    kv_cache_config = getattr(runner, "kv_cache_config", None)
+    if kv_cache_config is None:
+        return
+    for runtime in runtimes:
+        runtime.observe(scheduler_output, kv_cache_config)
+
+
+def iter_layer_pools(runtime: KvarnGroupRuntime) -> Iterator[tuple[str, PoolPair]]:
+    yield from runtime.pools.items()
