@@ -82,7 +82,7 @@ def test_engine_args_reject_bad_dtype_and_conflicting_block_size(
 ) -> None:
     with pytest.raises(ValueError, match=r"Unknown KVarN cache dtype.*kvarn_k4v2_g128"):
         _args(qwen3_dir, kv_cache_dtype="kvarn_k3v3_g128").create_engine_config()
-    with pytest.raises(ValueError, match="needs --block-size 128.*got --block-size 16"):
+    with pytest.raises(ValueError, match=r"needs --block-size 128.*got --block-size 16"):
         _args(qwen3_dir, kv_cache_dtype="kvarn_k4v2_g128", block_size=16).create_engine_config()
     ok = _args(qwen3_dir, kv_cache_dtype="kvarn_k4v2_g64", block_size=64).create_engine_config()
     assert ok.cache_config.block_size == 64
@@ -146,11 +146,11 @@ def mla_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_mla_models_and_mla_dtypes_fail_closed(kvarn: None, mla_dir: Path, qwen3_dir: Path) -> None:
-    with pytest.raises(ValueError, match="MLA.*not yet supported"):
+    with pytest.raises(ValueError, match=r"MLA.*not yet supported"):
         _args(mla_dir, kv_cache_dtype="kvarn_k4v2_g128").create_engine_config()
-    with pytest.raises(ValueError, match="MLA.*not yet supported"):
+    with pytest.raises(ValueError, match=r"MLA.*not yet supported"):
         _args(mla_dir, kv_cache_dtype="kvarn_mla_k4_g128").create_engine_config()
-    with pytest.raises(ValueError, match="is an MLA format but .* is not an MLA model"):
+    with pytest.raises(ValueError, match=r"is an MLA format but .* is not an MLA model"):
         _args(qwen3_dir, kv_cache_dtype="kvarn_mla_k5_g64").create_engine_config()
 
 

@@ -62,27 +62,9 @@ __all__ = [
     "KvarnMetadata",
     "KvarnMetadataBuilder",
     "backend_for",
-    "decode_num_splits",
 ]
 
 logger = logging.getLogger("vllm.kvarn")
-
-
-def decode_num_splits(max_model_len: int, group: int) -> int:
-    """Split-K partitions of the decode kernel, fixed from static limits (CUDA graphs).
-
-    One split per 16 tiles of the longest possible context, clamped to [1, 64], rounded to a
-    power of two: short contexts run unsplit, long ones spread over many SMs.
-    """
-    kvarn_kernels = _kernels()
-    fn = getattr(kvarn_kernels, "decode_num_splits", None)
-    if fn is not None:
-        return int(fn(max_model_len, group))
-    tiles = -(-max_model_len // group)
-    splits = 1
-    while splits < 64 and splits * 16 < tiles:
-        splits *= 2
-    return splits
 
 
 def _kernels() -> Any:
@@ -307,26 +289,6 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             )
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
         self.runtime = _shared_runtime(kv_cache_spec, layer_names, vllm_config, device)
-        if self.runtime.num_splits is None:
-            self.runtime.num_splits = decode_num_splits(
-                vllm_config.model_config.max_model_len, self.runtime.group
-            )
-        self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-        self.num_q_heads = int(
-            vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
-        )
-
-    def _ensure_workspace(self) -> None:
-        """Allocate the fixed decode workspace once, outside any CUDA-graph capture."""
-        rt = self.runtime
-        if rt.decode_workspace is not None:
-            return
-        shape_fn = getattr(_kernels(), "decode_workspace_shape", None)
-        if shape_fn is None:
-            return  # this kvarn-kernels allocates its own scratch
-        assert rt.num_splits is not None
-        shape = shape_fn(self.max_num_seqs, self.num_q_heads, rt.head_size, rt.num_splits)
-        rt.decode_workspace = torch.empty(shape, dtype=torch.float32, device=self.device)
 
     def build(
         self,
@@ -347,10 +309,11 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         if not cam.causal:
             raise ValueError("kvarn: non-causal attention is not supported")
         table = self.runtime.ensure_block_table()
-        self._ensure_workspace()
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
             cam, decode_threshold=1
         )
+        # The fixed decode workspace exists before any decode kernel runs (or is captured).
+        self.runtime.ensure_decode_workspace(num_decodes)
         runs: list[PrefillRun] = []
         if num_prefills:
             runs = self._prefill_runs(cam, num_decodes)
@@ -539,7 +502,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                 self.scale,
                 out=out[:ndt],
                 workspace=meta.runtime.decode_workspace,
-                num_splits=meta.runtime.num_splits,
+                num_splits=meta.runtime.decode_splits(nd),
             )
         if meta.prefill_runs:
             k = key[:n].view(n, self.num_kv_heads, self.head_size)

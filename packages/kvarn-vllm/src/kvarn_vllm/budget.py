@@ -75,21 +75,38 @@ def pool_slots_for(fmt: DenseFormat, limits: ServingLimits) -> int:
     return side_pool_slots(SidePool("dense", fmt.group, 0), limits.serving_config())
 
 
-def decode_workspace_bytes(num_rows: int, num_q_heads: int, head_size: int, splits: int) -> int:
-    """Bytes of the split-K decode workspace for ``num_rows`` decode requests.
+#: SM count assumed when bounding the decode workspace in the engine process (which must not
+#: initialize CUDA): at least every current NVIDIA data-center GPU (H100/H200 132, B200 148).
+MAX_SMS_BOUND = 160
 
-    Each (row, query head, split) keeps a partial output of ``head_size`` fp32 plus its
-    log-sum-exp and max (fp32): what :func:`kvarn_kernels.decode_workspace_shape` asks for.
+
+def _splits_bound(batch: int, num_kv_heads: int, max_blocks: int) -> int:
+    # Upper bound of kvarn_kernels.choose_decode_splits (about four programs per SM, at
+    # least four blocks per split, at most 64 splits) for GPUs with <= MAX_SMS_BOUND SMs.
+    progs = max(1, batch * num_kv_heads)
+    want = -(-4 * MAX_SMS_BOUND // progs)
+    cap = max(1, -(-max_blocks // 4))
+    return max(1, min(want, cap, 64))
+
+
+def decode_workspace_bytes(
+    max_batch: int, num_q_heads: int, num_kv_heads: int, head_size: int, max_blocks: int
+) -> int:
+    """Upper bound of the decode workspace the worker allocates (fp32 elements x 4).
+
+    The worker sizes it with :func:`kvarn_kernels.decode_workspace_numel` for every batch size
+    up to ``max_num_seqs`` at the split count the kernels choose on the real device.
     """
-    try:
-        import kvarn_kernels
+    import kvarn_kernels
 
-        fn = getattr(kvarn_kernels, "decode_workspace_bytes", None)
-        if fn is not None:
-            return int(fn(num_rows, num_q_heads, head_size, splits))
-    except ImportError:  # pragma: no cover - kvarn-kernels is a dependency
-        pass
-    return num_rows * num_q_heads * splits * (head_size + 2) * 4
+    return 4 * max(
+        int(
+            kvarn_kernels.decode_workspace_numel(
+                b, num_q_heads, head_size, _splits_bound(b, num_kv_heads, max_blocks)
+            )
+        )
+        for b in range(1, max(max_batch, 1) + 1)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +152,13 @@ def reservation_for_worker(
     slots = pool_slots_for(fmt, limits)
     pool_bytes = sum(slots * 2 * fmt.group * s.num_kv_heads * s.head_size * 2 for s in kvarn)
     head_size = max(s.head_size for s in kvarn)
-    from kvarn_vllm.backend import decode_num_splits
-
-    splits = decode_num_splits(limits.max_model_len, fmt.group)
+    num_kv_heads = max(s.num_kv_heads for s in kvarn)
     workspace = decode_workspace_bytes(
-        limits.max_num_seqs, _num_q_heads(vllm_config), head_size, splits
+        limits.max_num_seqs,
+        _num_q_heads(vllm_config),
+        num_kv_heads,
+        head_size,
+        -(-limits.max_model_len // fmt.group),
     )
     # block_to_slot holds one int32 per G-token block; bound the block count from above.
     page_sum = sum(int(s.page_size_bytes) for s in specs.values()) or 1

@@ -120,8 +120,14 @@ class KvarnGroupRuntime:
         self.block_to_slot: torch.Tensor | None = None
         self.tracker: SidePoolTracker | None = None
         self.group_id: int | None = None
-        self.decode_workspace: Any = None
-        self.num_splits: int | None = None
+        self.decode_workspace: torch.Tensor | None = None
+        self.max_blocks = -(-int(vllm_config.model_config.max_model_len) // self.group)
+        self.num_q_heads = int(
+            vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        )
+        self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self._splits: dict[int, int] = {}
+        self._workspace_batch = 0
         _RUNTIMES.add(self)
         if not self.profiling:
             pool_bytes = 2 * len(self.pools) * self.num_slots * self.slot_bytes // 2
@@ -160,6 +166,45 @@ class KvarnGroupRuntime:
                 (num_blocks,), -1, dtype=torch.int32, device=self.device
             )
         return self.block_to_slot
+
+    def decode_splits(self, batch: int) -> int:
+        """The decode kernel's split-K factor for ``batch`` requests (static shapes only)."""
+        splits = self._splits.get(batch)
+        if splits is None:
+            kk: Any = importlib.import_module("kvarn_kernels")
+            splits = int(
+                kk.choose_decode_splits(batch, self.num_kv_heads, self.max_blocks, self.device)
+            )
+            self._splits[batch] = splits
+        return splits
+
+    def decode_workspace_numel(self, max_batch: int) -> int:
+        kk: Any = importlib.import_module("kvarn_kernels")
+        return max(
+            int(
+                kk.decode_workspace_numel(
+                    b, self.num_q_heads, self.head_size, self.decode_splits(b)
+                )
+            )
+            for b in range(1, max(max_batch, 1) + 1)
+        )
+
+    def ensure_decode_workspace(self, batch: int) -> torch.Tensor:
+        """The fp32 decode workspace, sized once for ``max_num_seqs`` (and grown, outside
+        CUDA-graph capture only, if a padded batch is larger)."""
+        want = max(batch, self.max_num_seqs)
+        ws = self.decode_workspace
+        if ws is None or batch > self._workspace_batch:
+            numel = self.decode_workspace_numel(want)
+            if ws is None or ws.numel() < numel:
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(
+                        "kvarn: the decode workspace must be allocated before CUDA-graph capture"
+                    )
+                ws = torch.empty(numel, dtype=torch.float32, device=self.device)
+                self.decode_workspace = ws
+            self._workspace_batch = want
+        return ws
 
     # ------------------------------------------------------------------ lifecycle
     def _resolve_group(self, kv_cache_config: Any) -> None:

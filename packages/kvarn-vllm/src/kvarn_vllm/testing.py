@@ -72,7 +72,7 @@ def prepare_cpu_test_env() -> bool:
     from vllm.platforms.cpu import CpuPlatform
 
     if not isinstance(platforms._current_platform, CpuPlatform):
-        platforms._current_platform = CpuPlatform()
+        platforms._current_platform = CpuPlatform()  # type: ignore[assignment]
     return True
 
 

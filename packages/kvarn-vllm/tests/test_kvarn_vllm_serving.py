@@ -1,0 +1,345 @@
+"""The KVarN impl inside real vLLM attention layers, step by step, against references.
+
+Real ``vllm...Attention`` layers (routed to the KVarN backend by the plugin), the real
+metadata builder and side-pool runtime, real ``SchedulerOutput`` objects fed through the
+worker hook, and the kvarn-kernels Triton kernels (in Triton's CPU interpreter when there is
+no GPU). Each step's attention output is compared with:
+
+* decode and continuation rows: kvarn-kernels' float64 reference over the *current* cache
+  state (pool slots and packed records as the plugin left them), a tight bound;
+* first prefill chunks: unquantized attention over the raw K/V (they never see quantization);
+* every row: unquantized attention over the request's whole history, a loose bound that
+  fails if a block held the wrong data (a missed flush, a dropped slot, a stale sink).
+
+The scenario covers mixed batches, a chunked prefill, flushes of committed tiles only,
+prefix-cache hits on a shared live sink, on a packed block and on a retired sink, a
+finished request, and a preempted request that recomputes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvarn_vllm.testing import TINY_LLAMA, write_model_dir
+
+G = 64
+HQ, HK, D = 4, 2, 64
+DTYPE = "kvarn_k4v4_g64"
+NUM_BLOCKS = 40
+MAX_LEN = 1024
+VOCAB = 512
+
+
+@dataclass
+class _Req:
+    rid: str
+    tokens: list[int]
+    blocks: list[int]
+    computed: int = 0
+
+
+@dataclass
+class _Step:
+    rows: list[tuple[str, int]]
+    new: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)
+    new_blocks: dict[str, list[int]] = field(default_factory=dict)
+
+
+class _Harness:
+    def __init__(self, model_dir: Path, *, prefix_caching: bool = True) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+        from kvarn_vllm.backend import KvarnAttentionBackend, KvarnMetadataBuilder, backend_for
+
+        self.config = EngineArgs(
+            model=str(model_dir),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            kv_cache_dtype=DTYPE,
+            max_model_len=MAX_LEN,
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            enable_prefix_caching=prefix_caching,
+        ).create_engine_config()
+        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        self.scale = D**-0.5
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+        with set_current_vllm_config(self.config):
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                self.layers = [
+                    Attention(
+                        HQ,
+                        D,
+                        self.scale,
+                        num_kv_heads=HK,
+                        cache_config=self.config.cache_config,
+                        prefix=name,
+                    )
+                    for name in names
+                ]
+            finally:
+                torch.set_default_dtype(default)
+            backend = backend_for(DTYPE)
+            assert issubclass(backend, KvarnAttentionBackend)
+            self.spec = self.layers[0].get_kv_cache_spec(self.config)
+            shape = backend.get_kv_cache_shape(NUM_BLOCKS, G, HK, D, DTYPE)
+            for layer in self.layers:
+                assert layer.attn_backend is backend
+                layer.kv_cache = torch.zeros(shape, dtype=torch.uint8)
+            self.builder = KvarnMetadataBuilder(self.spec, names, self.config, torch.device("cpu"))
+        group = KVCacheGroupSpec(names, self.spec)
+        kv_config = KVCacheConfig(
+            num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[group]
+        )
+        self.worker = SimpleNamespace(model_runner=SimpleNamespace(kv_cache_config=kv_config))
+        self.names = names
+        self.reqs: dict[str, _Req] = {}
+        gen = torch.Generator().manual_seed(1234)
+        # Per layer, K/V/Q are a token term plus a position term: identical prefixes give
+        # identical K/V, as in a real model, so prefix-cache hits read the right values.
+        self.tables = [
+            {
+                part: (
+                    torch.randn(VOCAB, h, D, generator=gen) * _channel_spread(gen, h),
+                    0.5 * torch.randn(MAX_LEN, h, D, generator=gen),
+                )
+                for part, h in (("q", HQ), ("k", HK), ("v", HK))
+            }
+            for _ in names
+        ]
+        self.checked_rows = 0
+
+    def add(self, rid: str, tokens: list[int], blocks: list[int], computed: int = 0) -> None:
+        self.reqs[rid] = _Req(rid, tokens, blocks, computed)
+
+    def _act(self, layer: int, part: str, tokens: list[int], start: int) -> torch.Tensor:
+        tok_t, pos_t = self.tables[layer][part]
+        ids = torch.tensor(tokens)
+        pos = torch.arange(start, start + len(tokens))
+        return (tok_t[ids] + pos_t[pos]).to(torch.bfloat16)
+
+    def scheduler_output(self, step: _Step) -> Any:
+        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+        new = []
+        cached = CachedRequestData.make_empty()
+        for rid, _n in step.rows:
+            req = self.reqs[rid]
+            if rid in step.new:
+                new.append(
+                    NewRequestData(
+                        req_id=rid,
+                        prompt_token_ids=req.tokens,
+                        mm_features=[],
+                        sampling_params=None,
+                        pooling_params=None,
+                        block_ids=(list(req.blocks),),
+                        num_computed_tokens=req.computed,
+                        lora_request=None,
+                    )
+                )
+                continue
+            cached.req_ids.append(rid)
+            cached.num_computed_tokens.append(req.computed)
+            cached.num_output_tokens.append(0)
+            cached.new_token_ids.append([])
+            if rid in step.resumed:
+                cached.resumed_req_ids.add(rid)
+                cached.new_block_ids.append((list(req.blocks),))
+            else:
+                added = step.new_blocks.get(rid)
+                cached.new_block_ids.append((added,) if added else None)
+        return SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(step.rows),
+            total_num_scheduled_tokens=sum(n for _, n in step.rows),
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            num_common_prefix_blocks=[0],
+            finished_req_ids=set(step.finished),
+            free_encoder_mm_hashes=[],
+            preempted_req_ids=set(step.preempted),
+        )
+
+    def run(self, step: _Step) -> None:
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        from kvarn_kernels.reference import (
+            decode_attention_ref,
+            fp16_attention_ref,
+            prefill_attention_ref,
+        )
+        from kvarn_vllm.runtime import observe_scheduler_output
+
+        observe_scheduler_output(self.worker, self.scheduler_output(step))
+        rows = [(self.reqs[rid], n) for rid, n in step.rows]
+        qsl = [0]
+        for _, n in rows:
+            qsl.append(qsl[-1] + n)
+        seq = [r.computed + n for r, n in rows]
+        table = torch.zeros(len(rows), MAX_LEN // G, dtype=torch.int32)
+        slots: list[int] = []
+        for i, (r, n) in enumerate(rows):
+            table[i, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+            slots += [r.blocks[p // G] * G + p % G for p in range(r.computed, r.computed + n)]
+        slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        cam = CommonAttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq, dtype=torch.int32),
+            num_reqs=len(rows),
+            num_actual_tokens=qsl[-1],
+            max_query_len=max(n for _, n in rows),
+            max_seq_len=max(seq),
+            block_table_tensor=table,
+            slot_mapping=slot_mapping,
+            seq_lens_cpu_upper_bound=torch.tensor(seq, dtype=torch.int32),
+        )
+        meta = self.builder.build(0, cam)
+        rt = self.builder.runtime
+        # The device table must agree with the tracker's bookkeeping after every build.
+        assert rt.tracker is not None and rt.block_to_slot is not None
+        expected = torch.full((NUM_BLOCKS,), -1, dtype=torch.int32)
+        for block, slot in rt.tracker.resident_blocks().items():
+            expected[block] = slot
+        assert torch.equal(rt.block_to_slot.cpu(), expected)
+
+        for li, layer in enumerate(self.layers):
+            q = torch.cat(
+                [
+                    self._act(li, "q", r.tokens[r.computed : r.computed + n], r.computed)
+                    for r, n in rows
+                ]
+            )
+            k = torch.cat(
+                [
+                    self._act(li, "k", r.tokens[r.computed : r.computed + n], r.computed)
+                    for r, n in rows
+                ]
+            )
+            v = torch.cat(
+                [
+                    self._act(li, "v", r.tokens[r.computed : r.computed + n], r.computed)
+                    for r, n in rows
+                ]
+            )
+            with set_forward_context(
+                {name: meta for name in self.names},
+                self.config,
+                slot_mapping={name: slot_mapping for name in self.names},
+            ):
+                out = layer(q.view(-1, HQ * D), k.view(-1, HK * D), v.view(-1, HK * D))
+            out = out.view(-1, HQ, D).double()
+            pools = rt.pools_for(layer.layer_name)
+            for i, (r, n) in enumerate(rows):
+                t0, t1 = qsl[i], qsl[i + 1]
+                got = out[t0:t1]
+                first = r.computed == 0 and n > 1
+                if first:
+                    pos = torch.arange(n)
+                    ref = fp16_attention_ref(q[t0:t1], k[t0:t1], v[t0:t1], pos, self.scale)
+                    _close(got, ref, 2e-2, f"{r.rid} first chunk")
+                else:
+                    args = (DTYPE, q[t0:t1], layer.kv_cache, pools.k, pools.v, table[i : i + 1])
+                    if n == 1:
+                        ref = decode_attention_ref(
+                            *args,
+                            torch.tensor([seq[i]], dtype=torch.int32),
+                            rt.block_to_slot,
+                            self.scale,
+                        )
+                    else:
+                        ref = prefill_attention_ref(
+                            *args,
+                            torch.tensor([0, n], dtype=torch.int32),
+                            torch.tensor([seq[i]], dtype=torch.int32),
+                            rt.block_to_slot,
+                            self.scale,
+                        )
+                    _close(got, ref, 3e-2, f"{r.rid} rows at {r.computed}")
+                # Whole-history check against unquantized attention (4-bit K and V).
+                hist = r.tokens[: seq[i]]
+                kh = self._act(li, "k", hist, 0)
+                vh = self._act(li, "v", hist, 0)
+                pos = torch.arange(r.computed, seq[i])
+                exact = fp16_attention_ref(q[t0:t1], kh, vh, pos, self.scale)
+                cos = torch.nn.functional.cosine_similarity(got.flatten(), exact.flatten(), dim=0)
+                assert cos > 0.97, f"{r.rid}: output far from unquantized attention ({cos:.4f})"
+                self.checked_rows += 1
+        for rid, n in step.rows:
+            self.reqs[rid].computed += n
+
+
+def _channel_spread(gen: torch.Generator, h: int) -> torch.Tensor:
+    spread = torch.exp(0.5 * torch.randn(1, h, D, generator=gen))
+    spread[..., :: D // 4] *= 6.0  # a few outlier channels, as real K/V have
+    return spread
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, rtol: float, what: str) -> None:
+    assert torch.isfinite(got).all(), f"{what}: non-finite output"
+    err = (got - ref).abs().max().item()
+    scale = ref.abs().max().item() + 1e-6
+    assert err <= rtol * scale, f"{what}: max error {err:.4g} vs output scale {scale:.4g}"
+
+
+@pytest.fixture(scope="module")
+def llama_dir64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("llama64"), TINY_LLAMA)
+
+
+def test_serving_steps_match_references(kvarn: None, llama_dir64: Path) -> None:
+    h = _Harness(llama_dir64)
+    tr = h.builder.runtime
+    gen = torch.Generator().manual_seed(7)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+
+    a = toks(150)
+    h.add("A", a + toks(8), [3, 7, 9])
+    h.add("B", toks(100) + toks(8), [5, 11])
+    # 1: two first prefill chunks (B's prompt is chunked).
+    h.run(_Step(rows=[("A", 150), ("B", 70)], new=["A", "B"]))
+    # 2: A decodes, B continues its prompt (mixed batch: decode + context rows).
+    h.run(_Step(rows=[("A", 1), ("B", 30)]))
+    assert tr.tracker is not None
+    assert tr.tracker.slot_of(7) is None, "A's committed full block 1 was not flushed"
+    assert tr.tracker.slot_of(3) is not None and tr.tracker.slot_of(9) is not None
+    assert tr.tracker.slot_of(11) is not None, "B's in-progress block must stay fp16"
+    # 3: C hits A's first two blocks (a live fp16 sink and a packed block).
+    h.add("C", a[:128] + toks(40), [3, 7, 15], computed=128)
+    h.run(_Step(rows=[("A", 1), ("B", 1), ("C", 30)], new=["C"]))
+    # 4: A finishes; its partial block is dropped, the shared sink stays.
+    h.run(_Step(rows=[("B", 1), ("C", 1)], finished=["A"]))
+    assert tr.tracker.slot_of(9) is None and tr.tracker.slot_of(3) is not None
+    # 5: C and B finish; D hits block 0 only, now a retired fp16 sink, and re-adopts it.
+    h.run(_Step(rows=[("B", 1), ("C", 1)]))
+    h.add("D", a[:64] + toks(30), [3, 19], computed=64)
+    h.run(_Step(rows=[("D", 20)], new=["D"], finished=["B", "C"]))
+    assert 3 not in tr.tracker.retired_sinks() and tr.tracker.slot_of(3) is not None
+    # 6: D is preempted (its sink retires, its partial block is dropped) and resumes with a
+    #    prefix hit on that sink, recomputing its second block.
+    h.run(_Step(rows=[("D", 1)]))
+    h.reqs["D"].blocks = [3, 23]
+    h.reqs["D"].computed = 64
+    h.run(_Step(rows=[("D", 22)], preempted=["D"], resumed=["D"]))
+    assert h.checked_rows >= 24
+    # Only A's block 1 ever became full and committed while its request lived.
+    assert tr.tracker.total_flushed == 1
