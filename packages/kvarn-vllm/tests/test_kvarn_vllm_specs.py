@@ -1,0 +1,290 @@
+"""KV specs, page sizes, backend routing and KV-budget charging with real vLLM objects."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvarn_format import DENSE_DTYPES, DenseFormat, parse_cache_dtype, record_layout
+from kvarn_format.sizing import ServingConfig, SidePool, side_pool_slots
+from kvarn_vllm.specs import KvarnFullAttentionSpec, hybrid_tile_stride
+
+
+def _config(model: Path, dtype: str = "kvarn_k4v2_g128", **kw: Any) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=str(model),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        kv_cache_dtype=dtype,
+        max_model_len=4096,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        **kw,
+    ).create_engine_config()
+
+
+@pytest.mark.parametrize("dtype", DENSE_DTYPES)
+@pytest.mark.parametrize("head", [64, 128, 256])
+def test_page_size_is_hk_records_and_matches_the_cache_shape(dtype: str, head: int) -> None:
+    from kvarn_vllm.backend import backend_for
+
+    fmt = parse_cache_dtype(dtype)
+    assert isinstance(fmt, DenseFormat)
+    tile = record_layout(fmt, head).tile_bytes
+    spec = KvarnFullAttentionSpec.for_layer(
+        cache_dtype=dtype, block_size=fmt.group, num_kv_heads=8, head_size=head
+    )
+    assert spec.page_size_bytes == 8 * tile
+    assert spec.max_memory_usage_bytes.__func__  # inherited, uses page_size_bytes
+    # vLLM's reshape invariant: the cache shape holds exactly one page per block.
+    shape = backend_for(dtype).get_kv_cache_shape(5, fmt.group, 8, head, dtype)
+    assert math.prod(shape) == 5 * spec.page_size_bytes
+    # A scheduler block of k tiles (hybrid page unification) is k records per head.
+    assert spec.copy_with_new_block_size(3 * fmt.group).page_size_bytes == 3 * 8 * tile
+
+
+def test_qwen3_8b_numbers() -> None:
+    spec = KvarnFullAttentionSpec.for_layer(
+        cache_dtype="kvarn_k4v2_g128", block_size=128, num_kv_heads=8, head_size=128
+    )
+    assert spec.tile_bytes == 13_824  # 108 B/token/head: 4.74x fewer than fp16's 512
+    assert spec.page_size_bytes == 8 * 13_824
+
+
+def test_spec_validation_and_merge() -> None:
+    with pytest.raises(ValueError, match=r"multiple of 128.*--block-size 128"):
+        KvarnFullAttentionSpec.for_layer(
+            cache_dtype="kvarn_k4v2_g128", block_size=64, num_kv_heads=2, head_size=128
+        )
+    a = KvarnFullAttentionSpec.for_layer(
+        cache_dtype="kvarn_k4v2_g64", block_size=64, num_kv_heads=2, head_size=128
+    )
+    merged = KvarnFullAttentionSpec.merge([a, a])
+    assert merged == a and merged.page_size_bytes == a.page_size_bytes
+    b = KvarnFullAttentionSpec.for_layer(
+        cache_dtype="kvarn_k4v4_g64", block_size=64, num_kv_heads=2, head_size=128
+    )
+    with pytest.raises((ValueError, AssertionError)):
+        KvarnFullAttentionSpec.merge([a, b])
+
+
+def test_hybrid_tile_stride() -> None:
+    # Qwen-like D=128: a bf16 sliding page of 65536 B/head is not a multiple of 13824.
+    assert hybrid_tile_stride(13_824, 8, [8 * 65_536]) == 16_384
+    assert hybrid_tile_stride(13_824, 8, []) == 13_824
+    # D=256 (Gemma-like): kvarn-format's pow2 rounding (256 B/token) already divides.
+    assert hybrid_tile_stride(32_768, 4, [4 * 131_072]) == 32_768
+    with pytest.raises(ValueError, match="skip-layers"):
+        hybrid_tile_stride(13_824, 1, [13_825 * 3])
+
+
+def _attention_layers(config: Any, n: int, sliding: dict[int, int] | None = None) -> list[Any]:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    model = config.model_config
+    heads = model.get_num_attention_heads(config.parallel_config)
+    kv_heads = model.get_num_kv_heads(config.parallel_config)
+    head = model.get_head_size()
+    with set_current_vllm_config(config):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return [
+                Attention(
+                    heads,
+                    head,
+                    head**-0.5,
+                    num_kv_heads=kv_heads,
+                    cache_config=config.cache_config,
+                    per_layer_sliding_window=(sliding or {}).get(i),
+                    prefix=f"model.layers.{i}.self_attn.attn",
+                )
+                for i in range(n)
+            ]
+        finally:
+            torch.set_default_dtype(default)
+
+
+def test_routing_sends_only_kvarn_layers_to_the_kvarn_backend(kvarn: None, qwen3_dir: Path) -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvarn_vllm.backend import KvarnAttentionBackendG128
+
+    config = _config(qwen3_dir, kv_cache_dtype_skip_layers=["1"])
+    layers = _attention_layers(config, 3)
+    assert [layer.kv_cache_dtype for layer in layers] == [
+        "kvarn_k4v2_g128",
+        "auto",
+        "kvarn_k4v2_g128",
+    ]
+    assert layers[0].attn_backend is KvarnAttentionBackendG128
+    assert layers[1].attn_backend.get_name() == "CPU_ATTN"
+    specs = [layer.get_kv_cache_spec(config) for layer in layers]
+    assert isinstance(specs[0], KvarnFullAttentionSpec)
+    assert type(specs[1]) is FullAttentionSpec
+    assert specs[0].page_size_bytes == 2 * 13_824
+    assert specs[1].page_size_bytes == 2 * 128 * 2 * 128 * 2
+
+
+def test_routing_fails_closed_for_unsupported_layers(kvarn: None, qwen3_dir: Path) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.selector import get_attn_backend
+
+    config = _config(qwen3_dir)
+    with set_current_vllm_config(config):
+        with pytest.raises(ValueError, match="head_size not supported"):
+            get_attn_backend(96, torch.bfloat16, "kvarn_k4v2_g128")
+        with pytest.raises(ValueError, match="MLA attention with KVarN is not yet supported"):
+            get_attn_backend(576, torch.bfloat16, "kvarn_k4v2_g128", use_mla=True)
+        with pytest.raises(
+            ValueError, match=r"attention type AttentionType.ENCODER_ONLY not supported"
+        ):
+            get_attn_backend(
+                128, torch.bfloat16, "kvarn_k4v2_g128", attn_type=AttentionType.ENCODER_ONLY
+            )
+        with pytest.raises(ValueError, match="attention sinks not supported"):
+            get_attn_backend(128, torch.bfloat16, "kvarn_k4v2_g128", has_sink=True)
+
+
+def test_get_kv_cache_configs_charges_the_side_pool(
+    kvarn: None, qwen3_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import vllm.v1.engine.core as core
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvarn_vllm.budget import reservation_for_worker
+
+    config = _config(qwen3_dir)
+    kv = {
+        f"model.layers.{i}.self_attn.attn": KvarnFullAttentionSpec.for_layer(
+            cache_dtype="kvarn_k4v2_g128", block_size=128, num_kv_heads=8, head_size=128
+        )
+        for i in range(36)
+    }
+    available = 8 << 30
+    res = reservation_for_worker(config, kv, available)
+    assert res is not None
+    slots = side_pool_slots(
+        SidePool("dense", 128, 0),
+        ServingConfig(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048),
+    )
+    assert slots == 2 * 64 + 2048 // 128 + 8
+    assert res.pool_slots == slots
+    assert res.pool_bytes == slots * 2 * 128 * 8 * 128 * 2 * 36
+    assert res.workspace_bytes > 0 and res.table_bytes > 0
+
+    with caplog.at_level(logging.INFO, logger="vllm.kvarn"):
+        (cfg,) = core.get_kv_cache_configs(config, [kv], [available])
+    page = 8 * 13_824
+    assert cfg.num_blocks == (available - res.total_bytes) // (36 * page)
+    assert any("KV cache capacity" in r.getMessage() for r in caplog.records)
+    assert f"{cfg.num_blocks * 128:,} tokens" in caplog.text
+
+    # KVarN layers and full-precision skip layers share one group with per-layer pages.
+    mixed = dict(kv)
+    mixed["model.layers.0.self_attn.attn"] = FullAttentionSpec(
+        block_size=128, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
+    )
+    res_mixed = reservation_for_worker(config, mixed, available)
+    assert res_mixed is not None and res_mixed.kvarn_layers == 35
+    (cfg,) = core.get_kv_cache_configs(config, [mixed], [available])
+    assert len(cfg.kv_cache_groups) == 1
+    per_block = 35 * page + 2 * 128 * 8 * 128 * 2
+    assert cfg.num_blocks == (available - res_mixed.total_bytes) // per_block
+
+
+def test_budget_too_small_fails_closed(kvarn: None, qwen3_dir: Path) -> None:
+    import vllm.v1.engine.core as core
+
+    config = _config(qwen3_dir)
+    kv = {
+        "model.layers.0.self_attn.attn": KvarnFullAttentionSpec.for_layer(
+            cache_dtype="kvarn_k4v2_g128", block_size=128, num_kv_heads=8, head_size=128
+        )
+    }
+    with pytest.raises(ValueError, match=r"side pool .* exceed .*--max-num-seqs"):
+        core.get_kv_cache_configs(config, [kv], [1 << 20])
+
+
+def test_hybrid_sliding_window_model_gets_unifiable_pages(kvarn: None, tmp_path: Path) -> None:
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
+    from kvarn_vllm.testing import TINY_QWEN3, write_model_dir
+
+    model = write_model_dir(tmp_path / "m", {**TINY_QWEN3, "head_dim": 256})
+    config = _config(model)
+    assert not config.scheduler_config.disable_hybrid_kv_cache_manager
+    layers = _attention_layers(config, 4, sliding={1: 512, 3: 512})
+    assert [layer.kv_cache_dtype for layer in layers] == [
+        "kvarn_k4v2_g128",
+        "auto",
+        "kvarn_k4v2_g128",
+        "auto",
+    ]
+    specs = {layer.layer_name: layer.get_kv_cache_spec(config) for layer in layers}
+    kv0 = specs["model.layers.0.self_attn.attn"]
+    assert isinstance(kv0, KvarnFullAttentionSpec)
+    fmt = parse_cache_dtype("kvarn_k4v2_g128")
+    assert kv0.tile_stride == record_layout(fmt, 256, slot_rounding="pow2").tile_bytes
+    groups = get_kv_cache_groups(config, dict(specs))
+    assert len(groups) == 2
+    sizes = {g.kv_cache_spec.page_size_bytes for g in groups}
+    assert len(sizes) == 1, "vLLM could not unify the page sizes"
+
+
+def test_capture_build_applies_no_side_pool_work(kvarn: None, qwen3_dir: Path) -> None:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+    from kvarn_vllm.tracker import NewRequest, StepInput
+
+    config = _config(qwen3_dir)
+    config.cache_config.num_gpu_blocks = 8
+    layers = _attention_layers(config, 1)
+    spec = layers[0].get_kv_cache_spec(config)
+    layers[0].kv_cache = torch.zeros((8, 2, spec.tile_stride), dtype=torch.uint8)
+    builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
+    rt = builder.runtime
+    assert rt.num_slots == 2 * 64 + 2048 // 128 + 8
+    from kvarn_vllm.tracker import SidePoolTracker
+
+    rt.tracker = SidePoolTracker(rt.num_slots, 128)
+    rt.group_id = 0
+    rt.tracker.step(StepInput(new=[NewRequest("a", [1], 0)], num_scheduled={"a": 3}))
+    cam = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([1], dtype=torch.int32),
+        num_reqs=1,
+        num_actual_tokens=1,
+        max_query_len=1,
+        max_seq_len=1,
+        block_table_tensor=torch.zeros((1, 32), dtype=torch.int32),
+        slot_mapping=torch.zeros(1, dtype=torch.int64),
+    )
+    meta = builder.build_for_cudagraph_capture(cam)
+    assert meta.num_decodes == 1 and not meta.prefill_runs
+    assert int(meta.block_to_slot[1]) == -1, "capture must not apply queued plans"
+    assert meta.runtime.decode_workspace is not None
+    builder.build(0, cam)
+    assert int(meta.block_to_slot[1]) == rt.tracker.slot_of(1)
+
+
+def test_profiling_kv_cache_gets_a_one_slot_pool(kvarn: None, qwen3_dir: Path) -> None:
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+
+    config = _config(qwen3_dir)
+    assert config.cache_config.num_gpu_blocks is None
+    layers = _attention_layers(config, 1)
+    spec = layers[0].get_kv_cache_spec(config)
+    builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
+    assert builder.runtime.profiling and builder.runtime.num_slots == 1
