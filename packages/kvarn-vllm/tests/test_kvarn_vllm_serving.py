@@ -122,6 +122,8 @@ class _Harness:
             for _ in names
         ]
         self.checked_rows = 0
+        #: Token id -> factor applied to its K and V (to provoke fp16 overflow).
+        self.boost: dict[int, float] = {}
 
     def add(self, rid: str, tokens: list[int], blocks: list[int], computed: int = 0) -> None:
         self.reqs[rid] = _Req(rid, tokens, blocks, computed)
@@ -130,7 +132,11 @@ class _Harness:
         tok_t, pos_t = self.tables[layer][part]
         ids = torch.tensor(tokens)
         pos = torch.arange(start, start + len(tokens))
-        return (tok_t[ids] + pos_t[pos]).to(torch.bfloat16)
+        x = tok_t[ids] + pos_t[pos]
+        if part != "q" and self.boost:
+            factor = torch.tensor([self.boost.get(t, 1.0) for t in tokens])
+            x = x * factor[:, None, None]
+        return x.to(torch.bfloat16)
 
     def scheduler_output(self, step: _Step) -> Any:
         from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -176,7 +182,7 @@ class _Harness:
             preempted_req_ids=set(step.preempted),
         )
 
-    def run(self, step: _Step) -> None:
+    def run(self, step: _Step, *, check: bool = True) -> list[torch.Tensor]:
         from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -220,6 +226,7 @@ class _Harness:
             expected[block] = slot
         assert torch.equal(rt.block_to_slot.cpu(), expected)
 
+        outputs: list[torch.Tensor] = []
         for li, layer in enumerate(self.layers):
             q = torch.cat(
                 [
@@ -246,7 +253,10 @@ class _Harness:
             ):
                 out = layer(q.view(-1, HQ * D), k.view(-1, HK * D), v.view(-1, HK * D))
             out = out.view(-1, HQ, D).double()
+            outputs.append(out)
             pools = rt.pools_for(layer.layer_name)
+            if not check:
+                continue
             for i, (r, n) in enumerate(rows):
                 t0, t1 = qsl[i], qsl[i + 1]
                 got = out[t0:t1]
@@ -284,6 +294,7 @@ class _Harness:
                 self.checked_rows += 1
         for rid, n in step.rows:
             self.reqs[rid].computed += n
+        return outputs
 
 
 def _channel_spread(gen: torch.Generator, h: int) -> torch.Tensor:
@@ -305,6 +316,7 @@ def llama_dir64(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_serving_steps_match_references(kvarn: None, llama_dir64: Path) -> None:
+    """Mixed batches, chunked prefill, flushes, prefix hits, finish and preemption."""
     h = _Harness(llama_dir64)
     tr = h.builder.runtime
     gen = torch.Generator().manual_seed(7)
@@ -343,3 +355,23 @@ def test_serving_steps_match_references(kvarn: None, llama_dir64: Path) -> None:
     assert h.checked_rows >= 24
     # Only A's block 1 ever became full and committed while its request lived.
     assert tr.tracker.total_flushed == 1
+
+
+def test_bf16_overflow_saturates_instead_of_nan(kvarn: None, llama_dir64: Path) -> None:
+    """bf16 K/V beyond the fp16 range are stored saturated; no inf or NaN comes out."""
+    h = _Harness(llama_dir64)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (140,), generator=gen).tolist()
+    prompt[5] = prompt[90] = 7  # in the sink tile and in a tile that gets flushed
+    h.boost[7] = 3e4  # |K|, |V| up to ~1e6: far past fp16's 65504, fine in bf16
+    h.add("A", [*prompt, 11, 12, 13], [2, 6, 9])
+    for out in h.run(_Step(rows=[("A", 140)], new=["A"]), check=False):
+        assert torch.isfinite(out).all()
+    for _ in range(3):
+        for out in h.run(_Step(rows=[("A", 1)]), check=False):
+            assert torch.isfinite(out).all(), "decode over a saturated pool produced inf/NaN"
+    tracker = h.builder.runtime.tracker
+    assert tracker is not None and tracker.slot_of(6) is None, "the boosted tile was not flushed"
+    pools = h.builder.runtime.pools_for(h.names[0])
+    assert torch.isfinite(pools.k).all() and torch.isfinite(pools.v).all()
+    assert pools.k.abs().max().item() == 65504.0

@@ -1,0 +1,317 @@
+#!/usr/bin/env python3
+"""Serving benchmark: the project's standard burst workload, one vLLM engine per cache dtype.
+
+The workload (docs in ../shared/docs/gpu.md): Qwen3-8B architecture with dummy weights,
+256 requests of 6144 random prompt tokens each, 512 generated tokens each (``ignore_eos``),
+``dtype=float16``, ``gpu_memory_utilization=0.90``, ``max_model_len=16384``,
+``max_num_seqs=256``, CUDA graphs on (vLLM's default torch.compile + FULL_AND_PIECEWISE).
+For every cache dtype one engine runs in its own subprocess; it reports vLLM's KV capacity
+(``num_gpu_blocks * block_size``) and total tokens/s (prompt + generated) over the timed
+``generate`` call. A short warm-up ``generate`` runs first (it JIT-compiles the Triton
+kernels of every path: first chunk, continuation, decode, flush), untimed.
+
+Each row is written to ``--out`` as JSON as soon as it finishes, so a run can be split over
+several calls (each engine start costs about 150 s the first time and about 30 s with a warm
+compile cache); the table is rebuilt from every row in ``--out``, and ``--write-docs``
+replaces the serving section of docs/benchmarks.md with it (other sections are kept).
+
+    python3 tools/bench_serving.py --dtypes auto,kvarn_k4v2_g128 --out /tmp/bench --write-docs
+    python3 tools/bench_serving.py --dtypes fp8:bfloat16,turboquant_k8v4 --out /tmp/bench --write-docs
+    python3 tools/bench_serving.py --num-prompts 64 --prompt-len 2048 --output-len 128 --out /tmp/small
+    python3 tools/bench_serving.py --report --out /tmp/bench --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_e2e as common
+
+DOCS = common.ROOT / "docs" / "benchmarks.md"
+START = "<!-- serving:start -->"
+END = "<!-- serving:end -->"
+DEFAULT_DTYPES = (
+    "auto,fp8:bfloat16,turboquant_k8v4,turboquant_4bit_nc,kvarn_k4v2_g128,kvarn_k4v4_g128"
+)
+
+
+def child_main(args: argparse.Namespace) -> int:
+    import random
+
+    cache_dtype, model_dtype = args.child_dtype, args.model_dtype
+    if cache_dtype.startswith("kvarn"):
+        import kvarn_vllm
+
+        kvarn_vllm.ensure_registered()
+    import torch
+    from vllm import LLM, SamplingParams
+
+    model_dir = common.resolve_model_dir(args.model_dir)
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    rng = random.Random(args.seed)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)]}
+        for _ in range(args.num_prompts)
+    ]
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype=model_dtype,
+        kv_cache_dtype=cache_dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_mem_util,
+        tensor_parallel_size=args.tp,
+        seed=args.seed,
+    )
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - t0
+    cache = llm.llm_engine.vllm_config.cache_config
+    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+    warm_prompts = [
+        {"prompt_token_ids": p["prompt_token_ids"][: min(args.prompt_len, 600)]}
+        for p in prompts[:4]
+    ]
+    llm.generate(warm_prompts, warm, use_tqdm=False)
+    sp = SamplingParams(
+        max_tokens=args.output_len, temperature=0.0, ignore_eos=True, detokenize=False
+    )
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outs)
+    result = {
+        "cache_dtype": cache_dtype,
+        "model_dtype": model_dtype,
+        "runner": args.runner,
+        "tp": args.tp,
+        "num_gpu_blocks": cache.num_gpu_blocks,
+        "block_size": cache.block_size,
+        "kv_tokens": (cache.num_gpu_blocks or 0) * cache.block_size,
+        "startup_s": round(startup, 1),
+        "elapsed_s": round(elapsed, 2),
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated,
+        "total_tok_s": round((prompt_tokens + generated) / elapsed, 1),
+        "output_tok_s": round(generated / elapsed, 1),
+        "requests": len(outs),
+    }
+    Path(args.child_out).write_text(json.dumps(result))
+    print(f"kvarn-bench child done: {cache_dtype} {result['total_tok_s']} tok/s", flush=True)
+    return 0
+
+
+def table(rows: list[dict[str, Any]], baseline: str) -> str:
+    base = next((r for r in rows if r["label"] == baseline and r.get("status") == "ok"), None)
+    lines = [
+        "| `--kv-cache-dtype` | KV capacity (tokens) | vs fp16 | total tok/s | vs fp16 "
+        "| output tok/s | timed s | status |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("status") != "ok":
+            err = (r.get("error") or "").splitlines()[-1:] or [""]
+            lines.append(f"| {r['label']} | | | | | | | {r.get('status')}: {err[0][:80]} |")
+            continue
+        cap = tput = ""
+        if base:
+            cap = f"{r['kv_tokens'] / base['kv_tokens']:.2f}" if base["kv_tokens"] else ""
+            tput = f"{r['total_tok_s'] / base['total_tok_s']:.2f}"
+        lines.append(
+            f"| {r['label']} | {r['kv_tokens']:,} | {cap} | {r['total_tok_s']:,.0f} | {tput} "
+            f"| {r['output_tok_s']:,.0f} | {r['elapsed_s']} | ok |"
+        )
+    return "\n".join(lines)
+
+
+def section(rows: list[dict[str, Any]], meta: dict[str, Any], baseline: str) -> str:
+    cmds = sorted({m for m in meta.get("commands", [])})
+    first = rows[0] if rows else {}
+    body = [
+        START,
+        "## Serving: burst workload (vLLM 0.23.0, `tools/bench_serving.py`)",
+        "",
+        f"GPU: {meta.get('gpu', 'unknown')}; measured {meta.get('date', '')}. Workload: "
+        f"{first.get('requests', meta.get('num_prompts'))} requests x "
+        f"{meta.get('prompt_len')} prompt tokens + {meta.get('output_len')} generated tokens "
+        f"(ignore_eos), Qwen3-8B architecture with dummy weights, max_model_len "
+        f"{meta.get('max_model_len')}, max_num_seqs {meta.get('max_num_seqs')}, "
+        f"gpu_memory_utilization {meta.get('gpu_mem_util')}, TP {meta.get('tp')}, one engine "
+        "per process. Total tok/s = (prompt + generated tokens) / time of the timed `generate` "
+        "call. `NAME:bfloat16` rows run the model in bf16 (vLLM's FA3 fp8 path needs it); "
+        "the others in fp16.",
+        "",
+        table(rows, baseline),
+        "",
+        "Commands:",
+        "",
+        "```",
+        *cmds,
+        "```",
+        END,
+    ]
+    return "\n".join(body)
+
+
+def write_docs(text: str) -> None:
+    DOCS.parent.mkdir(parents=True, exist_ok=True)
+    old = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    if START in old and END in old:
+        new = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _m: text, old, flags=re.S)
+    else:
+        new = old.rstrip("\n") + "\n\n" + text + "\n"
+    DOCS.write_text(new)
+
+
+def parent_main(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path = out / "meta.json"
+    meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    if not args.report:
+        warn = common.check_plugin_entry_point()
+        if warn:
+            print(f"WARNING: {warn}", flush=True)
+        meta.update(
+            gpu=common.gpu_name(),
+            date=time.strftime("%Y-%m-%d"),
+            num_prompts=args.num_prompts,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            gpu_mem_util=args.gpu_mem_util,
+            tp=args.tp,
+        )
+        command = "python3 tools/bench_serving.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        meta.setdefault("commands", [])
+        if command not in meta["commands"]:
+            meta["commands"].append(command)
+        meta_path.write_text(json.dumps(meta, indent=2))
+        specs = [s for s in args.dtypes.split(",") if s.strip()]
+        for i, spec in enumerate(specs):
+            cache_dtype, model_dtype = common.parse_dtype(spec, args.model_dtype)
+            label = common.row_label(cache_dtype, model_dtype, args.runner, args.model_dtype)
+            safe = re.sub(r"[^A-Za-z0-9._-]", "_", label)
+            child_out = out / f"child_{safe}.json"
+            child_out.unlink(missing_ok=True)
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                "--child-dtype",
+                cache_dtype,
+                "--model-dtype",
+                model_dtype,
+                "--runner",
+                args.runner,
+                "--child-out",
+                str(child_out),
+                "--num-prompts",
+                str(args.num_prompts),
+                "--prompt-len",
+                str(args.prompt_len),
+                "--output-len",
+                str(args.output_len),
+                "--max-model-len",
+                str(args.max_model_len),
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+                "--gpu-mem-util",
+                str(args.gpu_mem_util),
+                "--tp",
+                str(args.tp),
+                "--seed",
+                str(args.seed),
+                "--max-num-batched-tokens",
+                str(args.max_num_batched_tokens or 0),
+            ]
+            if args.model_dir:
+                cmd += ["--model-dir", args.model_dir]
+            print(f"[{i + 1}/{len(specs)}] {label} ...", flush=True)
+            t0 = time.perf_counter()
+            rc, text = common.run_child(
+                cmd, common.child_env(args.runner), out / f"log_{safe}.txt", args.timeout
+            )
+            row: dict[str, Any] = {
+                "label": label,
+                "order": time.time(),
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
+            row.update(common.log_facts(text))
+            if rc == 0 and child_out.is_file():
+                row.update(json.loads(child_out.read_text()))
+                row["status"] = "ok"
+            else:
+                row["status"] = "timeout" if rc == 124 else f"error rc={rc}"
+                row["error"] = common.error_tail(text)
+                print(row["error"], flush=True)
+            (out / f"row_{safe}.json").write_text(json.dumps(row))
+            print(
+                f"    -> {row['status']} ({row.get('total_tok_s', '-')} tok/s, "
+                f"{row.get('kv_tokens', '-')} KV tokens) in {row['wall_s']} s",
+                flush=True,
+            )
+    rows = common.load_rows(out)
+    text = table(rows, args.baseline)
+    (out / "summary.md").write_text(text + "\n")
+    print(text)
+    if args.write_docs and rows:
+        write_docs(section(rows, meta, args.baseline))
+        print(f"wrote the serving section of {DOCS}")
+    return 0 if all(r.get("status") == "ok" for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--dtypes", default=DEFAULT_DTYPES, help="comma list of NAME[:MODEL_DTYPE]")
+    ap.add_argument("--model-dtype", default="float16")
+    ap.add_argument("--runner", default="default", choices=["default", "v1", "v2"])
+    ap.add_argument("--baseline", default="auto")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=6144)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
+    ap.add_argument("--gpu-mem-util", type=float, default=0.90)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--timeout", type=float, default=560, help="seconds per engine process")
+    ap.add_argument("--out", default="bench_serving_out")
+    ap.add_argument("--report", action="store_true", help="only rebuild the table from --out")
+    ap.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="replace the serving section of docs/benchmarks.md",
+    )
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-dtype", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        if not args.max_num_batched_tokens:
+            args.max_num_batched_tokens = None
+        return child_main(args)
+    return parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

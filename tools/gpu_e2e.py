@@ -1,0 +1,496 @@
+#!/usr/bin/env python3
+"""End-to-end check of the KVarN vLLM plugin on a GPU: greedy agreement, NaNs, CUDA graphs.
+
+For every cache dtype asked for, one vLLM engine runs in its own subprocess (one engine per
+process, a timeout each, a crash becomes an error row) on the same token-id prompts, with
+dummy weights of the Qwen3-8B architecture:
+
+* greedy tokens of each dtype are compared with the fp16 (``auto``) run: per prompt, the
+  length of the common prefix, and overall the fraction of positions that agree;
+* every sampled token's logprob must be finite (a NaN or inf anywhere fails the row);
+* the engine log must show CUDA graphs captured (and no downgrade to eager);
+* a second ``generate`` over prompts that share prefixes with the first batch exercises
+  vLLM's prefix cache (its agreement with the cold run is reported);
+* the KV capacity (``num_gpu_blocks * block_size``) is reported.
+
+Dummy weights make tokens meaningless but deterministic, so the agreement figures compare
+cache dtypes with each other, not with a real model's quality (see docs/vllm-plugin.md).
+
+Typical calls (from the repository root, after ``source .gpu/env.sh``):
+
+    python3 tools/gpu_e2e.py --out /tmp/e2e                      # auto, fp8, tq k8v4, kvarn
+    python3 tools/gpu_e2e.py --dtypes kvarn_k4v2_g128 --runners v1,v2 --out /tmp/e2e
+    python3 tools/gpu_e2e.py --tp 2 --dtypes auto,kvarn_k4v2_g128 --out /tmp/e2e_tp2
+    python3 tools/gpu_e2e.py --report /tmp/e2e                   # table from earlier rows
+
+A dtype is ``NAME`` or ``NAME:MODEL_DTYPE`` (``fp8:bfloat16``: vLLM's FA3 fp8 path needs a
+bf16 model). ``turboquant_*`` needs FlashAttention-2 (``gpu_bundle.py --with-fa2``).
+By default engines start without torch.compile and capture full CUDA graphs for decode
+batches only (``cudagraph_mode=FULL_DECODE_ONLY``), which starts in well under a minute;
+``--compile`` uses vLLM's default (torch.compile + FULL_AND_PIECEWISE), closer to serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The Qwen3-8B architecture (public config.json values), used when no model folder is found.
+QWEN3_8B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 36,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+DEFAULT_DTYPES = "auto,fp8:bfloat16,turboquant_k8v4,kvarn_k4v2_g128"
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def resolve_model_dir(explicit: str | None) -> Path:
+    """The Qwen3-8B config folder: ``--model-dir``, ``shared/`` in the checkout, ``../shared``,
+    else a temporary folder holding the embedded config (the device only gets the checkout)."""
+    candidates = [Path(explicit)] if explicit else []
+    candidates += [ROOT / "shared/bench/qwen3-8b", ROOT.parent / "shared/bench/qwen3-8b"]
+    for c in candidates:
+        if (c / "config.json").is_file():
+            return c
+    if explicit:
+        raise SystemExit(f"--model-dir {explicit}: no config.json there")
+    tmp = Path(tempfile.mkdtemp(prefix="qwen3-8b-"))
+    (tmp / "config.json").write_text(json.dumps(QWEN3_8B, indent=2))
+    return tmp
+
+
+def parse_dtype(spec: str, default_model_dtype: str) -> tuple[str, str]:
+    """``NAME[:MODEL_DTYPE]`` -> (cache dtype, model dtype)."""
+    name, _, model = spec.partition(":")
+    return name.strip(), (model.strip() or default_model_dtype)
+
+
+def row_label(cache_dtype: str, model_dtype: str, runner: str, default_model_dtype: str) -> str:
+    label = cache_dtype
+    if model_dtype != default_model_dtype:
+        label += f":{model_dtype}"
+    if runner != "default":
+        label += f"@{runner}"
+    return label
+
+
+def child_env(runner: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    if runner == "v1":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    elif runner == "v2":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    return env
+
+
+def run_child(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[int, str]:
+    """Run one engine process; kill its whole process group on timeout. Returns (rc, tail)."""
+    with log.open("w") as fh:
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = 124
+    text = log.read_text(errors="replace")
+    return rc, text
+
+
+def log_facts(text: str) -> dict[str, Any]:
+    """What the engine log says about capacity, CUDA graphs and the KVarN plugin."""
+    facts: dict[str, Any] = {}
+    m = re.search(r"GPU KV cache size: ([\d,]+) tokens", text)
+    if m:
+        facts["vllm_kv_tokens_log"] = int(m.group(1).replace(",", ""))
+    m = re.search(r"kvarn: worker 0 KV cache capacity ([\d,]+) tokens.*?\(([\d.]+|nan)x", text)
+    if m:
+        facts["kvarn_kv_tokens_log"] = int(m.group(1).replace(",", ""))
+        facts["kvarn_ratio_vs_fp16_same_memory"] = float(m.group(2))
+    facts["cuda_graphs_captured"] = bool(
+        re.search(r"Graph capturing finished|Capturing CUDA graphs", text)
+    )
+    downgrade = re.findall(r"setting cudagraph_mode=\w+|Overriding cudagraph_mode[^\n]*", text)
+    if downgrade:
+        facts["cudagraph_downgrades"] = sorted(set(downgrade))
+    if "kvarn:" in text:
+        facts["kvarn_log"] = [ln.strip() for ln in text.splitlines() if "kvarn:" in ln][:12]
+    return facts
+
+
+def error_tail(text: str, lines: int = 12) -> str:
+    keep = [ln for ln in text.splitlines() if ln.strip()]
+    for i in range(len(keep) - 1, -1, -1):
+        if "Error" in keep[i] or "error" in keep[i]:
+            return "\n".join(keep[max(0, i - lines + 1) : i + 1])
+    return "\n".join(keep[-lines:])
+
+
+def gpu_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        return "unknown"
+
+
+def check_plugin_entry_point() -> str | None:
+    """None when vLLM will find the kvarn entry point in its own processes, else a warning."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    if "kvarn" not in names:
+        return (
+            "the kvarn vllm.general_plugins entry point is not installed (engine processes "
+            "started with 'spawn' will reject kvarn dtypes); source .gpu/env.sh first"
+        )
+    return None
+
+
+# ----------------------------------------------------------------------------- child
+
+
+def make_prompts(seed: int, num: int, lengths: list[int], vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(100, vocab - 100) for _ in range(lengths[i % len(lengths)])]
+        for i in range(num)
+    ]
+
+
+def child_main(args: argparse.Namespace) -> int:
+    import torch
+
+    cache_dtype, model_dtype = args.child_dtype, args.model_dtype
+    if cache_dtype.startswith("kvarn"):
+        import kvarn_vllm
+
+        kvarn_vllm.ensure_registered()
+    from vllm import LLM, SamplingParams
+
+    model_dir = resolve_model_dir(args.model_dir)
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    lengths = [int(x) for x in args.prompt_lens.split(",")]
+    prompts = make_prompts(args.seed, args.num_prompts, lengths, vocab)
+    # Second batch: each prompt keeps its first half and gets a new tail, so vLLM's prefix
+    # cache hits on whole blocks that the first batch computed (sinks and packed tiles).
+    tails = make_prompts(args.seed + 1, args.num_prompts, [32], vocab)
+    rerun = [p[: len(p) // 2] + t for p, t in zip(prompts, tails, strict=True)]
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype=model_dtype,
+        kv_cache_dtype=cache_dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_mem_util,
+        tensor_parallel_size=args.tp,
+        enable_prefix_caching=True,
+        seed=args.seed,
+    )
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if not args.compile:
+        kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - t0
+    cache = llm.llm_engine.vllm_config.cache_config
+    sp = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=1
+    )
+
+    def gen(batch: list[list[int]]) -> tuple[list[list[int]], int, float]:
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        tokens, bad = [], 0
+        for o in outs:
+            comp = o.outputs[0]
+            tokens.append(list(comp.token_ids))
+            for entry in comp.logprobs or []:
+                for lp in entry.values():
+                    if not math.isfinite(lp.logprob):
+                        bad += 1
+        return tokens, bad, elapsed
+
+    cold, bad_cold, t_cold = gen(prompts)
+    warm, bad_warm, t_warm = gen(rerun)
+    result = {
+        "cache_dtype": cache_dtype,
+        "model_dtype": model_dtype,
+        "runner": args.runner,
+        "tp": args.tp,
+        "num_gpu_blocks": cache.num_gpu_blocks,
+        "block_size": cache.block_size,
+        "kv_tokens": (cache.num_gpu_blocks or 0) * cache.block_size,
+        "startup_s": round(startup, 1),
+        "generate_s": round(t_cold, 2),
+        "prefix_rerun_s": round(t_warm, 2),
+        "non_finite_logprobs": bad_cold + bad_warm,
+        "tokens": cold,
+        "rerun_tokens": warm,
+        "cudagraph_mode_requested": str(
+            llm.llm_engine.vllm_config.compilation_config.cudagraph_mode
+        ),
+        "torch": torch.__version__,
+    }
+    Path(args.child_out).write_text(json.dumps(result))
+    print(f"kvarn-e2e child done: {cache_dtype} kv_tokens={result['kv_tokens']:,}", flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """Greedy agreement of two runs over the same prompts."""
+    same = total = 0
+    prefixes = []
+    for x, y in zip(a, b, strict=True):
+        n = min(len(x), len(y))
+        total += n
+        same += sum(1 for i in range(n) if x[i] == y[i])
+        k = 0
+        while k < n and x[k] == y[k]:
+            k += 1
+        prefixes.append(k)
+    return {
+        "token_match": round(same / total, 4) if total else float("nan"),
+        "mean_common_prefix": round(sum(prefixes) / len(prefixes), 1) if prefixes else 0.0,
+        "exact_sequences": sum(1 for x, y in zip(a, b, strict=True) if x == y),
+    }
+
+
+def summarize(rows: list[dict[str, Any]], baseline_label: str | None) -> str:
+    by_label = {r["label"]: r for r in rows}
+    base = by_label.get(baseline_label or "")
+    head = (
+        "| dtype | status | KV tokens | vs fp16 | greedy match vs fp16 | mean common prefix "
+        "| exact seqs | non-finite logprobs | CUDA graphs | prefix-rerun match vs fp16 | start s |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['label']} | {r.get('status')} | | | | | | | | | |")
+            continue
+        ratio = agree = prefix = exact = rerun = ""
+        if base and base.get("status") == "ok" and base.get("kv_tokens"):
+            ratio = f"{r['kv_tokens'] / base['kv_tokens']:.2f}"
+            a = agreement(base["tokens"], r["tokens"])
+            agree, prefix, exact = (
+                f"{a['token_match']:.3f}",
+                f"{a['mean_common_prefix']}",
+                (f"{a['exact_sequences']}/{len(r['tokens'])}"),
+            )
+            rerun = f"{agreement(base['rerun_tokens'], r['rerun_tokens'])['token_match']:.3f}"
+        graphs = "yes" if r.get("cuda_graphs_captured") else "NO"
+        if r.get("cudagraph_downgrades"):
+            graphs += " (downgraded)"
+        lines.append(
+            f"| {r['label']} | ok | {r['kv_tokens']:,} | {ratio} | {agree} | {prefix} | {exact} "
+            f"| {r['non_finite_logprobs']} | {graphs} | {rerun} | {r['startup_s']} |"
+        )
+    return "\n".join(lines)
+
+
+def load_rows(out: Path) -> list[dict[str, Any]]:
+    rows = []
+    for f in sorted(out.glob("row_*.json")):
+        rows.append(json.loads(f.read_text()))
+    rows.sort(key=lambda r: r.get("order", 0))
+    return rows
+
+
+def parent_main(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        rows = load_rows(out)
+        print(summarize(rows, args.baseline))
+        return 0
+    warn = check_plugin_entry_point()
+    if warn:
+        print(f"WARNING: {warn}", flush=True)
+    runners = [r.strip() for r in args.runners.split(",")]
+    jobs: list[tuple[str, str, str]] = []
+    for spec in args.dtypes.split(","):
+        cache_dtype, model_dtype = parse_dtype(spec, args.model_dtype)
+        use = runners if cache_dtype.startswith("kvarn") else ["default"]
+        jobs += [(cache_dtype, model_dtype, r) for r in use]
+    meta = {"gpu": gpu_name(), "argv": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    order0 = len(list(out.glob("row_*.json")))
+    for i, (cache_dtype, model_dtype, runner) in enumerate(jobs):
+        label = row_label(cache_dtype, model_dtype, runner, args.model_dtype)
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", label)
+        child_out = out / f"child_{safe}.json"
+        log = out / f"log_{safe}.txt"
+        child_out.unlink(missing_ok=True)
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--child",
+            "--child-dtype",
+            cache_dtype,
+            "--model-dtype",
+            model_dtype,
+            "--runner",
+            runner,
+            "--child-out",
+            str(child_out),
+            "--tp",
+            str(args.tp),
+            "--seed",
+            str(args.seed),
+            "--num-prompts",
+            str(args.num_prompts),
+            "--prompt-lens",
+            args.prompt_lens,
+            "--max-tokens",
+            str(args.max_tokens),
+            "--max-model-len",
+            str(args.max_model_len),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--gpu-mem-util",
+            str(args.gpu_mem_util),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens or 0),
+        ]
+        if args.model_dir:
+            cmd += ["--model-dir", args.model_dir]
+        if args.compile:
+            cmd.append("--compile")
+        print(f"[{i + 1}/{len(jobs)}] {label} ...", flush=True)
+        t0 = time.perf_counter()
+        rc, text = run_child(cmd, child_env(runner), log, args.timeout)
+        row: dict[str, Any] = {
+            "label": label,
+            "order": order0 + i,
+            "wall_s": round(time.perf_counter() - t0, 1),
+        }
+        row.update(log_facts(text))
+        if rc == 0 and child_out.is_file():
+            row.update(json.loads(child_out.read_text()))
+            if row["non_finite_logprobs"]:
+                row["status"] = "NaN/inf logprobs"
+            elif args.require_graphs and not row.get("cuda_graphs_captured"):
+                row["status"] = "no CUDA graphs"
+            else:
+                row["status"] = "ok"
+        else:
+            row["status"] = "timeout" if rc == 124 else f"error rc={rc}"
+            row["error"] = error_tail(text)
+            print(row["error"], flush=True)
+        (out / f"row_{safe}.json").write_text(json.dumps(row))
+        print(f"    -> {row['status']} in {row['wall_s']} s", flush=True)
+    rows = load_rows(out)
+    table = summarize(rows, args.baseline)
+    (out / "summary.md").write_text(table + "\n")
+    print(table)
+    return 0 if all(r.get("status") == "ok" for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--dtypes", default=DEFAULT_DTYPES, help="comma list of NAME[:MODEL_DTYPE]")
+    ap.add_argument(
+        "--runners",
+        default="default",
+        help="for kvarn dtypes: comma list of default, v1, v2 (VLLM_USE_V2_MODEL_RUNNER)",
+    )
+    ap.add_argument("--model-dtype", default="float16")
+    ap.add_argument("--baseline", default="auto", help="row label the others are compared with")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2 on nvidia-h200-x2)")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument(
+        "--prompt-lens",
+        default="200,700,1500,3000",
+        help="prompt lengths, cycled over the prompts (3000 > the batch budget "
+        "exercises chunked prefill)",
+    )
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--gpu-mem-util", type=float, default=0.85)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--compile", action="store_true", help="vLLM's default torch.compile + graphs")
+    ap.add_argument(
+        "--require-graphs",
+        action="store_true",
+        help="mark rows without CUDA graphs in the log as failures",
+    )
+    ap.add_argument("--timeout", type=float, default=480, help="seconds per engine process")
+    ap.add_argument("--out", default="gpu_e2e_out", help="folder for rows, logs and summary.md")
+    ap.add_argument("--report", action="store_true", help="only print the table of --out")
+    # child-only
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-dtype", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    ap.add_argument("--runner", default="default", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        if not args.max_num_batched_tokens:
+            args.max_num_batched_tokens = None
+        return child_main(args)
+    return parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
