@@ -85,13 +85,13 @@ DEFAULT_DTYPES = "auto,fp8:bfloat16,turboquant_k8v4,kvarn_k4v2_g128"
 def resolve_model_dir(explicit: str | None) -> Path:
     """The Qwen3-8B config folder: ``--model-dir``, ``shared/`` in the checkout, ``../shared``,
     else a temporary folder holding the embedded config (the device only gets the checkout)."""
-    candidates = [Path(explicit)] if explicit else []
-    candidates += [ROOT / "shared/bench/qwen3-8b", ROOT.parent / "shared/bench/qwen3-8b"]
-    for c in candidates:
+    if explicit:
+        if not (Path(explicit) / "config.json").is_file():
+            raise SystemExit(f"--model-dir {explicit}: no config.json there")
+        return Path(explicit)
+    for c in (ROOT / "shared/bench/qwen3-8b", ROOT.parent / "shared/bench/qwen3-8b"):
         if (c / "config.json").is_file():
             return c
-    if explicit:
-        raise SystemExit(f"--model-dir {explicit}: no config.json there")
     tmp = Path(tempfile.mkdtemp(prefix="qwen3-8b-"))
     (tmp / "config.json").write_text(json.dumps(QWEN3_8B, indent=2))
     return tmp
@@ -145,7 +145,9 @@ def log_facts(text: str) -> dict[str, Any]:
     m = re.search(r"GPU KV cache size: ([\d,]+) tokens", text)
     if m:
         facts["vllm_kv_tokens_log"] = int(m.group(1).replace(",", ""))
-    m = re.search(r"kvarn: worker 0 KV cache capacity ([\d,]+) tokens.*?\(([\d.]+|nan)x", text)
+    m = re.search(
+        r"kvarn: worker 0 KV cache capacity ([\d,]+) tokens.*?; ([\d.]+|nan)x an fp16", text
+    )
     if m:
         facts["kvarn_kv_tokens_log"] = int(m.group(1).replace(",", ""))
         facts["kvarn_ratio_vs_fp16_same_memory"] = float(m.group(2))

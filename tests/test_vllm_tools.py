@@ -1,0 +1,140 @@
+"""The GPU scripts' host-side logic (no GPU): comparisons, log parsing, tables, docs section."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+
+def _load(name: str) -> ModuleType:
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def e2e() -> ModuleType:
+    return _load("gpu_e2e")
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return _load("bench_serving")
+
+
+def test_agreement_counts_matches_and_common_prefixes(e2e: ModuleType) -> None:
+    a = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    b = [[1, 2, 9, 4], [5, 6, 7, 8]]
+    got = e2e.agreement(a, b)
+    assert got == {"token_match": 0.875, "mean_common_prefix": 3.0, "exact_sequences": 1}
+
+
+def test_dtype_specs_and_labels(e2e: ModuleType) -> None:
+    assert e2e.parse_dtype("fp8:bfloat16", "float16") == ("fp8", "bfloat16")
+    assert e2e.parse_dtype("kvarn_k4v2_g128", "float16") == ("kvarn_k4v2_g128", "float16")
+    assert e2e.row_label("fp8", "bfloat16", "default", "float16") == "fp8:bfloat16"
+    assert e2e.row_label("kvarn_k4v2_g128", "float16", "v1", "float16") == "kvarn_k4v2_g128@v1"
+
+
+def test_log_facts(e2e: ModuleType) -> None:
+    text = "\n".join(
+        [
+            "INFO [kv_cache_utils.py:1744] GPU KV cache size: 3,456,789 tokens",
+            "INFO kvarn: worker 0 KV cache capacity 3,456,768 tokens with kvarn_k4v2_g128 "
+            "(27006 blocks of 128 tokens; 4.37x an fp16 cache in the same memory); side pool",
+            "INFO [gpu_model_runner.py:6700] Graph capturing finished in 12 secs, took 0.5 GiB",
+        ]
+    )
+    facts = e2e.log_facts(text)
+    assert facts["vllm_kv_tokens_log"] == 3_456_789
+    assert facts["kvarn_kv_tokens_log"] == 3_456_768
+    assert facts["kvarn_ratio_vs_fp16_same_memory"] == 4.37
+    assert facts["cuda_graphs_captured"] is True
+    assert e2e.log_facts("nothing here")["cuda_graphs_captured"] is False
+
+
+def test_summary_table_reports_errors_as_rows(e2e: ModuleType) -> None:
+    base = {
+        "label": "auto",
+        "status": "ok",
+        "kv_tokens": 100,
+        "tokens": [[1, 2]],
+        "rerun_tokens": [[3, 4]],
+        "non_finite_logprobs": 0,
+        "cuda_graphs_captured": True,
+        "startup_s": 30.0,
+    }
+    kv = {**base, "label": "kvarn_k4v2_g128", "kv_tokens": 400, "tokens": [[1, 5]]}
+    bad = {"label": "turboquant_k8v4", "status": "error rc=1"}
+    table = e2e.summarize([base, kv, bad], "auto")
+    assert "| kvarn_k4v2_g128 | ok | 400 | 4.00 | 0.500 |" in table
+    assert "| turboquant_k8v4 | error rc=1 |" in table
+
+
+def test_model_dir_falls_back_to_the_embedded_qwen3_8b(e2e: ModuleType, tmp_path: Path) -> None:
+    found = e2e.resolve_model_dir(None)
+    cfg = json.loads((found / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 36 and cfg["num_key_value_heads"] == 8
+    with pytest.raises(SystemExit):
+        e2e.resolve_model_dir(str(tmp_path / "missing"))
+
+
+def test_bench_docs_section_replaces_only_its_own_section(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n## Kernels\nkeep me\n")
+    monkeypatch.setattr(bench, "DOCS", docs)
+    rows = [
+        {
+            "label": "auto",
+            "status": "ok",
+            "kv_tokens": 791_792,
+            "total_tok_s": 21_951.0,
+            "output_tok_s": 1_500.0,
+            "elapsed_s": 77.6,
+            "requests": 256,
+        },
+        {
+            "label": "kvarn_k4v2_g128",
+            "status": "ok",
+            "kv_tokens": 3_300_000,
+            "total_tok_s": 23_000.0,
+            "output_tok_s": 1_600.0,
+            "elapsed_s": 74.0,
+            "requests": 256,
+        },
+        {"label": "fp8:bfloat16", "status": "timeout", "error": "boom"},
+    ]
+    meta = {
+        "gpu": "NVIDIA H200",
+        "date": "2026-11-30",
+        "prompt_len": 6144,
+        "output_len": 512,
+        "max_model_len": 16384,
+        "max_num_seqs": 256,
+        "gpu_mem_util": 0.9,
+        "tp": 1,
+        "commands": ["python3 tools/bench_serving.py --dtypes auto"],
+    }
+    bench.write_docs(bench.section(rows, meta, "auto"))
+    first = docs.read_text()
+    assert "keep me" in first and first.count(bench.START) == 1
+    assert "| kvarn_k4v2_g128 | 3,300,000 | 4.17 | 23,000 | 1.05 |" in first
+    assert "| fp8:bfloat16 | | | | | | | timeout: boom |" in first
+    bench.write_docs(bench.section(rows[:1], meta, "auto"))
+    second = docs.read_text()
+    assert second.count(bench.START) == 1 and "keep me" in second
+    assert "kvarn_k4v2_g128" not in second
