@@ -256,3 +256,55 @@ def test_lm_head_at_tp1(vllm_env: SimpleNamespace) -> None:
     x = torch.randn(2, 128)
     logits = head.quant_method.apply(head, x)
     torch.testing.assert_close(logits, x @ _reference(t), rtol=1e-5, atol=1e-4)
+
+
+def test_real_model_loader_maps_checkpoint_names(
+    vllm_env: SimpleNamespace, kit: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's own pipeline on a synthetic EXL3 Qwen3 checkpoint: quantization detected from
+    config.json, EXL3 modules listed from the index, q/k/v and gate/up stacked into vLLM's
+    fused layers by the model's load_weights, and every weight equal to the decoder's."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from kvarn_ckpt import open_checkpoint, validate_exl3
+    from kvarn_ckpt.exl3_torch import dequantize_linear
+    from kvarn_ckpt.problems import ProblemList
+
+    monkeypatch.setenv("VLLM_PLUGINS", "")  # only this package's registration
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    c = kit.exl3_dense(bits=3, codebook="mcg", tie_word_embeddings=False)
+    rng = np.random.default_rng(11)
+    for tensors in c.shards.values():
+        for name, (dt, shape, _) in list(tensors.items()):
+            n = int(np.prod(shape)) if shape else 1
+            if dt == "I16":
+                data = rng.integers(-(2**15), 2**15, n).astype(np.int16).tobytes()
+                tensors[name] = (dt, shape, data)
+            elif dt == "F16":
+                tensors[name] = (dt, shape, (rng.standard_normal(n) * 0.05).astype(np.float16)
+                                 .tobytes())
+    c.add("lm_head.weight", "BF16", [1024, 256])
+    p = c.write()
+    cfg = EngineArgs(model=str(p), skip_tokenizer_init=True, dtype="float32",
+                     max_model_len=512).create_engine_config()
+    assert cfg.model_config.quantization == "exl3"
+    assert len(cfg.quant_config.exl3_prefixes) == 14
+    with set_current_vllm_config(cfg):
+        model = get_model_loader(cfg.load_config).load_model(
+            vllm_config=cfg, model_config=cfg.model_config)
+    ckpt = open_checkpoint(p)
+    lin = validate_exl3(ckpt, ProblemList()).linears
+
+    def ref(*names: str) -> Any:
+        return torch.cat([dequantize_linear(ckpt, lin[n]) for n in names], 1).t()
+
+    for i, layer in enumerate(model.model.layers):
+        a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        assert torch.equal(layer.self_attn.qkv_proj.weight,
+                           ref(f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"))
+        assert torch.equal(layer.self_attn.o_proj.weight, ref(f"{a}.o_proj"))
+        assert torch.equal(layer.mlp.gate_up_proj.weight, ref(f"{m}.gate_proj", f"{m}.up_proj"))
+        assert torch.equal(layer.mlp.down_proj.weight, ref(f"{m}.down_proj"))
+    assert type(model.lm_head.quant_method).__name__ == "UnquantizedEmbeddingMethod"
