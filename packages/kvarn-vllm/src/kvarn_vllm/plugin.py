@@ -40,7 +40,22 @@ def register() -> None:
         return
     _check_version(str(getattr(vllm, "__version__", "unknown")))
     _patches.apply_all()
+    _register_checkpoint_loader()
     logger.debug("kvarn: registered (%d patches)", len(_patches.PATCHES))
+
+
+def _register_checkpoint_loader() -> None:
+    """Register kvarn-ckpt's ``exl3`` quantization method when kvarn-ckpt is installed.
+
+    kvarn-ckpt loads KVarN-quantized checkpoints into vLLM through this plugin (it has no
+    entry point of its own). Without it nothing changes; its own errors propagate (fail
+    closed) because a half-registered loader would fail later and less clearly.
+    """
+    try:
+        from kvarn_ckpt import vllm_quant
+    except ImportError:
+        return
+    vllm_quant.register()
 
 
 def ensure_registered() -> None:
