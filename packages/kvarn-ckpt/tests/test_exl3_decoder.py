@@ -232,3 +232,21 @@ def test_dequantize_linear_from_a_tr3_checkpoint_uses_the_shared_vector(
     w = dequantize_linear(ckpt, lin)
     want = ref_dequant(states, suh, svh, "mcg")
     np.testing.assert_allclose(w.numpy(), want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dequantize_on_cuda_matches_cpu() -> None:
+    rng = np.random.default_rng(9)
+    words = rng.integers(-(2**15), 2**15, size=(24, 32, 48)).astype(np.int16)
+    trellis = torch.from_numpy(words)
+    suh = torch.from_numpy(rng.standard_normal(384).astype(np.float16))
+    svh = torch.from_numpy(rng.standard_normal(512).astype(np.float16))
+    for codebook in ("3inst", "mcg", "mul1"):
+        cpu = dequantize(trellis, suh, svh, codebook)  # type: ignore[arg-type]
+        gpu = dequantize(trellis.cuda(), suh.cuda(), svh.cuda(), codebook)  # type: ignore[arg-type]
+        assert torch.equal(
+            reconstruct_inner(trellis.cuda(), codebook).cpu(),  # type: ignore[arg-type]
+            reconstruct_inner(trellis, codebook),
+        )  # type: ignore[arg-type]
+        torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-5, atol=1e-5)

@@ -283,17 +283,22 @@ def test_real_model_loader_maps_checkpoint_names(
                 data = rng.integers(-(2**15), 2**15, n).astype(np.int16).tobytes()
                 tensors[name] = (dt, shape, data)
             elif dt == "F16":
-                tensors[name] = (dt, shape, (rng.standard_normal(n) * 0.05).astype(np.float16)
-                                 .tobytes())
+                tensors[name] = (
+                    dt,
+                    shape,
+                    (rng.standard_normal(n) * 0.05).astype(np.float16).tobytes(),
+                )
     c.add("lm_head.weight", "BF16", [1024, 256])
     p = c.write()
-    cfg = EngineArgs(model=str(p), skip_tokenizer_init=True, dtype="float32",
-                     max_model_len=512).create_engine_config()
+    cfg = EngineArgs(
+        model=str(p), skip_tokenizer_init=True, dtype="float32", max_model_len=512
+    ).create_engine_config()
     assert cfg.model_config.quantization == "exl3"
     assert len(cfg.quant_config.exl3_prefixes) == 14
     with set_current_vllm_config(cfg):
         model = get_model_loader(cfg.load_config).load_model(
-            vllm_config=cfg, model_config=cfg.model_config)
+            vllm_config=cfg, model_config=cfg.model_config
+        )
     ckpt = open_checkpoint(p)
     lin = validate_exl3(ckpt, ProblemList()).linears
 
@@ -302,8 +307,9 @@ def test_real_model_loader_maps_checkpoint_names(
 
     for i, layer in enumerate(model.model.layers):
         a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        assert torch.equal(layer.self_attn.qkv_proj.weight,
-                           ref(f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"))
+        assert torch.equal(
+            layer.self_attn.qkv_proj.weight, ref(f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj")
+        )
         assert torch.equal(layer.self_attn.o_proj.weight, ref(f"{a}.o_proj"))
         assert torch.equal(layer.mlp.gate_up_proj.weight, ref(f"{m}.gate_proj", f"{m}.up_proj"))
         assert torch.equal(layer.mlp.down_proj.weight, ref(f"{m}.down_proj"))

@@ -151,10 +151,21 @@ def _weight_format(
             "config.json",
         )
     if qc is None:
-        dtype = lang.get("torch_dtype") or lang.get("dtype") or config.get("torch_dtype")
-        dtype = config.get("dtype", dtype) if dtype is None else dtype
+        dtype = next(
+            (
+                d
+                for d in (
+                    lang.get("torch_dtype"),
+                    lang.get("dtype"),
+                    config.get("torch_dtype"),
+                    config.get("dtype"),
+                )
+                if isinstance(d, str)
+            ),
+            "bfloat16",
+        )
         kind = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}.get(
-            str(dtype), "bf16"
+            dtype, "bf16"
         )
         return WeightFormat(kind)
     method = qc.get("quant_method")

@@ -127,7 +127,7 @@ def unpack_states(trellis: torch.Tensor, bits: float | None = None) -> torch.Ten
     nw = w32.shape[-1]
     if nw * 32 != sum(_steps(bits)):
         raise ValueError(f"trellis of {nw * 2} words does not hold 256 weights of {bits} bits")
-    starts = torch.tensor(ring_windows(bits), dtype=torch.int64)
+    starts = torch.tensor(ring_windows(bits), dtype=torch.int64, device=trellis.device)
     wi, off = starts >> 5, starts & 31
     hi = w32[..., wi]
     lo = w32[..., (wi + 1) % nw]
@@ -172,8 +172,8 @@ def reconstruct_inner(trellis: torch.Tensor, codebook: Codebook) -> torch.Tensor
     if not float(bits).is_integer() and codebook != "mul1":
         raise ValueError(f"half-integer rate {bits} exists only with the mul1 codebook")
     flat = trellis.reshape(tk * tn, -1)
-    order = torch.tensor(tile_order(), dtype=torch.int64)
-    tiles = torch.empty((tk * tn, 256), dtype=torch.float16)
+    order = torch.tensor(tile_order(), dtype=torch.int64, device=trellis.device)
+    tiles = torch.empty((tk * tn, 256), dtype=torch.float16, device=trellis.device)
     for a in range(0, tk * tn, _TILES_PER_CHUNK):
         vals = decode_states(unpack_states(flat[a : a + _TILES_PER_CHUNK], bits), codebook)
         tiles[a : a + _TILES_PER_CHUNK, order] = vals
@@ -189,7 +189,7 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     """Legacy ``.su``/``.sv``: int16 words of sign bits (bit b of word i -> element 16 i + b,
     set = -1) to a float32 +-1 vector."""
     w = packed.to(torch.int64) & 0xFFFF
-    bits = (w.unsqueeze(-1) >> torch.arange(16)) & 1
+    bits = (w.unsqueeze(-1) >> torch.arange(16, device=packed.device)) & 1
     return (1.0 - 2.0 * bits.to(torch.float32)).reshape(-1)
 
 
@@ -210,7 +210,7 @@ def dequantize(
         raise ValueError(
             f"suh {list(suh.shape)} / svh {list(svh.shape)} do not match the {n_in}x{n_out} trellis"
         )
-    h = _hadamard_128()
+    h = _hadamard_128().to(w.device)
     w = (h @ w.view(-1, HADAMARD_BLOCK, n_out)).view(n_in, n_out)
     w = w * suh.to(torch.float32).unsqueeze(1)
     w = (w.view(n_in, -1, HADAMARD_BLOCK) @ h).view(n_in, n_out)
