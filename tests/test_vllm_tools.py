@@ -138,3 +138,35 @@ def test_bench_docs_section_replaces_only_its_own_section(
     second = docs.read_text()
     assert second.count(bench.START) == 1 and "keep me" in second
     assert "kvarn_k4v2_g128" not in second
+
+
+def test_report_reads_a_fetched_results_file(
+    bench: ModuleType, e2e: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device run leaves results.json; --report --write-docs rebuilds the section here."""
+    fetched = tmp_path / "fetched"
+    fetched.mkdir()
+    row = {
+        "label": "auto",
+        "status": "ok",
+        "kv_tokens": 10,
+        "total_tok_s": 5.0,
+        "output_tok_s": 1.0,
+        "elapsed_s": 2.0,
+        "requests": 4,
+        "order": 1,
+    }
+    meta = {
+        "gpu": "NVIDIA H200",
+        "prompt_len": 64,
+        "output_len": 8,
+        "commands": ["python3 tools/bench_serving.py --dtypes auto --out /tmp/bench"],
+    }
+    (fetched / "results.json").write_text(json.dumps({"meta": meta, "rows": [row]}))
+    assert e2e.load_rows(fetched) == [row]
+    docs = tmp_path / "benchmarks.md"
+    monkeypatch.setattr(bench, "DOCS", docs)
+    assert bench.main(["--report", "--out", str(fetched), "--write-docs"]) == 0
+    text = docs.read_text()
+    assert "NVIDIA H200" in text and "--dtypes auto --out /tmp/bench" in text
+    assert "| auto | 10 | 1.00 | 5 | 1.00 |" in text

@@ -12,13 +12,18 @@ kernels of every path: first chunk, continuation, decode, flush), untimed.
 
 Each row is written to ``--out`` as JSON as soon as it finishes, so a run can be split over
 several calls (each engine start costs about 150 s the first time and about 30 s with a warm
-compile cache); the table is rebuilt from every row in ``--out``, and ``--write-docs``
-replaces the serving section of docs/benchmarks.md with it (other sections are kept).
+compile cache); the table is rebuilt from every row in ``--out`` and ``results.json`` holds
+them all in one file. ``--write-docs`` replaces the serving section of docs/benchmarks.md
+with the table (other sections are kept). On the device tool, copy ``results.json`` to
+``$OUT`` and write the docs here with ``--report``:
 
-    python3 tools/bench_serving.py --dtypes auto,kvarn_k4v2_g128 --out /tmp/bench --write-docs
-    python3 tools/bench_serving.py --dtypes fp8:bfloat16,turboquant_k8v4 --out /tmp/bench --write-docs
+    # device (one dtype per call; /tmp/bench persists while the machine stays warm)
+    python3 tools/bench_serving.py --dtypes auto --out /tmp/bench && cp /tmp/bench/results.json /tmp/bench/summary.md $OUT/
+    python3 tools/bench_serving.py --dtypes kvarn_k4v2_g128 --out /tmp/bench && cp /tmp/bench/results.json /tmp/bench/summary.md $OUT/
+    # here, with the fetched results.json in DIR
+    python3 tools/bench_serving.py --report --out DIR --write-docs
+    # a smaller workload
     python3 tools/bench_serving.py --num-prompts 64 --prompt-len 2048 --output-len 128 --out /tmp/small
-    python3 tools/bench_serving.py --report --out /tmp/bench --write-docs
 """
 
 from __future__ import annotations
@@ -181,7 +186,7 @@ def parent_main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "meta.json"
-    meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta: dict[str, Any] = common.load_meta(out)
     if not args.report:
         warn = common.check_plugin_entry_point()
         if warn:
@@ -267,6 +272,8 @@ def parent_main(args: argparse.Namespace) -> int:
                 flush=True,
             )
     rows = common.load_rows(out)
+    if not args.report:
+        common.write_results(out, rows)
     text = table(rows, args.baseline)
     (out / "summary.md").write_text(text + "\n")
     print(text)

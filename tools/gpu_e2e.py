@@ -348,11 +348,32 @@ def summarize(rows: list[dict[str, Any]], baseline_label: str | None) -> str:
 
 
 def load_rows(out: Path) -> list[dict[str, Any]]:
-    rows = []
-    for f in sorted(out.glob("row_*.json")):
-        rows.append(json.loads(f.read_text()))
+    """Rows of ``out``: its ``row_*.json`` files, else the ``results.json`` a device run left.
+
+    ``results.json`` (meta and every row in one file) is what to copy to the device tool's
+    ``$OUT`` (which returns at most 8 files); ``--report --out DIR`` reads it back here.
+    """
+    rows = [json.loads(f.read_text()) for f in sorted(out.glob("row_*.json"))]
+    if not rows and (out / "results.json").is_file():
+        rows = json.loads((out / "results.json").read_text())["rows"]
     rows.sort(key=lambda r: r.get("order", 0))
     return rows
+
+
+def write_results(out: Path, rows: list[dict[str, Any]]) -> None:
+    """One file with the meta data and every row (for ``$OUT``)."""
+    meta_path = out / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+
+
+def load_meta(out: Path) -> dict[str, Any]:
+    if (out / "meta.json").is_file():
+        meta: dict[str, Any] = json.loads((out / "meta.json").read_text())
+        return meta
+    if (out / "results.json").is_file():
+        return dict(json.loads((out / "results.json").read_text()).get("meta", {}))
+    return {}
 
 
 def parent_main(args: argparse.Namespace) -> int:
@@ -439,6 +460,7 @@ def parent_main(args: argparse.Namespace) -> int:
         (out / f"row_{safe}.json").write_text(json.dumps(row))
         print(f"    -> {row['status']} in {row['wall_s']} s", flush=True)
     rows = load_rows(out)
+    write_results(out, rows)
     table = summarize(rows, args.baseline)
     (out / "summary.md").write_text(table + "\n")
     print(table)
