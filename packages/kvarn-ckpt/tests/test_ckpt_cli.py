@@ -55,6 +55,7 @@ def test_inspect_json_mla_declared_with_capacity(
     assert kv["bytes_per_token"] == 418 * 3 and kv["fp16_bytes_per_token"] == 1152 * 3
     assert doc["exl3"]["tr3"]["found_tensors"] == doc["exl3"]["tr3"]["expected_tensors"]
     assert doc["errors"] == 0
+    assert [x["code"] for x in doc["problems"]] == ["tr3.tp_mismatch", "resolve.declared"]
     cap = doc["capacity"]
     stored = doc["weights"]["stored_bytes"]
     from kvarn_format.catalog import model_from_config

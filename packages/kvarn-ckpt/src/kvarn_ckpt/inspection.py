@@ -224,6 +224,18 @@ def inspect_checkpoint(
         exl3 = validate_exl3(ckpt, problems)
     elif not ckpt.weight_format.kind.startswith("other:"):
         _check_plain_weights(ckpt, problems)
+    tail_tp = (ckpt.hybrid_tr3_tail or {}).get("tp")
+    if (
+        ckpt.weight_format.kind == "exl3-tr3"
+        and isinstance(tail_tp, int)
+        and tail_tp != tensor_parallel_size
+    ):
+        problems.warning(
+            "tr3.tp_mismatch",
+            f"the routed experts are pre-sliced for tensor_parallel_size={tail_tp}; serving "
+            f"with --tp {tensor_parallel_size} needs loaders that re-slice or merge them",
+            "config.json:hybrid_tr3_tail",
+        )
 
     res = resolve_kv_format(
         ckpt,
