@@ -84,11 +84,18 @@ def child_main(args: argparse.Namespace) -> int:
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
     cache = llm.llm_engine.vllm_config.cache_config
-    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+    # Warm-up: short prompts (first chunks, decode, flush) and one prompt longer than the
+    # batch budget (a chunked-prefill continuation), so the Triton kernels are compiled
+    # before the timed call.
+    budget = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+    long_len = min(budget + 256, args.max_model_len - 16, args.prompt_len)
+    # Fresh tokens, so the timed prompts get no prefix-cache hits from the warm-up.
+    warm_rng = random.Random(args.seed + 1)
     warm_prompts = [
-        {"prompt_token_ids": p["prompt_token_ids"][: min(args.prompt_len, 600)]}
-        for p in prompts[:4]
+        {"prompt_token_ids": [warm_rng.randrange(100, vocab - 100) for _ in range(n)]}
+        for n in (min(args.prompt_len, 600),) * 3 + (long_len,)
     ]
+    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate(warm_prompts, warm, use_tqdm=False)
     sp = SamplingParams(
         max_tokens=args.output_len, temperature=0.0, ignore_eos=True, detokenize=False
