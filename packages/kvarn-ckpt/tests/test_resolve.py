@@ -243,3 +243,13 @@ def test_resolve_for_vllm_never_applies_the_heuristic(
 def test_resolve_for_vllm_unknown_model_keeps_the_users_value(kit: SimpleNamespace) -> None:
     assert resolve_for_vllm(kit.tmp / "does-not-exist", None) is None
     assert resolve_for_vllm("no-such-org/no-such-model-xyz", "fp8") == "fp8"
+
+
+def test_resolution_reads_no_shard(kit: SimpleNamespace) -> None:
+    """Resolving the KV format (the serving start-up path) never opens a shard."""
+    p = kit.exl3_dense().write()
+    _declare(p, "kvarn_k4v2_g128", 128)
+    for shard in p.glob("*.safetensors"):
+        shard.write_bytes(b"garbage")  # would fail any header read
+    assert resolve_kv_format(p).dtype == "kvarn_k4v2_g128"
+    assert resolve_for_vllm(p, None) == "kvarn_k4v2_g128"

@@ -231,11 +231,13 @@ def _shard_files(root: Path, problems: ProblemList) -> tuple[dict[str, str], lis
     return {}, found
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike[str], *, read_weights: bool = True) -> Checkpoint:
     """Read config.json, the quantization configs, the index and every shard header.
 
-    Raises :class:`CheckpointError` only when there is nothing to inspect (no directory, no
-    readable config.json); every other problem lands in ``Checkpoint.problems``.
+    ``read_weights=False`` stops after the JSON files (what KV-format resolution needs, so a
+    serving start-up does not read every shard header). Raises :class:`CheckpointError` only
+    when there is nothing to inspect (no directory, no readable config.json); every other
+    problem lands in ``Checkpoint.problems``.
     """
     root = Path(path)
     if not root.is_dir():
@@ -258,7 +260,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         except CheckpointError as e:
             problems.error("sidecar.invalid", str(e), QUANT_SIDECAR)
 
-    weight_map, files = _shard_files(root, problems)
+    weight_map, files = _shard_files(root, problems) if read_weights else ({}, [])
     headers: dict[str, SafetensorsHeader] = {}
     tensors: dict[str, TensorInfo] = {}
     for fname in files:

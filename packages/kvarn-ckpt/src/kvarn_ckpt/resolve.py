@@ -163,7 +163,11 @@ def resolve_kv_format(
     """
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    ckpt = (
+        checkpoint
+        if isinstance(checkpoint, Checkpoint)
+        else open_checkpoint(checkpoint, read_weights=False)
+    )
     geometry = ckpt.geometry
     tp = tensor_parallel_size
     decl_problems = ProblemList()
