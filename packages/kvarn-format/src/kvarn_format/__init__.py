@@ -1,7 +1,27 @@
 """kvarn-format: the KVarN cache dtype registry, record geometry, KV budget sizing and the
 NumPy reference codec. NumPy only: no torch, no GPU."""
 
+from kvarn_format.catalog import ModelConfigError, ModelGeometry, catalog_names, load_model
 from kvarn_format.geometry import Field, RecordLayout, fp16_bytes_per_token, record_layout
+from kvarn_format.hadamard import hadamard_matrix
+from kvarn_format.reference import (
+    DENSE_SINKHORN_ITERS,
+    MLA_SINKHORN_ITERS,
+    NonFiniteInputError,
+    decode_mla_tile,
+    decode_rotated_tile,
+    decode_rotated_tiles,
+    decode_tile,
+    decode_tiles,
+    encode_mla_tile,
+    encode_rotated_tile,
+    encode_rotated_tiles,
+    encode_tile,
+    encode_tiles,
+    fake_quantize,
+    fake_quantize_mla,
+    rtn_kivi,
+)
 from kvarn_format.registry import (
     DENSE_DTYPES,
     DENSE_HEAD_DIMS,
@@ -15,23 +35,65 @@ from kvarn_format.registry import (
     is_kvarn_dtype,
     parse_cache_dtype,
 )
+from kvarn_format.sizing import (
+    BudgetError,
+    KVBudget,
+    KVPlan,
+    ServingConfig,
+    plan,
+    side_pool_slots,
+    solve_kv_budget,
+    worker_memory,
+)
+from kvarn_format.weights import estimate_weights, parse_weight_format
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DENSE_DTYPES",
     "DENSE_HEAD_DIMS",
+    "DENSE_SINKHORN_ITERS",
     "MLA_DTYPES",
+    "MLA_SINKHORN_ITERS",
     "VALID_DTYPES",
+    "BudgetError",
     "CacheDTypeError",
     "DenseFormat",
     "Field",
+    "KVBudget",
+    "KVPlan",
     "KVarNFormat",
     "MLAFormat",
+    "ModelConfigError",
+    "ModelGeometry",
+    "NonFiniteInputError",
     "RecordLayout",
+    "ServingConfig",
     "UnsupportedGeometryError",
+    "catalog_names",
+    "decode_mla_tile",
+    "decode_rotated_tile",
+    "decode_rotated_tiles",
+    "decode_tile",
+    "decode_tiles",
+    "encode_mla_tile",
+    "encode_rotated_tile",
+    "encode_rotated_tiles",
+    "encode_tile",
+    "encode_tiles",
+    "estimate_weights",
+    "fake_quantize",
+    "fake_quantize_mla",
     "fp16_bytes_per_token",
+    "hadamard_matrix",
     "is_kvarn_dtype",
+    "load_model",
     "parse_cache_dtype",
+    "parse_weight_format",
+    "plan",
     "record_layout",
+    "rtn_kivi",
+    "side_pool_slots",
+    "solve_kv_budget",
+    "worker_memory",
 ]
