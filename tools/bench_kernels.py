@@ -307,7 +307,9 @@ def bench_tq_decode(preset: str, bsz: int, seq: int) -> dict[str, Any]:
 # store and prefill
 
 
-def bench_store(fmt_name: str, n_tiles: int, matmul_tflops: float) -> dict[str, Any]:
+def bench_store(
+    fmt_name: str, n_tiles: int, matmul_tflops: float, num_warps: int | None = None
+) -> dict[str, Any]:
     import torch
 
     from kvarn_format import parse_cache_dtype, record_layout
@@ -322,7 +324,9 @@ def bench_store(fmt_name: str, n_tiles: int, matmul_tflops: float) -> dict[str, 
     )
     idx = torch.randperm(n_tiles, device="cuda").to(torch.int32)
     dst = torch.randperm(n_tiles, device="cuda").to(torch.int32)
-    us, mode = timed(lambda: flush_tiles(fmt, pk, pv, idx, kv, dst), graph=False)
+    us, mode = timed(
+        lambda: flush_tiles(fmt, pk, pv, idx, kv, dst, num_warps=num_warps), graph=False
+    )
     records = n_tiles * HK
     tokens = n_tiles * g
     layers = 36  # Qwen3-8B: every layer flushes its own tiles
@@ -338,7 +342,9 @@ def bench_store(fmt_name: str, n_tiles: int, matmul_tflops: float) -> dict[str, 
     }
 
 
-def bench_prefill(fmt_name: str, ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
+def bench_prefill(
+    fmt_name: str, ctx_before: int, q_len: int, bsz: int, block_m: int | None = None
+) -> dict[str, Any]:
     import torch
 
     from kvarn_format import parse_cache_dtype
@@ -366,7 +372,9 @@ def bench_prefill(fmt_name: str, ctx_before: int, q_len: int, bsz: int) -> dict[
     seqs = torch.full((bsz,), seq, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     us, mode = timed(
-        lambda: prefill_attention(fmt, q, kv, pool_k, pool_v, bt, qsl, seqs, b2s, D**-0.5, out=out),
+        lambda: prefill_attention(
+            fmt, q, kv, pool_k, pool_v, bt, qsl, seqs, b2s, D**-0.5, out=out, block_m=block_m
+        ),
         graph=False,
     )
     flops = bsz * 4 * HQ * D * (q_len * ctx_before + q_len * q_len / 2)
@@ -422,6 +430,57 @@ def bench_fa3_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# variants (one run, several code paths; outputs cross-checked)
+
+
+def run_variants() -> dict[str, Any]:
+    import torch
+
+    from kvarn_kernels import decode_attention
+
+    out: dict[str, Any] = {"decode": [], "store": [], "prefill": []}
+    for bsz, ctx in ((64, 16384), (256, 4096)):
+        inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
+        base = None
+        for cfg in ({}, {"prefetch": False}, {"prefetch": False, "block_n": 128, "num_warps": 8}):
+            r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))
+            o = decode_attention(
+                "kvarn_k4v2_g128",
+                inp["q"],
+                inp["kv"],
+                inp["pool_k"],
+                inp["pool_v"],
+                inp["bt"],
+                inp["seq_lens"],
+                inp["b2s"],
+                D**-0.5,
+                **cfg,
+            ).float()
+            if base is None:
+                base = o
+            r["rel_diff_vs_default"] = float((o - base).norm() / base.norm())
+            out["decode"].append({"B": bsz, "ctx": ctx, "config": cfg, **r})
+            log(f"variant decode B={bsz} ctx={ctx} {cfg}: {r}")
+        del inp
+        torch.cuda.empty_cache()
+    mm = ceilings()["bf16_tflops"]
+    for name in ("kvarn_k4v2_g128", "kvarn_k4v2_g64"):
+        for warps in (4, 8, 16):
+            r = guarded(lambda name=name, warps=warps: bench_store(name, 1024, mm, warps))
+            out["store"].append({"kernel": name, "num_warps": warps, **r})
+            log(f"variant store {name} warps={warps}: {r.get('us', r.get('error'))}")
+    for block_m in (64, 128):
+        r = guarded(
+            lambda block_m=block_m: bench_prefill(
+                "kvarn_k4v2_g128", 14336, 2048, 1, block_m=block_m
+            )
+        )
+        out["prefill"].append({"block_m": block_m, **r})
+        log(f"variant prefill block_m={block_m}: {r}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # driver
 
 
@@ -440,6 +499,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import triton
 
+    def save() -> None:
+        # partial results survive a run that is cut short
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+
     t0 = time.time()
     res: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
@@ -451,6 +515,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     res["ceilings"] = ceilings()
     log(f"ceilings: {res['ceilings']}")
+    save()
     shapes = [(64, 4096), (64, 16384), (64, 65536), (256, 4096), (256, 16384), (256, 65536)]
     if args.quick:
         shapes = [(64, 16384), (256, 4096)]
@@ -489,6 +554,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tuned = dict(best["config"])
         res["tuned"] = tuned
         log(f"tuned config: {tuned}")
+        save()
 
     decode = []
     for bsz, ctx in shapes:
@@ -505,6 +571,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"decode {name} B={bsz} ctx={ctx}: {r.get('us', r.get('error'))}")
             del inp
             torch.cuda.empty_cache()
+            res["decode"] = decode
+            save()
         seq = ctx - 63
         peers: list[tuple[str, Callable[[], dict[str, Any]]]] = [
             ("fa3_fp16", lambda bsz=bsz, seq=seq: bench_fa3_decode(bsz, seq))
@@ -533,6 +601,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res["store"] = [{"kernel": n, **guarded(lambda n=n: bench_store(n, 1024, mm))} for n in formats]
     for r in res["store"]:
         log(f"store {r}")
+    save()
 
     pre = []
     for bsz in (1, 4):
@@ -718,10 +787,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two decode shapes only")
     ap.add_argument("--sweep", action="store_true", help="decode tuning sweep first")
     ap.add_argument("--formats", help="comma-separated subset of the dense formats")
+    ap.add_argument("--variants", action="store_true", help="only the code-path comparison")
     args = ap.parse_args()
     command = "python3 tools/bench_kernels.py " + " ".join(
         a for a in sys.argv[1:] if not a.startswith("/")
     )
+    if args.variants:
+        res = run_variants()
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))
+        return
     if args.from_json:
         res = json.loads(args.from_json.read_text())
         command = res.get("command", command)

@@ -34,7 +34,7 @@ INTERPRET = not torch.cuda.is_available()
 
 
 def _assert_close(
-    out: torch.Tensor, ref: torch.Tensor, *, tot: float = 3e-3, row: float = 2e-2
+    out: torch.Tensor, ref: torch.Tensor, *, tot: float = 3e-3, row: float = 3e-2
 ) -> None:
     assert bool(torch.isfinite(out).all()), "output has NaN/Inf (unwritten or poisoned)"
     o = out.double()
@@ -99,6 +99,7 @@ def test_decode_attention(
         scale,
         out=out,
         num_splits=splits,
+        prefetch=splits != 2,  # the two-split cases run the loop without register prefetch
     )
     assert res is out
     ref = decode_attention_ref(
@@ -294,7 +295,9 @@ def test_decode_attention_gpu(device: torch.device, name: str, d: int, hq: int, 
     case = build_case(name, d, hk, lens, device=device, seed=d, max_blocks=4096 // g + 8)
     q = torch.randn(len(lens), hq, d, device=device).half()
     scale = 1.0 / math.sqrt(d)
-    for splits in (1, None):
+    # default split count, a single split, and once the plain (non-PTX) unpack without the
+    # register prefetch
+    for splits, fast, prefetch in ((None, None, True), (1, None, True), (3, False, False)):
         out = torch.full_like(q, float("nan"))
         decode_attention(
             name,
@@ -308,6 +311,8 @@ def test_decode_attention_gpu(device: torch.device, name: str, d: int, hq: int, 
             scale,
             out=out,
             num_splits=splits,
+            fast_unpack=fast,
+            prefetch=prefetch,
         )
         ref = decode_attention_ref(
             name,
@@ -338,7 +343,7 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int) -> None:
         [0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=device
     )
     scale = 1.0 / math.sqrt(d)
-    for splits in (1, 4):
+    for splits, block_m in ((1, None), (4, None), (1, 128)):
         out = torch.full_like(q, float("nan"))
         prefill_attention(
             name,
@@ -353,6 +358,7 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int) -> None:
             scale,
             out=out,
             num_splits=splits,
+            block_m=block_m,
         )
         ref = prefill_attention_ref(
             name,

@@ -54,11 +54,18 @@ def test_rotate_matches_reference(
     assert y.dtype == torch.float16 and y.shape == x.shape
     assert bool(torch.isfinite(y).all())
     assert float(y[0, 0]) == 65504.0
-    # fp32 sums vs float64: a value within ~1e-7 of an fp16 rounding boundary may land on the
-    # other side, so allow one-ulp differences, and only rarely.
+    # fp32 sums vs float64. The sums may carry an fp32 rounding error of the size of the sum of
+    # |terms| (tensor cores accumulate in fp32 in their own order), which matters only where the
+    # rotated value is much smaller than its terms; otherwise a value within ~1e-7 of an fp16
+    # rounding boundary may land on the other side: one-ulp differences, rarely.
+    d_ = x.shape[-1]
+    terms = x.double().abs().sum(dim=-1, keepdim=True) / d_**0.5
+    ulp16 = torch.maximum(ref.double().abs() * 2.0**-10, torch.full_like(terms, 2.0**-24))
+    err = (y.double() - ref.double()).abs()
+    assert bool((err <= ulp16 + d_ * 2.0**-23 * terms).all())
     ulps = _fp16_ulps(y, ref)
-    assert int(ulps.max()) <= 1
-    assert float((ulps > 0).float().mean()) < 1e-3
+    assert float((ulps > 1).float().mean()) < 1e-4
+    assert float((ulps > 0).float().mean()) < 2e-3
 
 
 def test_write_side_pool_scatters_rotated_tokens(device: torch.device) -> None:

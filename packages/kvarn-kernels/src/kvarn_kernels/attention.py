@@ -288,6 +288,7 @@ def _attn_kernel(
     NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -348,60 +349,15 @@ def _attn_kernel(
     bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_bt
     tn = tl.arange(0, BN)
 
-    # Prefetch chunk 0.
-    ok = n_it > 0
-    blk = tl.load(bt_row + blk_lo, mask=ok & (blk_lo < max_blocks), other=0).to(tl.int64)
-    slot = tl.load(BLOCK_TO_SLOT + blk, mask=ok, other=0)
-    (k0, k1, k2, k3, k4, v0, v1, v2, v3, v4, ks, kz, kt, vcs, vs, vz) = _load_chunk(
-        KV + (blk * HK + h) * STRIDE,
-        0,
-        ok,
-        D,
-        G,
-        BN,
-        KB,
-        VB,
-        OFF_KC,
-        OFF_KS,
-        OFF_KZ,
-        OFF_KT,
-        OFF_VC,
-        OFF_VCS,
-        OFF_VS,
-        OFF_VZ,
-    )
-    for it in range(0, n_it):
-        c_k0 = k0
-        c_k1 = k1
-        c_k2 = k2
-        c_k3 = k3
-        c_k4 = k4
-        c_v0 = v0
-        c_v1 = v1
-        c_v2 = v2
-        c_v3 = v3
-        c_v4 = v4
-        c_ks = ks
-        c_kz = kz
-        c_kt = kt
-        c_vcs = vcs
-        c_vs = vs
-        c_vz = vz
-        c_slot = slot
-        bi = blk_lo + it // NCH
-        c = it % NCH
-
-        # Issue the next chunk's loads before computing this one.
-        nit = it + 1
-        n_ok = nit < n_it
-        n_bi = blk_lo + nit // NCH
-        n_c = nit % NCH
-        blk = tl.load(bt_row + n_bi, mask=n_ok & (n_bi < max_blocks), other=0).to(tl.int64)
-        slot = tl.load(BLOCK_TO_SLOT + blk, mask=n_ok, other=0)
+    if PREFETCH:
+        # Prefetch chunk 0.
+        ok = n_it > 0
+        blk = tl.load(bt_row + blk_lo, mask=ok & (blk_lo < max_blocks), other=0).to(tl.int64)
+        slot = tl.load(BLOCK_TO_SLOT + blk, mask=ok, other=0)
         (k0, k1, k2, k3, k4, v0, v1, v2, v3, v4, ks, kz, kt, vcs, vs, vz) = _load_chunk(
             KV + (blk * HK + h) * STRIDE,
-            n_c,
-            n_ok,
+            0,
+            ok,
             D,
             G,
             BN,
@@ -416,6 +372,92 @@ def _attn_kernel(
             OFF_VS,
             OFF_VZ,
         )
+    for it in range(0, n_it):
+        bi = blk_lo + it // NCH
+        c = it % NCH
+        if PREFETCH:
+            c_k0 = k0
+            c_k1 = k1
+            c_k2 = k2
+            c_k3 = k3
+            c_k4 = k4
+            c_v0 = v0
+            c_v1 = v1
+            c_v2 = v2
+            c_v3 = v3
+            c_v4 = v4
+            c_ks = ks
+            c_kz = kz
+            c_kt = kt
+            c_vcs = vcs
+            c_vs = vs
+            c_vz = vz
+            c_slot = slot
+
+            # Issue the next chunk's loads before computing this one.
+            nit = it + 1
+            n_ok = nit < n_it
+            n_bi = blk_lo + nit // NCH
+            n_c = nit % NCH
+            blk = tl.load(bt_row + n_bi, mask=n_ok & (n_bi < max_blocks), other=0).to(tl.int64)
+            slot = tl.load(BLOCK_TO_SLOT + blk, mask=n_ok, other=0)
+            (k0, k1, k2, k3, k4, v0, v1, v2, v3, v4, ks, kz, kt, vcs, vs, vz) = _load_chunk(
+                KV + (blk * HK + h) * STRIDE,
+                n_c,
+                n_ok,
+                D,
+                G,
+                BN,
+                KB,
+                VB,
+                OFF_KC,
+                OFF_KS,
+                OFF_KZ,
+                OFF_KT,
+                OFF_VC,
+                OFF_VCS,
+                OFF_VS,
+                OFF_VZ,
+            )
+
+        else:
+            blk = tl.load(bt_row + bi).to(tl.int64)
+            c_slot = tl.load(BLOCK_TO_SLOT + blk)
+            (
+                c_k0,
+                c_k1,
+                c_k2,
+                c_k3,
+                c_k4,
+                c_v0,
+                c_v1,
+                c_v2,
+                c_v3,
+                c_v4,
+                c_ks,
+                c_kz,
+                c_kt,
+                c_vcs,
+                c_vs,
+                c_vz,
+            ) = _load_chunk(
+                KV + (blk * HK + h) * STRIDE,
+                c,
+                it < n_it,
+                D,
+                G,
+                BN,
+                KB,
+                VB,
+                OFF_KC,
+                OFF_KS,
+                OFF_KZ,
+                OFF_KT,
+                OFF_VC,
+                OFF_VCS,
+                OFF_VS,
+                OFF_VZ,
+            )
 
         tpos = bi * G + c * BN + tn
         # --- scores from the record: fold k_scale into q, run the MMA on raw codes ---
@@ -577,6 +619,8 @@ def _launch(
     block_n: int | None,
     num_warps: int | None,
     fast_unpack: bool | None = None,
+    prefetch: bool = True,
+    block_m: int | None = None,
 ) -> None:
     t, hq, d = (int(s) for s in q.shape)
     hk = int(pool_k.shape[2])
@@ -598,7 +642,7 @@ def _launch(
         grid_x = b
     else:
         assert query_start_loc is not None
-        block_m = max(64 if d <= 128 else 32, qpk_p)
+        block_m = max(block_m or (64 if d <= 128 else 32), qpk_p)
         bq = block_m // qpk_p
         b = int(query_start_loc.shape[0]) - 1
         grid_x = triton.cdiv(t, bq) + b
@@ -637,6 +681,7 @@ def _launch(
         NUM_SPLITS=num_splits,
         DECODE=decode,
         FAST_UNPACK=(not triton_interpret()) if fast_unpack is None else fast_unpack,
+        PREFETCH=prefetch,
         num_warps=warps,
     )
     block_r = 16
@@ -739,6 +784,7 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     fast_unpack: bool | None = None,
+    prefetch: bool = True,
 ) -> torch.Tensor:
     """Decode attention: one query token per request over packed records and the side pool.
 
@@ -760,6 +806,8 @@ def decode_attention(
         block_n, num_warps: tuning overrides (tokens per inner step, warps per program).
         fast_unpack: unpack 2/4-bit codes with inline PTX (default: on for GPUs, off in the
             Triton interpreter, which cannot run PTX).
+        prefetch: load the next chunk's record bytes into registers before computing the
+            current one (default on).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -794,6 +842,7 @@ def decode_attention(
         block_n,
         num_warps,
         fast_unpack,
+        prefetch,
     )
     return out
 
@@ -816,6 +865,8 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     fast_unpack: bool | None = None,
+    prefetch: bool = True,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per request over cached context.
 
@@ -831,6 +882,7 @@ def prefill_attention(
         seq_lens: ``[B]`` int32 total tokens of each request after this chunk.
         workspace: optional fp32, ``decode_workspace_numel(T, Hq, D, num_splits)`` elements.
         num_splits: split-K factor over the context (default 1).
+        block_m: query rows (tokens x GQA heads) per program (default 64; 32 for D > 128).
         other arguments: as :func:`decode_attention`.
 
     Returns ``[T, Hq, D]`` in q's dtype, unrotated.
@@ -867,6 +919,8 @@ def prefill_attention(
         block_n,
         num_warps,
         fast_unpack,
+        prefetch,
+        block_m,
     )
     return out
 

@@ -293,6 +293,7 @@ def flush_tiles(
     dst_blocks: torch.Tensor,
     *,
     sinkhorn_iters: int = 8,
+    num_warps: int | None = None,
 ) -> None:
     """Quantize full side-pool tiles and scatter their records into the paged cache.
 
@@ -305,6 +306,7 @@ def flush_tiles(
             ``record_layout(fmt, D)``, ``align8`` or ``pow2``); records are written in place.
         dst_blocks: ``[N]`` int32 block ids receiving the records.
         sinkhorn_iters: Sinkhorn iterations (the dense formats use 8).
+        num_warps: tuning override (warps per tile program).
 
     One launch per call for head dims up to 256 (grid ``(N, Hk, 2)``: K and V tiles);
     head dim 512 runs the same algorithm as batched torch ops. Every tile must be full
@@ -343,7 +345,7 @@ def flush_tiles(
         **geo.offsets(),
         ITERS=sinkhorn_iters,
         PRECISE=not triton_interpret(),
-        num_warps=_num_warps(geo.head_dim, geo.group),
+        num_warps=num_warps or _num_warps(geo.head_dim, geo.group),
     )
 
 
