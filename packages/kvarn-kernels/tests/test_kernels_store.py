@@ -68,7 +68,12 @@ def _check_records(
         for x, r_dec, g_dec in ((k[bad], kr, kg), (v[bad], vr, vg)):
             err_ref = np.linalg.norm((r_dec - x).reshape(bad.size, -1), axis=1)
             err_got = np.linalg.norm((g_dec - x).reshape(bad.size, -1), axis=1)
-            ratios += list((err_got + 1e-6) / (err_ref + 1e-6))
+            # The slack (2^-9 of the tile's norm, fp16-rounding level) covers degenerate tiles
+            # that the reference happens to reconstruct exactly (a constant tile kept at the
+            # identity scaling, err_ref = 0) while a valid alternative scaling leaves fp16
+            # rounding noise; it is far below any 2- to 5-bit quantization error.
+            slack = 2.0**-9 * np.linalg.norm(x.reshape(bad.size, -1), axis=1)
+            ratios += list((err_got + 1e-6) / (err_ref + slack + 1e-6))
     stats = (
         f"{same.mean():.1%} of {same.size} records byte-identical; decoded-error ratio of the "
         f"others: max {max(ratios):.4f}, mean {np.mean(ratios):.4f}"

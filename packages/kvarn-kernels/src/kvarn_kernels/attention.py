@@ -882,7 +882,8 @@ def prefill_attention(
         seq_lens: ``[B]`` int32 total tokens of each request after this chunk.
         workspace: optional fp32, ``decode_workspace_numel(T, Hq, D, num_splits)`` elements.
         num_splits: split-K factor over the context (default 1).
-        block_m: query rows (tokens x GQA heads) per program (default 64; 32 for D > 128).
+        block_m: query rows (tokens x GQA heads) per program (default 64; 32 for D > 128;
+            128 was slower on an H200 and does not compile at D = 256).
         other arguments: as :func:`decode_attention`.
 
     Returns ``[T, Hq, D]`` in q's dtype, unrotated.
@@ -897,6 +898,13 @@ def prefill_attention(
             f"{query_start_loc.shape[0]}"
         )
     check_device(q.device, query_start_loc=query_start_loc)
+    if block_m is not None and (
+        block_m not in (16, 32, 64, 128) or (block_m > 64 and q.shape[2] > 128)
+    ):
+        raise ValueError(
+            f"block_m must be 16, 32 or 64 (or 128 for head_dim <= 128), got {block_m}; "
+            "Triton 3.6 fails to compile 128-row tiles at head_dim 256"
+        )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     t, hq, d = (int(s) for s in q.shape)
