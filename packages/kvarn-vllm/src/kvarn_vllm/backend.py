@@ -375,6 +375,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
 # Impl
 
 
+_SDPA_LOGGED = False
+
+
 def _metadata_for(layer_name: str) -> KvarnMetadata | None:
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
@@ -556,7 +559,9 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                         self._fa_version = get_flash_attn_version(head_size=self.head_size)
                 except ImportError:  # pragma: no cover - CUDA wheel without FA
                     self._fa = None
-            if self._fa is None:
+            global _SDPA_LOGGED
+            if self._fa is None and not _SDPA_LOGGED:
+                _SDPA_LOGGED = True
                 logger.info("kvarn: first prefill chunks use torch SDPA (no FlashAttention)")
         return self._fa
 
