@@ -804,6 +804,8 @@ def decode_attention(
             fixed ``num_splits``, for CUDA-graph capture).
         num_splits: split-K factor; default :func:`choose_decode_splits` (static shapes only).
         block_n, num_warps: tuning overrides (tokens per inner step, warps per program).
+            Experimental: only the defaults are covered by the GPU tests (see
+            docs/kernel-notes.md).
         fast_unpack: unpack 2/4-bit codes with inline PTX (default: on for GPUs, off in the
             Triton interpreter, which cannot run PTX).
         prefetch: load the next chunk's record bytes into registers before computing the
