@@ -184,14 +184,18 @@ def shrink_available_memory(
         if left <= 0:
             raise ValueError(
                 f"kvarn: the {res.cache_dtype} side pool ({res.pool_slots} slots x "
-                f"{res.kvarn_layers} layers = {res.pool_bytes / (1 << 30):.2f} GiB) and decode "
-                f"workspace ({res.workspace_bytes / (1 << 20):.1f} MiB) exceed the "
-                f"{avail / (1 << 30):.2f} GiB available for the KV cache: lower "
+                f"{res.kvarn_layers} layers = {_size(res.pool_bytes)}) and decode "
+                f"workspace ({_size(res.workspace_bytes)}) leave nothing of the "
+                f"{_size(avail)} available for the KV cache: lower "
                 "--max-num-seqs or --max-num-batched-tokens, or raise "
                 "--gpu-memory-utilization / --kv-cache-memory-bytes"
             )
         out.append(left)
     return out, reservations
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def log_capacity(
@@ -227,8 +231,8 @@ def log_capacity(
         ratio = tokens / fp16_tokens if fp16_tokens else float("nan")
         logger.info(
             "kvarn: worker %d KV cache capacity %s tokens with %s (%d blocks of %d tokens; "
-            "%.2fx an fp16 cache in the same memory); side pool %d slots x %d layers = %.2f "
-            "GiB and decode workspace %.1f MiB charged to the KV budget",
+            "%.2fx an fp16 cache in the same memory); side pool %d slots x %d layers = %s "
+            "and decode workspace %s charged to the KV budget",
             rank,
             f"{tokens:,}",
             res.cache_dtype,
@@ -237,7 +241,7 @@ def log_capacity(
             ratio,
             res.pool_slots,
             res.kvarn_layers,
-            res.pool_bytes / (1 << 30),
-            res.workspace_bytes / (1 << 20),
+            _size(res.pool_bytes),
+            _size(res.workspace_bytes),
         )
     return tokens_out
