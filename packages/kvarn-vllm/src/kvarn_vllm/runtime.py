@@ -130,7 +130,7 @@ class KvarnGroupRuntime:
         self._workspace_batch = 0
         _RUNTIMES.add(self)
         if not self.profiling:
-            pool_bytes = 2 * len(self.pools) * self.num_slots * self.slot_bytes // 2
+            pool_bytes = len(self.pools) * self.num_slots * self.slot_bytes
             logger.info(
                 "kvarn: %s side pool: %d slots x %d layers (%.2f GiB); prefix caching %s",
                 fmt.name,
@@ -335,7 +335,13 @@ def observe_scheduler_output(worker: Any, scheduler_output: Any) -> None:
     runner = getattr(worker, "model_runner", None)
     kv_cache_config = getattr(runner, "kv_cache_config", None)
     if kv_cache_config is None:
-        return
+        # A KVarN KV cache exists but the runner exposes no KV-cache config: without the
+        # request lifecycle the side pool cannot be kept right, so stop instead of serving
+        # garbage.
+        raise RuntimeError(
+            f"kvarn: {type(runner).__name__} has no kv_cache_config; kvarn-vllm supports "
+            "vLLM 0.23's GPU (V1 and V2) and CPU model runners only"
+        )
     for runtime in runtimes:
         runtime.observe(scheduler_output, kv_cache_config)
 
