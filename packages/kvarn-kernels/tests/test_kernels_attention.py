@@ -72,9 +72,17 @@ DECODE_CPU = [
 ]
 
 
+@pytest.mark.parametrize("variant", ["v1", "v2"])
 @pytest.mark.parametrize(("name", "d", "hq", "hk", "lens", "splits"), DECODE_CPU)
 def test_decode_attention(
-    device: torch.device, name: str, d: int, hq: int, hk: int, lens: list[int], splits: int
+    device: torch.device,
+    name: str,
+    d: int,
+    hq: int,
+    hk: int,
+    lens: list[int],
+    splits: int,
+    variant: str,
 ) -> None:
     case = build_case(
         name,
@@ -102,7 +110,9 @@ def test_decode_attention(
         scale,
         out=out,
         num_splits=splits,
-        prefetch=splits != 2,  # the two-split cases run the loop without register prefetch
+        # the two-split cases run v1's loop without register prefetch
+        prefetch=variant == "v2" or splits != 2,
+        variant=variant,
     )
     assert res is out
     ref = decode_attention_ref(
@@ -119,7 +129,10 @@ def test_decode_attention(
     _assert_close(out, ref)
 
 
-def test_decode_bf16_and_default_splits_against_fp16_attention(device: torch.device) -> None:
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_decode_bf16_and_default_splits_against_fp16_attention(
+    device: torch.device, variant: str
+) -> None:
     """bf16 queries; and the quantized attention stays close to unquantized attention."""
     name, d, hq, hk, lens = "kvarn_k4v4_g64", 64, 4, 2, [256, 150]
     case = build_case(
@@ -144,6 +157,7 @@ def test_decode_bf16_and_default_splits_against_fp16_attention(device: torch.dev
         case.seq_lens,
         case.block_to_slot,
         scale,
+        variant=variant,
     )
     assert out.dtype == torch.bfloat16
     ref = decode_attention_ref(
@@ -170,6 +184,41 @@ def test_decode_bf16_and_default_splits_against_fp16_attention(device: torch.dev
         # A sanity bar, not a quality claim: random tokens give ~0.1 at 4 bits, while a wrong
         # frame, permutation or scale lands near 1 or more.
         assert rel < 0.25, f"4-bit attention is {rel:.2f} away from fp16 attention"
+
+
+@pytest.mark.parametrize("scale_kind", ["huge", "tiny"])
+def test_decode_extreme_magnitudes(device: torch.device, scale_kind: str) -> None:
+    """Tokens near the fp16 limit (saturating) or far below 1: v2's fp16 operands hold
+    ``(code * scale + zero) / 2``, which must neither overflow nor lose the small values."""
+    name, d, hq, hk, lens = "kvarn_k4v4_g64", 64, 4, 1, [300, 129]
+    value_scale = 20000.0 if scale_kind == "huge" else 1e-3
+    case = build_case(
+        name,
+        d,
+        hk,
+        lens,
+        device=device,
+        seed=11,
+        encoder="reference" if INTERPRET else "kernel",
+        value_scale=value_scale,
+    )
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(2)) * 0.05
+    q = (q / (value_scale * 0.05) if scale_kind == "huge" else q * 200).half().to(device)
+    scale = 1.0 / math.sqrt(d)
+    args = (
+        name,
+        q,
+        case.kv_cache,
+        case.pool_k,
+        case.pool_v,
+        case.block_table,
+        case.seq_lens,
+        case.block_to_slot,
+        scale,
+    )
+    ref = decode_attention_ref(*args)
+    for variant in ("v1", "v2"):
+        _assert_close(decode_attention(*args, variant=variant), ref)
 
 
 # (format, head_dim, Hq, Hk, seq_lens, q_lens, num_splits)
@@ -248,6 +297,9 @@ def test_prefill_attention(
         ("stride", "record at head_dim"),
         ("table_dtype", "block_table must have dtype"),
         ("workspace", "workspace must be"),
+        ("variant", "variant must be"),
+        ("v2_prefetch", "applies to variant='v1' only"),
+        ("v1_stages", "applies to variant='v2' only"),
     ],
 )
 def test_decode_validation(device: torch.device, change: str, message: str) -> None:
@@ -270,8 +322,27 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
     sl = torch.ones(1, dtype=torch.int32, device=device)
     b2s = torch.zeros(2, dtype=torch.int32, device=device)
     ws = torch.zeros(3, device=device) if change == "workspace" else None
+    kw: dict[str, object] = {}
+    if change == "variant":
+        kw["variant"] = "v3"
+    elif change == "v2_prefetch":
+        kw.update(variant="v2", prefetch=False)
+    elif change == "v1_stages":
+        kw["num_stages"] = 4
     with pytest.raises(ValueError, match=message):
-        decode_attention(name, q, kv, pool, pool.clone(), bt, sl, b2s, 0.1, workspace=ws)
+        decode_attention(
+            name,
+            q,
+            kv,
+            pool,
+            pool.clone(),
+            bt,
+            sl,
+            b2s,
+            0.1,
+            workspace=ws,
+            **kw,  # type: ignore[arg-type]
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,14 +363,17 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
         ("kvarn_k4v2_g128", 512, 8, 1),
     ],
 )
-def test_decode_attention_gpu(device: torch.device, name: str, d: int, hq: int, hk: int) -> None:
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_decode_attention_gpu(
+    device: torch.device, name: str, d: int, hq: int, hk: int, variant: str
+) -> None:
     g = parse_cache_dtype(name).group
     lens = [4096, 1, g - 1, 3000, 2 * g + 1, 777, 0, 1500]
     case = build_case(name, d, hk, lens, device=device, seed=d, max_blocks=4096 // g + 8)
     q = torch.randn(len(lens), hq, d, device=device).half()
     scale = 1.0 / math.sqrt(d)
-    # default split count, a single split, and once the plain (non-PTX) unpack without the
-    # register prefetch
+    # default split count, a single split, and once the plain (non-PTX) unpack (v1: without
+    # the register prefetch)
     for splits, fast, prefetch in ((None, None, True), (1, None, True), (3, False, False)):
         out = torch.full_like(q, float("nan"))
         decode_attention(
@@ -315,7 +389,8 @@ def test_decode_attention_gpu(device: torch.device, name: str, d: int, hq: int, 
             out=out,
             num_splits=splits,
             fast_unpack=fast,
-            prefetch=prefetch,
+            prefetch=prefetch or variant == "v2",
+            variant=variant,
         )
         ref = decode_attention_ref(
             name,
@@ -379,7 +454,8 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int) -> None:
 
 
 @pytest.mark.gpu
-def test_decode_attention_cuda_graph(device: torch.device) -> None:
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None:
     """Captured once with a fixed workspace, replayed with new queries and lengths."""
     name, d, hq, hk = "kvarn_k4v2_g128", 128, 32, 8
     lens = [1000, 2000, 129, 3000]
@@ -406,6 +482,7 @@ def test_decode_attention_cuda_graph(device: torch.device) -> None:
             out=out,
             workspace=ws,
             num_splits=splits,
+            variant=variant,
         )
 
     stream = torch.cuda.Stream()

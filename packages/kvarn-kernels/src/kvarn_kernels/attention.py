@@ -621,6 +621,8 @@ def _launch(
     fast_unpack: bool | None = None,
     prefetch: bool = True,
     block_m: int | None = None,
+    variant: str = "v1",
+    num_stages: int | None = None,
 ) -> None:
     t, hq, d = (int(s) for s in q.shape)
     hk = int(pool_k.shape[2])
@@ -635,55 +637,96 @@ def _launch(
         n_rows * d * (1 + num_splits) : n_rows * (d * (1 + num_splits) + num_splits)
     ]
     rotate_f32(q, out=q_rot)
-    if decode:
-        bq = 1
-        block_m = max(16, qpk_p)
-        b = t
-        grid_x = b
+    fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
+    if variant == "v2":
+        from kvarn_kernels.decode_v2 import decode_v2_config, decode_v2_kernel
+
+        cfg = decode_v2_config(d, geo.group)
+        bn = block_n or int(cfg["block_n"] or 0)
+        warps = num_warps or int(cfg["num_warps"] or 0)
+        # Register cap of the default shape (ignored by the interpreter, so not passed there).
+        use_cap = cfg["maxnreg"] is not None and not num_warps and not triton_interpret()
+        extra = {"maxnreg": cfg["maxnreg"]} if use_cap else {}
+        decode_v2_kernel[(t, hk, num_splits)](
+            q_rot,
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            seq_lens,
+            block_to_slot,
+            o_part,
+            lse_part,
+            float(softmax_scale) * _LOG2E,
+            block_table.stride(0),
+            n_rows,
+            HQ=hq,
+            HK=hk,
+            QPK=qpk,
+            BLOCK_Q=max(8, qpk_p),
+            D=d,
+            G=geo.group,
+            KB=geo.key_bits,
+            VB=geo.value_bits,
+            STRIDE=geo.record_stride,
+            **geo.offsets(),
+            BN=bn,
+            NUM_SPLITS=num_splits,
+            FAST_UNPACK=fast,
+            num_warps=warps,
+            num_stages=num_stages or int(cfg["num_stages"] or 3),
+            **extra,
+        )
     else:
-        assert query_start_loc is not None
-        block_m = max(block_m or (64 if d <= 128 else 32), qpk_p)
-        bq = block_m // qpk_p
-        b = int(query_start_loc.shape[0]) - 1
-        grid_x = triton.cdiv(t, bq) + b
-    bn = block_n or _chunk_tokens(d, geo.group)
-    warps = num_warps or (4 if d <= 128 and decode else 8)
-    _attn_kernel[(grid_x, hk, num_splits)](
-        q_rot,
-        kv_cache,
-        pool_k,
-        pool_v,
-        block_table,
-        seq_lens,
-        block_to_slot,
-        query_start_loc if query_start_loc is not None else seq_lens,
-        o_part,
-        lse_part,
-        float(softmax_scale) * _LOG2E,
-        block_table.stride(0),
-        int(block_table.shape[1]),
-        n_rows,
-        b,
-        HQ=hq,
-        HK=hk,
-        QPK=qpk,
-        QPK_P=qpk_p,
-        BQ=bq,
-        BLOCK_M=block_m,
-        B_P=triton.next_power_of_2(b + 1),
-        D=d,
-        G=geo.group,
-        KB=geo.key_bits,
-        VB=geo.value_bits,
-        STRIDE=geo.record_stride,
-        **geo.offsets(),
-        BN=bn,
-        NUM_SPLITS=num_splits,
-        DECODE=decode,
-        FAST_UNPACK=(not triton_interpret()) if fast_unpack is None else fast_unpack,
-        PREFETCH=prefetch,
-        num_warps=warps,
-    )
+        if decode:
+            bq = 1
+            block_m = max(16, qpk_p)
+            b = t
+            grid_x = b
+        else:
+            assert query_start_loc is not None
+            block_m = max(block_m or (64 if d <= 128 else 32), qpk_p)
+            bq = block_m // qpk_p
+            b = int(query_start_loc.shape[0]) - 1
+            grid_x = triton.cdiv(t, bq) + b
+        bn = block_n or _chunk_tokens(d, geo.group)
+        warps = num_warps or (4 if d <= 128 and decode else 8)
+        _attn_kernel[(grid_x, hk, num_splits)](
+            q_rot,
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            seq_lens,
+            block_to_slot,
+            query_start_loc if query_start_loc is not None else seq_lens,
+            o_part,
+            lse_part,
+            float(softmax_scale) * _LOG2E,
+            block_table.stride(0),
+            int(block_table.shape[1]),
+            n_rows,
+            b,
+            HQ=hq,
+            HK=hk,
+            QPK=qpk,
+            QPK_P=qpk_p,
+            BQ=bq,
+            BLOCK_M=block_m,
+            B_P=triton.next_power_of_2(b + 1),
+            D=d,
+            G=geo.group,
+            KB=geo.key_bits,
+            VB=geo.value_bits,
+            STRIDE=geo.record_stride,
+            **geo.offsets(),
+            BN=bn,
+            NUM_SPLITS=num_splits,
+            DECODE=decode,
+            FAST_UNPACK=fast,
+            PREFETCH=prefetch,
+            num_warps=warps,
+        )
     block_r = 16
     _merge_unrotate_kernel[(triton.cdiv(n_rows, block_r),)](
         o_part,
@@ -785,6 +828,8 @@ def decode_attention(
     num_warps: int | None = None,
     fast_unpack: bool | None = None,
     prefetch: bool = True,
+    variant: str = "v1",
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request over packed records and the side pool.
 
@@ -809,7 +854,11 @@ def decode_attention(
         fast_unpack: unpack 2/4-bit codes with inline PTX (default: on for GPUs, off in the
             Triton interpreter, which cannot run PTX).
         prefetch: load the next chunk's record bytes into registers before computing the
-            current one (default on).
+            current one (default on; v1 only).
+        variant: ``"v1"`` (default) or ``"v2"`` (:mod:`kvarn_kernels.decode_v2`: transposed
+            MMAs with the scales applied to the dequantized code operand, ``cp.async``
+            pipelining). Both compute the same attention; see docs/kernel-notes.md.
+        num_stages: v2 only: software-pipeline depth of the code-byte loads (default 3).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -818,6 +867,12 @@ def decode_attention(
     )
     if q.shape[0] != block_table.shape[0]:
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
+    if variant not in ("v1", "v2"):
+        raise ValueError(f"variant must be 'v1' or 'v2', got {variant!r}")
+    if variant == "v2" and not prefetch:
+        raise ValueError("prefetch=False applies to variant='v1' only (v2 pipelines its loads)")
+    if variant == "v1" and num_stages is not None:
+        raise ValueError("num_stages applies to variant='v2' only")
     bsz, hq, d = (int(s) for s in q.shape)
     splits = num_splits or choose_decode_splits(
         bsz, int(pool_k.shape[2]), int(block_table.shape[1]), q.device
@@ -845,6 +900,8 @@ def decode_attention(
         num_warps,
         fast_unpack,
         prefetch,
+        variant=variant,
+        num_stages=num_stages,
     )
     return out
 

@@ -76,6 +76,7 @@ def build_case(
     dtype: torch.dtype = torch.float16,
     constant_tile: bool = False,
     key_outliers: bool = True,
+    value_scale: float = 1.0,
 ) -> PagedCase:
     """Build a paged batch holding ``seq_lens[b]`` random tokens for each request ``b``.
 
@@ -84,7 +85,8 @@ def build_case(
     prefill chunk). All other blocks are packed records written by ``encoder`` ("kernel":
     :func:`write_side_pool` + :func:`flush_tiles`; "reference": the NumPy codec).
     ``constant_tile`` makes request 0's second block constant (a degenerate tile);
-    ``key_outliers`` gives K a few channels 20x larger than the rest.
+    ``key_outliers`` gives K a few channels 20x larger than the rest; ``value_scale``
+    multiplies every token (saturating at the fp16 limit, as activations would).
     """
     from kvarn_kernels.reference import flush_tiles_ref, write_side_pool_ref
     from kvarn_kernels.rotation import write_side_pool
@@ -128,6 +130,9 @@ def build_case(
         random_kv(n, hk, d, generator=gen, dtype=dtype, outliers=key_outliers) for n in seq_lens
     ]
     values = [random_kv(n, hk, d, generator=gen, dtype=dtype, outliers=False) for n in seq_lens]
+    if value_scale != 1.0:
+        keys = [(x.float() * value_scale).clamp(-65504.0, 65504.0).to(dtype) for x in keys]
+        values = [(x.float() * value_scale).clamp(-65504.0, 65504.0).to(dtype) for x in values]
     if constant_tile and seq_lens and seq_lens[0] >= 2 * g:
         keys[0][g : 2 * g] = 0.25
         values[0][g : 2 * g] = -1.5

@@ -1,0 +1,118 @@
+"""Kernel variants compiled by static_kernels.py (Qwen3-8B decode/prefill/store shapes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from static_kernels import VARIANTS, compile_kernel, variant
+
+from kvarn_format import parse_cache_dtype, record_layout
+from kvarn_kernels._common import dense_geometry
+
+__all__ = ["VARIANTS"]
+
+
+def _geo(name: str, d: int = 128) -> Any:
+    fmt = parse_cache_dtype(name)
+    return dense_geometry(fmt, d, record_layout(fmt, d).tile_bytes)
+
+
+def _decode_v1(name: str, bn: int = 64, warps: int = 4, fast: bool = True, pf: bool = True) -> Any:
+    from kvarn_kernels.attention import _attn_kernel
+
+    geo = _geo(name)
+    sig = {
+        "Q": "*fp32",
+        "KV": "*u8",
+        "POOL_K": "*fp16",
+        "POOL_V": "*fp16",
+        "BLOCK_TABLE": "*i32",
+        "SEQ_LENS": "*i32",
+        "BLOCK_TO_SLOT": "*i32",
+        "QSL": "*i32",
+        "O_PART": "*fp32",
+        "LSE_PART": "*fp32",
+        "qk_scale": "fp32",
+    }
+    consts = dict(
+        HQ=32,
+        HK=8,
+        QPK=4,
+        QPK_P=4,
+        BQ=1,
+        BLOCK_M=16,
+        B_P=2,
+        D=128,
+        G=geo.group,
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **geo.offsets(),
+        BN=bn,
+        NUM_SPLITS=4,
+        DECODE=True,
+        FAST_UNPACK=fast,
+        PREFETCH=pf,
+    )
+    return compile_kernel(_attn_kernel, sig, consts, warps)
+
+
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
+    variant(f"decode_v1 {_n} bn64 w4")(lambda _n=_n: _decode_v1(_n))
+
+
+def _decode_v2(
+    name: str,
+    bn: int = 64,
+    warps: int = 4,
+    stages: int = 3,
+    maxnreg: int | None = None,
+    bq: int = 8,
+    d: int = 128,
+) -> Any:
+    from kvarn_kernels.decode_v2 import decode_v2_kernel
+
+    geo = _geo(name, d)
+    sig = {
+        "Q": "*fp32",
+        "KV": "*u8",
+        "POOL_K": "*fp16",
+        "POOL_V": "*fp16",
+        "BLOCK_TABLE": "*i32",
+        "SEQ_LENS": "*i32",
+        "BLOCK_TO_SLOT": "*i32",
+        "O_PART": "*fp32",
+        "LSE_PART": "*fp32",
+        "qk_scale": "fp32",
+    }
+    consts = dict(
+        HQ=32,
+        HK=8,
+        QPK=4,
+        BLOCK_Q=bq,
+        D=d,
+        G=geo.group,
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **geo.offsets(),
+        BN=bn,
+        NUM_SPLITS=4,
+        FAST_UNPACK=True,
+    )
+    return compile_kernel(decode_v2_kernel, sig, consts, warps, stages, maxnreg)
+
+
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k5v5_g64"):
+    for _bn, _w, _st, _mr in (
+        (128, 8, 3, None),
+        (128, 8, 3, 128),
+        (128, 8, 4, 128),
+        (64, 4, 3, None),
+        (64, 4, 3, 168),
+        (64, 8, 3, None),
+        (32, 4, 3, None),
+    ):
+        variant(f"decode_v2 {_n} bn{_bn} w{_w} s{_st} r{_mr}")(
+            lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _mr=_mr: _decode_v2(_n, _bn, _w, _st, _mr)
+        )
