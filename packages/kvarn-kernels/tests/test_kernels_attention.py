@@ -230,6 +230,7 @@ PREFILL_CPU = [
 ]
 
 
+@pytest.mark.parametrize("method", ["dequant", "fused"])
 @pytest.mark.parametrize(("name", "d", "hq", "hk", "lens", "qlens", "splits"), PREFILL_CPU)
 def test_prefill_attention(
     device: torch.device,
@@ -240,6 +241,7 @@ def test_prefill_attention(
     lens: list[int],
     qlens: list[int],
     splits: int,
+    method: str,
 ) -> None:
     pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
     case = build_case(
@@ -259,7 +261,12 @@ def test_prefill_attention(
     )
     scale = 1.0 / math.sqrt(d)
     out = torch.full_like(q, float("nan"))
-    prefill_attention(
+    if method == "fused":
+        kw: dict[str, object] = {"num_splits": splits}
+    else:
+        # host copies once, and a workspace cap that forces one group per request once
+        kw = {"seq_lens_cpu": lens} if splits == 1 else {"max_workspace_bytes": 1}
+    res = prefill_attention(
         name,
         q,
         case.kv_cache,
@@ -271,8 +278,10 @@ def test_prefill_attention(
         case.block_to_slot,
         scale,
         out=out,
-        num_splits=splits,
+        method=method,
+        **kw,  # type: ignore[arg-type]
     )
+    assert res is out
     ref = prefill_attention_ref(
         name,
         q,
@@ -286,6 +295,83 @@ def test_prefill_attention(
         scale,
     )
     _assert_close(out, ref)
+
+
+@pytest.mark.parametrize("method", ["dequant", "fused"])
+def test_prefill_bf16_and_extreme_magnitudes(device: torch.device, method: str) -> None:
+    """bf16 queries and output, over tokens that saturate fp16 in the pool (the dequantized
+    workspace holds halved values, which must stay finite)."""
+    name, d, hq, hk = "kvarn_k4v4_g64", 64, 4, 1
+    lens, qlens = [300, 150], [40, 150]
+    pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
+    case = build_case(
+        name,
+        d,
+        hk,
+        lens,
+        device=device,
+        seed=4,
+        encoder="reference" if INTERPRET else "kernel",
+        pool_from=pool_from,
+        value_scale=20000.0,
+    )
+    gen = torch.Generator().manual_seed(6)
+    q = (torch.randn(sum(qlens), hq, d, generator=gen) * 5e-5).to(torch.bfloat16).to(device)
+    qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32, device=device)
+    args = (
+        name,
+        q,
+        case.kv_cache,
+        case.pool_k,
+        case.pool_v,
+        case.block_table,
+        qsl,
+        case.seq_lens,
+        case.block_to_slot,
+        1.0 / math.sqrt(d),
+    )
+    out = prefill_attention(*args, method=method)
+    assert out.dtype == torch.bfloat16
+    _assert_close(out, prefill_attention_ref(*args), tot=8e-3)  # bf16 output rounding
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"method": "flash"}, "method must be"),
+        ({"num_splits": 2}, "apply to method='fused' only"),
+        ({"block_m": 32}, "apply to method='fused' only"),
+        ({"method": "fused", "seq_lens_cpu": [5]}, "apply to method='dequant' only"),
+        ({"sdpa_backend": "cudnn"}, "sdpa_backend must be"),
+        ({"seq_lens_cpu": [2]}, "query tokens but seq_lens"),
+        ({"query_start_loc_cpu": [0, 2]}, "query_start_loc must have"),
+        ({"max_workspace_bytes": 0}, "max_workspace_bytes must be positive"),
+    ],
+)
+def test_prefill_validation(device: torch.device, kw: dict[str, object], message: str) -> None:
+    name, d, hk = "kvarn_k4v2_g64", 64, 1
+    tile = record_layout(parse_cache_dtype(name), d).tile_bytes
+    pool = torch.zeros(2, 64, hk, d, dtype=torch.float16, device=device)
+    q = torch.zeros(3, 2, d, dtype=torch.float16, device=device)
+    kv = torch.zeros(2, hk, tile, dtype=torch.uint8, device=device)
+    bt = torch.zeros(1, 2, dtype=torch.int32, device=device)
+    sl = torch.full((1,), 5, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    b2s = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=message):
+        prefill_attention(
+            name,
+            q,
+            kv,
+            pool,
+            pool.clone(),
+            bt,
+            qsl,
+            sl,
+            b2s,
+            0.1,
+            **kw,  # type: ignore[arg-type]
+        )
 
 
 @pytest.mark.parametrize(
@@ -410,7 +496,8 @@ def test_decode_attention_gpu(
 @pytest.mark.parametrize(
     ("name", "d"), [("kvarn_k4v2_g128", 128), ("kvarn_k5v5_g64", 128), ("kvarn_k4v4_g64", 256)]
 )
-def test_prefill_attention_gpu(device: torch.device, name: str, d: int) -> None:
+@pytest.mark.parametrize("method", ["dequant", "fused"])
+def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: str) -> None:
     hq, hk = 32, 8
     lens = [2048 + 512, 1030, 300, 4000]
     qlens = [512, 6, 300, 128]
@@ -421,7 +508,19 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int) -> None:
         [0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=device
     )
     scale = 1.0 / math.sqrt(d)
-    for splits, block_m in ((1, None), (4, None), (1, 128 if d <= 128 else 32)):
+    if method == "fused":
+        configs: list[dict[str, object]] = [
+            {},
+            {"num_splits": 4},
+            {"block_m": 128 if d <= 128 else 32},
+        ]
+    else:
+        configs = [
+            {},
+            {"sdpa_backend": "per_request"},
+            {"max_workspace_bytes": 1, "seq_lens_cpu": lens, "query_start_loc_cpu": qsl.tolist()},
+        ]
+    for cfg in configs:
         out = torch.full_like(q, float("nan"))
         prefill_attention(
             name,
@@ -435,8 +534,8 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int) -> None:
             case.block_to_slot,
             scale,
             out=out,
-            num_splits=splits,
-            block_m=block_m,
+            method=method,
+            **cfg,  # type: ignore[arg-type]
         )
         ref = prefill_attention_ref(
             name,

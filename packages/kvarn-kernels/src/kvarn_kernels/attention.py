@@ -30,6 +30,7 @@ caller passes a preallocated workspace.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import cache
 
 import torch
@@ -926,6 +927,11 @@ def prefill_attention(
     fast_unpack: bool | None = None,
     prefetch: bool = True,
     block_m: int | None = None,
+    method: str = "dequant",
+    sdpa_backend: str = "auto",
+    seq_lens_cpu: Sequence[int] | None = None,
+    query_start_loc_cpu: Sequence[int] | None = None,
+    max_workspace_bytes: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per request over cached context.
 
@@ -935,14 +941,38 @@ def prefill_attention(
     or from packed records. Covers chunked-prefill continuation, prefix-cache hits and
     speculative verify.
 
+    Two methods compute it:
+
+    * ``"dequant"`` (default, :mod:`kvarn_kernels.context`): one Triton launch dequantizes the
+      context of every request into an fp16 workspace (records decoded, pool blocks copied),
+      then FlashAttention (torch's varlen flash forward; ``scaled_dot_product_attention`` per
+      request where that is unavailable) runs on it. Prefill is compute-bound, so
+      materializing the context costs ~1% and the attention runs at library speed. It reads
+      ``seq_lens`` and ``query_start_loc`` on the host: pass ``seq_lens_cpu`` and
+      ``query_start_loc_cpu`` to avoid the device-to-host copy (not CUDA-graph capturable).
+    * ``"fused"``: the v1 kernel that reads records in the attention loop (no workspace, no
+      host sync; slower: it re-unpacks the context for every query tile).
+
     Args:
         q: ``[T, Hq, D]`` fp16/bf16, unrotated.
         query_start_loc: ``[B + 1]`` int32 cumulative query counts (``qsl[B] == T``).
         seq_lens: ``[B]`` int32 total tokens of each request after this chunk.
-        workspace: optional fp32, ``decode_workspace_numel(T, Hq, D, num_splits)`` elements.
-        num_splits: split-K factor over the context (default 1).
-        block_m: query rows (tokens x GQA heads) per program (default 64; 32 for D > 128;
-            128 was slower on an H200 and does not compile at D = 256).
+        workspace: ``"fused"`` only: optional fp32,
+            ``decode_workspace_numel(T, Hq, D, num_splits)`` elements.
+        num_splits, block_n, num_warps, prefetch, block_m: ``"fused"`` only. ``num_splits``:
+            split-K factor over the context (default 1); ``block_m``: query rows (tokens x GQA
+            heads) per program (default 64; 32 for D > 128; 128 was slower on an H200 and
+            does not compile at D = 256).
+        fast_unpack: as :func:`decode_attention` (both methods).
+        method: ``"dequant"`` or ``"fused"`` (above).
+        sdpa_backend: ``"dequant"`` only: ``"auto"`` (varlen FlashAttention on CUDA for
+            head_dim <= 256, else per request), ``"varlen"`` or ``"per_request"``.
+        seq_lens_cpu, query_start_loc_cpu: ``"dequant"`` only: host copies of ``seq_lens``
+            and ``query_start_loc`` (sequences of ints); read back from the device if absent.
+        max_workspace_bytes: ``"dequant"`` only: cap of the dequantized K+V workspace
+            (default 512 MiB); requests are processed in groups under it, and a single
+            request above it alone. The workspace holds ``4 * Hk * D`` bytes per context
+            token of the group.
         other arguments: as :func:`decode_attention`.
 
     Returns ``[T, Hq, D]`` in q's dtype, unrotated.
@@ -966,7 +996,63 @@ def prefill_attention(
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if method not in ("dequant", "fused"):
+        raise ValueError(f"method must be 'dequant' or 'fused', got {method!r}")
     t, hq, d = (int(s) for s in q.shape)
+    if method == "dequant":
+        fused_only = {
+            "workspace": workspace is not None,
+            "num_splits": num_splits != 1,
+            "block_n": block_n is not None,
+            "num_warps": num_warps is not None,
+            "prefetch": not prefetch,
+            "block_m": block_m is not None,
+        }
+        bad = [k for k, v in fused_only.items() if v]
+        if bad:
+            raise ValueError(
+                f"{', '.join(bad)} apply to method='fused' only; drop them or pass method='fused'"
+            )
+        from kvarn_kernels.context import (
+            DEFAULT_MAX_WORKSPACE_BYTES,
+            SDPA_BACKENDS,
+            prefill_dequant_attention,
+        )
+
+        if sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}, got {sdpa_backend!r}")
+        cap = DEFAULT_MAX_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
+        if cap < 1:
+            raise ValueError(f"max_workspace_bytes must be positive, got {cap}")
+        if t:
+            prefill_dequant_attention(
+                geo,
+                _q_for_kernel(q),
+                kv_cache,
+                pool_k,
+                pool_v,
+                block_table,
+                query_start_loc,
+                seq_lens,
+                block_to_slot,
+                softmax_scale,
+                out,
+                seq_lens_cpu=seq_lens_cpu,
+                query_start_loc_cpu=query_start_loc_cpu,
+                max_workspace_bytes=cap,
+                sdpa_backend=sdpa_backend,
+            )
+        return out
+    if (
+        sdpa_backend != "auto"
+        or seq_lens_cpu is not None
+        or query_start_loc_cpu is not None
+        or max_workspace_bytes is not None
+    ):
+        raise ValueError(
+            "sdpa_backend, seq_lens_cpu, query_start_loc_cpu and max_workspace_bytes apply to "
+            "method='dequant' only"
+        )
     workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, num_splits), q.device)
     _launch(
         geo,

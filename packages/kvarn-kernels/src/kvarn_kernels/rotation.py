@@ -36,7 +36,14 @@ from kvarn_kernels._common import (
     triton_interpret,
 )
 
-__all__ = ["hadamard_matrix", "rotate", "rotate_f32", "sign_matrix", "write_side_pool"]
+__all__ = [
+    "hadamard_matrix",
+    "rotate",
+    "rotate_f32",
+    "rotate_into",
+    "sign_matrix",
+    "write_side_pool",
+]
 
 FP16_MAX = 65504.0
 _FP16_MAX: tl.constexpr = tl.constexpr(FP16_MAX)
@@ -82,6 +89,7 @@ def _rotate_rows_kernel(
     BLOCK_C: tl.constexpr,
     OUT_F32: tl.constexpr,
     SCATTER: tl.constexpr,
+    OUT_BF16: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Rows ``r = t * HK + h`` of ``X[t, h, :]`` times the sign matrix, over sqrt(D).
@@ -116,6 +124,8 @@ def _rotate_rows_kernel(
         y_ptrs = Y + y_row[:, None] + (n0 + cols)[None, :]
         if OUT_F32:
             tl.store(y_ptrs, y, mask=valid[:, None])
+        elif OUT_BF16:
+            tl.store(y_ptrs, y.to(tl.bfloat16), mask=valid[:, None])
         else:
             # Saturate: |y| > 65504 becomes +-65504; NaN fails both tests and stays NaN.
             y = tl.where(y > _FP16_MAX, _FP16_MAX, y)
@@ -137,6 +147,7 @@ def _launch_rotate(
     slot_mapping: torch.Tensor | None = None,
     block_to_slot: torch.Tensor | None = None,
     group: int = 1,
+    scale: float = 1.0,
 ) -> None:
     d = x.shape[-1]
     if n_rows == 0:
@@ -162,13 +173,14 @@ def _launch_rotate(
         n_rows,
         stride_t,
         stride_h,
-        float(1.0 / np.sqrt(d)),
+        float(scale / np.sqrt(d)),
         HK=hk,
         D=d,
         G=group,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         OUT_F32=out_f32,
+        OUT_BF16=y.dtype == torch.bfloat16,
         SCATTER=scatter,
         IEEE=x.dtype == torch.float32,
         num_warps=4,
@@ -217,6 +229,26 @@ def rotate_f32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
         raise ValueError(f"out must be a contiguous fp32 tensor of {x2.numel()} elements")
     _launch_rotate(x2, out, n_rows=x2.shape[0], hk=1, out_f32=True)
     return out.reshape(x.shape)
+
+
+def rotate_into(x: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``out = scale * (x @ H)`` for contiguous ``[rows, D]`` views; ``out`` fp16 (saturated),
+    bf16 or fp32. Internal helper of the attention ops (no argument checks beyond shapes)."""
+    if x.shape != out.shape or not out.is_contiguous():
+        raise ValueError("rotate_into needs a contiguous out of x's shape")
+    d = int(x.shape[-1])
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    _launch_rotate(
+        x2,
+        out.view(-1, d),
+        n_rows=x2.shape[0],
+        hk=1,
+        out_f32=out.dtype == torch.float32,
+        scale=scale,
+    )
+    return out
 
 
 def _check_pool(pool_k: torch.Tensor, pool_v: torch.Tensor) -> tuple[int, int, int, int]:

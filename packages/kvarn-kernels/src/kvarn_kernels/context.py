@@ -1,0 +1,362 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton JIT kernels are untyped by nature; the Python functions in this module are fully
+# annotated.)
+"""Prefill with cached context: dequantize the context once, then library attention.
+
+Prefill is compute-bound (a 2048-token chunk over 16K of context is ~0.5 TFLOP per layer).
+The fused kernel (``attention._attn_kernel``, ``prefill_attention(method="fused")``) re-unpacks
+the whole context for every 64-row query tile, so the unpack, not the MMA, sets its time
+(72 TFLOP/s on an H200). Here the context is materialized instead, which the design allows
+for prefill (the "never write dequantized KV to HBM" rule is for decode):
+
+1. one Triton launch dequantizes every context block of the batch into a packed fp16
+   workspace ``[total_context_tokens, Hk, D]`` for K and for V -- records decoded with the
+   reference decoder's fp32 operations, pool blocks copied -- in the rotated frame, halved
+   (exact; it keeps every value the codec can write inside fp16, see ``decode_v2``);
+2. the rotated, pre-scaled queries attend to it with FlashAttention (torch's varlen flash
+   forward: one call for all requests, GQA native, bottom-right causal alignment), or, where
+   that kernel is not available (CPU, head_dim 512), with
+   ``torch.nn.functional.scaled_dot_product_attention`` per request and an explicit
+   bottom-right causal mask;
+3. the output is un-rotated (``@ H``) and scaled back in one Triton pass into ``out``.
+
+Requests are processed in groups whose workspace stays under ``max_workspace_bytes``; a single
+request larger than the cap is processed alone (its workspace then exceeds the cap). The
+extra HBM traffic (writing and reading ~4 bytes per context token and KV head per K/V) is
+~1% of the attention's time at the benchmark shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+from kvarn_kernels._common import DenseGeometry, triton_interpret
+from kvarn_kernels.attention import _codes_f16, _load_codes
+from kvarn_kernels.rotation import rotate_into
+
+__all__ = ["DEFAULT_MAX_WORKSPACE_BYTES", "SDPA_BACKENDS", "prefill_dequant_attention"]
+
+#: Default cap of the dequantized-context workspace (K and V together), in bytes.
+DEFAULT_MAX_WORKSPACE_BYTES = 512 << 20
+#: Accepted values of ``sdpa_backend``.
+SDPA_BACKENDS = ("auto", "varlen", "per_request")
+_FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _dequant_context_kernel(
+    KV,
+    POOL_K,
+    POOL_V,
+    BLOCK_TABLE,
+    BLOCK_TO_SLOT,
+    PLAN,
+    OUT_K,
+    OUT_V,
+    stride_bt,
+    n_progs,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    STRIDE: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr,
+    OFF_VCS: tl.constexpr,
+    OFF_VS: tl.constexpr,
+    OFF_VZ: tl.constexpr,
+    BT: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
+):
+    """One program per (context block of a request, KV head).
+
+    ``PLAN`` is int32 ``[4, n_progs]``: request row, block index within the request, first
+    workspace row, valid tokens. Writes ``k / 2`` and ``v / 2`` (rotated frame, fp16) to rows
+    ``row0 .. row0 + n - 1`` of ``OUT_K``/``OUT_V`` ``[rows, HK, D]``.
+    """
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.load(PLAN + pid).to(tl.int64)
+    j = tl.load(PLAN + n_progs + pid)
+    row0 = tl.load(PLAN + 2 * n_progs + pid).to(tl.int64)
+    n = tl.load(PLAN + 3 * n_progs + pid)
+    blk = tl.load(BLOCK_TABLE + r * stride_bt + j).to(tl.int64)
+    slot = tl.load(BLOCK_TO_SLOT + blk)
+    dd = tl.arange(0, D)
+    tt = tl.arange(0, BT)
+    rec = KV + (blk * HK + h) * STRIDE
+    f16 = tl.pointer_type(tl.float16)
+    for c in tl.static_range(0, G // BT):
+        tok = c * BT + tt
+        ok = tok < n
+        dst = ((row0 + tok) * HK + h)[:, None] * D + dd[None, :]  # [BT, D]
+        if slot >= 0:
+            src = ((slot.to(tl.int64) * G + tok) * HK + h)[:, None] * D + dd[None, :]
+            kp = tl.load(POOL_K + src, mask=ok[:, None], other=0.0)
+            vp = tl.load(POOL_V + src, mask=ok[:, None], other=0.0)
+            tl.store(OUT_K + dst, kp * 0.5, mask=ok[:, None])
+            tl.store(OUT_V + dst, vp * 0.5, mask=ok[:, None])
+        else:
+            # K: codes [D, BT] along tokens; k = (code * k_scale + k_zero) * k_token_scale.
+            k0, k1, k2, k3, k4 = _load_codes(
+                rec + OFF_KC, D, G * KB // 8, c * (BT * KB // 8), BT, KB, True
+            )
+            kc = _codes_f16(k0, k1, k2, k3, k4, BT, KB, FAST_UNPACK).to(tl.float32) - 1024.0
+            ks = tl.load((rec + OFF_KS).to(f16) + dd).to(tl.float32)
+            kz = tl.load((rec + OFF_KZ).to(f16) + dd).to(tl.float32)
+            kt = tl.load((rec + OFF_KT).to(f16) + tok).to(tl.float32)
+            k = kc * ks[:, None]
+            k = k + kz[:, None]
+            k = k * (0.5 * kt[None, :])
+            k = tl.minimum(tl.maximum(k, -_FP16_MAX), _FP16_MAX)
+            tl.store(OUT_K + tl.trans(dst), k.to(tl.float16), mask=ok[None, :])
+            # V: codes [BT, D] along channels; v = (code * v_scale + v_zero) * v_channel_scale.
+            v0, v1, v2, v3, v4 = _load_codes(
+                rec + OFF_VC + c * BT * (D * VB // 8), BT, D * VB // 8, 0, D, VB, True
+            )
+            vc = _codes_f16(v0, v1, v2, v3, v4, D, VB, FAST_UNPACK).to(tl.float32) - 1024.0
+            vs = tl.load((rec + OFF_VS).to(f16) + tok).to(tl.float32)
+            vz = tl.load((rec + OFF_VZ).to(f16) + tok).to(tl.float32)
+            vcs = tl.load((rec + OFF_VCS).to(f16) + dd).to(tl.float32)
+            v = vc * vs[:, None]
+            v = v + vz[:, None]
+            v = v * (0.5 * vcs[None, :])
+            v = tl.minimum(tl.maximum(v, -_FP16_MAX), _FP16_MAX)
+            tl.store(OUT_V + dst, v.to(tl.float16), mask=ok[:, None])
+
+
+def _flash_varlen_ok(q: torch.Tensor) -> bool:
+    """torch's FlashAttention-2 varlen forward: CUDA, fp16/bf16, head_dim <= 256, % 8."""
+    d = int(q.shape[-1])
+    return q.is_cuda and d <= 256 and d % 8 == 0 and not triton_interpret()
+
+
+def _attend_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+) -> torch.Tensor:
+    """One FlashAttention call for all requests; causal is bottom-right aligned there."""
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=2.0
+    )[0]
+    return out  # type: ignore[no-any-return]
+
+
+def _attend_per_request(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_off: Sequence[int],
+    k_off: Sequence[int],
+    out: torch.Tensor,
+) -> None:
+    """``scaled_dot_product_attention`` per request (and per query chunk, bounding the
+    ``[Hq, Lq, Lk]`` score memory of the math backend) with a bottom-right causal mask."""
+    hq = int(q.shape[1])
+    budget = 1 << 26  # score elements per call
+    for r in range(len(q_off) - 1):
+        q0, q1, k0, k1 = q_off[r], q_off[r + 1], k_off[r], k_off[r + 1]
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0:
+            continue
+        kr = k[k0:k1].transpose(0, 1)[None]
+        vr = v[k0:k1].transpose(0, 1)[None]
+        step = max(1, budget // max(1, hq * lk))
+        for a in range(0, lq, step):
+            b = min(lq, a + step)
+            qr = q[q0 + a : q0 + b].transpose(0, 1)[None]
+            # query i of the request sits at position lk - lq + i and sees keys <= it
+            pos = torch.arange(lk - lq + a, lk - lq + b, device=q.device)
+            mask = torch.arange(lk, device=q.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(
+                qr, kr, vr, attn_mask=mask, scale=2.0, enable_gqa=True
+            )
+            out[q0 + a : q0 + b] = o[0].transpose(0, 1)
+
+
+def prefill_dequant_attention(
+    geo: DenseGeometry,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    softmax_scale: float,
+    out: torch.Tensor,
+    *,
+    seq_lens_cpu: Sequence[int] | None,
+    query_start_loc_cpu: Sequence[int] | None,
+    max_workspace_bytes: int,
+    sdpa_backend: str,
+) -> None:
+    """The ``method="dequant"`` path of :func:`kvarn_kernels.prefill_attention` (arguments
+    already validated there). Uses host copies of ``seq_lens``/``query_start_loc`` when given,
+    else reads them back (one host sync)."""
+    t, hq, d = (int(s) for s in q.shape)
+    hk, g = int(pool_k.shape[2]), geo.group
+    seq = [int(x) for x in (seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist())]
+    qsl = [
+        int(x)
+        for x in (
+            query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
+        )
+    ]
+    nreq = len(seq)
+    if len(qsl) != nreq + 1 or qsl[0] != 0 or qsl[-1] != t:
+        raise ValueError(
+            f"query_start_loc must have {nreq + 1} entries from 0 to T = {t}; got {qsl}"
+        )
+    for r in range(nreq):
+        lq = qsl[r + 1] - qsl[r]
+        if lq < 0 or lq > seq[r]:
+            raise ValueError(
+                f"request {r} has {lq} query tokens but seq_lens = {seq[r]}: every query token "
+                "must be part of the request's context (0 <= q_len <= seq_len)"
+            )
+    max_blocks = int(block_table.shape[1])
+    if any(-(-s // g) > max_blocks for s in seq):
+        raise ValueError(
+            f"seq_lens need up to {max(-(-s // g) for s in seq)} blocks but block_table has "
+            f"{max_blocks} columns"
+        )
+    # Keys of requests without queries are not needed.
+    klen = [seq[r] if qsl[r + 1] > qsl[r] else 0 for r in range(nreq)]
+    per_token = 2 * hk * d * 2  # K and V, fp16
+    backend = sdpa_backend
+    if backend == "auto":
+        backend = "varlen" if _flash_varlen_ok(q) else "per_request"
+    if backend == "varlen" and not _flash_varlen_ok(q):
+        raise ValueError(
+            "sdpa_backend='varlen' needs a CUDA tensor with head_dim <= 256 (torch's "
+            "FlashAttention); use 'per_request' or 'auto'"
+        )
+
+    # Queries: rotated, softmax scale folded in, fp16 (the workspace dtype).
+    q16 = torch.empty((t, hq, d), dtype=torch.float16, device=q.device)
+    rotate_into(q.reshape(t * hq, d), q16.view(t * hq, d), float(softmax_scale))
+    # Group requests while the workspace stays under the cap (at least one per group).
+    groups: list[tuple[int, int, int]] = []
+    r = 0
+    while r < nreq:
+        e, tokens = r, 0
+        while e < nreq and (e == r or (tokens + klen[e]) * per_token <= max_workspace_bytes):
+            tokens += klen[e]
+            e += 1
+        groups.append((r, e, tokens))
+        r = e
+    # One group: the attention library's output is used as is; several: gathered in o16.
+    o16: torch.Tensor | None = None if len(groups) == 1 else torch.zeros_like(q16)
+    for r0, r1, tokens in groups:
+        res = _run_group(
+            geo,
+            q16,
+            o16,
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            block_to_slot,
+            r0,
+            r1,
+            qsl,
+            klen,
+            tokens,
+            backend,
+        )
+        o16 = res
+    if o16 is None:  # no request has query tokens
+        o16 = torch.zeros_like(q16)
+    # out = 2 * (o @ H): the workspace held K/2 and V/2, the scores were rescaled by 2.
+    rotate_into(o16.view(t * hq, d), out.view(t * hq, d), 2.0)
+
+
+def _run_group(
+    geo: DenseGeometry,
+    q16: torch.Tensor,
+    o16: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    r0: int,
+    r1: int,
+    qsl: list[int],
+    klen: list[int],
+    tokens: int,
+    backend: str,
+) -> torch.Tensor:
+    """Attention of requests ``r0 .. r1 - 1``: into ``o16`` when given, else into a new
+    ``[T, Hq, D]`` tensor (only when the group is the whole batch). Returns the output."""
+    hk, d, g = int(pool_k.shape[2]), int(pool_k.shape[3]), geo.group
+    dev = q16.device
+    t0, t1 = qsl[r0], qsl[r1]
+    if t1 == t0:
+        return torch.zeros_like(q16) if o16 is None else o16
+    k_off = [0]
+    plan: list[tuple[int, int, int, int]] = []
+    for r in range(r0, r1):
+        for j in range(-(-klen[r] // g)):
+            plan.append((r, j, k_off[-1] + j * g, min(g, klen[r] - j * g)))
+        k_off.append(k_off[-1] + klen[r])
+    ws_k = torch.empty((max(tokens, 1), hk, d), dtype=torch.float16, device=dev)
+    ws_v = torch.empty_like(ws_k)
+    if plan:
+        plan_t = torch.from_numpy(np.ascontiguousarray(np.array(plan, dtype=np.int32).T)).to(dev)
+        bt = 32 if d <= 128 else (16 if d <= 256 else 8)
+        _dequant_context_kernel[(len(plan), hk)](
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            block_to_slot,
+            plan_t,
+            ws_k,
+            ws_v,
+            block_table.stride(0),
+            len(plan),
+            HK=hk,
+            D=d,
+            G=g,
+            KB=geo.key_bits,
+            VB=geo.value_bits,
+            STRIDE=geo.record_stride,
+            **geo.offsets(),
+            BT=min(bt, g),
+            FAST_UNPACK=not triton_interpret(),
+            num_warps=4,
+        )
+    q_off = [qsl[r] - t0 for r in range(r0, r1 + 1)]
+    qg = q16[t0:t1]
+    if backend == "varlen":
+        cu = torch.tensor([q_off, k_off], dtype=torch.int32).to(dev)
+        lq = [q_off[i + 1] - q_off[i] for i in range(len(q_off) - 1)]
+        res = _attend_varlen(
+            qg, ws_k[:tokens], ws_v[:tokens], cu[0], cu[1], max(lq), max(klen[r0:r1])
+        )
+        if o16 is None:  # the whole batch: the library's output is the result
+            return res
+        o16[t0:t1] = res
+        return o16
+    if o16 is None:
+        o16 = torch.zeros_like(q16)
+    _attend_per_request(qg, ws_k, ws_v, q_off, k_off, o16[t0:t1])
+    return o16
