@@ -100,7 +100,8 @@ def child_main(args: argparse.Namespace) -> int:
     sp = SamplingParams(
         max_tokens=args.output_len, temperature=0.0, ignore_eos=True, detokenize=False
     )
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     elapsed = time.perf_counter() - t
