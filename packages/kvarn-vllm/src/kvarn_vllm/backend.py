@@ -248,8 +248,11 @@ class PrefillRun:
     max_seq_len: int
     #: ``[n + 1]`` int32 on the device: query offsets relative to ``tok_start``.
     cu_seqlens: torch.Tensor
-    #: Host copies for the SDPA fallback.
+    #: Host copies: query lengths, total lengths and relative query offsets of the rows
+    #: (the SDPA fallback and prefill-with-context read them instead of syncing).
     query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    cu_host: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -365,6 +368,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                     max_seq_len=int(seq[row:end].max()),
                     cu_seqlens=cu,
                     query_lens=[int(x) for x in q_lens[row:end]],
+                    seq_lens=[int(x) for x in seq[row:end]],
+                    cu_host=[int(x) - t0 for x in qsl[row : end + 1]],
                 )
             )
             row = end
@@ -376,6 +381,10 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
 
 
 _SDPA_LOGGED = False
+
+#: Cap of prefill-with-context's dequantized K/V workspace (kvarn-kernels' default), also
+#: what the memory-profiling run reserves for it.
+PREFILL_WORKSPACE_BYTES = 512 << 20
 
 
 def _metadata_for(layer_name: str) -> KvarnMetadata | None:
@@ -527,16 +536,18 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                         meta.block_to_slot,
                         self.scale,
                         out=out[t0:t1],
+                        seq_lens_cpu=run.seq_lens,
+                        query_start_loc_cpu=run.cu_host,
+                        max_workspace_bytes=PREFILL_WORKSPACE_BYTES,
                     )
         return output
 
     def _profile_transients(self, query: torch.Tensor) -> None:
-        # The kernels' per-call temporaries are at most a rotated fp32 copy of q and an fp32
-        # output accumulator for every token of the step.
-        n = query.shape[0]
-        tmp = torch.empty(
-            (2, n, self.num_heads, self.head_size), dtype=torch.float32, device=query.device
-        )
+        # Prefill-with-context's temporaries: the dequantized K/V workspace (capped) plus an
+        # fp16 copy of q and an fp16 output for every token of the step.
+        n = int(query.shape[0])
+        size = PREFILL_WORKSPACE_BYTES + 2 * n * self.num_heads * self.head_size * 2
+        tmp = torch.empty(size, dtype=torch.uint8, device=query.device)
         del tmp
 
     # ------------------------------------------------------------------ first chunks
