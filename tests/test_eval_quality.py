@@ -295,3 +295,47 @@ def test_quick_mode_on_the_real_model(tmp_path: Path) -> None:
     assert by["kvarn_k4v4_g64"]["top1"] > 0.9
     acc = {s["codec"]: s for s in data["accumulation"]["summary"]}
     assert acc["kvarn_k4v2_g64"]["local_mean"] < acc["rtn_k4v2_g64"]["local_mean"]
+
+
+def test_grouped_attention_equals_transformers_sdpa() -> None:
+    torch.manual_seed(6)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (3, 200), generator=torch.Generator().manual_seed(7))
+    plain = _chunked(model, ids, DynamicCache(), 64)
+    install(model)
+    ours = _chunked(model, ids, DynamicCache(), 64)
+    torch.testing.assert_close(ours, plain, rtol=0, atol=1e-6)
+
+
+class _Tok:
+    """The only tokenizer call greedy() makes: the end-of-turn id."""
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return 127
+
+
+def test_batched_padded_greedy_equals_one_prompt_at_a_time(tiny: LlamaForCausalLM) -> None:
+    from kvarn_eval.assets import ModelBundle
+    from kvarn_eval.runs import greedy
+
+    bundle = ModelBundle(tiny, _Tok(), LAYERS, 2, 64, 1024)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in (70, 5, 130)]
+    codecs = [FP16Cache(), make_codec("kvarn_k4v2_g64", 64), make_codec("rtn_k4v2_g64", 64)]
+    batched = greedy(bundle, codecs, prompts, 150, progress=False)
+    assert batched.shape == (3, 3, 150)
+    for i, p in enumerate(prompts):
+        alone = greedy(bundle, codecs, [p], 150, progress=False)[0]
+        assert np.array_equal(alone, batched[i]), f"prompt {i} differs when batched with padding"
+    # Non-trivial: the quantized rows do leave the fp16 trajectory.
+    assert (batched[:, 1] != batched[:, 0]).any() and (batched[:, 2] != batched[:, 0]).any()

@@ -61,13 +61,23 @@ class TiledLayer(DynamicLayer):
     ``keys``/``values`` are views of the first ``length`` positions (what attention reads).
     With ``keep_exact`` the unmodified K/V are kept too (``exact_keys``/``exact_values``), so the
     attention output with and without quantization can be compared at every layer.
+    ``offsets[b]`` is the number of left-padding positions of row ``b`` (prompts of different
+    lengths in one batch): that row's tiles start at buffer index ``offsets[b]``.
     """
 
     def __init__(
-        self, codecs: Sequence[TileCodec], *, keep_exact: bool = False, capacity: int = 256
+        self,
+        codecs: Sequence[TileCodec],
+        *,
+        keep_exact: bool = False,
+        capacity: int = 256,
+        offsets: Sequence[int] | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.codecs = list(codecs)
+        self.offsets = [0] * len(self.codecs) if offsets is None else [int(o) for o in offsets]
+        if len(self.offsets) != len(self.codecs) or min(self.offsets, default=0) < 0:
+            raise ValueError("offsets must give one non-negative padding length per codec row")
         self.keep_exact = keep_exact
         self.length = 0
         self.flushed = [0] * len(self.codecs)
@@ -121,10 +131,11 @@ class TiledLayer(DynamicLayer):
             g = codec.group
             if g is None:
                 continue
-            complete = self.length // g
+            off = self.offsets[row]
+            complete = max(0, self.length - off) // g
             start = max(self.flushed[row], codec.sink_tiles)
             if complete > start:
-                lo, hi = start * g, complete * g
+                lo, hi = off + start * g, off + complete * g
                 heads, dim = self._kbuf.shape[1], self._kbuf.shape[3]
                 n = complete - start
                 k = self._kbuf[row, :, lo:hi].reshape(heads * n, g, dim)
@@ -184,12 +195,13 @@ class TiledKVCache(Cache):
         *,
         keep_exact: bool = False,
         capacity: int = 256,
+        offsets: Sequence[int] | None = None,
     ) -> None:
         if not codecs:
             raise ValueError("TiledKVCache needs at least one codec (one per batch row)")
         self.codecs = list(codecs)
         layers: list[Any] = [
-            TiledLayer(self.codecs, keep_exact=keep_exact, capacity=capacity)
+            TiledLayer(self.codecs, keep_exact=keep_exact, capacity=capacity, offsets=offsets)
             for _ in range(num_layers)
         ]
         super().__init__(layers=layers)

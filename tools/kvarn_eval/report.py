@@ -297,8 +297,8 @@ def render_markdown(
         "float8 e4m3 with unit scale on every token (vLLM's uncalibrated fp8). "
         "B/tok/head is the cache cost per token and KV head (KVarN: record bytes from "
         "`kvarn_format.geometry`; the fp16 pool of sink and tail is extra). To keep the "
-        "run within its time budget, the `had_*` and `fp8_e4m3` rows and the side corpora "
-        "are evaluated at the shortest context only (—: not run)."
+        "run within its time budget, the `had_*` and `fp8_e4m3` rows run on the main corpus "
+        "at the shortest context only (—: not run), and not in the generation test."
     )
     add("")
     add("## Teacher-forced metrics against the fp16 cache")

@@ -130,6 +130,7 @@ def teacher_forced(
     token (-> perplexity), ``KL(p_ref || p_row)`` and whether the argmax matches.
     """
     check_chunk(codecs, chunk)
+    install(bundle.model)
     if not windows or len({len(w) for w in windows}) != 1:
         raise ValueError("teacher_forced needs one or more windows of equal length")
     t0 = time.perf_counter()
@@ -178,7 +179,7 @@ def _eos_id(bundle: ModelBundle) -> int:
 def greedy(
     bundle: ModelBundle,
     codecs: Sequence[TileCodec],
-    prompt_ids: Sequence[int],
+    prompts: Sequence[Sequence[int]],
     n_new: int,
     *,
     chunk: int = 64,
@@ -186,36 +187,83 @@ def greedy(
     progress: bool = True,
     desc: str = "generate",
 ) -> npt.NDArray[np.int64]:
-    """Greedy decoding of ``n_new`` tokens per row; returns ``[rows, n_new]`` token ids.
+    """Greedy decoding of ``n_new`` tokens for every (prompt, codec): ``[prompts, codecs, n_new]``.
 
-    The prompt is prefilled in ``chunk``-token steps, then each row decodes its own tokens one
-    per step (flushes happen as tiles complete during decoding, as in serving). Decoding stops
-    early once every row has ended its turn, and the remaining slots hold ``<|im_end|>``.
-    With ``suppress_eos`` the end-of-turn token is never chosen, for long trajectories.
+    All prompts run in one batch (row ``p * len(codecs) + c``), left-padded to the longest;
+    each row's tiles start after its padding (:class:`~kvarn_eval.cache.TiledLayer` offsets),
+    its positions count from its first real token and the padding is masked out, so a row
+    computes what the prompt alone would (up to float rounding). One decode step then serves
+    every prompt and codec, which on a CPU costs little more than one row: the step is bound
+    by reading the weights. The prompt is prefilled in ``chunk``-token steps where that is
+    exact for every row, otherwise one token per step.
+    Decoding stops early once every row has ended its turn (later slots hold
+    ``<|im_end|>``). With ``suppress_eos`` the end-of-turn token is never chosen.
     """
     check_chunk(codecs, chunk)
-    rows = len(codecs)
+    install(bundle.model)
+    n_codecs, n_prompts = len(codecs), len(prompts)
+    if n_prompts == 0 or any(len(p) == 0 for p in prompts):
+        raise ValueError("greedy needs at least one non-empty prompt")
     eos = _eos_id(bundle)
-    cache = TiledKVCache(codecs, bundle.num_layers, capacity=len(prompt_ids) + n_new)
-    ids = torch.tensor(list(prompt_ids), dtype=torch.long)[None].expand(rows, -1)
+    longest = max(len(p) for p in prompts)
+    pads = [longest - len(p) for p in prompts]
+    rows = n_prompts * n_codecs
+    row_pad = torch.tensor([pads[r // n_codecs] for r in range(rows)])
+    ids = torch.full((rows, longest), eos, dtype=torch.long)
+    for r in range(rows):
+        p = prompts[r // n_codecs]
+        ids[r, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+    cache = TiledKVCache(
+        [codecs[r % n_codecs] for r in range(rows)],
+        bundle.num_layers,
+        capacity=longest + n_new,
+        offsets=row_pad.tolist(),
+    )
+    padded = any(pads)
+    total = longest + n_new
+    mask = (torch.arange(total)[None, :] >= row_pad[:, None]).long()
+    positions = (torch.arange(total)[None, :] - row_pad[:, None]).clamp_min(0)
+
+    def step(tokens: torch.Tensor, at: int) -> torch.Tensor:
+        n = tokens.shape[1]
+        out = bundle.model(
+            input_ids=tokens,
+            attention_mask=mask[:, : at + n] if padded else None,
+            position_ids=positions[:, at : at + n],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits: torch.Tensor = out.logits[:, -1].float()
+        return logits
+
+    # Without padding, tile-aligned chunks are exact. With padding, a chunk is exact while
+    # every row's positions in it stay below two tiles (before that no non-sink tile can be
+    # due for a flush); past that the prompt goes one token per step.
+    groups = [c.group for c in codecs if c.group is not None]
+    safe = 2 * min(groups) + min(pads) if groups else longest
     logits = torch.empty(0)
-    for s in range(0, ids.shape[1], chunk):
-        logits = _step(bundle.model, ids[:, s : s + chunk], cache, last_only=True)[:, -1]
+    s = 0
+    while s < longest:
+        n = chunk if not padded or s + chunk <= safe else 1
+        n = min(n, longest - s)
+        logits = step(ids[:, s : s + n], s)
+        s += n
     out = np.full((rows, n_new), eos, dtype=np.int64)
     done = np.zeros(rows, dtype=np.bool_)
-    bar = tqdm(total=n_new, desc=desc, unit="tok", disable=not progress, leave=False)
-    for step in range(n_new):
+    bar = tqdm(total=n_new, desc=desc, unit="step", disable=not progress)
+    for i in range(n_new):
         if suppress_eos:
             logits[:, eos] = -torch.inf
         nxt = logits.argmax(-1)
-        out[:, step] = nxt.numpy()
-        done |= out[:, step] == eos
+        out[:, i] = nxt.numpy()
+        done |= out[:, i] == eos
         bar.update(1)
-        if done.all() or step == n_new - 1:
+        if done.all() or i == n_new - 1:
             break
-        logits = _step(bundle.model, nxt[:, None], cache, last_only=True)[:, -1]
+        logits = step(nxt[:, None], longest + i)
     bar.close()
-    return out
+    return out.reshape(n_prompts, n_codecs, n_new)
 
 
 @dataclass
@@ -268,11 +316,15 @@ def generate(
     t0 = time.perf_counter()
     eos = _eos_id(bundle)
     res = GenerationResult(_names(codecs), list(prompts), [], [], n_new, 0.0)
-    it = tqdm(prompts, desc="prompts", unit="prompt", disable=not progress)
-    for p in it:
-        toks = greedy(
-            bundle, codecs, chat_prompt_ids(bundle, p), n_new, chunk=chunk, progress=progress
-        )
+    all_toks = greedy(
+        bundle,
+        codecs,
+        [chat_prompt_ids(bundle, p) for p in prompts],
+        n_new,
+        chunk=chunk,
+        progress=progress,
+    )
+    for toks in all_toks:
         ends = np.nonzero(toks[0] == eos)[0]
         ref_len = int(ends[0]) + 1 if len(ends) else n_new
         same = toks[:, :ref_len] == toks[0:1, :ref_len]
@@ -329,14 +381,14 @@ def accumulation(
     gen = greedy(
         bundle,
         [FP16Cache()],
-        prompt_ids,
+        [prompt_ids],
         n_steps,
         chunk=chunk,
         suppress_eos=True,
         progress=progress,
         desc="fp16 trajectory",
     )
-    seq = list(prompt_ids) + [int(t) for t in gen[0]]
+    seq = list(prompt_ids) + [int(t) for t in gen[0, 0]]
     rows = len(codecs)
     cache = TiledKVCache(codecs, bundle.num_layers, keep_exact=True, capacity=len(seq))
     rec = AttentionErrorRecorder(cache, bundle.num_layers)
