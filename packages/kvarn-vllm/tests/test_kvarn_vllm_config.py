@@ -189,3 +189,44 @@ def test_every_patch_is_documented() -> None:
     for patch in _patches.PATCHES:
         assert patch.target and len(patch.why) > 40 and patch.undo
         assert patch.vllm_version == "0.23"
+
+
+def _declaring_dir(tmp_path: Path, dtype: str, block_size: int) -> Path:
+    """A model folder whose config.json declares its KV format (kvarn-ckpt's schema)."""
+    pytest.importorskip("kvarn_ckpt", reason="the checkpoint hook needs kvarn-ckpt installed")
+    from kvarn_vllm.testing import TINY_QWEN3, write_model_dir
+
+    config = dict(TINY_QWEN3)
+    config["kv_cache_quant"] = {
+        "format_version": 1,
+        "method": "kvarn",
+        "dtype": dtype,
+        "block_size": block_size,
+    }
+    return write_model_dir(tmp_path / "declared", config)
+
+
+def test_checkpoint_declared_format_is_used_when_user_gives_none(
+    kvarn: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = _declaring_dir(tmp_path, "kvarn_k4v4_g64", 64)
+    with caplog.at_level("INFO", logger="vllm.kvarn"):
+        config = _args(model).create_engine_config()
+    assert config.cache_config.cache_dtype == "kvarn_k4v4_g64"
+    assert config.cache_config.block_size == 64
+    assert "declared by checkpoint" in caplog.text
+
+
+def test_user_choice_beats_checkpoint_declaration(kvarn: None, tmp_path: Path) -> None:
+    model = _declaring_dir(tmp_path, "kvarn_k4v4_g64", 64)
+    config = _args(model, kv_cache_dtype="kvarn_k4v2_g128").create_engine_config()
+    assert config.cache_config.cache_dtype == "kvarn_k4v2_g128"
+    assert config.cache_config.block_size == 128
+
+
+def test_checkpoint_declaring_a_format_the_model_cannot_take_fails_closed(
+    kvarn: None, tmp_path: Path
+) -> None:
+    model = _declaring_dir(tmp_path, "kvarn_mla_k4_g64", 64)
+    with pytest.raises(ValueError, match="kvarn_mla_k4_g64"):
+        _args(model).create_engine_config()

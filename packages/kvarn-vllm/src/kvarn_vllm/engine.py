@@ -38,8 +38,41 @@ def validate_cache_dtype_string(value: Any) -> Any:
     return value
 
 
+def _checkpoint_cache_dtype(args: Any) -> None:
+    """Adopt a checkpoint's declared KV format when the user chose none (kvarn-ckpt).
+
+    kvarn-ckpt is optional: without it nothing changes. With it, ``resolve_for_vllm`` returns
+    the user's choice when one was given, the checkpoint's ``kv_cache_quant`` declaration
+    otherwise (logging that it did), and raises when the two conflict in a way the model's
+    geometry cannot take, so a wrong cache format fails at start-up instead of serving.
+    """
+    try:
+        from kvarn_ckpt import resolve_for_vllm
+    except ImportError:
+        return
+    model = getattr(args, "model", None)
+    if not model:
+        return
+    user = getattr(args, "kv_cache_dtype", None)
+    resolved = resolve_for_vllm(
+        model,
+        user,
+        tensor_parallel_size=int(getattr(args, "tensor_parallel_size", 1) or 1),
+        revision=getattr(args, "revision", None),
+    )
+    if resolved is not None and resolved != user:
+        logger.info(
+            "kvarn: using the KV cache format %s declared by checkpoint %s "
+            "(no --kv-cache-dtype given)",
+            resolved,
+            model,
+        )
+        args.kv_cache_dtype = resolved
+
+
 def prepare_engine_args(args: Any) -> None:
     """Validate the dtype and pin the block size to the tile size, before vLLM's config."""
+    _checkpoint_cache_dtype(args)
     dtype = getattr(args, "kv_cache_dtype", None)
     if not (isinstance(dtype, str) and dtype.startswith("kvarn")):
         return
