@@ -261,6 +261,7 @@ def test_report_checks_and_markdown() -> None:
         date="2026-01-01",
         seconds=60,
         threads=2,
+        load="1.0 / 1.0",
         head_dim=64,
         tf_rows=rows,
         tf_seconds={"wiki": 30.0},

