@@ -308,7 +308,11 @@ def bench_tq_decode(preset: str, bsz: int, seq: int) -> dict[str, Any]:
 
 
 def bench_store(
-    fmt_name: str, n_tiles: int, matmul_tflops: float, num_warps: int | None = None
+    fmt_name: str,
+    n_tiles: int,
+    matmul_tflops: float,
+    num_warps: int | None = None,
+    variant: str = "v1",
 ) -> dict[str, Any]:
     import torch
 
@@ -325,7 +329,8 @@ def bench_store(
     idx = torch.randperm(n_tiles, device="cuda").to(torch.int32)
     dst = torch.randperm(n_tiles, device="cuda").to(torch.int32)
     us, mode = timed(
-        lambda: flush_tiles(fmt, pk, pv, idx, kv, dst, num_warps=num_warps), graph=False
+        lambda: flush_tiles(fmt, pk, pv, idx, kv, dst, num_warps=num_warps, variant=variant),
+        graph=False,
     )
     records = n_tiles * HK
     tokens = n_tiles * g
@@ -343,8 +348,15 @@ def bench_store(
 
 
 def bench_prefill(
-    fmt_name: str, ctx_before: int, q_len: int, bsz: int, block_m: int | None = None
+    fmt_name: str,
+    ctx_before: int,
+    q_len: int,
+    bsz: int,
+    block_m: int | None = None,
+    **kw: Any,
 ) -> dict[str, Any]:
+    """``kw`` goes to ``prefill_attention`` (``method``, ``sdpa_backend``, ...); the host
+    copies of the lengths are passed for ``method="dequant"`` as the plugin would."""
     import torch
 
     from kvarn_format import parse_cache_dtype
@@ -371,9 +383,17 @@ def bench_prefill(
     qsl = torch.arange(0, bsz + 1, dtype=torch.int32, device="cuda") * q_len
     seqs = torch.full((bsz,), seq, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
+    if block_m is not None:
+        kw["block_m"] = block_m
+        kw.setdefault("method", "fused")
+    if kw.get("method", "dequant") == "dequant":
+        kw.setdefault("seq_lens_cpu", [seq] * bsz)
+        kw.setdefault("query_start_loc_cpu", [q_len * i for i in range(bsz + 1)])
+    else:
+        kw.setdefault("method", "fused")
     us, mode = timed(
         lambda: prefill_attention(
-            fmt, q, kv, pool_k, pool_v, bt, qsl, seqs, b2s, D**-0.5, out=out, block_m=block_m
+            fmt, q, kv, pool_k, pool_v, bt, qsl, seqs, b2s, D**-0.5, out=out, **kw
         ),
         graph=False,
     )
@@ -604,13 +624,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pre = []
     for bsz in (1, 4):
         for n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
-            pre.append(
-                {
-                    "kernel": n,
-                    "B": bsz,
-                    **guarded(lambda n=n, bsz=bsz: bench_prefill(n, 14336, 2048, bsz)),
-                }
-            )
+            for method in ("dequant", "fused"):
+                pre.append(
+                    {
+                        "kernel": n if method == "dequant" else f"{n} (fused)",
+                        "B": bsz,
+                        **guarded(
+                            lambda n=n, bsz=bsz, method=method: bench_prefill(
+                                n, 14336, 2048, bsz, method=method
+                            )
+                        ),
+                    }
+                )
         pre.append(
             {
                 "kernel": "sdpa_fp16_noncausal",

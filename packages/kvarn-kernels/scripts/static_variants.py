@@ -116,3 +116,106 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k5v5_g64"):
         variant(f"decode_v2 {_n} bn{_bn} w{_w} s{_st} r{_mr}")(
             lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _mr=_mr: _decode_v2(_n, _bn, _w, _st, _mr)
         )
+
+
+def _dequant_context(name: str, d: int = 128, bt: int = 32) -> Any:
+    from kvarn_kernels.context import _dequant_context_kernel
+
+    geo = _geo(name, d)
+    sig = {
+        "KV": "*u8",
+        "POOL_K": "*fp16",
+        "POOL_V": "*fp16",
+        "BLOCK_TABLE": "*i32",
+        "BLOCK_TO_SLOT": "*i32",
+        "PLAN": "*i32",
+        "OUT_K": "*fp16",
+        "OUT_V": "*fp16",
+    }
+    consts = dict(
+        HK=8,
+        D=d,
+        G=geo.group,
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **geo.offsets(),
+        BT=min(bt, geo.group),
+        FAST_UNPACK=True,
+    )
+    return compile_kernel(_dequant_context_kernel, sig, consts, 4, 3)
+
+
+for _n, _d, _bt in (
+    ("kvarn_k4v2_g128", 128, 32),
+    ("kvarn_k5v5_g64", 128, 32),
+    ("kvarn_k4v4_g64", 256, 16),
+    ("kvarn_k4v2_g128", 64, 32),
+):
+    variant(f"dequant_context {_n} d{_d} bt{_bt}")(
+        lambda _n=_n, _d=_d, _bt=_bt: _dequant_context(_n, _d, _bt)
+    )
+
+
+def _rotate(out_kind: str) -> Any:
+    from kvarn_kernels.rotation import _rotate_rows_kernel
+
+    sig = {
+        "X": "*fp16",
+        "Y": "*" + out_kind,
+        "S": "*fp16",
+        "SLOT_MAPPING": "*fp16",
+        "BLOCK_TO_SLOT": "*fp16",
+        "inv_sqrt_d": "fp32",
+    }
+    consts = dict(
+        HK=1,
+        D=128,
+        G=1,
+        BLOCK_R=32,
+        BLOCK_C=128,
+        OUT_F32=out_kind == "fp32",
+        SCATTER=False,
+        IEEE=False,
+        OUT_BF16=out_kind == "bf16",
+    )
+    return compile_kernel(_rotate_rows_kernel, sig, consts, 4, 3)
+
+
+for _k in ("fp16", "bf16", "fp32"):
+    variant(f"rotate out {_k}")(lambda _k=_k: _rotate(_k))
+
+
+def _store(name: str, d: int = 128, warps: int = 4, kernel: str = "v1") -> Any:
+    from kvarn_kernels import store
+
+    geo = _geo(name, d)
+    fn = store._flush_kernel
+    sig = {
+        "POOL_K": "*fp16",
+        "POOL_V": "*fp16",
+        "SRC_SLOTS": "*i32",
+        "KV_CACHE": "*u8",
+        "DST_BLOCKS": "*i32",
+    }
+    pad = geo.record_stride - geo.payload_bytes
+    consts = dict(
+        HK=8,
+        D=d,
+        G=geo.group,
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        PAYLOAD=geo.payload_bytes,
+        PAD_BLOCK=max(16, 1 << (max(pad, 1) - 1).bit_length()),
+        **geo.offsets(),
+        ITERS=8,
+        PRECISE=True,
+        V2=kernel == "v2",
+    )
+    return compile_kernel(fn, sig, consts, warps, 3)
+
+
+for _k in ("v1", "v2"):
+    for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v2_g64", 2), ("kvarn_k4v2_g128", 8)):
+        variant(f"store_{_k} {_n} w{_w}")(lambda _n=_n, _w=_w, _k=_k: _store(_n, 128, _w, _k))

@@ -72,7 +72,7 @@ DECODE_CPU = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant", ["v1", "v2"], ids=["variant1", "variant2"])
 @pytest.mark.parametrize(("name", "d", "hq", "hk", "lens", "splits"), DECODE_CPU)
 def test_decode_attention(
     device: torch.device,
@@ -129,7 +129,7 @@ def test_decode_attention(
     _assert_close(out, ref)
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant", ["v1", "v2"], ids=["variant1", "variant2"])
 def test_decode_bf16_and_default_splits_against_fp16_attention(
     device: torch.device, variant: str
 ) -> None:
@@ -449,7 +449,7 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
         ("kvarn_k4v2_g128", 512, 8, 1),
     ],
 )
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant", ["v1", "v2"], ids=["variant1", "variant2"])
 def test_decode_attention_gpu(
     device: torch.device, name: str, d: int, hq: int, hk: int, variant: str
 ) -> None:
@@ -553,7 +553,7 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant", ["v1", "v2"], ids=["variant1", "variant2"])
 def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None:
     """Captured once with a fixed workspace, replayed with new queries and lengths."""
     name, d, hq, hk = "kvarn_k4v2_g128", 128, 32, 8

@@ -92,9 +92,17 @@ CPU_CASES = [
 ]
 
 
+# v2's one-pass (pivoted) stds differ from the reference's two-pass ones by fp32 rounding.
+# Sinkhorn keeps its best-imbalance iteration, and on the stress tiles (a constant tile, one
+# huge outlier token) near-equal scores then pick another iteration: a different, equally
+# balanced scaling whose decoded error can be a little larger on that tile.
+V2_BARS = {"min_identical": 0.6, "max_ratio": 1.25}
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2"], ids=["variant1", "variant2"])
 @pytest.mark.parametrize(("name", "d", "hk", "n"), CPU_CASES)
 def test_flush_tiles_matches_reference_bytes(
-    device: torch.device, name: str, d: int, hk: int, n: int
+    device: torch.device, name: str, d: int, hk: int, n: int, variant: str
 ) -> None:
     fmt = parse_cache_dtype(name)
     g = fmt.group
@@ -105,11 +113,27 @@ def test_flush_tiles_matches_reference_bytes(
     before = kv.clone()
     src = torch.arange(n, dtype=torch.int32, device=device).flip(0)
     dst = torch.randperm(num_blocks)[:n].to(torch.int32).to(device)
-    flush_tiles(name, pool_k, pool_v, src, kv, dst)
-    _check_records(name, pool_k, pool_v, src, kv, dst, "align8", exact=INTERPRET)
+    flush_tiles(name, pool_k, pool_v, src, kv, dst, variant=variant)
+    if variant == "v1":
+        _check_records(name, pool_k, pool_v, src, kv, dst, "align8", exact=INTERPRET)
+    else:
+        # Half of these few records are stress tiles: bound the error only (the identity
+        # rate is checked on more tiles below and in the GPU test).
+        bars = {**V2_BARS, "min_identical": 0.0}
+        _check_records(name, pool_k, pool_v, src, kv, dst, "align8", exact=False, **bars)
     untouched = torch.ones(num_blocks, dtype=torch.bool)
     untouched[dst.long().cpu()] = False
     assert torch.equal(kv.cpu()[untouched], before.cpu()[untouched])
+
+
+def test_flush_tiles_v2_identity_rate(device: torch.device) -> None:
+    name, d, hk, n = "kvarn_k4v2_g64", 64, 2, 8
+    pool_k, pool_v = _pool(64, hk, d, n, seed=21, device=device)
+    tile = record_layout(parse_cache_dtype(name), d).tile_bytes
+    kv = torch.zeros((n, hk, tile), dtype=torch.uint8, device=device)
+    src = torch.arange(n, dtype=torch.int32, device=device)
+    flush_tiles(name, pool_k, pool_v, src, kv, src, variant="v2")
+    _check_records(name, pool_k, pool_v, src, kv, src, "align8", exact=False, **V2_BARS)
 
 
 def test_flush_tiles_head_dim_256_pow2_stride(device: torch.device) -> None:
@@ -164,7 +188,8 @@ def test_flush_tiles_head_dim_512_torch_path(device: torch.device) -> None:
         ("kvarn_k5v5_g64", 512),
     ],
 )
-def test_flush_tiles_many_tiles_gpu(device: torch.device, name: str, d: int) -> None:
+@pytest.mark.parametrize("variant", ["v1", "v2"], ids=["variant1", "variant2"])
+def test_flush_tiles_many_tiles_gpu(device: torch.device, name: str, d: int, variant: str) -> None:
     fmt = parse_cache_dtype(name)
     hk, n = 8, 64
     pool_k, pool_v = _pool(fmt.group, hk, d, n, seed=11, device=device)
@@ -172,8 +197,8 @@ def test_flush_tiles_many_tiles_gpu(device: torch.device, name: str, d: int) -> 
     kv = torch.randint(0, 256, (2 * n, hk, tile), dtype=torch.uint8, device=device)
     src = torch.randperm(n).to(torch.int32).to(device)
     dst = (torch.randperm(2 * n)[:n]).to(torch.int32).to(device)
-    flush_tiles(name, pool_k, pool_v, src, kv, dst)
-    loose = d > 256  # the torch path (see test_flush_tiles_head_dim_512_torch_path)
+    flush_tiles(name, pool_k, pool_v, src, kv, dst, variant=variant)
+    loose = d > 256 or variant == "v2"  # the torch path (see the D=512 test), or V2_BARS
     _check_records(
         name,
         pool_k,
@@ -183,7 +208,7 @@ def test_flush_tiles_many_tiles_gpu(device: torch.device, name: str, d: int) -> 
         dst,
         "align8",
         exact=False,
-        min_identical=0.25 if loose else 0.75,
+        min_identical=(0.25 if d > 256 else V2_BARS["min_identical"]) if loose else 0.75,
         max_ratio=1.25 if loose else 1.02,
     )
 
@@ -195,6 +220,7 @@ def test_flush_tiles_many_tiles_gpu(device: torch.device, name: str, d: int) -> 
         ("stride", "record at head_dim"),
         ("slots_dtype", "src_slots must have dtype"),
         ("mla", "MLA format"),
+        ("variant", "variant must be"),
     ],
 )
 def test_flush_tiles_validation(device: torch.device, change: str, message: str) -> None:
@@ -209,4 +235,6 @@ def test_flush_tiles_validation(device: torch.device, change: str, message: str)
     src = torch.zeros(1, dtype=idx_dtype, device=device)
     dst = torch.zeros(1, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=message):
-        flush_tiles(name, pool, pool.clone(), src, kv, dst)
+        flush_tiles(
+            name, pool, pool.clone(), src, kv, dst, variant="v3" if change == "variant" else "v1"
+        )

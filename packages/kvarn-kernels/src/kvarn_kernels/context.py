@@ -311,18 +311,23 @@ def _run_group(
     t0, t1 = qsl[r0], qsl[r1]
     if t1 == t0:
         return torch.zeros_like(q16) if o16 is None else o16
-    k_off = [0]
-    plan: list[tuple[int, int, int, int]] = []
-    for r in range(r0, r1):
-        for j in range(-(-klen[r] // g)):
-            plan.append((r, j, k_off[-1] + j * g, min(g, klen[r] - j * g)))
-        k_off.append(k_off[-1] + klen[r])
+    # Plan, one entry per (request, block): request row, block index, first workspace row,
+    # valid tokens (vectorized: a large batch has thousands of blocks).
+    kl = np.asarray(klen[r0:r1], dtype=np.int64)
+    nb = -(-kl // g)
+    k_off = [0, *np.cumsum(kl).tolist()]
+    total = int(nb.sum())
+    req = np.repeat(np.arange(r0, r1, dtype=np.int64), nb)
+    j = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
+    row0 = np.repeat(np.asarray(k_off[:-1], dtype=np.int64), nb) + j * g
+    ntok = np.minimum(g, np.repeat(kl, nb) - j * g)
+    plan = np.stack([req, j, row0, ntok]).astype(np.int32)
     ws_k = torch.empty((max(tokens, 1), hk, d), dtype=torch.float16, device=dev)
     ws_v = torch.empty_like(ws_k)
-    if plan:
-        plan_t = torch.from_numpy(np.ascontiguousarray(np.array(plan, dtype=np.int32).T)).to(dev)
+    if total:
+        plan_t = torch.from_numpy(np.ascontiguousarray(plan)).to(dev)
         bt = 32 if d <= 128 else (16 if d <= 256 else 8)
-        _dequant_context_kernel[(len(plan), hk)](
+        _dequant_context_kernel[(total, hk)](
             kv_cache,
             pool_k,
             pool_v,
@@ -332,7 +337,7 @@ def _run_group(
             ws_k,
             ws_v,
             block_table.stride(0),
-            len(plan),
+            total,
             HK=hk,
             D=d,
             G=g,

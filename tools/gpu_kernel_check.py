@@ -1,0 +1,341 @@
+"""One GPU run (< 120 s on an H200) that checks and times the kvarn-kernels round-2 paths.
+
+1. Correctness: the kernel package's GPU tests for the new paths at real sizes (decode
+   ``variant="v2"``, prefill ``method="dequant"``, store ``variant="v2"``), as pytest
+   subprocesses that run (and compile) while this process compiles the timed kernels.
+2. Timings, with the GPU to itself, in one process: copy bandwidth (the ceiling, same run);
+   decode v1 vs v2 at B = 64 and 256, 16K context, k4v2_g128 and k4v4_g128 (plus v2 tile
+   shapes at B = 64, k4v2); store v1 vs v2 (1024 tiles x 8 KV heads, g128 and g64); prefill
+   (2048-token chunk after 14,336 cached tokens) fused vs dequant (varlen FlashAttention and
+   per-request SDPA) next to torch SDPA fp16 over the same context.
+3. A short table last; JSON with everything to ``$OUT/gpu_kernel_check.json`` when ``OUT``
+   is set (and to ``--json`` if given).
+
+Usage::
+
+    PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src \\
+        python3 tools/gpu_kernel_check.py [--no-tests] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_kernels as bk  # noqa: E402  (tools/ is not a package)
+
+TEST_BUDGET_S = 90.0
+_DEC = "gpu and decode and variant2 and "
+# pytest selections, one subprocess each: the host's cores compile them in parallel. A subset
+# of the parametrizations covers every new code path (all bit widths, G = 64 and 128, head
+# dims 128, 256 and 512, CUDA-graph replay); the full GPU suite runs without -k.
+TEST_GROUPS = {
+    "decode_v2_a": ["test_kernels_attention.py", "-k", _DEC + "(k4v2_g128-128 or cuda_graph)"],
+    "decode_v2_b": ["test_kernels_attention.py", "-k", _DEC + "(k5v5_g64-128 or k4v4_g64-256)"],
+    "decode_v2_c": ["test_kernels_attention.py", "-k", _DEC + "512-8-1"],
+    "prefill_dequant": ["test_kernels_attention.py", "-k", "gpu and prefill and dequant"],
+    "store_v2_a": ["test_kernels_store.py", "-k", "gpu and variant2 and g128"],
+    "store_v2_b": ["test_kernels_store.py", "-k", "gpu and variant2 and g64"],
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def start_warmups() -> list[subprocess.Popen[str]]:
+    """Compile the timed kernels in three processes (Triton's on-disk cache is shared)."""
+    return [
+        subprocess.Popen(
+            [sys.executable, __file__, "--warm", part],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for part in ("decode", "store", "prefill")
+    ]
+
+
+def start_tests() -> dict[str, tuple[subprocess.Popen[str], float]]:
+    procs = {}
+    tests = ROOT / "packages" / "kvarn-kernels" / "tests"
+    for name, (fname, *sel) in TEST_GROUPS.items():
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(tests / fname),
+            *sel,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--import-mode=importlib",
+            "-x",
+        ]
+        procs[name] = (
+            subprocess.Popen(
+                cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            ),
+            time.time(),
+        )
+    return procs
+
+
+def finish_tests(procs: dict[str, tuple[subprocess.Popen[str], float]]) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for name, (p, t0) in procs.items():
+        try:
+            out, _ = p.communicate(timeout=max(1.0, TEST_BUDGET_S - (time.time() - t0)))
+            summary = [ln for ln in out.splitlines() if ln.strip()][-1:] or ["(no output)"]
+            res[name] = {
+                "ok": p.returncode == 0,
+                "rc": p.returncode,
+                "summary": summary[0],
+                "tail": out[-3000:] if p.returncode else "",
+            }
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            res[name] = {"ok": False, "rc": None, "summary": "timed out", "tail": out[-2000:]}
+        log(f"tests {name}: {res[name]['summary']}")
+    return res
+
+
+def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    import torch
+
+    try:
+        return fn()
+    except Exception as exc:  # a failed row is reported, the run goes on
+        traceback.print_exc()
+        torch.cuda.empty_cache()
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
+DECODE_V2_SHAPES: list[dict[str, Any]] = [
+    {"block_n": 64, "num_warps": 4},
+    {"block_n": 128, "num_warps": 8},  # the default shape without the 128-register cap
+    {"num_stages": 4},
+    {"block_n": 32, "num_warps": 4},
+]
+
+
+def decode_runs(warm: bool) -> list[dict[str, Any]]:
+    """Decode rows; ``warm`` only compiles (runs each config once on small inputs)."""
+    import torch
+
+    from kvarn_kernels import choose_decode_splits, decode_attention
+
+    rows: list[dict[str, Any]] = []
+    shapes = [(64, 16384), (256, 16384)]
+    for bsz, ctx in shapes:
+        # The split count is a compile-time constant: warm up with the real one.
+        splits = choose_decode_splits(bsz, bk.HK, -(-(ctx - 63) // 128), torch.device("cuda"))
+        for fmt in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
+            inp = bk.decode_inputs(fmt, 2 if warm else bsz, 2048 if warm else ctx)
+            configs: list[dict[str, Any]] = [{"variant": "v1"}, {"variant": "v2"}]
+            if fmt == "kvarn_k4v2_g128" and bsz == 64:
+                configs += [{"variant": "v2", **c} for c in DECODE_V2_SHAPES]
+            base = None
+            for cfg in configs:
+                if warm:
+                    decode_attention(
+                        fmt,
+                        inp["q"],
+                        inp["kv"],
+                        inp["pool_k"],
+                        inp["pool_v"],
+                        inp["bt"],
+                        inp["seq_lens"],
+                        inp["b2s"],
+                        bk.D**-0.5,
+                        num_splits=splits,
+                        **cfg,
+                    )
+                    continue
+                r = guarded(
+                    lambda cfg=cfg, inp=inp, splits=splits: bk.bench_kvarn_decode(
+                        inp, num_splits=splits, **dict(cfg)
+                    )
+                )
+                o = guarded(
+                    lambda cfg=cfg, inp=inp, fmt=fmt, splits=splits: {
+                        "out": decode_attention(
+                            fmt,
+                            inp["q"],
+                            inp["kv"],
+                            inp["pool_k"],
+                            inp["pool_v"],
+                            inp["bt"],
+                            inp["seq_lens"],
+                            inp["b2s"],
+                            bk.D**-0.5,
+                            num_splits=splits,
+                            **cfg,
+                        ).float()
+                    }
+                )
+                if "out" in o:
+                    if base is None:
+                        base = o["out"]
+                    r["rel_diff_vs_v1"] = float((o["out"] - base).norm() / base.norm())
+                rows.append({"kernel": fmt, "B": bsz, "ctx": ctx, "config": cfg, **r})
+                log(f"decode {fmt} B={bsz} {cfg}: {r.get('us', r.get('error'))}")
+            del inp
+            torch.cuda.empty_cache()
+    return rows
+
+
+STORE_CONFIGS: list[dict[str, Any]] = [
+    {"variant": "v1"},
+    {"variant": "v2"},
+    {"variant": "v2", "num_warps": 8},
+]
+
+
+def store_runs(warm: bool, matmul_tflops: float) -> list[dict[str, Any]]:
+    rows = []
+    for fmt in ("kvarn_k4v2_g128", "kvarn_k4v2_g64"):
+        for cfg in STORE_CONFIGS:
+            warps = cfg.get("num_warps")
+            if warps is not None and fmt.endswith("g64"):
+                warps = 4
+            r = guarded(
+                lambda fmt=fmt, cfg=cfg, warps=warps: bk.bench_store(
+                    fmt, 8 if warm else 1024, matmul_tflops, warps, cfg["variant"]
+                )
+            )
+            if not warm:
+                rows.append({"kernel": fmt, "config": {**cfg, "num_warps": warps}, **r})
+                log(f"store {fmt} {cfg}: {r.get('us', r.get('error'))}")
+    return rows
+
+
+def prefill_runs(warm: bool) -> list[dict[str, Any]]:
+    ctx, q_len = (14336, 2048) if not warm else (256, 64)
+    rows = []
+    for name, fn in (
+        ("fused", lambda: bk.bench_prefill("kvarn_k4v2_g128", ctx, q_len, 1, method="fused")),
+        ("dequant", lambda: bk.bench_prefill("kvarn_k4v2_g128", ctx, q_len, 1)),
+        (
+            "dequant per_request",
+            lambda: bk.bench_prefill("kvarn_k4v2_g128", ctx, q_len, 1, sdpa_backend="per_request"),
+        ),
+        ("sdpa fp16 (noncausal)", lambda: bk.bench_sdpa_prefill(ctx, q_len, 1)),
+    ):
+        r = guarded(fn)
+        if not warm:
+            rows.append({"kernel": name, "ctx": ctx, "q_len": q_len, **r})
+            log(f"prefill {name}: {r.get('us', r.get('error'))}")
+    return rows
+
+
+def table(res: dict[str, Any]) -> str:
+    copy = res["copy_gbs"]
+    out = [
+        f"copy bandwidth {copy:,.0f} GB/s, bf16 matmul {res['bf16_tflops']:,.0f} TFLOP/s; "
+        f"wall {res['wall_s']:.0f} s",
+        "",
+    ]
+    for name, t in res.get("tests", {}).items():
+        out.append(f"tests {name:16s} {'PASS' if t['ok'] else 'FAIL'}  {t['summary']}")
+    out += ["", f"{'decode':18s} {'B':>4s} {'config':44s} {'us':>9s} {'%copy':>6s} {'vs v1':>6s}"]
+    v1 = {
+        (r["kernel"], r["B"]): r["us"]
+        for r in res["decode"]
+        if r["config"] == {"variant": "v1"} and "us" in r
+    }
+    for r in res["decode"]:
+        cfg = ",".join(f"{k}={v}" for k, v in r["config"].items())
+        if "us" not in r:
+            out.append(f"{r['kernel']:18s} {r['B']:4d} {cfg:44s} {r['error'][:40]}")
+            continue
+        gbs = r["bytes"] / (r["us"] * 1e-6) / 1e9
+        base = v1.get((r["kernel"], r["B"]))
+        speed = f"{base / r['us']:.2f}x" if base else "-"
+        out.append(
+            f"{r['kernel']:18s} {r['B']:4d} {cfg:44s} {r['us']:9.1f} {100 * gbs / copy:5.0f}% "
+            f"{speed:>6s}"
+        )
+    out += ["", f"{'store':18s} {'config':32s} {'us':>9s} {'share':>7s}"]
+    for r in res["store"]:
+        cfg = ",".join(f"{k}={v}" for k, v in r["config"].items() if v is not None)
+        if "us" in r:
+            out.append(f"{r['kernel']:18s} {cfg:32s} {r['us']:9.1f} {100 * r['store_share']:6.2f}%")
+        else:
+            out.append(f"{r['kernel']:18s} {cfg:32s} {r['error'][:50]}")
+    out += ["", f"{'prefill (2048 after 14336)':28s} {'us':>9s} {'TFLOP/s':>8s}"]
+    for r in res["prefill"]:
+        if "us" in r:
+            out.append(f"{r['kernel']:28s} {r['us']:9.1f} {r['tflops']:8.0f}")
+        else:
+            out.append(f"{r['kernel']:28s} {r['error'][:60]}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--no-tests", action="store_true", help="timings only")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--warm", choices=("decode", "store", "prefill"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    import torch
+    import triton
+
+    if args.warm:  # a compile-only child process of the run below
+        {
+            "decode": lambda: decode_runs(warm=True),
+            "store": lambda: store_runs(warm=True, matmul_tflops=700.0),
+            "prefill": lambda: prefill_runs(warm=True),
+        }[args.warm]()
+        torch.cuda.synchronize()
+        return
+
+    t0 = time.time()
+    res: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    procs = {} if args.no_tests else start_tests()
+    # Compile every timed kernel while the tests run (small inputs, separate processes).
+    log("warming up (compiling) the timed kernels")
+    for w in start_warmups():
+        _, err = w.communicate()
+        if w.returncode:
+            log(f"warm-up process failed (the timings will compile instead):\n{err[-2000:]}")
+    log(f"warm-up done at {time.time() - t0:.0f} s")
+    res["tests"] = finish_tests(procs) if procs else {}
+    log(f"tests done at {time.time() - t0:.0f} s")
+    ceil = bk.ceilings()  # copy bandwidth and bf16 matmul rate, this run
+    res["copy_gbs"] = ceil["copy_gbs"]
+    res["bf16_tflops"] = ceil["bf16_tflops"]
+    log(f"ceilings: {ceil}")
+    res["decode"] = decode_runs(warm=False)
+    res["store"] = store_runs(warm=False, matmul_tflops=ceil["bf16_tflops"])
+    res["prefill"] = prefill_runs(warm=False)
+    res["wall_s"] = time.time() - t0
+    text = json.dumps(res, indent=1, default=str)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir, "gpu_kernel_check.json").write_text(text)
+    if args.json:
+        args.json.write_text(text)
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()
