@@ -10,6 +10,7 @@ attention level: relative Frobenius error below 3e-3 over the batch and 2e-2 on 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -28,9 +29,20 @@ from kvarn_kernels.reference import (
     fp16_attention_ref,
     prefill_attention_ref,
 )
-from kvarn_kernels.testing import build_case
+from kvarn_kernels.testing import PagedCase, build_case
 
 INTERPRET = not torch.cuda.is_available()
+
+
+@functools.cache
+def _cached_case(*args: object, **kw: object) -> PagedCase:
+    return build_case(*args, **kw)  # type: ignore[arg-type]
+
+
+def shared_case(name: str, d: int, hk: int, lens: list[int], **kw: object) -> PagedCase:
+    """``build_case`` memoized across the variant parametrizations (the reference encoder is
+    the slow part of the CPU tests); callers must not modify the returned tensors."""
+    return _cached_case(name, d, hk, tuple(lens), **kw)
 
 
 def _assert_close(
@@ -84,7 +96,7 @@ def test_decode_attention(
     splits: int,
     variant: str,
 ) -> None:
-    case = build_case(
+    case = shared_case(
         name,
         d,
         hk,
@@ -135,7 +147,7 @@ def test_decode_bf16_and_default_splits_against_fp16_attention(
 ) -> None:
     """bf16 queries; and the quantized attention stays close to unquantized attention."""
     name, d, hq, hk, lens = "kvarn_k4v4_g64", 64, 4, 2, [256, 150]
-    case = build_case(
+    case = shared_case(
         name,
         d,
         hk,

@@ -10,6 +10,7 @@ result instead of passing by luck.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -65,7 +66,7 @@ def build_case(
     fmt: KVarNFormat | str,
     head_dim: int,
     num_kv_heads: int,
-    seq_lens: list[int],
+    seq_lens: Sequence[int],
     *,
     device: torch.device | str,
     seed: int = 0,
