@@ -219,3 +219,35 @@ def _store(name: str, d: int = 128, warps: int = 4, kernel: str = "v1") -> Any:
 for _k in ("v1", "v2"):
     for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v2_g64", 2), ("kvarn_k4v2_g128", 8)):
         variant(f"store_{_k} {_n} w{_w}")(lambda _n=_n, _w=_w, _k=_k: _store(_n, 128, _w, _k))
+
+
+def _decode_v2_default(name: str, d: int, qpk: int) -> Any:
+    from kvarn_kernels.decode_v2 import decode_v2_config
+
+    cfg = decode_v2_config(d, parse_cache_dtype(name).group)
+    bq = max(8, 1 << (qpk - 1).bit_length())
+    return _decode_v2(
+        name, int(cfg["block_n"] or 0), int(cfg["num_warps"] or 0), 3, cfg["maxnreg"], bq, d
+    )
+
+
+for _n, _d, _qpk in (
+    ("kvarn_k4v2_g128", 64, 1),
+    ("kvarn_k4v4_g64", 256, 8),
+    ("kvarn_k4v2_g128", 512, 8),
+    ("kvarn_k5v5_g64", 128, 4),
+    ("kvarn_k4v2_g64", 128, 16),
+):
+    variant(f"decode_v2 default {_n} d{_d} qpk{_qpk}")(
+        lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v2_default(_n, _d, _qpk)
+    )
+
+for _n, _d, _bn, _w in (
+    ("kvarn_k4v4_g64", 256, 64, 8),
+    ("kvarn_k4v2_g128", 512, 32, 8),
+    ("kvarn_k4v2_g128", 512, 32, 4),
+    ("kvarn_k4v4_g64", 256, 64, 4),
+):
+    variant(f"decode_v2 nocap {_n} d{_d} bn{_bn} w{_w}")(
+        lambda _n=_n, _d=_d, _bn=_bn, _w=_w: _decode_v2(_n, _bn, _w, 3, None, 8, _d)
+    )

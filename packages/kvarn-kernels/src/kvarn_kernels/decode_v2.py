@@ -257,8 +257,9 @@ def decode_v2_config(head_dim: int, group: int) -> dict[str, int | None]:
     the register cap.
 
     ``BN * D = 16384`` codes per operand tile (128 tokens at D = 128) on 8 warps, capped at
-    128 registers (ptxas spills at most a few bytes there), fits two programs (16 warps) per
-    SM with two chunks of code bytes in flight each (static analysis in docs/kernel-notes.md).
+    128 registers at D <= 128 (ptxas spills at most a few bytes there), fits two programs (16
+    warps) per SM with two chunks of code bytes in flight each (static analysis in
+    docs/kernel-notes.md).
     """
     bn = max(16, min(group, 16384 // head_dim))
     warps = 8 if bn * head_dim >= 16384 else 4
@@ -266,5 +267,6 @@ def decode_v2_config(head_dim: int, group: int) -> dict[str, int | None]:
         "block_n": bn,
         "num_warps": warps,
         "num_stages": 3,
-        "maxnreg": 128 if warps == 8 else None,
+        # At D = 128 the cap costs a few spilled bytes; beyond, hundreds (no cap there).
+        "maxnreg": 128 if warps == 8 and head_dim <= 128 else None,
     }
