@@ -14,10 +14,10 @@ for prefill (the "never write dequantized KV to HBM" rule is for decode):
    reference decoder's fp32 operations, pool blocks copied -- in the rotated frame, halved
    (exact; it keeps every value the codec can write inside fp16, see ``decode_v2``);
 2. the rotated, pre-scaled queries attend to it with FlashAttention (torch's varlen flash
-   forward: one call for all requests, GQA native, bottom-right causal alignment), or, where
-   that kernel is not available (CPU, head_dim 512), with
-   ``torch.nn.functional.scaled_dot_product_attention`` per request and an explicit
-   bottom-right causal mask;
+   forward: one call for all requests, GQA native, bottom-right causal alignment), or with
+   ``torch.nn.functional.scaled_dot_product_attention`` per request (``causal_lower_right``
+   on CUDA; an explicit bottom-right mask where FlashAttention does not apply: the CPU and
+   head_dim 512);
 3. the output is un-rotated (``@ H``) and scaled back in one Triton pass into ``out``.
 
 Requests are processed in groups whose workspace stays under ``max_workspace_bytes``; a single
@@ -165,8 +165,12 @@ def _attend_per_request(
     k_off: Sequence[int],
     out: torch.Tensor,
 ) -> None:
-    """``scaled_dot_product_attention`` per request (and per query chunk, bounding the
-    ``[Hq, Lq, Lk]`` score memory of the math backend) with a bottom-right causal mask."""
+    """``scaled_dot_product_attention`` per request with bottom-right causal alignment.
+
+    On CUDA with a FlashAttention head size, torch's ``causal_lower_right`` bias (dispatched
+    to FlashAttention); otherwise an explicit boolean mask per query chunk, bounding the
+    ``[Hq, Lq, Lk]`` score memory of the backend that takes masks.
+    """
     hq = int(q.shape[1])
     budget = 1 << 26  # score elements per call
     for r in range(len(q_off) - 1):
@@ -176,6 +180,15 @@ def _attend_per_request(
             continue
         kr = k[k0:k1].transpose(0, 1)[None]
         vr = v[k0:k1].transpose(0, 1)[None]
+        if _flash_varlen_ok(q):
+            from torch.nn.attention.bias import causal_lower_right
+
+            qr = q[q0:q1].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                qr, kr, vr, attn_mask=causal_lower_right(lq, lk), scale=2.0, enable_gqa=True
+            )
+            out[q0:q1] = o[0].transpose(0, 1)
+            continue
         step = max(1, budget // max(1, hq * lk))
         for a in range(0, lq, step):
             b = min(lq, a + step)
