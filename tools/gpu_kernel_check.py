@@ -54,17 +54,26 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+DECODE_FORMATS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128")
+STORE_FORMATS = ("kvarn_k4v2_g128", "kvarn_k4v2_g64")
+WARM_PARTS = (
+    *(f"decode:{f}" for f in DECODE_FORMATS),
+    *(f"store:{f}" for f in STORE_FORMATS),
+    "prefill:",
+)
+
+
 def start_warmups() -> list[subprocess.Popen[str]]:
-    """Compile the timed kernels in three processes (Triton's on-disk cache is shared)."""
+    """Compile the timed kernels in one process per part (Triton's disk cache is shared)."""
     return [
         subprocess.Popen(
-            [sys.executable, __file__, "--warm", part],
+            [sys.executable, str(Path(__file__).resolve()), "--warm", part],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for part in ("decode", "store", "prefill")
+        for part in WARM_PARTS
     ]
 
 
@@ -132,7 +141,7 @@ DECODE_V2_SHAPES: list[dict[str, Any]] = [
 ]
 
 
-def decode_runs(warm: bool) -> list[dict[str, Any]]:
+def decode_runs(warm: bool, formats: tuple[str, ...] = DECODE_FORMATS) -> list[dict[str, Any]]:
     """Decode rows; ``warm`` only compiles (runs each config once on small inputs)."""
     import torch
 
@@ -143,7 +152,7 @@ def decode_runs(warm: bool) -> list[dict[str, Any]]:
     for bsz, ctx in shapes:
         # The split count is a compile-time constant: warm up with the real one.
         splits = choose_decode_splits(bsz, bk.HK, -(-(ctx - 63) // 128), torch.device("cuda"))
-        for fmt in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
+        for fmt in formats:
             inp = bk.decode_inputs(fmt, 2 if warm else bsz, 2048 if warm else ctx)
             configs: list[dict[str, Any]] = [{"variant": "v1"}, {"variant": "v2"}]
             if fmt == "kvarn_k4v2_g128" and bsz == 64:
@@ -205,9 +214,11 @@ STORE_CONFIGS: list[dict[str, Any]] = [
 ]
 
 
-def store_runs(warm: bool, matmul_tflops: float) -> list[dict[str, Any]]:
+def store_runs(
+    warm: bool, matmul_tflops: float, formats: tuple[str, ...] = STORE_FORMATS
+) -> list[dict[str, Any]]:
     rows = []
-    for fmt in ("kvarn_k4v2_g128", "kvarn_k4v2_g64"):
+    for fmt in formats:
         for cfg in STORE_CONFIGS:
             warps = cfg.get("num_warps")
             if warps is not None and fmt.endswith("g64"):
@@ -289,17 +300,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-tests", action="store_true", help="timings only")
     ap.add_argument("--json", type=Path, help="also write the results here")
-    ap.add_argument("--warm", choices=("decode", "store", "prefill"), help=argparse.SUPPRESS)
+    ap.add_argument("--warm", choices=WARM_PARTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     import torch
     import triton
 
     if args.warm:  # a compile-only child process of the run below
-        {
-            "decode": lambda: decode_runs(warm=True),
-            "store": lambda: store_runs(warm=True, matmul_tflops=700.0),
-            "prefill": lambda: prefill_runs(warm=True),
-        }[args.warm]()
+        part, fmt = args.warm.split(":")
+        if part == "decode":
+            decode_runs(warm=True, formats=(fmt,))
+        elif part == "store":
+            store_runs(warm=True, matmul_tflops=700.0, formats=(fmt,))
+        else:
+            prefill_runs(warm=True)
         torch.cuda.synchronize()
         return
 
@@ -314,26 +327,39 @@ def main() -> None:
     # Compile every timed kernel while the tests run (small inputs, separate processes).
     log("warming up (compiling) the timed kernels")
     for w in start_warmups():
-        _, err = w.communicate()
+        try:
+            _, err = w.communicate(timeout=max(1.0, TEST_BUDGET_S - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            w.kill()
+            _, err = w.communicate()
+            log("a warm-up process ran out of time (the timings compile the rest)")
         if w.returncode:
             log(f"warm-up process failed (the timings will compile instead):\n{err[-2000:]}")
     log(f"warm-up done at {time.time() - t0:.0f} s")
+
+    def save() -> None:
+        # after every phase: a run that dies later still leaves what it measured
+        res["wall_s"] = time.time() - t0
+        text = json.dumps(res, indent=1, default=str)
+        out_dir = os.environ.get("OUT")
+        if out_dir:
+            Path(out_dir, "gpu_kernel_check.json").write_text(text)
+        if args.json:
+            args.json.write_text(text)
+
     res["tests"] = finish_tests(procs) if procs else {}
     log(f"tests done at {time.time() - t0:.0f} s")
+    save()
     ceil = bk.ceilings()  # copy bandwidth and bf16 matmul rate, this run
     res["copy_gbs"] = ceil["copy_gbs"]
     res["bf16_tflops"] = ceil["bf16_tflops"]
     log(f"ceilings: {ceil}")
     res["decode"] = decode_runs(warm=False)
+    save()
     res["store"] = store_runs(warm=False, matmul_tflops=ceil["bf16_tflops"])
+    save()
     res["prefill"] = prefill_runs(warm=False)
-    res["wall_s"] = time.time() - t0
-    text = json.dumps(res, indent=1, default=str)
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir, "gpu_kernel_check.json").write_text(text)
-    if args.json:
-        args.json.write_text(text)
+    save()
     print(table(res))
 
 
