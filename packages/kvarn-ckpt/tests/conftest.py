@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -319,3 +320,36 @@ def kit(tmp_path: Path) -> SimpleNamespace:
         DENSE_LINEARS=DENSE_LINEARS,
         tmp=tmp_path,
     )
+
+
+@pytest.fixture(scope="module")
+def vllm_env() -> Iterator[SimpleNamespace]:
+    """A CPU platform, a current VllmConfig and a 1-process TP group (idempotent)."""
+    import vllm.platforms as platforms
+
+    if platforms._current_platform is None:
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms._current_platform = CpuPlatform()
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    ctx = set_current_vllm_config(VllmConfig())
+    ctx.__enter__()
+    owned = not ps.model_parallel_is_initialized()
+    if owned:
+        init = f"file://{tempfile.mkdtemp()}/dist"
+        ps.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=init, backend="gloo"
+        )
+        ps.initialize_model_parallel(1)
+    from kvarn_ckpt import vllm_quant
+
+    vllm_quant.register()
+    try:
+        yield SimpleNamespace(vq=vllm_quant)
+    finally:
+        if owned:  # leave the process as we found it for other packages' tests
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
+        ctx.__exit__(None, None, None)

@@ -3,8 +3,6 @@ per-shard weight loading into real vLLM linear layers, and forward against the d
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,39 +11,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
-
-
-@pytest.fixture(scope="module")
-def vllm_env() -> Iterator[SimpleNamespace]:
-    """A CPU platform, a current VllmConfig and a 1-process TP group (idempotent)."""
-    import vllm.platforms as platforms
-
-    if platforms._current_platform is None:
-        from vllm.platforms.cpu import CpuPlatform
-
-        platforms._current_platform = CpuPlatform()
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    ctx = set_current_vllm_config(VllmConfig())
-    ctx.__enter__()
-    owned = not ps.model_parallel_is_initialized()
-    if owned:
-        init = f"file://{tempfile.mkdtemp()}/dist"
-        ps.init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, distributed_init_method=init, backend="gloo"
-        )
-        ps.initialize_model_parallel(1)
-    from kvarn_ckpt import vllm_quant
-
-    vllm_quant.register()
-    try:
-        yield SimpleNamespace(vq=vllm_quant)
-    finally:
-        if owned:  # leave the process as we found it for other packages' tests
-            ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
-        ctx.__exit__(None, None, None)
 
 
 def _exl3_tensors(

@@ -41,6 +41,9 @@ __all__ = [
     "MUL1_MULTIPLIER",
     "Exl3Linear",
     "Exl3Report",
+    "RankPiece",
+    "aligned_window",
+    "rank_pieces",
     "trellis_bits",
     "validate_exl3",
 ]
@@ -75,6 +78,75 @@ def trellis_bits(last_dim: int) -> float | None:
     if last_dim % 16 == 8 and 1 <= (last_dim - 8) // 16 <= 3:
         return (last_dim - 8) / 16 + 0.5
     return None
+
+
+def aligned_window(start: int, size: int, full: int) -> tuple[int, int, int]:
+    """The Hadamard-aligned stretch ``[lo, hi)`` of a ``full``-long EXL3 axis that holds
+    ``[start, start + size)``, and the offset of ``start`` inside it.
+
+    An EXL3 weight is rotated by 128-wide Hadamard blocks along both axes, so a sub-range can
+    be decoded on its own only when it starts and ends on a block boundary. A tensor-parallel
+    rank whose range does not (an MoE intermediate size of 768 over 4 ranks: 192 each; a
+    vocabulary shard of a padded lm_head) decodes this slightly larger window and keeps
+    ``[offset, offset + size)`` of the result.
+    """
+    if full <= 0 or full % HADAMARD_BLOCK:
+        raise ValueError(f"an EXL3 axis of {full} is not a positive multiple of {HADAMARD_BLOCK}")
+    if start < 0 or size <= 0 or start + size > full:
+        raise ValueError(f"range [{start}, {start + size}) is not inside [0, {full})")
+    lo = start // HADAMARD_BLOCK * HADAMARD_BLOCK
+    hi = min(full, -(-(start + size) // HADAMARD_BLOCK) * HADAMARD_BLOCK)
+    return lo, hi, start - lo
+
+
+@dataclass(frozen=True, slots=True)
+class RankPiece:
+    """What one serving rank takes from one stored slice of a sliced axis.
+
+    ``stored`` is the index of the stored slice (a TR3 ``rank{r}``; 0 for an unsliced
+    tensor); ``lo``/``hi`` the Hadamard-aligned window to decode, in that slice's own
+    coordinates; ``offset``/``size`` the part of the decoded window this rank keeps; ``dest``
+    where it goes in the rank's partition.
+    """
+
+    stored: int
+    lo: int
+    hi: int
+    offset: int
+    size: int
+    dest: int
+
+
+def rank_pieces(full: int, stored_slices: int, tp_size: int, tp_rank: int) -> list[RankPiece]:
+    """Map a serving rank's contiguous share of a ``full``-long axis onto stored slices.
+
+    The axis (an MoE intermediate dimension) is stored as ``stored_slices`` equal, contiguous
+    slices (TR3 pre-slices experts for its encoder's TP; stock EXL3 stores one), and the
+    serving engine gives rank ``tp_rank`` of ``tp_size`` the contiguous range
+    ``[tp_rank * full / tp_size, (tp_rank + 1) * full / tp_size)``, the split vLLM's
+    column- and row-parallel layers use. Any pair of sizes works: a rank may take several
+    whole slices (serving TP below the stored one) or part of one (above it).
+    """
+    if stored_slices <= 0 or tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise ValueError(
+            f"bad split: {stored_slices} stored slices, rank {tp_rank} of {tp_size} ranks"
+        )
+    if full % stored_slices or full % tp_size:
+        raise ValueError(
+            f"an axis of {full} does not split into {stored_slices} stored slices and "
+            f"{tp_size} serving ranks"
+        )
+    per_slice = full // stored_slices
+    want_lo, want_hi = tp_rank * full // tp_size, (tp_rank + 1) * full // tp_size
+    out = []
+    for r in range(stored_slices):
+        s_lo = r * per_slice
+        a, b = max(want_lo, s_lo), min(want_hi, s_lo + per_slice)
+        if a >= b:
+            continue
+        lo, hi, off = aligned_window(a - s_lo, b - a, per_slice)
+        out.append(RankPiece(r, lo, hi, off, b - a, a - want_lo))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+from kvarn_ckpt.exl3 import aligned_window
 from kvarn_ckpt.exl3_torch import codebook_from_markers, dequantize, unpack_signs
 
 __all__ = ["EXL3_SUFFIXES", "Exl3Config", "Exl3LinearMethod", "register"]
@@ -71,6 +72,10 @@ class _Exl3State:
     outs: list[int]
     dtype: torch.dtype
     parts: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: Per logical weight, the (offset, size) this rank keeps of its decoded input / output
+    #: window along an axis that was cut off a 128-wide Hadamard block boundary.
+    cut_in: dict[int, tuple[int, int]] = field(default_factory=dict)
+    cut_out: dict[int, tuple[int, int]] = field(default_factory=dict)
     device: torch.device | None = None
 
 
@@ -197,12 +202,12 @@ class Exl3Config(QuantizationConfig):
         from vllm.model_executor.layers.fused_moe import FusedMoE
 
         if isinstance(layer, FusedMoE):
-            if self.exl3_prefixes and any(p.startswith(prefix + ".") for p in self.exl3_prefixes):
-                raise NotImplementedError(
-                    f"{prefix}: routed MoE experts stored as EXL3 are not supported by the "
-                    "kvarn-ckpt reference path yet (dense EXL3 linears are)"
-                )
-            return None
+            from kvarn_ckpt.vllm_moe import Exl3MoEMethod, moe_layout
+
+            layout = moe_layout(self, layer, prefix)
+            if layout is None:
+                return None  # vLLM's unquantized fused MoE
+            return Exl3MoEMethod(layer.moe_config, layout, prefix)
         if isinstance(layer, ParallelLMHead):
             return Exl3LinearMethod(self) if self._is_exl3(prefix) else None
         if isinstance(layer, LinearBase):
@@ -245,15 +250,6 @@ def _out_range(layer: torch.nn.Module, shard: int, shard_id: object, full: int) 
     return tp_rank * (full // tp_size), full // tp_size
 
 
-def _check_aligned(what: str, start: int, size: int) -> None:
-    if start % 128 or size % 128:
-        raise ValueError(
-            f"{what}: this tensor-parallel rank owns [{start}, {start + size}), which does not "
-            "fall on EXL3's 128-wide Hadamard blocks; use a tensor-parallel size that splits "
-            "the layer into multiples of 128"
-        )
-
-
 class Exl3LinearMethod(LinearMethodBase):
     """Loads EXL3 tensors per logical weight and runs the dequantized weight."""
 
@@ -291,34 +287,32 @@ class Exl3LinearMethod(LinearMethodBase):
     def _slice(
         self, layer: torch.nn.Module, suffix: str, t: torch.Tensor, shard: int, shard_id: object
     ) -> torch.Tensor:
+        """This rank's part of one stored tensor: the Hadamard-aligned window around the
+        rank's rows (RowParallel: input side) or columns (column-parallel and the lm_head:
+        output side); the exact cut is recorded and applied after decoding."""
         if suffix in ("mcg", "mul1"):
             return t
+        st = _state(layer)
+        div = 16 if suffix in ("trellis", "su", "sv") else 1
         tp_rank: int = getattr(layer, "tp_rank", 0)
         if isinstance(layer, RowParallelLinear):
+            if suffix in ("svh", "sv"):
+                return t
             size = layer.input_size_per_partition
-            start = tp_rank * size
-            if suffix == "trellis":
-                _check_aligned(layer.prefix, start, size)
-                return t[start // 16 : (start + size) // 16]
-            if suffix in ("suh", "su"):
-                div = 16 if suffix == "su" else 1
-                return t[start // div : (start + size) // div]
-            return t
-        full = (
-            t.shape[1] * 16 if suffix == "trellis" else (t.shape[0] * (16 if suffix == "sv" else 1))
-        )
+            lo, hi, off = aligned_window(tp_rank * size, size, t.shape[0] * div)
+            st.cut_in[shard] = (off, size)
+            return t[lo // div : hi // div]
         if suffix in ("suh", "su"):
             return t
+        full = (t.shape[1] if suffix == "trellis" else t.shape[0]) * div
         start, size = _out_range(layer, shard, shard_id, full)
         if (start, size) == (0, full):
             return t
-        if isinstance(layer, ParallelLMHead):
-            raise ValueError("an EXL3 lm_head split over tensor-parallel ranks is not supported")
-        _check_aligned(getattr(layer, "prefix", "EXL3 layer"), start, size)
+        lo, hi, off = aligned_window(start, size, full)
+        st.cut_out[shard] = (off, size)
         if suffix == "trellis":
-            return t[:, start // 16 : (start + size) // 16]
-        div = 16 if suffix == "sv" else 1
-        return t[start // div : (start + size) // div]
+            return t[:, lo // 16 : hi // 16]
+        return t[lo // div : hi // div]
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         st = _state(layer)
@@ -340,9 +334,12 @@ class Exl3LinearMethod(LinearMethodBase):
             if suh is None or svh is None:
                 raise ValueError(f"{name}: part {i} lacks its suh/svh sign vectors")
             codebook = codebook_from_markers(p.get("mcg"), p.get("mul1"))
-            weights.append(
-                dequantize(p["trellis"].to(device), suh.to(device), svh.to(device), codebook)
-            )
+            w = dequantize(p["trellis"].to(device), suh.to(device), svh.to(device), codebook)
+            if i in st.cut_in:
+                w = w.narrow(0, *st.cut_in[i])
+            if i in st.cut_out:
+                w = w.narrow(1, *st.cut_out[i])
+            weights.append(w)
         w_all = torch.cat(weights, dim=1)  # [in, out]
         want_out = sum(st.outs)
         if isinstance(layer, ParallelLMHead) and w_all.shape[1] < want_out:
@@ -356,6 +353,8 @@ class Exl3LinearMethod(LinearMethodBase):
             delattr(layer, suffix)
         layer.weight = Parameter(w_all.t().contiguous().to(st.dtype), requires_grad=False)
         st.parts.clear()
+        st.cut_in.clear()
+        st.cut_out.clear()
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
