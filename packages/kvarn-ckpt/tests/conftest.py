@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import tempfile
 from collections.abc import Callable, Iterator
@@ -324,10 +325,15 @@ def kit(tmp_path: Path) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def vllm_env() -> Iterator[SimpleNamespace]:
-    """A CPU platform, a current VllmConfig and a 1-process TP group (idempotent)."""
+    """A CPU platform, a current VllmConfig and a 1-process TP group (idempotent).
+
+    ``KVARN_CKPT_VLLM_DEVICE=cuda`` leaves vLLM to detect its platform instead (the GPU run of
+    the whole-model tests, started in a fresh process by ``test_models_on_cuda``)."""
     import vllm.platforms as platforms
 
-    if platforms._current_platform is None:
+    if os.environ.get("KVARN_CKPT_VLLM_DEVICE", "cpu") == "cpu" and (
+        platforms._current_platform is None
+    ):
         from vllm.platforms.cpu import CpuPlatform
 
         platforms._current_platform = CpuPlatform()
