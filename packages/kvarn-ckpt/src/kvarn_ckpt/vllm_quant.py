@@ -10,13 +10,15 @@ from its own ``register()`` (docs/checkpoints.md §vLLM). It is picked up for:
   ``hybrid_tr3_tail`` block with ``format: "exl3-trellis"``.
 
 What runs: each EXL3 linear (Replicated, ColumnParallel, MergedColumnParallel, QKVParallel,
-RowParallel, and a TP=1 ParallelLMHead) receives its ``trellis``/``suh``/``svh``/``su``/``sv``
-/``mcg``/``mul1`` tensors through per-parameter weight loaders that slice them for the
-layer's tensor-parallel rank (128-aligned, as the Hadamard blocks require); after loading,
-each logical weight is dequantized once with the reference decoder (exl3_torch.py) and the
-layer runs a plain ``F.linear``. This is the correctness path: memory is that of the dense
-weights, and a fused EXL3 GEMM is later work. Routed MoE experts stored as EXL3 (the TR3
-tail) are not supported yet and fail at model construction with a message saying so.
+RowParallel, and the ParallelLMHead, split over the vocabulary at any TP) receives its
+``trellis``/``suh``/``svh``/``su``/``sv``/``mcg``/``mul1`` tensors through per-parameter
+weight loaders that keep the layer's tensor-parallel share of them: the enclosing 128-aligned
+window when the share does not fall on Hadamard blocks (:func:`kvarn_ckpt.exl3.aligned_window`),
+cut exactly after decoding. After loading, each logical weight is dequantized once with the
+reference decoder (exl3_torch.py) and the layer runs a plain ``F.linear``. Routed MoE experts
+stored as EXL3, stock or TR3 rank-sliced, go through :class:`kvarn_ckpt.vllm_moe.Exl3MoEMethod`
+(decoded into vLLM's dense fused-MoE layout, then vLLM's unquantized fused MoE). This is the
+correctness path: memory is that of the dense weights, and fused EXL3 GEMMs are later work.
 
 Importing this module imports torch and vLLM; ``import kvarn_ckpt`` never does.
 """
