@@ -353,6 +353,11 @@ def test_tr3_layouts_that_cannot_be_routed_fail_at_construction(
     with pytest.raises(ValueError, match="experts_per_layer is 8 but the model's layer has 4"):
         _moe(_config(vq, [prefix], count), prefix, 512)
     _unregister(prefix)
+    sliced = _config(vq, [])
+    sliced.exl3_prefixes = {f"{prefix}.0.gate_proj.rank0"}
+    with pytest.raises(NotImplementedError, match="no hybrid_tr3_tail"):
+        _moe(sliced, prefix, 512)
+    _unregister(prefix)
     # outside moe_layers and no EXL3 tensors there: vLLM's own unquantized method
     from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
 

@@ -180,7 +180,7 @@ def moe_layout(config: Exl3Config, layer: FusedMoE, prefix: str) -> MoELayout | 
             )
         return None
     if known is None or under:
-        if any(".rank" in p.rpartition(".")[2] for p in under[:1]):
+        if any(re.fullmatch(r"rank\d+", p.rpartition(".")[2]) for p in under):
             raise NotImplementedError(
                 f"{prefix}: expert tensors are rank-sliced ({under[0]}) but config.json has no "
                 "hybrid_tr3_tail describing the slicing"
