@@ -1,11 +1,12 @@
-"""One GPU run (< 120 s on an H200) that checks and times the kvarn-kernels round-2 paths.
+"""One GPU run (< 120 s on an H200) that checks and times the kvarn-kernels paths in work.
 
-1. Correctness: the kernel package's GPU tests for the new paths at real sizes (decode
-   ``variant="v2"``, prefill ``method="dequant"``, store ``variant="v2"``), as pytest
-   subprocesses that run (and compile) while this process compiles the timed kernels.
-2. Timings, with the GPU to itself, in one process: copy bandwidth (the ceiling, same run);
-   decode v1 vs v2 at B = 64 and 256, 16K context, k4v2_g128 and k4v4_g128 (plus v2 tile
-   shapes at B = 64, k4v2); store v1 vs v2 (1024 tiles x 8 KV heads, g128 and g64); prefill
+1. Correctness: the kernel package's GPU tests for the newest path at real sizes (round 3:
+   decode ``variant="v3"``; rounds 1-2 checked v2, prefill ``method="dequant"`` and store
+   ``variant="v2"``), as pytest subprocesses that run (and compile) while this process
+   compiles the timed kernels.
+2. Timings, with the GPU to itself, in one process (``--parts`` picks them): copy bandwidth
+   (the ceiling, same run); decode v1, v2 and v3 at B = 64 and 256, 16K context, k4v2_g128
+   and k4v4_g128 (plus v3 tile shapes at B = 64, k4v2); store v1 vs v2 (1024 tiles x 8 KV heads, g128 and g64); prefill
    (2048-token chunk after 14,336 cached tokens) fused vs dequant (varlen FlashAttention and
    per-request SDPA) next to torch SDPA fp16 over the same context.
 3. A short table last; JSON with everything to ``$OUT/gpu_kernel_check.json`` when ``OUT``
@@ -35,18 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_kernels as bk  # noqa: E402  (tools/ is not a package)
 
-TEST_BUDGET_S = 90.0
-_DEC = "gpu and decode and variant2 and "
+TEST_BUDGET_S = 150.0
+_DEC = "gpu and decode and variant3 and "
 # pytest selections, one subprocess each: the host's cores compile them in parallel. A subset
 # of the parametrizations covers every new code path (all bit widths, G = 64 and 128, head
 # dims 128, 256 and 512, CUDA-graph replay); the full GPU suite runs without -k.
 TEST_GROUPS = {
-    "decode_v2_a": ["test_kernels_attention.py", "-k", _DEC + "(k4v2_g128-128 or cuda_graph)"],
-    "decode_v2_b": ["test_kernels_attention.py", "-k", _DEC + "(k5v5_g64-128 or k4v4_g64-256)"],
-    "decode_v2_c": ["test_kernels_attention.py", "-k", _DEC + "512-8-1"],
-    "prefill_dequant": ["test_kernels_attention.py", "-k", "gpu and prefill and dequant"],
-    "store_v2_a": ["test_kernels_store.py", "-k", "gpu and variant2 and g128"],
-    "store_v2_b": ["test_kernels_store.py", "-k", "gpu and variant2 and g64"],
+    "decode_v3_a": ["test_kernels_attention.py", "-k", _DEC + "(k4v2_g128-128 or cuda_graph)"],
+    "decode_v3_b": ["test_kernels_attention.py", "-k", _DEC + "(k4v4_g128 or k4v2_g64)"],
+    "decode_v3_c": ["test_kernels_attention.py", "-k", _DEC + "(k4v4_g64 or k5v5)"],
+    "decode_v3_d": ["test_kernels_attention.py", "-k", _DEC + "(512-8-1 or 64-8-8)"],
 }
 
 
@@ -63,7 +62,7 @@ WARM_PARTS = (
 )
 
 
-def start_warmups() -> list[subprocess.Popen[str]]:
+def start_warmups(parts: set[str]) -> list[subprocess.Popen[str]]:
     """Compile the timed kernels in one process per part (Triton's disk cache is shared)."""
     return [
         subprocess.Popen(
@@ -74,6 +73,7 @@ def start_warmups() -> list[subprocess.Popen[str]]:
             text=True,
         )
         for part in WARM_PARTS
+        if part.split(":")[0] in parts
     ]
 
 
@@ -133,9 +133,10 @@ def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
-DECODE_V2_SHAPES: list[dict[str, Any]] = [
+DECODE_V3_SHAPES: list[dict[str, Any]] = [
     {"block_n": 64, "num_warps": 4},
-    {"block_n": 128, "num_warps": 8},  # the default shape without the 128-register cap
+    {"block_n": 128, "num_warps": 4},
+    {"num_stages": 2},
     {"num_stages": 4},
     {"block_n": 32, "num_warps": 4},
 ]
@@ -154,9 +155,9 @@ def decode_runs(warm: bool, formats: tuple[str, ...] = DECODE_FORMATS) -> list[d
         splits = choose_decode_splits(bsz, bk.HK, -(-(ctx - 63) // 128), torch.device("cuda"))
         for fmt in formats:
             inp = bk.decode_inputs(fmt, 2 if warm else bsz, 2048 if warm else ctx)
-            configs: list[dict[str, Any]] = [{"variant": "v1"}, {"variant": "v2"}]
+            configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v2", "v3")]
             if fmt == "kvarn_k4v2_g128" and bsz == 64:
-                configs += [{"variant": "v2", **c} for c in DECODE_V2_SHAPES]
+                configs += [{"variant": "v3", **c} for c in DECODE_V3_SHAPES]
             base = None
             for cfg in configs:
                 if warm:
@@ -265,10 +266,10 @@ def table(res: dict[str, Any]) -> str:
     out += ["", f"{'decode':18s} {'B':>4s} {'config':44s} {'us':>9s} {'%copy':>6s} {'vs v1':>6s}"]
     v1 = {
         (r["kernel"], r["B"]): r["us"]
-        for r in res["decode"]
+        for r in res.get("decode", [])
         if r["config"] == {"variant": "v1"} and "us" in r
     }
-    for r in res["decode"]:
+    for r in res.get("decode", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items())
         if "us" not in r:
             out.append(f"{r['kernel']:18s} {r['B']:4d} {cfg:44s} {r['error'][:40]}")
@@ -281,14 +282,14 @@ def table(res: dict[str, Any]) -> str:
             f"{speed:>6s}"
         )
     out += ["", f"{'store':18s} {'config':32s} {'us':>9s} {'share':>7s}"]
-    for r in res["store"]:
+    for r in res.get("store", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items() if v is not None)
         if "us" in r:
             out.append(f"{r['kernel']:18s} {cfg:32s} {r['us']:9.1f} {100 * r['store_share']:6.2f}%")
         else:
             out.append(f"{r['kernel']:18s} {cfg:32s} {r['error'][:50]}")
     out += ["", f"{'prefill (2048 after 14336)':28s} {'us':>9s} {'TFLOP/s':>8s}"]
-    for r in res["prefill"]:
+    for r in res.get("prefill", []):
         if "us" in r:
             out.append(f"{r['kernel']:28s} {r['us']:9.1f} {r['tflops']:8.0f}")
         else:
@@ -301,6 +302,9 @@ def main() -> None:
     ap.add_argument("--no-tests", action="store_true", help="timings only")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--warm", choices=WARM_PARTS, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--parts", default="decode,store,prefill", help="timed parts (comma list; default all)"
+    )
     args = ap.parse_args()
     import torch
     import triton
@@ -326,7 +330,8 @@ def main() -> None:
     procs = {} if args.no_tests else start_tests()
     # Compile every timed kernel while the tests run (small inputs, separate processes).
     log("warming up (compiling) the timed kernels")
-    for w in start_warmups():
+    parts = set(args.parts.split(","))
+    for w in start_warmups(parts):
         try:
             _, err = w.communicate(timeout=max(1.0, TEST_BUDGET_S - (time.time() - t0)))
         except subprocess.TimeoutExpired:
@@ -354,12 +359,15 @@ def main() -> None:
     res["copy_gbs"] = ceil["copy_gbs"]
     res["bf16_tflops"] = ceil["bf16_tflops"]
     log(f"ceilings: {ceil}")
-    res["decode"] = decode_runs(warm=False)
-    save()
-    res["store"] = store_runs(warm=False, matmul_tflops=ceil["bf16_tflops"])
-    save()
-    res["prefill"] = prefill_runs(warm=False)
-    save()
+    if "decode" in parts:
+        res["decode"] = decode_runs(warm=False)
+        save()
+    if "store" in parts:
+        res["store"] = store_runs(warm=False, matmul_tflops=ceil["bf16_tflops"])
+        save()
+    if "prefill" in parts:
+        res["prefill"] = prefill_runs(warm=False)
+        save()
     print(table(res))
 
 

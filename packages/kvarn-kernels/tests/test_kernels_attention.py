@@ -39,6 +39,33 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
+VARIANTS = ["v1", "v2", "v3"]
+VARIANT_IDS = ["variant1", "variant2", "variant3"]
+
+
+def _v3_refuses(name: str, variant: str, d: int, device: torch.device | None = None) -> bool:
+    """v3 takes k4 formats only: for the others, check that it says so instead of running."""
+    fmt = parse_cache_dtype(name)
+    if variant != "v3" or fmt.key_bits == 4:
+        return False
+    dev = device or torch.device("cpu")
+    case = build_case(name, d, 1, [fmt.group + 1], device=dev, seed=0)
+    with pytest.raises(ValueError, match="variant='v3' takes 4-bit keys"):
+        decode_attention(
+            name,
+            torch.zeros(1, 1, d, dtype=torch.float16, device=dev),
+            case.kv_cache,
+            case.pool_k,
+            case.pool_v,
+            case.block_table,
+            case.seq_lens,
+            case.block_to_slot,
+            1.0,
+            variant="v3",
+        )
+    return True
+
+
 def shared_case(name: str, d: int, hk: int, lens: list[int], **kw: object) -> PagedCase:
     """``build_case`` memoized across the variant parametrizations (the reference encoder is
     the slow part of the CPU tests); callers must not modify the returned tensors."""
@@ -84,7 +111,7 @@ DECODE_CPU = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2"], ids=["variant1", "variant2"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize(("name", "d", "hq", "hk", "lens", "splits"), DECODE_CPU)
 def test_decode_attention(
     device: torch.device,
@@ -96,6 +123,8 @@ def test_decode_attention(
     splits: int,
     variant: str,
 ) -> None:
+    if _v3_refuses(name, variant, d):
+        return
     case = shared_case(
         name,
         d,
@@ -123,7 +152,7 @@ def test_decode_attention(
         out=out,
         num_splits=splits,
         # the two-split cases run v1's loop without register prefetch
-        prefetch=variant == "v2" or splits != 2,
+        prefetch=variant != "v1" or splits != 2,
         variant=variant,
     )
     assert res is out
@@ -141,7 +170,7 @@ def test_decode_attention(
     _assert_close(out, ref)
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2"], ids=["variant1", "variant2"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_decode_bf16_and_default_splits_against_fp16_attention(
     device: torch.device, variant: str
 ) -> None:
@@ -229,7 +258,7 @@ def test_decode_extreme_magnitudes(device: torch.device, scale_kind: str) -> Non
         scale,
     )
     ref = decode_attention_ref(*args)
-    for variant in ("v1", "v2"):
+    for variant in VARIANTS:
         _assert_close(decode_attention(*args, variant=variant), ref)
 
 
@@ -397,7 +426,7 @@ def test_prefill_validation(device: torch.device, kw: dict[str, object], message
         ("workspace", "workspace must be"),
         ("variant", "variant must be"),
         ("v2_prefetch", "applies to variant='v1' only"),
-        ("v1_stages", "applies to variant='v2' only"),
+        ("v1_stages", "applies to variant='v2' and 'v3' only"),
     ],
 )
 def test_decode_validation(device: torch.device, change: str, message: str) -> None:
@@ -422,11 +451,11 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
     ws = torch.zeros(3, device=device) if change == "workspace" else None
     kw: dict[str, object] = {}
     if change == "variant":
-        kw["variant"] = "v3"
+        kw["variant"] = "v9"
     elif change == "v2_prefetch":
         kw.update(variant="v2", prefetch=False)
     elif change == "v1_stages":
-        kw["num_stages"] = 4
+        kw.update(variant="v1", num_stages=4)
     with pytest.raises(ValueError, match=message):
         decode_attention(
             name,
@@ -461,10 +490,12 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
         ("kvarn_k4v2_g128", 512, 8, 1),
     ],
 )
-@pytest.mark.parametrize("variant", ["v1", "v2"], ids=["variant1", "variant2"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_decode_attention_gpu(
     device: torch.device, name: str, d: int, hq: int, hk: int, variant: str
 ) -> None:
+    if _v3_refuses(name, variant, d, device):
+        return
     g = parse_cache_dtype(name).group
     lens = [4096, 1, g - 1, 3000, 2 * g + 1, 777, 0, 1500]
     case = build_case(name, d, hk, lens, device=device, seed=d, max_blocks=4096 // g + 8)
@@ -487,7 +518,7 @@ def test_decode_attention_gpu(
             out=out,
             num_splits=splits,
             fast_unpack=fast,
-            prefetch=prefetch or variant == "v2",
+            prefetch=prefetch or variant != "v1",
             variant=variant,
         )
         ref = decode_attention_ref(
@@ -565,7 +596,7 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v1", "v2"], ids=["variant1", "variant2"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None:
     """Captured once with a fixed workspace, replayed with new queries and lengths."""
     name, d, hq, hk = "kvarn_k4v2_g128", 128, 32, 8
@@ -621,3 +652,29 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
             scale,
         )
         _assert_close(out, ref)
+
+
+@pytest.mark.parametrize(
+    ("name", "d", "kw", "expected"),
+    [
+        ("kvarn_k4v2_g128", 128, {}, "v3"),
+        ("kvarn_k4v4_g128", 64, {}, "v3"),
+        ("kvarn_k4v2_g128", 256, {}, "v1"),  # not measured faster there
+        ("kvarn_k4v2_g64", 128, {}, "v1"),
+        ("kvarn_k5v5_g64", 128, {}, "v1"),  # v3 cannot read 5-bit codes
+        ("kvarn_k4v2_g128", 128, {"prefetch": False}, "v1"),  # a v1-only option
+        ("kvarn_k4v2_g64", 128, {"num_stages": 2}, "v3"),  # a v2/v3-only option
+    ],
+)
+def test_auto_decode_variant(name: str, d: int, kw: dict[str, object], expected: str) -> None:
+    from kvarn_kernels._common import dense_geometry
+    from kvarn_kernels.attention import default_decode_variant
+
+    fmt = parse_cache_dtype(name)
+    geo = dense_geometry(fmt, d, record_layout(fmt, d).tile_bytes)  # type: ignore[arg-type]
+    got = default_decode_variant(
+        geo,
+        kw.get("num_stages"),  # type: ignore[arg-type]
+        bool(kw.get("prefetch", True)),
+    )
+    assert got == expected

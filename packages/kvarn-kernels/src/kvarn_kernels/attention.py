@@ -602,6 +602,84 @@ def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_spli
     return rows * head_dim + num_splits * rows * (head_dim + 1)
 
 
+def _launch_transposed(
+    variant: str,
+    geo: DenseGeometry,
+    q_rot: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    softmax_scale: float,
+    n_rows: int,
+    num_splits: int,
+    fast: bool,
+    block_n: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> None:
+    """Launch the decode kernels with tokens as the MMA rows (v2, v3)."""
+    t = int(block_table.shape[0])
+    hk = int(pool_k.shape[2])
+    d = geo.head_dim
+    hq = n_rows // t
+    qpk = hq // hk
+    extra: dict[str, int] = {}
+    if variant == "v3":
+        from kvarn_kernels.decode_v3 import decode_v3_config, decode_v3_kernel
+
+        kernel = decode_v3_kernel
+        cfg3 = decode_v3_config(d, geo.group)
+        bn = block_n or cfg3["block_n"]
+        warps = num_warps or cfg3["num_warps"]
+        stages = num_stages or cfg3["num_stages"]
+    else:
+        from kvarn_kernels.decode_v2 import decode_v2_config, decode_v2_kernel
+
+        kernel = decode_v2_kernel
+        cfg = decode_v2_config(d, geo.group)
+        bn = block_n or int(cfg["block_n"] or 0)
+        warps = num_warps or int(cfg["num_warps"] or 0)
+        stages = num_stages or int(cfg["num_stages"] or 3)
+        # Register cap of the default shape (ignored by the interpreter, so not passed there).
+        if cfg["maxnreg"] is not None and not num_warps and not triton_interpret():
+            extra["maxnreg"] = int(cfg["maxnreg"])
+    kernel[(t, hk, num_splits)](
+        q_rot,
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        o_part,
+        lse_part,
+        float(softmax_scale) * _LOG2E,
+        block_table.stride(0),
+        n_rows,
+        HQ=hq,
+        HK=hk,
+        QPK=qpk,
+        BLOCK_Q=max(8, triton.next_power_of_2(qpk)),
+        D=d,
+        G=geo.group,
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **geo.offsets(),
+        BN=bn,
+        NUM_SPLITS=num_splits,
+        FAST_UNPACK=fast,
+        num_warps=warps,
+        num_stages=stages,
+        **extra,
+    )
+
+
 def _launch(
     geo: DenseGeometry,
     q: torch.Tensor,
@@ -639,16 +717,10 @@ def _launch(
     ]
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
-    if variant == "v2":
-        from kvarn_kernels.decode_v2 import decode_v2_config, decode_v2_kernel
-
-        cfg = decode_v2_config(d, geo.group)
-        bn = block_n or int(cfg["block_n"] or 0)
-        warps = num_warps or int(cfg["num_warps"] or 0)
-        # Register cap of the default shape (ignored by the interpreter, so not passed there).
-        use_cap = cfg["maxnreg"] is not None and not num_warps and not triton_interpret()
-        extra = {"maxnreg": cfg["maxnreg"]} if use_cap else {}
-        decode_v2_kernel[(t, hk, num_splits)](
+    if variant in ("v2", "v3"):
+        _launch_transposed(
+            variant,
+            geo,
             q_rot,
             kv_cache,
             pool_k,
@@ -658,25 +730,13 @@ def _launch(
             block_to_slot,
             o_part,
             lse_part,
-            float(softmax_scale) * _LOG2E,
-            block_table.stride(0),
+            softmax_scale,
             n_rows,
-            HQ=hq,
-            HK=hk,
-            QPK=qpk,
-            BLOCK_Q=max(8, qpk_p),
-            D=d,
-            G=geo.group,
-            KB=geo.key_bits,
-            VB=geo.value_bits,
-            STRIDE=geo.record_stride,
-            **geo.offsets(),
-            BN=bn,
-            NUM_SPLITS=num_splits,
-            FAST_UNPACK=fast,
-            num_warps=warps,
-            num_stages=num_stages or int(cfg["num_stages"] or 3),
-            **extra,
+            num_splits,
+            fast,
+            block_n,
+            num_warps,
+            num_stages,
         )
     else:
         if decode:
@@ -811,6 +871,26 @@ def _q_for_kernel(q: torch.Tensor) -> torch.Tensor:
     return q if q.stride(-1) == 1 else q.contiguous()
 
 
+def default_decode_variant(geo: DenseGeometry, num_stages: int | None, prefetch: bool) -> str:
+    """The decode kernel ``variant="auto"`` runs.
+
+    v3 where the H200 measured it fastest: 4-bit keys with 2/4-bit values in 128-token tiles
+    at head dims up to 128 (k4v2_g128, B = 64, 16K: 1,470 µs vs v1 1,546 and v2 1,585;
+    docs/kernel-notes.md, round 3). v1 elsewhere (g64 tiles, 5-bit codes, head dims 256/512),
+    and whenever a v1-only option (``prefetch=False``) is given; ``num_stages`` selects v3.
+    """
+    from kvarn_kernels.decode_v3 import decode_v3_supports  # (imports this module)
+
+    v3_ok = decode_v3_supports(geo.key_bits, geo.value_bits)
+    if (
+        v3_ok
+        and prefetch
+        and (num_stages is not None or (geo.group == 128 and geo.head_dim <= 128))
+    ):
+        return "v3"
+    return "v1"
+
+
 def decode_attention(
     fmt: KVarNFormat | str,
     q: torch.Tensor,
@@ -829,7 +909,7 @@ def decode_attention(
     num_warps: int | None = None,
     fast_unpack: bool | None = None,
     prefetch: bool = True,
-    variant: str = "v1",
+    variant: str = "auto",
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request over packed records and the side pool.
@@ -856,10 +936,13 @@ def decode_attention(
             Triton interpreter, which cannot run PTX).
         prefetch: load the next chunk's record bytes into registers before computing the
             current one (default on; v1 only).
-        variant: ``"v1"`` (default) or ``"v2"`` (:mod:`kvarn_kernels.decode_v2`: transposed
-            MMAs with the scales applied to the dequantized code operand, ``cp.async``
-            pipelining). Both compute the same attention; see docs/kernel-notes.md.
-        num_stages: v2 only: software-pipeline depth of the code-byte loads (default 3).
+        variant: ``"auto"`` (default: :func:`default_decode_variant`), ``"v1"``, ``"v2"``
+            (:mod:`kvarn_kernels.decode_v2`: transposed MMAs with the scales applied to the
+            dequantized code operand, ``cp.async`` pipelining) or ``"v3"``
+            (:mod:`kvarn_kernels.decode_v3`: v2 without re-interleaving the codes; 4-bit keys
+            with 2/4-bit values only). All compute the same attention; see
+            docs/kernel-notes.md.
+        num_stages: v2/v3 only: software-pipeline depth of the code-byte loads (default 3).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -868,12 +951,23 @@ def decode_attention(
     )
     if q.shape[0] != block_table.shape[0]:
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
-    if variant not in ("v1", "v2"):
-        raise ValueError(f"variant must be 'v1' or 'v2', got {variant!r}")
-    if variant == "v2" and not prefetch:
-        raise ValueError("prefetch=False applies to variant='v1' only (v2 pipelines its loads)")
+    if variant not in ("auto", "v1", "v2", "v3"):
+        raise ValueError(f"variant must be 'auto', 'v1', 'v2' or 'v3', got {variant!r}")
+    if variant == "auto":
+        variant = default_decode_variant(geo, num_stages, prefetch)
+    if variant != "v1" and not prefetch:
+        raise ValueError(
+            f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
+        )
     if variant == "v1" and num_stages is not None:
-        raise ValueError("num_stages applies to variant='v2' only")
+        raise ValueError("num_stages applies to variant='v2' and 'v3' only")
+    from kvarn_kernels.decode_v3 import decode_v3_supports  # (imports this module)
+
+    if variant == "v3" and not decode_v3_supports(geo.key_bits, geo.value_bits):
+        raise ValueError(
+            f"variant='v3' takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
+            f"k{geo.key_bits}v{geo.value_bits}: use variant='v2'"
+        )
     bsz, hq, d = (int(s) for s in q.shape)
     splits = num_splits or choose_decode_splits(
         bsz, int(pool_k.shape[2]), int(block_table.shape[1]), q.device

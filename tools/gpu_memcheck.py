@@ -1,0 +1,64 @@
+"""One store launch and one decode launch per variant, small enough for compute-sanitizer.
+
+Usage (on the GPU machine)::
+
+    PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src \\
+        compute-sanitizer --tool memcheck --error-exitcode 3 python3 tools/gpu_memcheck.py
+
+The case is built by :func:`kvarn_kernels.testing.build_case`, which poisons unused memory
+(NaN pool rows, random record bytes, ``-1`` block-table entries), so an out-of-bounds read
+also shows up as a non-finite output. Exit status 0 only when every output is finite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from kvarn_kernels import decode_attention, flush_tiles
+from kvarn_kernels.testing import build_case
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--format", default="kvarn_k4v2_g128")
+    ap.add_argument("--variants", default="v1,v2", help="decode/store variants to launch")
+    ap.add_argument("--device", default="cuda", help="cpu runs under TRITON_INTERPRET=1")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    hk, hq, d = 8, 32, 128
+    case = build_case(args.format, d, hk, [1000, 3, 517], device=dev, seed=1)
+    q = torch.randn(3, hq, d, device=dev, dtype=torch.float16)
+    ok = True
+    for variant in args.variants.split(","):
+        # Request 0's sink: a full pool tile (1000 tokens). Its record goes to a spare block.
+        slots = case.block_to_slot[case.block_table[0, :1].long()].to(torch.int32)
+        dst = torch.tensor([case.kv_cache.shape[0] - 1], device=dev, dtype=torch.int32)
+        flush_tiles(
+            args.format, case.pool_k, case.pool_v, slots, case.kv_cache, dst, variant=variant
+        )
+        out = decode_attention(
+            args.format,
+            q,
+            case.kv_cache,
+            case.pool_k,
+            case.pool_v,
+            case.block_table,
+            case.seq_lens,
+            case.block_to_slot,
+            1.0 / math.sqrt(d),
+            variant=variant,
+        )
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        finite = bool(torch.isfinite(out).all())
+        ok &= finite
+        print(f"{variant}: store + decode launched, output finite: {finite}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
