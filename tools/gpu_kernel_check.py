@@ -5,7 +5,7 @@
    ``variant="v2"``), as pytest subprocesses that run (and compile) while this process
    compiles the timed kernels.
 2. Timings, with the GPU to itself, in one process (``--parts`` picks them): copy bandwidth
-   (the ceiling, same run); decode v1, v2 and v3 at B = 64 and 256, 16K context, k4v2_g128
+   (the ceiling, same run); decode v1 and v3 at B = 64 and 256, 16K context, k4v2_g128
    and k4v4_g128 (plus v3 tile shapes at B = 64, k4v2); store v1 vs v2 (1024 tiles x 8 KV heads, g128 and g64); prefill
    (2048-token chunk after 14,336 cached tokens) fused vs dequant (varlen FlashAttention and
    per-request SDPA) next to torch SDPA fp16 over the same context.
@@ -155,7 +155,7 @@ def decode_runs(warm: bool, formats: tuple[str, ...] = DECODE_FORMATS) -> list[d
         splits = choose_decode_splits(bsz, bk.HK, -(-(ctx - 63) // 128), torch.device("cuda"))
         for fmt in formats:
             inp = bk.decode_inputs(fmt, 2 if warm else bsz, 2048 if warm else ctx)
-            configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v2", "v3")]
+            configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v3")]
             if fmt == "kvarn_k4v2_g128" and bsz == 64:
                 configs += [{"variant": "v3", **c} for c in DECODE_V3_SHAPES]
             base = None

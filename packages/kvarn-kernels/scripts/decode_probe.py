@@ -1,5 +1,5 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
-"""Bottleneck probe for decode v2 (METHOD.md: take parts away, see what the time does).
+"""Bottleneck probe for the round-2 decode kernel, v2 (METHOD.md: take parts away, time).
 
 v1 and v2 both take ~1.56-1.60 ms at B = 64, 16K (k4v2_g128) although v2 issues ~30% fewer
 instructions and k4v4 reads 25% more bytes in the same time: neither issue nor bandwidth
@@ -29,7 +29,47 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels.attention import _codes_f16, _load_codes
-from kvarn_kernels.decode_v2 import _centred, _dequant, _scales
+
+# The round-2 (v2) kernel's helpers, kept here with the copy of its loop that the probe times
+# (v2 itself was removed after round 3: v1 and v3 beat it everywhere it was measured).
+
+
+@triton.jit
+def _dequant(codes1024, half_scale, half_zero):
+    """``fp16((code * scale + zero) / 2)`` from fp16 ``1024 + code`` and the halved fields.
+
+    ``1024 + code - 1024`` is exact in fp16; the FMA rounds once.
+    """
+    return (codes1024 - 1024.0) * half_scale + half_zero
+
+
+@triton.jit
+def _centred(codes1024, half_scale, BITS: tl.constexpr):
+    """``fp16((code - 2**(BITS-1)) * scale / 2)``: the code term alone, centred.
+
+    The subtraction is exact; the product rounds once, to 2^-11 of at most half the row's
+    range (the zero point, often much larger than the range, is added exactly elsewhere).
+    """
+    mid: tl.constexpr = 1024.0 + (1 << (BITS - 1))
+    return (codes1024 - mid) * half_scale
+
+
+@triton.jit
+def _scales(rec, tok, dd, ok, OFF_KS, OFF_KZ, OFF_KT, OFF_VCS, OFF_VS, OFF_VZ):
+    """One chunk's scale vectors (masked by ``ok``).
+
+    Halved ``k_scale``, ``k_zero`` ``[D]`` and ``v_scale``, ``v_zero`` ``[BN]`` in fp16 (the
+    operand side); ``2 * k_token_scale`` ``[BN]`` and ``2 * v_channel_scale`` ``[D]`` in fp32
+    (the result side, undoing the halving). Halving an fp16 value is exact.
+    """
+    f16 = tl.pointer_type(tl.float16)
+    ks = tl.load((rec + OFF_KS).to(f16) + dd, mask=ok, other=0.0) * 0.5
+    kz = tl.load((rec + OFF_KZ).to(f16) + dd, mask=ok, other=0.0) * 0.5
+    kt = tl.load((rec + OFF_KT).to(f16) + tok, mask=ok, other=0.0).to(tl.float32) * 2.0
+    vs = tl.load((rec + OFF_VS).to(f16) + tok, mask=ok, other=0.0) * 0.5
+    vz = tl.load((rec + OFF_VZ).to(f16) + tok, mask=ok, other=0.0) * 0.5
+    vcs = tl.load((rec + OFF_VCS).to(f16) + dd, mask=ok, other=0.0).to(tl.float32) * 2.0
+    return ks, kz, kt, vs, vz, vcs
 
 
 @triton.jit

@@ -61,7 +61,7 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
     variant(f"decode_v1 {_n} bn64 w4")(lambda _n=_n: _decode_v1(_n))
 
 
-def _decode_v2(
+def _decode_v3(
     name: str,
     bn: int = 64,
     warps: int = 4,
@@ -70,7 +70,7 @@ def _decode_v2(
     bq: int = 8,
     d: int = 128,
 ) -> Any:
-    from kvarn_kernels.decode_v2 import decode_v2_kernel
+    from kvarn_kernels.decode_v3 import decode_v3_kernel
 
     geo = _geo(name, d)
     sig = {
@@ -100,21 +100,17 @@ def _decode_v2(
         NUM_SPLITS=4,
         FAST_UNPACK=True,
     )
-    return compile_kernel(decode_v2_kernel, sig, consts, warps, stages, maxnreg)
+    return compile_kernel(decode_v3_kernel, sig, consts, warps, stages, maxnreg)
 
 
-for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k5v5_g64"):
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
     for _bn, _w, _st, _mr in (
+        (128, 4, 3, None),
         (128, 8, 3, None),
-        (128, 8, 3, 128),
-        (128, 8, 4, 128),
         (64, 4, 3, None),
-        (64, 4, 3, 168),
-        (64, 8, 3, None),
-        (32, 4, 3, None),
     ):
-        variant(f"decode_v2 {_n} bn{_bn} w{_w} s{_st} r{_mr}")(
-            lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _mr=_mr: _decode_v2(_n, _bn, _w, _st, _mr)
+        variant(f"decode_v3 {_n} bn{_bn} w{_w} s{_st} r{_mr}")(
+            lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _mr=_mr: _decode_v3(_n, _bn, _w, _st, _mr)
         )
 
 
@@ -221,33 +217,20 @@ for _k in ("v1", "v2"):
         variant(f"store_{_k} {_n} w{_w}")(lambda _n=_n, _w=_w, _k=_k: _store(_n, 128, _w, _k))
 
 
-def _decode_v2_default(name: str, d: int, qpk: int) -> Any:
-    from kvarn_kernels.decode_v2 import decode_v2_config
+def _decode_v3_default(name: str, d: int, qpk: int) -> Any:
+    from kvarn_kernels.decode_v3 import decode_v3_config
 
-    cfg = decode_v2_config(d, parse_cache_dtype(name).group)
+    cfg = decode_v3_config(d, parse_cache_dtype(name).group)
     bq = max(8, 1 << (qpk - 1).bit_length())
-    return _decode_v2(
-        name, int(cfg["block_n"] or 0), int(cfg["num_warps"] or 0), 3, cfg["maxnreg"], bq, d
-    )
+    return _decode_v3(name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], None, bq, d)
 
 
 for _n, _d, _qpk in (
     ("kvarn_k4v2_g128", 64, 1),
     ("kvarn_k4v4_g64", 256, 8),
     ("kvarn_k4v2_g128", 512, 8),
-    ("kvarn_k5v5_g64", 128, 4),
     ("kvarn_k4v2_g64", 128, 16),
 ):
-    variant(f"decode_v2 default {_n} d{_d} qpk{_qpk}")(
-        lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v2_default(_n, _d, _qpk)
-    )
-
-for _n, _d, _bn, _w in (
-    ("kvarn_k4v4_g64", 256, 64, 8),
-    ("kvarn_k4v2_g128", 512, 32, 8),
-    ("kvarn_k4v2_g128", 512, 32, 4),
-    ("kvarn_k4v4_g64", 256, 64, 4),
-):
-    variant(f"decode_v2 nocap {_n} d{_d} bn{_bn} w{_w}")(
-        lambda _n=_n, _d=_d, _bn=_bn, _w=_w: _decode_v2(_n, _bn, _w, 3, None, 8, _d)
+    variant(f"decode_v3 default {_n} d{_d} qpk{_qpk}")(
+        lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v3_default(_n, _d, _qpk)
     )

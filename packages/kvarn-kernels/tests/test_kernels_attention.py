@@ -39,8 +39,8 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v2", "v3"]
-VARIANT_IDS = ["variant1", "variant2", "variant3"]
+VARIANTS = ["v1", "v3"]
+VARIANT_IDS = ["variant1", "variant3"]
 
 
 def _v3_refuses(name: str, variant: str, d: int, device: torch.device | None = None) -> bool:
@@ -229,7 +229,7 @@ def test_decode_bf16_and_default_splits_against_fp16_attention(
 
 @pytest.mark.parametrize("scale_kind", ["huge", "tiny"])
 def test_decode_extreme_magnitudes(device: torch.device, scale_kind: str) -> None:
-    """Tokens near the fp16 limit (saturating) or far below 1: v2's fp16 operands hold
+    """Tokens near the fp16 limit (saturating) or far below 1: v3's fp16 operands hold
     ``(code * scale + zero) / 2``, which must neither overflow nor lose the small values."""
     name, d, hq, hk, lens = "kvarn_k4v4_g64", 64, 4, 1, [300, 129]
     value_scale = 20000.0 if scale_kind == "huge" else 1e-3
@@ -425,8 +425,8 @@ def test_prefill_validation(device: torch.device, kw: dict[str, object], message
         ("table_dtype", "block_table must have dtype"),
         ("workspace", "workspace must be"),
         ("variant", "variant must be"),
-        ("v2_prefetch", "applies to variant='v1' only"),
-        ("v1_stages", "applies to variant='v2' and 'v3' only"),
+        ("v3_prefetch", "applies to variant='v1' only"),
+        ("v1_stages", "applies to variant='v3' only"),
     ],
 )
 def test_decode_validation(device: torch.device, change: str, message: str) -> None:
@@ -452,8 +452,8 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
     kw: dict[str, object] = {}
     if change == "variant":
         kw["variant"] = "v9"
-    elif change == "v2_prefetch":
-        kw.update(variant="v2", prefetch=False)
+    elif change == "v3_prefetch":
+        kw.update(variant="v3", prefetch=False)
     elif change == "v1_stages":
         kw.update(variant="v1", num_stages=4)
     with pytest.raises(ValueError, match=message):

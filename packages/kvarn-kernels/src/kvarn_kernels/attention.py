@@ -602,8 +602,7 @@ def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_spli
     return rows * head_dim + num_splits * rows * (head_dim + 1)
 
 
-def _launch_transposed(
-    variant: str,
+def _launch_v3(
     geo: DenseGeometry,
     q_rot: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -622,33 +621,14 @@ def _launch_transposed(
     num_warps: int | None,
     num_stages: int | None,
 ) -> None:
-    """Launch the decode kernels with tokens as the MMA rows (v2, v3)."""
+    """Launch :func:`kvarn_kernels.decode_v3.decode_v3_kernel` (tokens as the MMA rows)."""
+    from kvarn_kernels.decode_v3 import decode_v3_config, decode_v3_kernel
+
     t = int(block_table.shape[0])
     hk = int(pool_k.shape[2])
-    d = geo.head_dim
-    hq = n_rows // t
-    qpk = hq // hk
-    extra: dict[str, int] = {}
-    if variant == "v3":
-        from kvarn_kernels.decode_v3 import decode_v3_config, decode_v3_kernel
-
-        kernel = decode_v3_kernel
-        cfg3 = decode_v3_config(d, geo.group)
-        bn = block_n or cfg3["block_n"]
-        warps = num_warps or cfg3["num_warps"]
-        stages = num_stages or cfg3["num_stages"]
-    else:
-        from kvarn_kernels.decode_v2 import decode_v2_config, decode_v2_kernel
-
-        kernel = decode_v2_kernel
-        cfg = decode_v2_config(d, geo.group)
-        bn = block_n or int(cfg["block_n"] or 0)
-        warps = num_warps or int(cfg["num_warps"] or 0)
-        stages = num_stages or int(cfg["num_stages"] or 3)
-        # Register cap of the default shape (ignored by the interpreter, so not passed there).
-        if cfg["maxnreg"] is not None and not num_warps and not triton_interpret():
-            extra["maxnreg"] = int(cfg["maxnreg"])
-    kernel[(t, hk, num_splits)](
+    qpk = n_rows // t // hk
+    cfg = decode_v3_config(geo.head_dim, geo.group)
+    decode_v3_kernel[(t, hk, num_splits)](
         q_rot,
         kv_cache,
         pool_k,
@@ -661,22 +641,21 @@ def _launch_transposed(
         float(softmax_scale) * _LOG2E,
         block_table.stride(0),
         n_rows,
-        HQ=hq,
+        HQ=n_rows // t,
         HK=hk,
         QPK=qpk,
         BLOCK_Q=max(8, triton.next_power_of_2(qpk)),
-        D=d,
+        D=geo.head_dim,
         G=geo.group,
         KB=geo.key_bits,
         VB=geo.value_bits,
         STRIDE=geo.record_stride,
         **geo.offsets(),
-        BN=bn,
+        BN=block_n or cfg["block_n"],
         NUM_SPLITS=num_splits,
         FAST_UNPACK=fast,
-        num_warps=warps,
-        num_stages=stages,
-        **extra,
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
     )
 
 
@@ -717,9 +696,8 @@ def _launch(
     ]
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
-    if variant in ("v2", "v3"):
-        _launch_transposed(
-            variant,
+    if variant == "v3":
+        _launch_v3(
             geo,
             q_rot,
             kv_cache,
@@ -875,9 +853,10 @@ def default_decode_variant(geo: DenseGeometry, num_stages: int | None, prefetch:
     """The decode kernel ``variant="auto"`` runs.
 
     v3 where the H200 measured it fastest: 4-bit keys with 2/4-bit values in 128-token tiles
-    at head dims up to 128 (k4v2_g128, B = 64, 16K: 1,470 µs vs v1 1,546 and v2 1,585;
+    at head dims up to 128 (k4v2_g128, B = 64, 16K: 1,470 µs vs v1 1,546;
     docs/kernel-notes.md, round 3). v1 elsewhere (g64 tiles, 5-bit codes, head dims 256/512),
-    and whenever a v1-only option (``prefetch=False``) is given; ``num_stages`` selects v3.
+    and whenever a v1-only option (``prefetch=False``) is given; ``num_stages`` (v3's)
+    selects v3.
     """
     from kvarn_kernels.decode_v3 import decode_v3_supports  # (imports this module)
 
@@ -936,13 +915,11 @@ def decode_attention(
             Triton interpreter, which cannot run PTX).
         prefetch: load the next chunk's record bytes into registers before computing the
             current one (default on; v1 only).
-        variant: ``"auto"`` (default: :func:`default_decode_variant`), ``"v1"``, ``"v2"``
-            (:mod:`kvarn_kernels.decode_v2`: transposed MMAs with the scales applied to the
-            dequantized code operand, ``cp.async`` pipelining) or ``"v3"``
-            (:mod:`kvarn_kernels.decode_v3`: v2 without re-interleaving the codes; 4-bit keys
-            with 2/4-bit values only). All compute the same attention; see
-            docs/kernel-notes.md.
-        num_stages: v2/v3 only: software-pipeline depth of the code-byte loads (default 3).
+        variant: ``"auto"`` (default: :func:`default_decode_variant`), ``"v1"`` or ``"v3"``
+            (:mod:`kvarn_kernels.decode_v3`: transposed MMAs on dequantized fp16 code
+            operands that are never re-interleaved; 4-bit keys with 2/4-bit values only).
+            Both compute the same attention; see docs/kernel-notes.md.
+        num_stages: v3 only: software-pipeline depth of the code-byte loads (default 3).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -951,8 +928,8 @@ def decode_attention(
     )
     if q.shape[0] != block_table.shape[0]:
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
-    if variant not in ("auto", "v1", "v2", "v3"):
-        raise ValueError(f"variant must be 'auto', 'v1', 'v2' or 'v3', got {variant!r}")
+    if variant not in ("auto", "v1", "v3"):
+        raise ValueError(f"variant must be 'auto', 'v1' or 'v3', got {variant!r}")
     if variant == "auto":
         variant = default_decode_variant(geo, num_stages, prefetch)
     if variant != "v1" and not prefetch:
@@ -960,13 +937,13 @@ def decode_attention(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
     if variant == "v1" and num_stages is not None:
-        raise ValueError("num_stages applies to variant='v2' and 'v3' only")
+        raise ValueError("num_stages applies to variant='v3' only")
     from kvarn_kernels.decode_v3 import decode_v3_supports  # (imports this module)
 
     if variant == "v3" and not decode_v3_supports(geo.key_bits, geo.value_bits):
         raise ValueError(
             f"variant='v3' takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
-            f"k{geo.key_bits}v{geo.value_bits}: use variant='v2'"
+            f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
         )
     bsz, hq, d = (int(s) for s in q.shape)
     splits = num_splits or choose_decode_splits(

@@ -1,31 +1,34 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 # (Triton JIT kernels are untyped by nature; the launcher helper is annotated.)
-"""Decode attention v3: v2's math on codes that are never re-interleaved.
+"""Decode attention v3: transposed MMAs on fp16 code operands that are never re-interleaved.
 
-The bottleneck probe (``scripts/decode_probe.py``, docs/kernel-notes.md) showed that v2's
-loop spends most of its time neither in memory (its loads alone run at 4.4 TB/s) nor in the
-MMAs, but in turning packed bytes into a code tensor in token / channel order: the unpack
-yields the codes of a byte as separate registers (low and high nibble; four 2-bit fields),
-and ``tl.interleave`` puts them back in order with layout conversions.
+Design (docs/kernel-notes.md, rounds 2-3):
 
-Attention does not need that order. Softmax and ``P V`` are sums over tokens, so any token
-order works as long as scores, probabilities and V rows agree; the output channels can come
-out in any order the final store knows. v3 therefore keeps each code field as its own
-operand:
+* **Transposed MMAs.** Scores are ``S^T = K^T q^T`` (``[tokens, q rows]``) and the output
+  ``O^T = V^T P^T`` (``[channels, q rows]``): the code tiles are the MMA's M side, shared out
+  over the warps, and the query heads of one KV head the N side, padded only to 8.
+* **Scales on the code side.** The K operand is ``fp16((code * k_scale[d] + k_zero[d]) / 2)``
+  built as an exact ``fp16(1024 + code) - 1024`` (inline PTX unpack) and one fp16 FMA, with
+  the zero point (plus the centring offset) added once per query head in fp32; the V operand
+  is ``fp16((code * v_scale[t] + v_zero[t]) / 2)``. ``2 * k_token_scale`` multiplies the fp32
+  scores and ``2 * v_channel_scale`` the chunk's fp32 output. The halving keeps every record
+  the codec can write inside fp16: ``code * scale + zero`` is a tile value divided by its
+  other-axis Sinkhorn scale, which the codec clamps to at least ``exp(-0.3)``, so it is at
+  most ``65504 / exp(-0.3) = 88,421`` in magnitude, 44,211 after halving. The query operand is
+  the row-normalized query in fp16; probabilities go in unscaled, as in FlashAttention.
+* **No re-interleaving.** Softmax and ``P V`` are sums over tokens, so any token order works
+  as long as scores, probabilities and V rows agree, and the output channels can come out in
+  any order the final store knows. The low nibbles of a chunk's K bytes are its even tokens
+  and the high nibbles its odd ones: scores are two MMAs, ``S_even`` and ``S_odd``, with their
+  own token scales and liveness masks. Field ``j`` of a V byte (``VG = 8 / VB`` fields) is
+  channel ``VG * n + j``: V rows are loaded as even and odd tokens to match the scores, and
+  each field accumulates its own ``[D / VG, q rows]`` output block, stored to its channels
+  at the end. (Round 2's v2 re-interleaved the fields with ``tl.interleave``; removing that
+  was worth 5% on the H200, see the notes.)
+* **Pool blocks** (sink, in-progress tile) override a chunk's scores and output through a
+  branch; their record bytes are unused.
 
-* **K** (4-bit, codes along tokens): the low nibbles of a chunk's bytes are its even tokens,
-  the high nibbles its odd tokens. Scores are two MMAs, ``S_even`` and ``S_odd``
-  (``[BN/2, q rows]`` each), with their own token scales and liveness masks.
-* **V** (codes along channels, ``VG = 8 / VB`` codes per byte): field ``j`` of byte ``n`` is
-  channel ``VG * n + j``. The V rows are loaded as even and odd tokens to match the scores,
-  and each field ``j`` accumulates its own ``[D / VG, q rows]`` output block; the epilogue
-  stores block ``j`` to channels ``VG * n + j``.
-
-Everything else is v2: transposed MMAs (tokens / channels are the MMA's M side, the query
-heads its N side), the scales applied on the code side in fp16 (halved, see
-:mod:`kvarn_kernels.decode_v2` for the range argument), the per-token K scale and per-channel
-V scale applied to the fp32 MMA results, pool blocks (sink, in-progress tile) overriding a
-chunk through a branch. 2- and 4-bit fields only: 5-bit codes straddle bytes (v2 serves them).
+2- and 4-bit fields only: 5-bit codes straddle bytes (v1 serves them).
 """
 
 from __future__ import annotations
