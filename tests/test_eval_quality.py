@@ -20,6 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import numpy as np
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # The kernel-backend test runs the Triton kernels in the CPU interpreter, which has to be
+    # on before kvarn_kernels is imported (its kernels are decorated at import).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from kvarn_eval import report
 from kvarn_eval.attention import AttentionErrorRecorder, install, recording
 from kvarn_eval.cache import TiledKVCache
@@ -156,6 +161,14 @@ def test_make_codec_names() -> None:
         make_codec("kvarn_k3v3_g32", 64)
     with pytest.raises(ValueError, match="head_dim=96"):
         make_codec("kvarn_k4v2_g128", 96)
+    # Kernel backends: a name suffix or the backend argument (RTN and fp16 stay as they are).
+    assert make_codec("kvarn_k4v2_g64+kernels", 64).name == "kvarn_k4v2_g64+kernels"
+    assert make_codec("had_k4v2_g64", 64, backend="kernels-store").name == "had_k4v2_g64+store"
+    assert make_codec("rtn_k4v2_g64", 64, backend="kernels").name == "rtn_k4v2_g64"
+    with pytest.raises(ValueError, match="valid: \\+store"):
+        make_codec("kvarn_k4v2_g64+triton", 64)
+    with pytest.raises(ValueError, match="unknown codec backend"):
+        make_codec("kvarn_k4v2_g64", 64, backend="cuda")
 
 
 def test_kvarn_codec_pool_and_tiles_follow_the_reference() -> None:
@@ -302,7 +315,7 @@ def test_grouped_attention_equals_transformers_sdpa() -> None:
     torch.manual_seed(6)
     cfg = LlamaConfig(
         vocab_size=128,
-        hidden_size=128,
+        hidden_size=192,  # transformers 5 requires a multiple of the head count
         intermediate_size=256,
         num_hidden_layers=LAYERS,
         num_attention_heads=6,
@@ -340,3 +353,175 @@ def test_batched_padded_greedy_equals_one_prompt_at_a_time(tiny: LlamaForCausalL
         assert np.array_equal(alone, batched[i]), f"prompt {i} differs when batched with padding"
     # Non-trivial: the quantized rows do leave the fp16 trajectory.
     assert (batched[:, 1] != batched[:, 0]).any() and (batched[:, 2] != batched[:, 0]).any()
+
+
+def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> None:
+    """The Triton store kernel and the serving attention kernels against the NumPy codec.
+
+    Four rows on the same tokens: fp16, ``kvarn_k4v2_g64`` (reference), ``+store`` (records
+    from ``flush_tiles``, decoded in torch) and ``+kernels`` (records, pool and attention by
+    the kernels). 256 tokens in 64-token steps (``prefill_attention``; tiles 1 and 2 get
+    flushed), then 3 one-token steps (``decode_attention``). Tolerances, on logits of order 1:
+    the store row equals the reference row to float32 rounding (under the interpreter the
+    store kernel's tiles decode to exactly the reference codec's, checked first); the
+    serving row, whose attention takes
+    fp16 queries and returns fp16 outputs as in serving, stays within 5 % of the
+    quantization's own effect on the logits (3 % on average).
+    """
+    install(tiny)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = tiny.to(device)
+    gen = torch.Generator().manual_seed(12)
+    for fmt in ("kvarn_k4v2_g64", "kvarn_k5v5_g64", "kvarn_k4v4_g128"):
+        g = 128 if fmt.endswith("128") else 64
+        k = (torch.randn(4, g, 64, generator=gen) * torch.linspace(0.1, 6, 64)).to(device)
+        v = torch.randn(4, g, 64, generator=gen).to(device)
+        ref = make_codec(fmt, 64).quantize_tiles(k, v)
+        ker = make_codec(f"{fmt}+store", 64).quantize_tiles(k, v)
+        if device.type == "cpu":  # on a GPU an fp16 scale may land one ulp away
+            assert torch.equal(ref[0], ker[0]) and torch.equal(ref[1], ker[1]), fmt
+        torch.testing.assert_close(ker, ref, rtol=0, atol=5e-3 * float(k.abs().max()))
+    name = "kvarn_k4v2_g64"
+    codecs = [FP16Cache(), make_codec(name, 64), make_codec(f"{name}+store", 64)]
+    codecs.append(make_codec(name, 64, backend="kernels"))
+    assert [c.name for c in codecs] == ["fp16", name, f"{name}+store", f"{name}+kernels"]
+    n, extra = 256, 3
+    ids = torch.randint(0, 128, (1, n + extra), generator=torch.Generator().manual_seed(9))
+    ids = ids.expand(len(codecs), -1).to(device)
+    cache = TiledKVCache(codecs, LAYERS, capacity=n + extra)
+    with torch.inference_mode():
+        parts = [
+            model(input_ids=ids[:, s : s + 64], past_key_values=cache).logits
+            for s in range(0, n, 64)
+        ]
+        parts += [
+            model(input_ids=ids[:, s : s + 1], past_key_values=cache).logits
+            for s in range(n, n + extra)
+        ]
+    logits = torch.cat(parts, dim=1).float().cpu()
+    quant = (logits[1] - logits[0]).abs()
+    store = (logits[2] - logits[1]).abs()
+    kern = (logits[3] - logits[1]).abs()
+    effect = float(quant[128:].max())
+    assert effect > 0.05, "the quantized tiles must change the logits"
+    # Measured on the CPU interpreter: store 2e-7 (same records; the rows differ only by
+    # float32 noise of their batch position in the model's matmuls), serving 1.6 % of the
+    # effect at worst and 1.2 % on average (fp16 queries and outputs, the Triton rotation).
+    assert float(store.max()) < 1e-5, float(store.max())
+    assert float(kern[128:].max()) < 0.05 * effect, (float(kern[128:].max()), effect)
+    assert float(kern[128:].mean()) < 0.03 * float(quant[128:].mean())
+    assert float(kern.max()) > 0, "the serving row must run its own (fp16) attention"
+    layer = cache.tiled_layer(0)
+    grp = layer.serving[0]
+    assert grp.rows == [3]
+    # Tiles 1..3 are flushed (tile 3 completed before the first decode step), the sink and
+    # the tile being filled stay in the pool.
+    assert grp.block_to_slot[:5].tolist() == [0, -1, -1, -1, 4]
+    assert bool(grp.kv_cache[1:4].any()) and not bool(grp.kv_cache[4:].any())
+
+
+class _TokEos(_Tok):
+    def __init__(self, eos: int) -> None:
+        self.eos = eos
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return self.eos
+
+
+def test_finished_prompts_leave_the_batch(tiny: LlamaForCausalLM) -> None:
+    """``stop_with_first``: rows of a prompt whose reference turn ended are dropped; what is
+    compared (the reference's turn) is unchanged and the other prompts are unaffected."""
+    from kvarn_eval.assets import ModelBundle
+    from kvarn_eval.runs import greedy
+
+    gen = torch.Generator().manual_seed(10)
+    prompts = [torch.randint(0, 120, (n,), generator=gen).tolist() for n in (70, 20, 90)]
+    codecs = [FP16Cache(), make_codec("kvarn_k4v2_g64", 64), make_codec("rtn_k4v2_g64", 64)]
+    plain = ModelBundle(tiny, _Tok(), LAYERS, 2, 64, 1024)  # type: ignore[arg-type]
+    base = greedy(plain, codecs, prompts, 160, progress=False)
+    # An end-of-turn id that prompt 1's reference row emits for the first time at step >= 40.
+    ref = base[1, 0].tolist()
+    at = next(i for i in range(40, 160) if ref[i] not in ref[:i])
+    eos = ref[at]
+    bundle = ModelBundle(tiny, _TokEos(eos), LAYERS, 2, 64, 1024)  # type: ignore[arg-type]
+    full = greedy(bundle, codecs, prompts, 160, progress=False)
+    cut = greedy(bundle, codecs, prompts, 160, progress=False, stop_with_first=True)
+    for p in range(3):
+        ends = np.nonzero(full[p, 0] == eos)[0]
+        n = int(ends[0]) + 1 if len(ends) else 160
+        assert np.array_equal(cut[p, :, :n], full[p, :, :n]), p
+        assert (cut[p, :, n:] == eos).all()
+    assert int(np.nonzero(full[1, 0] == eos)[0][0]) == at  # prompt 1 did leave early
+
+
+def test_serving_rows_survive_row_selection(tiny: LlamaForCausalLM) -> None:
+    """Dropping batch rows (finished prompts) keeps the serving kernels' per-row state: the
+    kept row's logits equal those of a batch that held that row alone from the start."""
+    install(tiny)
+    codec = make_codec("kvarn_k4v2_g64+kernels", 64)
+    ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(11))
+    both = TiledKVCache([codec, codec], LAYERS, capacity=256)
+    alone = TiledKVCache([codec], LAYERS, capacity=256)
+    with torch.inference_mode():
+        for s in range(0, 192, 64):
+            tiny(input_ids=ids[:, s : s + 64], past_key_values=both)
+            tiny(input_ids=ids[1:, s : s + 64], past_key_values=alone)
+        both.select_rows([1])
+        grp = both.tiled_layer(0).serving[0]
+        assert grp.rows == [0] and grp.seq == [192]
+        got = tiny(input_ids=ids[1:, 192:], past_key_values=both).logits
+        want = tiny(input_ids=ids[1:, 192:], past_key_values=alone).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # The kept row's blocks are the second row's (1 tile flushed before the last step).
+    assert grp.block_table[0, :3].tolist() == [4, 5, 6]
+
+
+def test_gguf_parts_round_trip(tmp_path: Path) -> None:
+    """tools/gpu_quality.py: a file split into parts joins back bit-exactly; a damaged or
+    missing part is refused with a message that says what to do."""
+    import gpu_quality
+
+    src = tmp_path / "model.gguf"
+    payload = b"GGUF" + np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    src.write_bytes(payload)
+    parts = tmp_path / "parts"
+    manifest = gpu_quality.split_file(src, parts, part_size=4_000)
+    assert [p["bytes"] for p in manifest["parts"]] == [4_000, 4_000, 2_004]
+    joined = gpu_quality.join_parts(parts, tmp_path / "out" / "x.gguf")
+    assert joined.name == "model.gguf" and joined.read_bytes() == payload
+    damaged = bytearray((parts / "part1").read_bytes())
+    damaged[7] ^= 1
+    (parts / "part1").write_bytes(bytes(damaged))
+    with pytest.raises(SystemExit, match="SHA-256"):
+        gpu_quality.join_parts(parts, tmp_path / "out" / "y.gguf")
+    (parts / "part2").unlink()
+    with pytest.raises(SystemExit, match="missing part2"):
+        gpu_quality.join_parts(parts, tmp_path / "out" / "z.gguf")
+
+
+def test_plan_rows_per_codec_backend() -> None:
+    """--codec-backend: one KVarN row per backend, pairs for the kernel-vs-reference KL, and
+    the ordering checks read the backend's own rows."""
+    import eval_quality
+
+    plan = eval_quality.parse_args(["--codec-backend", "all", "--formats", "kvarn_k4v2_g64"])
+    names = plan.main_names()
+    assert names == [
+        "fp16",
+        "kvarn_k4v2_g64",
+        "kvarn_k4v2_g64+store",
+        "kvarn_k4v2_g64+kernels",
+        "rtn_k4v2_g64",
+        "int8_token",
+    ]
+    assert plan.backend_pairs(names) == [(1, 2), (1, 3)]
+    assert plan.ablation_names() == ["had_k4v2_g64", "fp8_e4m3"]
+    one = eval_quality.parse_args(["--codec-backend", "kernels", "--formats", "kvarn_k4v2_g64"])
+    assert one.main_names()[1] == "kvarn_k4v2_g64+kernels" and one.suffix() == "+kernels"
+    assert one.backend_pairs(one.main_names()) == []
+    rows = [
+        {"corpus": "wiki", "context": 1024, "codec": c, "kl": kl, "ppl_delta_pct": 0.0, "top1": 1}
+        for c, kl in (("kvarn_k4v2_g64+kernels", 0.01), ("rtn_k4v2_g64", 0.02))
+    ]
+    checks = report.ordering_checks(rows, "wiki", 1024, one.suffix())
+    assert [c.what for c in checks] == ["KL kvarn_k4v2_g64+kernels < KL rtn_k4v2_g64 (wiki, 1024)"]

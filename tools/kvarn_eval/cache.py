@@ -23,17 +23,42 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvarn_eval.codecs import TileCodec
 
-__all__ = ["FlushEvent", "TiledKVCache", "TiledLayer"]
+if TYPE_CHECKING:
+    from kvarn_eval.kernel_codecs import ServingGroup
+
+__all__ = ["FlushEvent", "TiledKVCache", "TiledLayer", "group_rows", "last_updated_layer"]
+
+_LAST: list[TiledLayer | None] = [None]
+
+
+def last_updated_layer() -> TiledLayer | None:
+    """Take the :class:`TiledLayer` whose ``update`` ran last (and forget it).
+
+    transformers calls a layer's attention right after that layer's cache update, so this is
+    the layer the next attention call reads; taking it once keeps a stale layer from being
+    matched to a later attention call that used another cache.
+    """
+    layer, _LAST[0] = _LAST[0], None
+    return layer
+
 
 #: (row, first tile, end tile) of one flush, recorded for tests and debugging.
 FlushEvent = tuple[int, int, int]
+
+
+def group_rows(codecs: Sequence[TileCodec]) -> list[tuple[TileCodec, list[int]]]:
+    """Rows grouped by codec object (identity), in first-seen order: ``[(codec, rows)]``."""
+    groups: dict[int, tuple[TileCodec, list[int]]] = {}
+    for row, codec in enumerate(codecs):
+        groups.setdefault(id(codec), (codec, []))[1].append(row)
+    return list(groups.values())
 
 
 @contextmanager
@@ -79,10 +104,13 @@ class TiledLayer(DynamicLayer):
         if len(self.offsets) != len(self.codecs) or min(self.offsets, default=0) < 0:
             raise ValueError("offsets must give one non-negative padding length per codec row")
         self.keep_exact = keep_exact
+        self._store_groups = self._groups(torch.device("cpu"))
         self.length = 0
         self.flushed = [0] * len(self.codecs)
         self.flush_log: list[FlushEvent] = []
         self._capacity_hint = max(1, capacity)
+        self.serving: list[ServingGroup] = []
+        self._serving_rows: set[int] = set()
         self._kbuf = torch.empty(0)
         self._vbuf = torch.empty(0)
         self._kx = torch.empty(0)
@@ -90,7 +118,9 @@ class TiledLayer(DynamicLayer):
         self.exact_keys = torch.empty(0)
         self.exact_values = torch.empty(0)
 
-    def lazy_initialization(self, key_states: torch.Tensor) -> None:
+    def lazy_initialization(
+        self, key_states: torch.Tensor, value_states: torch.Tensor | None = None
+    ) -> None:
         batch, heads, _, dim = key_states.shape
         if batch != len(self.codecs):
             raise ValueError(
@@ -104,6 +134,19 @@ class TiledLayer(DynamicLayer):
         if self.keep_exact:
             self._kx = torch.zeros_like(self._kbuf)
             self._vx = torch.zeros_like(self._kbuf)
+        self._store_groups = self._groups(self.device)
+        self.serving = []
+        for codec, rows in group_rows(self.codecs):
+            if getattr(codec, "serving", False):
+                from kvarn_eval.kernel_codecs import KernelKVarNCodec, ServingGroup
+
+                assert isinstance(codec, KernelKVarNCodec)
+                self.serving.append(
+                    ServingGroup(
+                        codec, rows, self.offsets, heads, dim, self._capacity_hint, self.device
+                    )
+                )
+        self._serving_rows = {r for grp in self.serving for r in grp.rows}
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
@@ -125,35 +168,79 @@ class TiledLayer(DynamicLayer):
         if self.keep_exact:
             self._kx, self._vx = grown(self._kx), grown(self._vx)
 
+    def due(self, row: int) -> tuple[int, int] | None:
+        """``(first tile, end tile)`` of row ``row``'s complete, unflushed, non-sink tiles."""
+        g = self.codecs[row].group
+        if g is None:
+            return None
+        complete = max(0, self.length - self.offsets[row]) // g
+        start = max(self.flushed[row], self.codecs[row].sink_tiles)
+        return (start, complete) if complete > start else None
+
+    def tiles(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s tiles ``start..end-1`` as ``[heads * n, G, D]`` K and V."""
+        g = self.codecs[row].group
+        assert g is not None
+        lo, hi = self.offsets[row] + start * g, self.offsets[row] + end * g
+        heads, dim = self._kbuf.shape[1], self._kbuf.shape[3]
+        n = end - start
+        k = self._kbuf[row, :, lo:hi].reshape(heads * n, g, dim)
+        v = self._vbuf[row, :, lo:hi].reshape(heads * n, g, dim)
+        return k, v
+
+    def put_tiles(self, row: int, start: int, end: int, kq: torch.Tensor, vq: torch.Tensor) -> None:
+        """Write the quantized image of tiles ``start..end-1`` back and mark them flushed."""
+        g = self.codecs[row].group
+        assert g is not None
+        lo, hi = self.offsets[row] + start * g, self.offsets[row] + end * g
+        heads, dim = self._kbuf.shape[1], self._kbuf.shape[3]
+        self._kbuf[row, :, lo:hi] = kq.reshape(heads, (end - start) * g, dim).to(self.dtype)
+        self._vbuf[row, :, lo:hi] = vq.reshape(heads, (end - start) * g, dim).to(self.dtype)
+        self.flush_log.append((row, start, end))
+        self.flushed[row] = max(self.flushed[row], end)
+
     def flush(self) -> None:
-        """Quantize every complete, not yet flushed, non-sink tile of every row."""
+        """Quantize every complete, not yet flushed, non-sink tile of every row.
+
+        Normally :meth:`TiledKVCache.flush` has already done this for every layer at once
+        before the step; this per-layer pass then finds nothing to do. It keeps a layer used
+        on its own (tests) correct.
+        """
         for row, codec in enumerate(self.codecs):
-            g = codec.group
-            if g is None:
+            span = self.due(row)
+            if span is None or row in self._serving_rows:
                 continue
-            off = self.offsets[row]
-            complete = max(0, self.length - off) // g
-            start = max(self.flushed[row], codec.sink_tiles)
-            if complete > start:
-                lo, hi = off + start * g, off + complete * g
-                heads, dim = self._kbuf.shape[1], self._kbuf.shape[3]
-                n = complete - start
-                k = self._kbuf[row, :, lo:hi].reshape(heads * n, g, dim)
-                v = self._vbuf[row, :, lo:hi].reshape(heads * n, g, dim)
-                kq, vq = codec.quantize_tiles(k, v)
-                self._kbuf[row, :, lo:hi] = kq.reshape(heads, n * g, dim).to(self.dtype)
-                self._vbuf[row, :, lo:hi] = vq.reshape(heads, n * g, dim).to(self.dtype)
-                self.flush_log.append((row, start, complete))
-            self.flushed[row] = max(self.flushed[row], complete)
+            k, v = self.tiles(row, *span)
+            kq, vq = codec.quantize_tiles(k, v)
+            self.put_tiles(row, *span, kq, vq)
+        self.flush_serving()
+
+    def flush_serving(self) -> None:
+        """Flush the due tiles of the serving rows with the store kernel, in their own cache.
+
+        The buffer image of those tiles becomes the decoded records (what the kernels read).
+        """
+        for grp in self.serving:
+            spans = [
+                (i, row, span)
+                for i, row in enumerate(grp.rows)
+                if (span := self.due(row)) is not None
+            ]
+            images = grp.flush([(i, a, b) for i, _, (a, b) in spans])
+            for (_, row, (a, b)), (kq, vq) in zip(spans, images, strict=True):
+                self.put_tiles(row, a, b, kq, vq)
+
+    def serving_attention(self, query: torch.Tensor, out: torch.Tensor, scaling: float) -> None:
+        """Overwrite the serving rows' attention output with the kernels' (this step)."""
+        for grp in self.serving:
+            grp.attention(query, out, scaling)
 
     def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        cache_kwargs: dict[str, Any] | None = None,
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states)
+        _LAST[0] = self
         with _one_thread():
             return self._update(key_states, value_states)
 
@@ -164,10 +251,18 @@ class TiledLayer(DynamicLayer):
         t = key_states.shape[-2]
         end = self.length + t
         self._grow(end)
-        for row, codec in enumerate(self.codecs):
-            k_img, v_img = codec.store(key_states[row], value_states[row])
-            self._kbuf[row, :, self.length : end] = k_img
-            self._vbuf[row, :, self.length : end] = v_img
+        for codec, row_list, rows in self._store_groups:
+            if len(row_list) == 1:
+                r = row_list[0]
+                k_img, v_img = codec.store(key_states[r], value_states[r])
+                self._kbuf[r, :, self.length : end] = k_img
+                self._vbuf[r, :, self.length : end] = v_img
+            else:
+                k_img, v_img = codec.store(key_states[rows], value_states[rows])
+                self._kbuf[rows, :, self.length : end] = k_img
+                self._vbuf[rows, :, self.length : end] = v_img
+        for grp in self.serving:
+            grp.write(key_states, value_states, self.length)
         if self.keep_exact:
             self._kx[:, :, self.length : end] = key_states
             self._vx[:, :, self.length : end] = value_states
@@ -178,8 +273,45 @@ class TiledLayer(DynamicLayer):
         self.values = self._vbuf[:, :, :end]
         return self.keys, self.values
 
+    def _groups(self, device: torch.device) -> list[tuple[TileCodec, list[int], torch.Tensor]]:
+        """Rows sharing a codec object, with their indices on ``device`` (one store call each:
+        a decode step of 100 rows would otherwise spend longer in per-row rotations than in
+        the model)."""
+        return [
+            (codec, rows, torch.tensor(rows, dtype=torch.long, device=device))
+            for codec, rows in group_rows(self.codecs)
+        ]
+
     def get_seq_length(self) -> int:
         return self.length
+
+    def select_rows(self, keep: Sequence[int]) -> None:
+        """Keep only batch rows ``keep`` (in that order), e.g. requests that are finished.
+
+        Rows are independent, so the kept rows' state is unchanged; their indices become
+        ``0..len(keep)-1``.
+        """
+        self.codecs = [self.codecs[r] for r in keep]
+        self.offsets = [self.offsets[r] for r in keep]
+        self.flushed = [self.flushed[r] for r in keep]
+        self.flush_log = []
+        if not self.is_initialized:
+            self._store_groups = self._groups(torch.device("cpu"))
+            return
+        self._store_groups = self._groups(self.device)
+        idx = torch.tensor(list(keep), dtype=torch.long, device=self._kbuf.device)
+        self._kbuf = self._kbuf.index_select(0, idx)
+        self._vbuf = self._vbuf.index_select(0, idx)
+        if self.keep_exact:
+            self._kx = self._kx.index_select(0, idx)
+            self._vx = self._vx.index_select(0, idx)
+            self.exact_keys = self._kx[:, :, : self.length]
+            self.exact_values = self._vx[:, :, : self.length]
+        self.keys = self._kbuf[:, :, : self.length]
+        self.values = self._vbuf[:, :, : self.length]
+        new_index = {old: new for new, old in enumerate(keep)}
+        self.serving = [g for g in self.serving if g.select(new_index)]
+        self._serving_rows = {r for grp in self.serving for r in grp.rows}
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("TiledLayer does not support cropping (no speculative rollback)")
@@ -205,6 +337,63 @@ class TiledKVCache(Cache):
             for _ in range(num_layers)
         ]
         super().__init__(layers=layers)
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == 0:
+            self.flush()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def flush(self) -> None:
+        """Flush the due tiles of every layer and row, one ``quantize_tiles`` call per codec.
+
+        Called when layer 0 receives a step's tokens, i.e. before the step's forward. A tile
+        of layer ``l`` only changes when layer ``l`` appends tokens, so the tiles due at that
+        moment are exactly those each layer would flush before its own update; batching them
+        turns ``layers x rows`` small codec calls per step into one call per codec (the
+        reference codec's cost is mostly per call). Tiles are independent in every codec, so
+        the images do not depend on the batching.
+        """
+        layers = [self.tiled_layer(i) for i in range(len(self.layers))]
+        if not layers or not layers[0].is_initialized:
+            return
+        with _one_thread():
+            for layer in layers:
+                layer.flush_serving()
+            for codec, rows in group_rows(self.codecs):
+                if codec.group is None or getattr(codec, "serving", False):
+                    continue
+                spans = [
+                    (layer, row, span)
+                    for layer in layers
+                    for row in rows
+                    if (span := layer.due(row)) is not None
+                ]
+                if not spans:
+                    continue
+                parts = [layer.tiles(row, *span) for layer, row, span in spans]
+                kq, vq = codec.quantize_tiles(
+                    torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
+                )
+                at = 0
+                for (layer, row, span), (k, _) in zip(spans, parts, strict=True):
+                    n = k.shape[0]
+                    layer.put_tiles(row, *span, kq[at : at + n], vq[at : at + n])
+                    at += n
+
+    def select_rows(self, keep: Sequence[int]) -> None:
+        """Keep only batch rows ``keep`` in every layer (see :meth:`TiledLayer.select_rows`)."""
+        if not keep:
+            raise ValueError("select_rows needs at least one row to keep")
+        self.codecs = [self.codecs[r] for r in keep]
+        for i in range(len(self.layers)):
+            self.tiled_layer(i).select_rows(keep)
 
     def tiled_layer(self, idx: int) -> TiledLayer:
         layer = self.layers[idx]

@@ -44,6 +44,7 @@ from kvarn_format.registry import (
 )
 
 __all__ = [
+    "BACKENDS",
     "BASELINE_KINDS",
     "FP16_MAX",
     "FP16Cache",
@@ -53,16 +54,23 @@ __all__ = [
     "KVarNCodec",
     "RTNKiviCodec",
     "TileCodec",
+    "base_name",
     "codec_names",
     "make_codec",
+    "pool_rotated",
+    "unrotate",
 ]
 
 FP16_MAX: Final[float] = 65504.0
 #: Prefixes of the per-format baselines: ``rtn_<k..v.._g..>``, ``had_<...>``.
 BASELINE_KINDS: Final[tuple[str, ...]] = ("rtn", "had")
 _WHOLE_CACHE: Final[tuple[str, ...]] = ("fp16", "identity", "int8_token", "fp8_e4m3")
+#: Where a KVarN codec runs: the NumPy reference, the Triton store kernel with the harness's
+#: attention, or the whole serving path (store, pool and attention kernels).
+BACKENDS: Final[tuple[str, ...]] = ("reference", "kernels-store", "kernels")
 
 KV = tuple[torch.Tensor, torch.Tensor]
+_CPU: Final[torch.device] = torch.device("cpu")
 
 
 @runtime_checkable
@@ -97,8 +105,8 @@ def _fp16_round(x: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-def _hadamard(d: int) -> torch.Tensor:
-    return torch.from_numpy(np.array(hadamard_matrix(d), dtype=np.float32))
+def _hadamard(d: int, device: torch.device = _CPU) -> torch.Tensor:
+    return torch.from_numpy(np.array(hadamard_matrix(d), dtype=np.float32)).to(device)
 
 
 def _rotate(x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +120,21 @@ def _rotate(x: torch.Tensor) -> torch.Tensor:
     no weight in attention; the codec still sees a valid fp16 tile and applies the format
     exactly to it.
     """
-    return x.to(torch.float32) @ _hadamard(int(x.shape[-1]))
+    return x.to(torch.float32) @ _hadamard(int(x.shape[-1]), x.device)
+
+
+def pool_rotated(x: torch.Tensor) -> torch.Tensor:
+    """The fp16 side-pool value of original-frame rows: ``fp16(saturate(x @ H))`` as float32.
+
+    Exactly what :class:`KVarNCodec` hands the reference codec, so a kernel codec that starts
+    from it sees the same tile bits.
+    """
+    return _fp16_round(_rotate(x)).to(torch.float32)
+
+
+def unrotate(x_rot: torch.Tensor) -> torch.Tensor:
+    """Rotated-frame rows back to the original frame in float32 (H is its own inverse)."""
+    return _rotate(x_rot)
 
 
 def _no_tiles(name: str) -> KV:
@@ -229,12 +251,12 @@ class KVarNCodec:
         return pool(k), pool(v)
 
     def quantize_tiles(self, k: torch.Tensor, v: torch.Tensor) -> KV:
-        k_rot = _fp16_round(_rotate(k)).to(torch.float32).numpy()
-        v_rot = _fp16_round(_rotate(v)).to(torch.float32).numpy()
+        k_rot = _fp16_round(_rotate(k)).to(torch.float32).cpu().numpy()
+        v_rot = _fp16_round(_rotate(v)).to(torch.float32).cpu().numpy()
         kq, vq = fake_quantize(self.fmt, k_rot, v_rot, rotated=True, sinkhorn=self.sinkhorn)
         return (
-            _rotate(torch.from_numpy(kq)).to(k.dtype),
-            _rotate(torch.from_numpy(vq)).to(v.dtype),
+            _rotate(torch.from_numpy(kq).to(k.device)).to(k.dtype),
+            _rotate(torch.from_numpy(vq).to(v.device)).to(v.dtype),
         )
 
 
@@ -263,12 +285,16 @@ class RTNKiviCodec:
         return _fp16_round(k), _fp16_round(v)
 
     def quantize_tiles(self, k: torch.Tensor, v: torch.Tensor) -> KV:
-        kq, vq = rtn_kivi(k.numpy(), v.numpy(), self.key_bits, self.value_bits)
-        return torch.from_numpy(kq).to(k.dtype), torch.from_numpy(vq).to(v.dtype)
+        kq, vq = rtn_kivi(k.cpu().numpy(), v.cpu().numpy(), self.key_bits, self.value_bits)
+        return (
+            torch.from_numpy(kq).to(device=k.device, dtype=k.dtype),
+            torch.from_numpy(vq).to(device=v.device, dtype=v.dtype),
+        )
 
 
 def codec_names() -> list[str]:
-    """Every name :func:`make_codec` accepts."""
+    """Every name :func:`make_codec` accepts (kernel backends: a ``+store``/``+kernels`` suffix
+    on the ``kvarn_*`` and ``had_*`` names)."""
     suffixes = [d.removeprefix("kvarn_") for d in DENSE_DTYPES]
     names = list(_WHOLE_CACHE) + list(DENSE_DTYPES)
     for kind in BASELINE_KINDS:
@@ -276,12 +302,29 @@ def codec_names() -> list[str]:
     return names
 
 
-def make_codec(name: str, head_dim: int) -> TileCodec:
+def base_name(name: str) -> str:
+    """The codec name without its kernel-backend suffix (``kvarn_k4v2_g64+kernels`` ->
+    ``kvarn_k4v2_g64``)."""
+    return name.partition("+")[0]
+
+
+def make_codec(name: str, head_dim: int, backend: str = "reference") -> TileCodec:
     """Build the codec called ``name`` (see the module docstring) for a model's head_dim.
 
+    ``backend`` applies to the ``kvarn_*`` and ``had_*`` codecs: ``reference`` (the NumPy
+    codec), ``kernels-store`` or ``kernels`` (:mod:`kvarn_eval.kernel_codecs`; the name then
+    carries a ``+store``/``+kernels`` suffix, which may also be given in ``name``).
     Raises ``ValueError`` listing the valid names for an unknown name, and the registry's
     ``UnsupportedGeometryError`` when the format does not take this head_dim.
     """
+    name, plus, suffix = name.partition("+")
+    if plus:
+        by_suffix = {"store": "kernels-store", "kernels": "kernels"}
+        if suffix not in by_suffix:
+            raise ValueError(f"unknown backend suffix '+{suffix}'; valid: +store, +kernels")
+        backend = by_suffix[suffix]
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown codec backend {backend!r}; valid: {', '.join(BACKENDS)}")
     simple: dict[str, TileCodec] = {
         "fp16": FP16Cache(),
         "identity": IdentityCache(),
@@ -296,6 +339,10 @@ def make_codec(name: str, head_dim: int) -> TileCodec:
         fmt = parse_cache_dtype(dtype)
         assert isinstance(fmt, DenseFormat)
         check_dense_head_dim(fmt, head_dim)
+        if kind in ("kvarn", "had") and backend != "reference":
+            from kvarn_eval.kernel_codecs import KernelKVarNCodec
+
+            return KernelKVarNCodec(fmt, serving=backend == "kernels", sinkhorn=kind == "kvarn")
         if kind == "kvarn":
             return KVarNCodec(fmt)
         if kind == "had":

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvarn_eval.codecs import base_name
 from kvarn_eval.runs import AccumulationResult, GenerationResult, TeacherForcedResult
 from kvarn_format.geometry import record_layout
 from kvarn_format.registry import DENSE_DTYPES, DenseFormat, parse_cache_dtype
@@ -19,6 +20,7 @@ from kvarn_format.registry import DENSE_DTYPES, DenseFormat, parse_cache_dtype
 __all__ = [
     "Check",
     "accumulation_summary",
+    "device_name",
     "ordering_checks",
     "plot_accumulation",
     "plot_kl_by_position",
@@ -44,35 +46,41 @@ def _by(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, 
     return {(r["corpus"], r["context"], r["codec"]): r for r in rows}
 
 
-def ordering_checks(rows: Sequence[dict[str, Any]], corpus: str, context: int) -> list[Check]:
+def ordering_checks(
+    rows: Sequence[dict[str, Any]], corpus: str, context: int, backend_suffix: str = ""
+) -> list[Check]:
     """Orderings that must hold (mean KL vs fp16, at one corpus and context).
 
     * KVarN below plain RTN at equal bits and tile (``kvarn_X`` vs ``rtn_X``);
     * ``k4v4`` below ``k4v2`` for KVarN at equal tile.
 
-    Mean KL is used rather than perplexity: it compares whole distributions at every token,
-    so it is far less noisy than a perplexity difference of a fraction of a percent.
+    ``backend_suffix`` selects the KVarN rows of a kernel backend (``+kernels``). Mean KL is
+    used rather than perplexity: it compares whole distributions at every token, so it is far
+    less noisy than a perplexity difference of a fraction of a percent.
     """
     by = _by(rows)
     checks: list[Check] = []
     for dtype in DENSE_DTYPES:
         suffix = dtype.removeprefix("kvarn_")
-        kv, rtn = by.get((corpus, context, dtype)), by.get((corpus, context, f"rtn_{suffix}"))
+        name = dtype + backend_suffix
+        kv, rtn = by.get((corpus, context, name)), by.get((corpus, context, f"rtn_{suffix}"))
         if kv and rtn:
             checks.append(
                 Check(
-                    f"KL {dtype} < KL rtn_{suffix} ({corpus}, {context})",
+                    f"KL {name} < KL rtn_{suffix} ({corpus}, {context})",
                     kv["kl"] < rtn["kl"],
                     f"{kv['kl']:.5f} vs {rtn['kl']:.5f}",
                 )
             )
     for group in (64, 128):
-        hi = by.get((corpus, context, f"kvarn_k4v4_g{group}"))
-        lo = by.get((corpus, context, f"kvarn_k4v2_g{group}"))
+        hi_name = f"kvarn_k4v4_g{group}{backend_suffix}"
+        lo_name = f"kvarn_k4v2_g{group}{backend_suffix}"
+        hi = by.get((corpus, context, hi_name))
+        lo = by.get((corpus, context, lo_name))
         if hi and lo:
             checks.append(
                 Check(
-                    f"KL kvarn_k4v4_g{group} < KL kvarn_k4v2_g{group} ({corpus}, {context})",
+                    f"KL {hi_name} < KL {lo_name} ({corpus}, {context})",
                     hi["kl"] < lo["kl"],
                     f"{hi['kl']:.5f} vs {lo['kl']:.5f}",
                 )
@@ -80,16 +88,22 @@ def ordering_checks(rows: Sequence[dict[str, Any]], corpus: str, context: int) -
     return checks
 
 
-def target_checks(rows: Sequence[dict[str, Any]]) -> list[Check]:
+def target_checks(rows: Sequence[dict[str, Any]], backend_suffix: str = "") -> list[Check]:
     """The issue's provisional targets, per KVarN format, corpus and context.
 
     k4v4: perplexity within 1 % of fp16 and top-1 agreement >= 97 %; k4v2: perplexity within
-    3 %; both: perplexity and KL better than RTN at equal bits and tile.
+    3 %; both: perplexity and KL better than RTN at equal bits and tile. ``backend_suffix``:
+    as :func:`ordering_checks`.
     """
     by = _by(rows)
     checks: list[Check] = []
     for (corpus, ctx, codec), r in sorted(by.items()):
-        if codec not in DENSE_DTYPES or codec.startswith("kvarn_k5"):
+        base = base_name(codec)
+        if (
+            codec != base + backend_suffix
+            or base not in DENSE_DTYPES
+            or base.startswith("kvarn_k5")
+        ):
             continue
         where = f"{codec} ({corpus}, {ctx})"
         d = r["ppl_delta_pct"]
@@ -100,7 +114,7 @@ def target_checks(rows: Sequence[dict[str, Any]]) -> list[Check]:
             )
         else:
             checks.append(Check(f"{where}: ppl within 3 %", abs(d) <= 3.0, f"{d:+.2f} %"))
-        rtn = by.get((corpus, ctx, "rtn_" + codec.removeprefix("kvarn_")))
+        rtn = by.get((corpus, ctx, "rtn_" + base.removeprefix("kvarn_")))
         if rtn:
             better = r["kl"] < rtn["kl"] and d < rtn["ppl_delta_pct"]
             checks.append(
@@ -229,7 +243,18 @@ def _jsonable(x: object) -> object:
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
 
 
+def device_name(device: str) -> str:
+    """A readable name of the run's device (the GPU's model name on CUDA)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return f"GPU ({torch.cuda.get_device_name(dev)})"
+    return "CPU"
+
+
 def _record_bytes(name: str, head_dim: int) -> str:
+    name = base_name(name)
     if name in DENSE_DTYPES:
         fmt = parse_cache_dtype(name)
         assert isinstance(fmt, DenseFormat)
@@ -239,6 +264,21 @@ def _record_bytes(name: str, head_dim: int) -> str:
         "int8_token": f"{2 * head_dim + 4}",
         "fp8_e4m3": f"{2 * head_dim}",
     }.get(name, "")
+
+
+_BACKEND_TEXT = {
+    "reference": "`kvarn_format.reference` (the NumPy reference codec) through "
+    "`tools/kvarn_eval/codecs.py`",
+    "kernels-store": "the Triton store kernel of `kvarn-kernels` (`flush_tiles`), records "
+    "decoded by its torch reference decoder, harness attention "
+    "(`tools/kvarn_eval/kernel_codecs.py`)",
+    "kernels": "the `kvarn-kernels` serving path: Triton rotation into the fp16 pool, "
+    "`flush_tiles`, and `prefill_attention` / `decode_attention` on the packed cache "
+    "(`tools/kvarn_eval/kernel_codecs.py`)",
+    "all": "every KVarN format three times: the NumPy reference codec (plain name), the Triton "
+    "store kernel (`+store`) and the whole serving path (`+kernels`), see "
+    "`tools/kvarn_eval/kernel_codecs.py`",
+}
 
 
 def render_markdown(
@@ -256,17 +296,22 @@ def render_markdown(
     ordering: Sequence[Check],
     targets: Sequence[Check],
     plots: dict[str, str],
+    device: str = "CPU",
+    backend: str = "reference",
+    tf_pairs: Sequence[dict[str, Any]] = (),
 ) -> str:
-    """The whole ``docs/quality.md``."""
+    """The whole ``docs/quality.md`` (or the GPU run's report: ``device``, ``backend``)."""
     lines: list[str] = []
     add = lines.append
-    add("# KVarN quality on a real model and real text (CPU, offline)")
+    on_cpu = device == "CPU"
+    add(f"# KVarN quality on a real model and real text ({'CPU' if on_cpu else 'GPU'}, offline)")
     add("")
     add("Produced by `tools/eval_quality.py`; do not edit by hand, re-run the command instead.")
     add("")
     add(f"- Command: `{command}`")
+    where = f"{threads} CPU threads" if on_cpu else device
     add(
-        f"- Date: {date}; wall time {seconds / 60:.1f} min on {threads} CPU threads "
+        f"- Date: {date}; wall time {seconds / 60:.1f} min on {where} "
         f"(1-minute load average at start / end: {load}; the machine is shared)"
     )
     add(
@@ -277,10 +322,7 @@ def render_markdown(
         "- Text: `exllamav3` 1.6.5 wheel, `conversion/standard_cal_data/*.utf8`, first "
         "tokens of each file (no special tokens)"
     )
-    add(
-        "- Quantizer: `kvarn_format.reference` (the NumPy reference codec) through "
-        "`tools/kvarn_eval/codecs.py`"
-    )
+    add(f"- Quantizer: {_BACKEND_TEXT.get(backend, backend)}")
     add("")
     add("## How the cache behaves")
     add("")
@@ -306,6 +348,43 @@ def render_markdown(
         "run within its time budget, the `had_*` and `fp8_e4m3` rows run on the main corpus "
         "at the shortest context only (—: not run), and not in the generation test."
     )
+    add("")
+    add(
+        "Cost: one batched forward pass per step serves every codec, the 2K and 4K rows are "
+        "read off the first tokens of the 8K window (one pass), the tiles due in all layers "
+        "are flushed in one codec call per codec and step, and rows sharing a codec store "
+        "their new tokens in one call."
+    )
+    add("")
+    add("## GPU: the same metrics through the serving kernels")
+    add("")
+    add(
+        "`--codec-backend` selects where the KVarN codec runs: `reference` (this page's "
+        "default), `kernels-store` (the Triton store kernel `flush_tiles` packs each "
+        "completed tile; kvarn-kernels' torch decoder unpacks it; the harness's attention "
+        "reads the image), `kernels` (the serving path: per layer a paged record cache, "
+        "the rotated fp16 side pool, block table and `block_to_slot`; complete tiles "
+        "flushed by `flush_tiles`; the row's attention computed by `prefill_attention` for "
+        "a 64-token step and `decode_attention` for one token, on fp16 queries, exactly as "
+        "vLLM calls them) or `all` (the three side by side: each kernel row is compared with "
+        "the reference row of its format on identical inputs, KL between the two). "
+        "The kernels need CUDA (`--device cuda`); on a CPU they run in Triton's "
+        "interpreter, which the tests use at a tiny size. `tools/gpu_quality.py` runs the "
+        "short comparison on one GPU (see its docstring for the exact device commands) "
+        "and writes `quality-gpu.md` and `quality.json`; `docs/quality-gpu.md` holds the "
+        "device run when one has been made."
+    )
+    add("")
+    add("```")
+    add("# here: the GGUF in two ~49 MB parts, the wiki text and the gguf reader, under .gpu/")
+    add("uv run python tools/gpu_quality.py --split-gguf .gpu/gguf")
+    add("# on the GPU machine, after copying .gpu/gguf/* to /root/gguf (two calls, each part")
+    add("# alone: a call carries at most 64 MiB):")
+    add("python3 tools/gpu_quality.py --gguf-parts /root/gguf   # writes to $OUT")
+    add("# the same comparison on the CPU at a toy size (Triton interpreter):")
+    add("uv run python tools/eval_quality.py --codec-backend all --formats kvarn_k4v2_g64 \\")
+    add("    --contexts 256 --side-corpora none --gen-prompts 0 --acc-steps 0 --doc /tmp/q.md")
+    add("```")
     add("")
     add("## Teacher-forced metrics against the fp16 cache")
     add("")
@@ -346,6 +425,26 @@ def render_markdown(
     if "kl_position" in plots:
         add("")
         add(f"![KL along the context]({plots['kl_position']})")
+    if tf_pairs:
+        add("")
+        add("## Kernels against the reference codec (identical inputs)")
+        add("")
+        add(
+            "Each kernel row reads the same tokens as its format's reference row. KL(reference "
+            "|| kernel) per token (mean and max over the context) and argmax agreement between "
+            "the two rows; compare with the row's own KL against fp16 in the tables above. "
+            "`+store` differs from the reference only by the store kernel's arithmetic (sums "
+            "in another order: an fp16 scale can land one ulp away), `+kernels` also by the "
+            "attention kernels (fp16 queries and outputs, as in serving)."
+        )
+        add("")
+        add("| corpus | context | reference | kernel row | KL mean | KL max | top-1 agreement |")
+        add("|---|---:|---|---|---:|---:|---:|")
+        for r in tf_pairs:
+            add(
+                f"| {r['corpus']} | {r['context']} | `{r['a']}` | `{r['b']}` | "
+                f"{r['kl']:.2e} | {r['kl_max']:.2e} | {100 * r['top1']:.2f} % |"
+            )
     add("")
     add("## Ordering checks (mean KL; the `--quick` CI mode fails if one does not hold)")
     add("")

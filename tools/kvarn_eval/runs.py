@@ -8,7 +8,7 @@ pass per step serves every codec and the comparison is always made on identical 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ __all__ = [
     "check_chunk",
     "generate",
     "greedy",
+    "model_device",
     "teacher_forced",
 ]
 
@@ -51,6 +52,11 @@ def check_chunk(codecs: Sequence[TileCodec], chunk: int) -> None:
             )
 
 
+def model_device(bundle: ModelBundle) -> torch.device:
+    """The device the model's weights live on (inputs are created there)."""
+    return next(bundle.model.parameters()).device
+
+
 def _names(codecs: Sequence[TileCodec]) -> list[str]:
     return [c.name for c in codecs]
 
@@ -65,6 +71,28 @@ class TeacherForcedResult:
     kl: F32
     top1: npt.NDArray[np.bool_]
     seconds: float
+    pairs: list[tuple[int, int]] = field(default_factory=list)
+    pair_kl: F32 = field(default_factory=lambda: np.zeros((0, 0, 0), np.float32))
+    pair_top1: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros((0, 0, 0), bool))
+
+    def pair_summary(self, contexts: Sequence[int]) -> list[dict[str, Any]]:
+        """Per pair ``(a, b)`` and context: mean ``KL(p_a || p_b)`` and argmax agreement."""
+        out: list[dict[str, Any]] = []
+        for ctx in contexts:
+            n = ctx - 1
+            for i, (a, b) in enumerate(self.pairs):
+                out.append(
+                    {
+                        "corpus": self.corpus,
+                        "context": ctx,
+                        "a": self.names[a],
+                        "b": self.names[b],
+                        "kl": float(self.pair_kl[i, :, :n].mean(dtype=np.float64)),
+                        "kl_max": float(self.pair_kl[i, :, :n].max()),
+                        "top1": float(self.pair_top1[i, :, :n].mean(dtype=np.float64)),
+                    }
+                )
+        return out
 
     def summary(self, contexts: Sequence[int]) -> list[dict[str, Any]]:
         """Perplexity, mean KL and top-1 agreement over the first ``ctx`` tokens of each window.
@@ -123,11 +151,14 @@ def teacher_forced(
     corpus: str,
     chunk: int = 64,
     progress: bool = True,
+    pairs: Sequence[tuple[int, int]] = (),
 ) -> TeacherForcedResult:
     """Run every window through all codecs at once, ``chunk`` tokens per forward step.
 
     Metrics per predicted token against row 0: the negative log-likelihood of the true next
-    token (-> perplexity), ``KL(p_ref || p_row)`` and whether the argmax matches.
+    token (-> perplexity), ``KL(p_ref || p_row)`` and whether the argmax matches. ``pairs``
+    ``(a, b)`` of rows also get ``KL(p_a || p_b)`` and argmax agreement (e.g. a codec's
+    reference implementation against its kernels, on identical inputs).
     """
     check_chunk(codecs, chunk)
     install(bundle.model)
@@ -138,10 +169,14 @@ def teacher_forced(
     nll = np.zeros((rows, len(windows), length - 1), np.float32)
     kl = np.zeros_like(nll)
     top1 = np.zeros(nll.shape, np.bool_)
+    pair_list = [(int(a), int(b)) for a, b in pairs]
+    pair_kl = np.zeros((len(pair_list), *nll.shape[1:]), np.float32)
+    pair_top1 = np.zeros(pair_kl.shape, np.bool_)
+    dev = model_device(bundle)
     steps = len(windows) * ((length + chunk - 1) // chunk)
     bar = tqdm(total=steps, desc="teacher-forced", unit="chunk", disable=not progress)
     for w, window in enumerate(windows):
-        ids = torch.tensor(window, dtype=torch.long)[None].expand(rows, -1)
+        ids = torch.tensor(window, dtype=torch.long, device=dev)[None].expand(rows, -1)
         cache = TiledKVCache(codecs, bundle.num_layers, capacity=length)
         for s in range(0, length, chunk):
             e = min(s + chunk, length)
@@ -150,22 +185,45 @@ def teacher_forced(
             if n > 0:
                 lp = logp[:, :n]
                 target = ids[0, s + 1 : s + 1 + n]
-                nll[:, w, s : s + n] = (-lp[:, torch.arange(n), target]).numpy()
-                p_ref = lp[0].exp()
-                kl[:, w, s : s + n] = (p_ref[None] * (lp[0][None] - lp)).sum(-1).numpy()
+                picked = lp.gather(-1, target.expand(rows, n)[..., None])[..., 0]
+                nll[:, w, s : s + n] = (-picked).cpu().numpy()
+                # KL(p_ref || p_row) = sum_v p_ref (lp_ref - lp_row): one batched matmul over
+                # the vocabulary on the (small) log-ratio; row 0 is exactly zero.
+                ratio = lp[0][None] - lp
+                kl_step = torch.einsum("tv,rtv->rt", lp[0].exp(), ratio)
+                kl[:, w, s : s + n] = kl_step.cpu().numpy()
                 am = lp.argmax(-1)
-                top1[:, w, s : s + n] = (am == am[0:1]).numpy()
+                top1[:, w, s : s + n] = (am == am[0:1]).cpu().numpy()
+                for p_i, (a, b) in enumerate(pair_list):
+                    lr = lp[a] - lp[b]
+                    pair_kl[p_i, w, s : s + n] = (lp[a].exp() * lr).sum(-1).cpu().numpy()
+                    pair_top1[p_i, w, s : s + n] = (am[a] == am[b]).cpu().numpy()
             bar.update(1)
     bar.close()
-    return TeacherForcedResult(corpus, _names(codecs), nll, kl, top1, time.perf_counter() - t0)
+    return TeacherForcedResult(
+        corpus,
+        _names(codecs),
+        nll,
+        kl,
+        top1,
+        time.perf_counter() - t0,
+        pairs=pair_list,
+        pair_kl=pair_kl,
+        pair_top1=pair_top1,
+    )
 
 
 def chat_prompt_ids(bundle: ModelBundle, prompt: str) -> list[int]:
     """Token ids of a one-turn chat, using the chat template embedded in the GGUF tokenizer."""
-    ids = bundle.tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    ids: Any = bundle.tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,  # transformers 5 returns a BatchEncoding by default
     )
-    return [int(i) for i in ids]  # type: ignore[arg-type]
+    if isinstance(ids, Mapping):  # a tokenizer that ignores return_dict
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
 
 
 def _eos_id(bundle: ModelBundle) -> int:
@@ -186,6 +244,7 @@ def greedy(
     suppress_eos: bool = False,
     progress: bool = True,
     desc: str = "generate",
+    stop_with_first: bool = False,
 ) -> npt.NDArray[np.int64]:
     """Greedy decoding of ``n_new`` tokens for every (prompt, codec): ``[prompts, codecs, n_new]``.
 
@@ -197,7 +256,10 @@ def greedy(
     by reading the weights. The prompt is prefilled in ``chunk``-token steps where that is
     exact for every row, otherwise one token per step.
     Decoding stops early once every row has ended its turn (later slots hold
-    ``<|im_end|>``). With ``suppress_eos`` the end-of-turn token is never chosen.
+    ``<|im_end|>``). With ``suppress_eos`` the end-of-turn token is never chosen. With
+    ``stop_with_first`` a prompt's rows leave the batch as soon as its first codec's row (the
+    reference) has ended its turn: their later slots hold ``<|im_end|>``, and the comparison
+    over the reference's turn (:func:`generate`) is unchanged.
     """
     check_chunk(codecs, chunk)
     install(bundle.model)
@@ -208,11 +270,12 @@ def greedy(
     longest = max(len(p) for p in prompts)
     pads = [longest - len(p) for p in prompts]
     rows = n_prompts * n_codecs
-    row_pad = torch.tensor([pads[r // n_codecs] for r in range(rows)])
-    ids = torch.full((rows, longest), eos, dtype=torch.long)
+    dev = model_device(bundle)
+    row_pad = torch.tensor([pads[r // n_codecs] for r in range(rows)], device=dev)
+    ids = torch.full((rows, longest), eos, dtype=torch.long, device=dev)
     for r in range(rows):
         p = prompts[r // n_codecs]
-        ids[r, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        ids[r, longest - len(p) :] = torch.tensor(list(p), dtype=torch.long, device=dev)
     cache = TiledKVCache(
         [codecs[r % n_codecs] for r in range(rows)],
         bundle.num_layers,
@@ -221,8 +284,10 @@ def greedy(
     )
     padded = any(pads)
     total = longest + n_new
-    mask = (torch.arange(total)[None, :] >= row_pad[:, None]).long()
-    positions = (torch.arange(total)[None, :] - row_pad[:, None]).clamp_min(0)
+    mask = (torch.arange(total, device=dev)[None, :] >= row_pad[:, None]).long()
+    positions = (torch.arange(total, device=dev)[None, :] - row_pad[:, None]).clamp_min(0)
+
+    active = list(range(rows))  # batch row j is original row active[j]
 
     def step(tokens: torch.Tensor, at: int) -> torch.Tensor:
         n = tokens.shape[1]
@@ -256,11 +321,21 @@ def greedy(
         if suppress_eos:
             logits[:, eos] = -torch.inf
         nxt = logits.argmax(-1)
-        out[:, i] = nxt.numpy()
+        out[active, i] = nxt.cpu().numpy()
         done |= out[:, i] == eos
         bar.update(1)
         if done.all() or i == n_new - 1:
             break
+        if stop_with_first:
+            ended = {r // n_codecs for r in active if r % n_codecs == 0 and out[r, i] == eos}
+            if ended:
+                # Those prompts' turns are over: nothing after this step is compared, so
+                # their rows leave the batch (the other rows compute exactly what they would).
+                keep = [j for j, r in enumerate(active) if r // n_codecs not in ended]
+                active = [active[j] for j in keep]
+                cache.select_rows(keep)
+                sel = torch.tensor(keep, dtype=torch.long, device=dev)
+                nxt, mask, positions = nxt[sel], mask[sel], positions[sel]
         logits = step(nxt[:, None], longest + i)
     bar.close()
     return out.reshape(n_prompts, n_codecs, n_new)
@@ -323,6 +398,7 @@ def generate(
         n_new,
         chunk=chunk,
         progress=progress,
+        stop_with_first=True,
     )
     for toks in all_toks:
         ends = np.nonzero(toks[0] == eos)[0]
@@ -392,7 +468,7 @@ def accumulation(
     rows = len(codecs)
     cache = TiledKVCache(codecs, bundle.num_layers, keep_exact=True, capacity=len(seq))
     rec = AttentionErrorRecorder(cache, bundle.num_layers)
-    ids = torch.tensor(seq, dtype=torch.long)[None].expand(rows, -1)
+    ids = torch.tensor(seq, dtype=torch.long, device=model_device(bundle))[None].expand(rows, -1)
     with recording(rec):
         for s in tqdm(range(0, len(seq), chunk), desc="replay", unit="chunk", disable=not progress):
             _step(bundle.model, ids[:, s : s + chunk], cache, last_only=True)
