@@ -1,12 +1,12 @@
 """One GPU run (< 120 s on an H200) that checks and times the kvarn-kernels paths in work.
 
-1. Correctness: the kernel package's GPU tests for the newest path at real sizes (round 3:
-   decode ``variant="v3"``; rounds 1-2 checked v2, prefill ``method="dequant"`` and store
+1. Correctness: the kernel package's GPU tests for the newest path at real sizes (round 4:
+   decode ``variant="v4"``; round 3: v3; rounds 1-2 checked v2, prefill ``method="dequant"`` and store
    ``variant="v2"``), as pytest subprocesses that run (and compile) while this process
    compiles the timed kernels.
 2. Timings, with the GPU to itself, in one process (``--parts`` picks them): copy bandwidth
-   (the ceiling, same run); decode v1 and v3 at B = 64 and 256, 16K context, k4v2_g128
-   and k4v4_g128 (plus v3 tile shapes at B = 64, k4v2); store v1 vs v2 (1024 tiles x 8 KV heads, g128 and g64); prefill
+   (the ceiling, same run); decode v1, v3 and v4 at B = 64 and 256, 16K context,
+   k4v2_g128 and k4v4_g128 (plus v4 shapes at B = 64, k4v2); store v1 vs v2 (1024 tiles x 8 KV heads, g128 and g64); prefill
    (2048-token chunk after 14,336 cached tokens) fused vs dequant (varlen FlashAttention and
    per-request SDPA) next to torch SDPA fp16 over the same context.
 3. A short table last; JSON with everything to ``$OUT/gpu_kernel_check.json`` when ``OUT``
@@ -37,15 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402  (tools/ is not a package)
 
 TEST_BUDGET_S = 150.0
-_DEC = "gpu and decode and variant3 and "
+_DEC = "gpu and decode and variant4 and "
 # pytest selections, one subprocess each: the host's cores compile them in parallel. A subset
 # of the parametrizations covers every new code path (all bit widths, G = 64 and 128, head
 # dims 128, 256 and 512, CUDA-graph replay); the full GPU suite runs without -k.
 TEST_GROUPS = {
-    "decode_v3_a": ["test_kernels_attention.py", "-k", _DEC + "(k4v2_g128-128 or cuda_graph)"],
-    "decode_v3_b": ["test_kernels_attention.py", "-k", _DEC + "(k4v4_g128 or k4v2_g64)"],
-    "decode_v3_c": ["test_kernels_attention.py", "-k", _DEC + "(k4v4_g64 or k5v5)"],
-    "decode_v3_d": ["test_kernels_attention.py", "-k", _DEC + "(512-8-1 or 64-8-8)"],
+    "decode_v4_a": ["test_kernels_attention.py", "-k", _DEC + "(k4v2_g128-128 or cuda_graph)"],
+    "decode_v4_b": ["test_kernels_attention.py", "-k", _DEC + "(k4v4_g128 or k4v2_g64)"],
+    "decode_v4_c": ["test_kernels_attention.py", "-k", _DEC + "(k4v4_g64 or k5v5)"],
+    "decode_v4_d": ["test_kernels_attention.py", "-k", _DEC + "(512-8-1 or 64-8-8)"],
 }
 
 
@@ -133,12 +133,11 @@ def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
-DECODE_V3_SHAPES: list[dict[str, Any]] = [
-    {"block_n": 64, "num_warps": 4},
-    {"block_n": 128, "num_warps": 4},
-    {"num_stages": 2},
-    {"num_stages": 4},
-    {"block_n": 32, "num_warps": 4},
+DECODE_V4_SHAPES: list[dict[str, Any]] = [
+    {"block_n": 32},
+    {"block_n": 32, "num_warps": 8},
+    {"num_stages": 3},
+    {"fast_unpack": False},
 ]
 
 
@@ -155,9 +154,9 @@ def decode_runs(warm: bool, formats: tuple[str, ...] = DECODE_FORMATS) -> list[d
         splits = choose_decode_splits(bsz, bk.HK, -(-(ctx - 63) // 128), torch.device("cuda"))
         for fmt in formats:
             inp = bk.decode_inputs(fmt, 2 if warm else bsz, 2048 if warm else ctx)
-            configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v3")]
+            configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v3", "v4")]
             if fmt == "kvarn_k4v2_g128" and bsz == 64:
-                configs += [{"variant": "v3", **c} for c in DECODE_V3_SHAPES]
+                configs += [{"variant": "v4", **c} for c in DECODE_V4_SHAPES]
             base = None
             for cfg in configs:
                 if warm:

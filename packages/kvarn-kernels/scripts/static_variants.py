@@ -61,7 +61,8 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
     variant(f"decode_v1 {_n} bn64 w4")(lambda _n=_n: _decode_v1(_n))
 
 
-def _decode_v3(
+def _decode_v34(
+    kernel: str,
     name: str,
     bn: int = 64,
     warps: int = 4,
@@ -69,8 +70,10 @@ def _decode_v3(
     maxnreg: int | None = None,
     bq: int = 8,
     d: int = 128,
+    fast: bool = True,
 ) -> Any:
     from kvarn_kernels.decode_v3 import decode_v3_kernel
+    from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
     sig = {
@@ -98,9 +101,11 @@ def _decode_v3(
         **geo.offsets(),
         BN=bn,
         NUM_SPLITS=4,
-        FAST_UNPACK=True,
+        FAST_UNPACK=fast,
+        **({} if kernel == "v3" else {"W": warps, "SCAN": 64}),
     )
-    return compile_kernel(decode_v3_kernel, sig, consts, warps, stages, maxnreg)
+    fn = decode_v3_kernel if kernel == "v3" else decode_v4_kernel
+    return compile_kernel(fn, sig, consts, warps, stages, maxnreg)
 
 
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
@@ -110,8 +115,12 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
         (64, 4, 3, None),
     ):
         variant(f"decode_v3 {_n} bn{_bn} w{_w} s{_st} r{_mr}")(
-            lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _mr=_mr: _decode_v3(_n, _bn, _w, _st, _mr)
+            lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _mr=_mr: _decode_v34("v3", _n, _bn, _w, _st, _mr)
         )
+    # the plain Triton unpack (shifts and masks) instead of the inline PTX
+    variant(f"decode_v3 {_n} bn128 w4 s3 plain-unpack")(
+        lambda _n=_n: _decode_v34("v3", _n, 128, 4, 3, None, fast=False)
+    )
 
 
 def _dequant_context(name: str, d: int = 128, bt: int = 32) -> Any:
@@ -182,15 +191,22 @@ for _k in ("fp16", "bf16", "fp32"):
     variant(f"rotate out {_k}")(lambda _k=_k: _rotate(_k))
 
 
-def _store(name: str, d: int = 128, warps: int = 4, kernel: str = "v1") -> Any:
+def _store(
+    name: str, d: int = 128, warps: int = 4, kernel: str = "v1", tokens: bool = False
+) -> Any:
+    """The store kernel as flush_tiles launches it, or (``tokens``) as flush_token_tiles."""
     from kvarn_kernels import store
 
     geo = _geo(name, d)
     fn = store._flush_kernel
     sig = {
-        "POOL_K": "*fp16",
-        "POOL_V": "*fp16",
-        "SRC_SLOTS": "*i32",
+        "SRC_K": "*fp16",
+        "SRC_V": "*fp16",
+        "SRC_ROWS": "*i32",
+        "HEAD_K": "*fp16",
+        "HEAD_V": "*fp16",
+        "HEAD_SLOTS": "*i32",
+        "HEAD_LENS": "*i32",
         "KV_CACHE": "*u8",
         "DST_BLOCKS": "*i32",
     }
@@ -208,6 +224,9 @@ def _store(name: str, d: int = 128, warps: int = 4, kernel: str = "v1") -> Any:
         ITERS=8,
         PRECISE=True,
         V2=kernel == "v2",
+        ROW_SCALE=1 if tokens else geo.group,
+        HAS_HEAD=tokens,
+        MASKED=tokens,
     )
     return compile_kernel(fn, sig, consts, warps, 3)
 
@@ -215,6 +234,8 @@ def _store(name: str, d: int = 128, warps: int = 4, kernel: str = "v1") -> Any:
 for _k in ("v1", "v2"):
     for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v2_g64", 2), ("kvarn_k4v2_g128", 8)):
         variant(f"store_{_k} {_n} w{_w}")(lambda _n=_n, _w=_w, _k=_k: _store(_n, 128, _w, _k))
+for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 4), ("kvarn_k5v5_g64", 2)):
+    variant(f"store_tokens {_n} w{_w}")(lambda _n=_n, _w=_w: _store(_n, 128, _w, "v1", True))
 
 
 def _decode_v3_default(name: str, d: int, qpk: int) -> Any:
@@ -222,7 +243,7 @@ def _decode_v3_default(name: str, d: int, qpk: int) -> Any:
 
     cfg = decode_v3_config(d, parse_cache_dtype(name).group)
     bq = max(8, 1 << (qpk - 1).bit_length())
-    return _decode_v3(name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], None, bq, d)
+    return _decode_v34("v3", name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], None, bq, d)
 
 
 for _n, _d, _qpk in (
@@ -234,3 +255,17 @@ for _n, _d, _qpk in (
     variant(f"decode_v3 default {_n} d{_d} qpk{_qpk}")(
         lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v3_default(_n, _d, _qpk)
     )
+
+
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
+    for _bn, _w, _st, _f in (
+        (64, 4, 2, True),
+        (32, 4, 3, True),
+        (32, 4, 3, False),
+        (32, 8, 3, True),
+    ):
+        variant(f"decode_v4 {_n} bn{_bn} w{_w} s{_st}{'' if _f else ' plain'}")(
+            lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _f=_f: _decode_v34(
+                "v4", _n, _bn, _w, _st, None, 16, fast=_f
+            )
+        )

@@ -39,18 +39,18 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v3"]
-VARIANT_IDS = ["variant1", "variant3"]
+VARIANTS = ["v1", "v3", "v4"]
+VARIANT_IDS = ["variant1", "variant3", "variant4"]
 
 
 def _v3_refuses(name: str, variant: str, d: int, device: torch.device | None = None) -> bool:
-    """v3 takes k4 formats only: for the others, check that it says so instead of running."""
+    """v3 and v4 take k4 formats only: for the others, check that they say so."""
     fmt = parse_cache_dtype(name)
-    if variant != "v3" or fmt.key_bits == 4:
+    if variant not in ("v3", "v4") or fmt.key_bits == 4:
         return False
     dev = device or torch.device("cpu")
     case = build_case(name, d, 1, [fmt.group + 1], device=dev, seed=0)
-    with pytest.raises(ValueError, match="variant='v3' takes 4-bit keys"):
+    with pytest.raises(ValueError, match=f"variant='{variant}' takes 4-bit keys"):
         decode_attention(
             name,
             torch.zeros(1, 1, d, dtype=torch.float16, device=dev),
@@ -61,7 +61,7 @@ def _v3_refuses(name: str, variant: str, d: int, device: torch.device | None = N
             case.seq_lens,
             case.block_to_slot,
             1.0,
-            variant="v3",
+            variant=variant,
         )
     return True
 
@@ -426,7 +426,7 @@ def test_prefill_validation(device: torch.device, kw: dict[str, object], message
         ("workspace", "workspace must be"),
         ("variant", "variant must be"),
         ("v3_prefetch", "applies to variant='v1' only"),
-        ("v1_stages", "applies to variant='v3' only"),
+        ("v1_stages", "applies to variant='v3' and 'v4' only"),
     ],
 )
 def test_decode_validation(device: torch.device, change: str, message: str) -> None:

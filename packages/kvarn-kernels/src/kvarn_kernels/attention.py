@@ -602,7 +602,8 @@ def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_spli
     return rows * head_dim + num_splits * rows * (head_dim + 1)
 
 
-def _launch_v3(
+def _launch_transposed(
+    variant: str,
     geo: DenseGeometry,
     q_rot: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -621,14 +622,28 @@ def _launch_v3(
     num_warps: int | None,
     num_stages: int | None,
 ) -> None:
-    """Launch :func:`kvarn_kernels.decode_v3.decode_v3_kernel` (tokens as the MMA rows)."""
-    from kvarn_kernels.decode_v3 import decode_v3_config, decode_v3_kernel
-
+    """Launch the v3 or v4 decode kernel (their arguments are the same but for v4's two)."""
     t = int(block_table.shape[0])
     hk = int(pool_k.shape[2])
     qpk = n_rows // t // hk
-    cfg = decode_v3_config(geo.head_dim, geo.group)
-    decode_v3_kernel[(t, hk, num_splits)](
+    extra: dict[str, int] = {}
+    if variant == "v4":
+        from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
+
+        kernel = decode_v4_kernel
+        cfg = decode_v4_config(geo.head_dim, geo.group)
+        warps = num_warps or cfg["num_warps"]
+        extra = {"W": warps, "SCAN": cfg["scan"], "FAST_UNPACK": fast}
+        block_q = max(16, triton.next_power_of_2(qpk))
+    else:
+        from kvarn_kernels.decode_v3 import decode_v3_config, decode_v3_kernel
+
+        kernel = decode_v3_kernel
+        cfg = decode_v3_config(geo.head_dim, geo.group)
+        warps = num_warps or cfg["num_warps"]
+        extra = {"FAST_UNPACK": fast}
+        block_q = max(8, triton.next_power_of_2(qpk))
+    kernel[(t, hk, num_splits)](
         q_rot,
         kv_cache,
         pool_k,
@@ -644,7 +659,7 @@ def _launch_v3(
         HQ=n_rows // t,
         HK=hk,
         QPK=qpk,
-        BLOCK_Q=max(8, triton.next_power_of_2(qpk)),
+        BLOCK_Q=block_q,
         D=geo.head_dim,
         G=geo.group,
         KB=geo.key_bits,
@@ -653,9 +668,9 @@ def _launch_v3(
         **geo.offsets(),
         BN=block_n or cfg["block_n"],
         NUM_SPLITS=num_splits,
-        FAST_UNPACK=fast,
-        num_warps=num_warps or cfg["num_warps"],
+        num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
+        **extra,
     )
 
 
@@ -696,8 +711,9 @@ def _launch(
     ]
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
-    if variant == "v3":
-        _launch_v3(
+    if variant in ("v3", "v4"):
+        _launch_transposed(
+            variant,
             geo,
             q_rot,
             kv_cache,
@@ -917,9 +933,11 @@ def decode_attention(
             current one (default on; v1 only).
         variant: ``"auto"`` (default: :func:`default_decode_variant`), ``"v1"`` or ``"v3"``
             (:mod:`kvarn_kernels.decode_v3`: transposed MMAs on dequantized fp16 code
-            operands that are never re-interleaved; 4-bit keys with 2/4-bit values only).
-            Both compute the same attention; see docs/kernel-notes.md.
-        num_stages: v3 only: software-pipeline depth of the code-byte loads (default 3).
+            operands that are never re-interleaved; 4-bit keys with 2/4-bit values only) or
+            ``"v4"`` (:mod:`kvarn_kernels.decode_v4`: one chunk per warp, codes unpacked in
+            the MMA operand layout; same formats as v3; not yet timed on a GPU). All compute
+            the same attention; see docs/kernel-notes.md.
+        num_stages: v3/v4 only: software-pipeline depth of the code-byte loads (default 3).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -928,8 +946,8 @@ def decode_attention(
     )
     if q.shape[0] != block_table.shape[0]:
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
-    if variant not in ("auto", "v1", "v3"):
-        raise ValueError(f"variant must be 'auto', 'v1' or 'v3', got {variant!r}")
+    if variant not in ("auto", "v1", "v3", "v4"):
+        raise ValueError(f"variant must be 'auto', 'v1', 'v3' or 'v4', got {variant!r}")
     if variant == "auto":
         variant = default_decode_variant(geo, num_stages, prefetch)
     if variant != "v1" and not prefetch:
@@ -937,12 +955,12 @@ def decode_attention(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
     if variant == "v1" and num_stages is not None:
-        raise ValueError("num_stages applies to variant='v3' only")
+        raise ValueError("num_stages applies to variant='v3' and 'v4' only")
     from kvarn_kernels.decode_v3 import decode_v3_supports  # (imports this module)
 
-    if variant == "v3" and not decode_v3_supports(geo.key_bits, geo.value_bits):
+    if variant in ("v3", "v4") and not decode_v3_supports(geo.key_bits, geo.value_bits):
         raise ValueError(
-            f"variant='v3' takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
+            f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
             f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
         )
     bsz, hq, d = (int(s) for s in q.shape)

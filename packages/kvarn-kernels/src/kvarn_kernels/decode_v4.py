@@ -1,0 +1,342 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton JIT kernels are untyped by nature; the config helper is annotated.)
+"""Decode attention v4: one chunk per warp, no shared-memory staging of dequantized operands.
+
+Round 3 (docs/kernel-notes.md) found the decode loop latency-bound: the record loads alone run
+at 4.4 TB/s, but every chunk walks a dependent chain of layout conversions (dequantized
+fp16 operands stored to shared memory and read back for the MMA, 54 barriers per v3
+iteration) and cross-warp softmax reductions. v4 removes both, from the static analysis of
+small Triton kernels (``scripts/static_kernels.py``):
+
+* **Codes as MMA B operands, unpacked in the operand layout.** Scores are ``S = q K`` with the
+  K codes (channel-major in the record, i.e. ``[D, tokens]``) as the B operand, and the
+  output ``O = P V`` with the V codes (token-major, ``[tokens, channels]``) as the B operand:
+  no transposes. The low and high nibbles of a K byte (even and odd tokens) and the
+  ``VG = 8 / VB`` fields of a V byte (channels ``VG * n + j``) are separate operands, so the
+  unpack and the fp16 dequantization are elementwise on the loaded bytes; Triton then keeps
+  the raw bytes in shared memory (``cp.async``, pipelined) and reads them straight into the
+  MMA operand layout (``local_load`` of ``i8`` into ``dot_op``), with no fp16 round trip.
+* **One chunk per warp.** A program runs ``W = num_warps`` chunks at a time as a batched
+  ``[W, 16, D] x [W, D, BN/2]`` MMA; the batch dimension lies along the warps, so each warp
+  keeps its own online softmax (maximum, sum, output) and no reduction crosses warps inside
+  the loop. The ``W`` partial states are merged once, at the end.
+* **Pool blocks** (the sink and the in-progress tile, fp16) are masked out of the main loop
+  (their record bytes are unused: scales zeroed, scores ``-inf``) and attended in a second,
+  short phase over the split's pool-resident blocks, found with a vectorized scan of the
+  block table.
+
+Numerics are v3's (:mod:`kvarn_kernels.decode_v3`): the K operand is ``fp16((code - 2^(KB-1))
+* k_scale / 2)`` with the zero point added once per query head in fp32, the V operand
+``fp16((code * v_scale + v_zero) / 2)``, the per-token K scale and per-channel V scale applied
+to fp32 MMA results. 4-bit keys with 2- or 4-bit values.
+"""
+
+from __future__ import annotations
+
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM
+
+__all__ = ["decode_v4_config", "decode_v4_kernel"]
+
+
+@triton.jit
+def _nibbles(b, FAST: tl.constexpr):
+    """Low and high nibbles as fp16 ``1024 + code`` (exact), elementwise.
+
+    ``FAST`` (GPU only): the inline-PTX unpack of :mod:`kvarn_kernels.attention`, four bytes
+    per block, about one instruction per code.
+    """
+    if FAST:
+        lo, hi = tl.inline_asm_elementwise(
+            _UNPACK4_ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+        )
+    else:
+        x = b.to(tl.int16)
+        lo = ((x & 15) | 0x6400).to(tl.float16, bitcast=True)
+        hi = ((x >> 4) | 0x6400).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _fields(b, VB: tl.constexpr, FAST: tl.constexpr):
+    """The ``8 / VB`` fields of each byte (low bits first) as fp16 ``1024 + code``; for 4-bit
+    values the last two repeat the first two (unused)."""
+    if VB == 4:
+        f0, f1 = _nibbles(b, FAST)
+        f2 = f0
+        f3 = f1
+    elif FAST:
+        f0, f1, f2, f3 = tl.inline_asm_elementwise(
+            _UNPACK2_ASM,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r",
+            [b],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        x = b.to(tl.int16)
+        f0 = ((x & 3) | 0x6400).to(tl.float16, bitcast=True)
+        f1 = (((x >> 2) & 3) | 0x6400).to(tl.float16, bitcast=True)
+        f2 = (((x >> 4) & 3) | 0x6400).to(tl.float16, bitcast=True)
+        f3 = ((x >> 6) | 0x6400).to(tl.float16, bitcast=True)
+    return f0, f1, f2, f3
+
+
+@triton.jit
+def _online(m, l_acc, s_e, s_o, AXIS: tl.constexpr):
+    """Online-softmax step over axis ``AXIS`` (the tokens) of the even and odd score halves.
+
+    Returns the new maximum, the rescale factor of the old state, the new row sums and the
+    probabilities as fp16 MMA operands.
+    """
+    m_new = tl.maximum(m, tl.maximum(tl.max(s_e, axis=AXIS), tl.max(s_o, axis=AXIS)))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p_e = tl.exp2(s_e - tl.expand_dims(m_use, AXIS))
+    p_o = tl.exp2(s_o - tl.expand_dims(m_use, AXIS))
+    l_acc = l_acc * alpha + tl.sum(p_e, axis=AXIS) + tl.sum(p_o, axis=AXIS)
+    return m_new, alpha, l_acc, p_e.to(tl.float16), p_o.to(tl.float16)
+
+
+@triton.jit
+def decode_v4_kernel(
+    Q,
+    KV,
+    POOL_K,
+    POOL_V,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    BLOCK_TO_SLOT,
+    O_PART,
+    LSE_PART,
+    qk_scale,
+    stride_bt,
+    n_rows_total,
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    QPK: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    STRIDE: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr,
+    OFF_VCS: tl.constexpr,
+    OFF_VS: tl.constexpr,
+    OFF_VZ: tl.constexpr,
+    BN: tl.constexpr,
+    W: tl.constexpr,
+    SCAN: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
+):
+    """One program per (request, KV head, split); ``W`` chunks of ``BN`` tokens per step.
+
+    Writes the split's normalized partial output (``O_PART``, fp32, rotated frame, natural
+    channel order) and base-2 LSE (``LSE_PART``), like v1 and v3.
+    """
+    tl.static_assert(KB == 4, "v4 takes 4-bit keys")
+    tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    f16 = tl.pointer_type(tl.float16)
+
+    H2: tl.constexpr = BN // 2  # tokens per parity in a chunk
+    VG: tl.constexpr = 8 // VB  # V fields per byte
+    DV: tl.constexpr = D // VG  # channels per V field
+    K_ROW: tl.constexpr = G * KB // 8
+    V_ROW: tl.constexpr = D * VB // 8
+    NCH: tl.constexpr = G // BN
+
+    qi = tl.arange(0, BLOCK_Q)
+    q_ok = qi < QPK
+    seq_len = tl.load(SEQ_LENS + b)
+    dd = tl.arange(0, D)
+    rows = b.to(tl.int64) * HQ + h * QPK + qi
+    q = tl.load(Q + rows[:, None] * D + dd[None, :], mask=q_ok[:, None], other=0.0) * qk_scale
+    qmax = tl.max(tl.abs(q), axis=1)
+    qmax = tl.where(qmax > 0, qmax, 1.0)
+    qn = q / qmax[:, None]  # [BLOCK_Q, D] in [-1, 1]
+    q16 = qn.to(tl.float16)
+    q3 = tl.broadcast_to(q16[None, :, :], (W, BLOCK_Q, D))
+
+    n_blocks = tl.cdiv(seq_len, G)
+    if NUM_SPLITS > 1:
+        per = tl.cdiv(n_blocks, NUM_SPLITS)
+        blk_lo = split * per
+        blk_hi = tl.minimum(blk_lo + per, n_blocks)
+    else:
+        blk_lo = 0
+        blk_hi = n_blocks
+    ch_lo = blk_lo * NCH
+    ch_hi = tl.maximum(blk_hi, blk_lo) * NCH
+    n_it = tl.cdiv(ch_hi - ch_lo, W)
+
+    ww = tl.arange(0, W)
+    nb = tl.arange(0, H2)  # K bytes of a chunk row (two tokens each)
+    nv = tl.arange(0, DV)  # V bytes of a token row (VG channels each)
+    tp = nb * 2  # even token offsets within a chunk
+    bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_bt
+
+    m = tl.full([W, BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_acc = tl.zeros([W, BLOCK_Q], dtype=tl.float32)
+    acc0 = tl.zeros([W, BLOCK_Q, DV], dtype=tl.float32)
+    acc1 = tl.zeros([W, BLOCK_Q, DV], dtype=tl.float32)
+    acc2 = tl.zeros([W, BLOCK_Q, DV], dtype=tl.float32)
+    acc3 = tl.zeros([W, BLOCK_Q, DV], dtype=tl.float32)
+
+    for it in range(0, n_it):
+        ci = ch_lo + it * W + ww  # [W] chunk of each warp
+        valid = ci < ch_hi
+        bi = ci // NCH
+        c = ci % NCH
+        blk = tl.load(bt_row + bi, mask=valid, other=0).to(tl.int64)
+        slot = tl.load(BLOCK_TO_SLOT + blk, mask=valid, other=0)
+        packed = valid & (slot < 0)  # pool blocks are the second phase's
+        rec = KV + (blk * HK + h) * STRIDE  # [W] record pointers
+        tok_e = c[:, None] * BN + tp[None, :]  # [W, H2]
+        tok_o = tok_e + 1
+        live_e = packed[:, None] & (bi[:, None] * G + tok_e < seq_len)
+        live_o = packed[:, None] & (bi[:, None] * G + tok_o < seq_len)
+
+        # --- scores [W, BLOCK_Q, H2] of the even and odd tokens ---
+        kbytes = tl.load(
+            rec[:, None, None]
+            + OFF_KC
+            + dd[None, :, None] * K_ROW
+            + c[:, None, None] * H2
+            + nb[None, None, :]
+        )
+        k_lo, k_hi = _nibbles(kbytes, FAST_UNPACK)
+        ksp = (rec[:, None] + OFF_KS).to(f16) + dd[None, :]
+        kzp = (rec[:, None] + OFF_KZ).to(f16) + dd[None, :]
+        ks = (tl.where(packed[:, None], tl.load(ksp), 0.0) * 0.5)[:, :, None]  # [W, D, 1]
+        kz = (tl.where(packed[:, None], tl.load(kzp), 0.0) * 0.5)[:, :, None]
+        ktp = (rec[:, None] + OFF_KT).to(f16)
+        kt_e = tl.where(live_e, tl.load(ktp + tok_e).to(tl.float32), 0.0) * 2.0
+        kt_o = tl.where(live_o, tl.load(ktp + tok_o).to(tl.float32), 0.0) * 2.0
+        s_e = tl.dot(q3, (k_lo - 1024.0) * ks + kz)
+        s_o = tl.dot(q3, (k_hi - 1024.0) * ks + kz)
+        s_e = s_e * kt_e[:, None, :] * qmax[None, :, None]
+        s_o = s_o * kt_o[:, None, :] * qmax[None, :, None]
+        s_e = tl.where(live_e[:, None, :], s_e, float("-inf"))
+        s_o = tl.where(live_o[:, None, :], s_o, float("-inf"))
+        m, alpha, l_acc, p_e16, p_o16 = _online(m, l_acc, s_e, s_o, 2)
+
+        # --- P V [W, BLOCK_Q, DV] per V field ---
+        vrow_e = rec[:, None, None] + OFF_VC + tok_e[:, :, None] * V_ROW + nv[None, None, :]
+        vb_e = tl.load(vrow_e)
+        vb_o = tl.load(vrow_e + V_ROW)
+        vsp = (rec[:, None] + OFF_VS).to(f16)
+        vzp = (rec[:, None] + OFF_VZ).to(f16)
+        vs_e = tl.where(live_e, tl.load(vsp + tok_e), 0.0)[:, :, None] * 0.5
+        vs_o = tl.where(live_o, tl.load(vsp + tok_o), 0.0)[:, :, None] * 0.5
+        vz_e = tl.where(live_e, tl.load(vzp + tok_e), 0.0)[:, :, None] * 0.5
+        vz_o = tl.where(live_o, tl.load(vzp + tok_o), 0.0)[:, :, None] * 0.5
+        vcp = (rec[:, None] + OFF_VCS).to(f16) + nv[None, :] * VG
+        a3 = alpha[:, :, None]
+        e0, e1, e2, e3 = _fields(vb_e, VB, FAST_UNPACK)
+        o0_, o1_, o2_, o3_ = _fields(vb_o, VB, FAST_UNPACK)
+        pv = tl.dot(p_e16, (e0 - 1024.0) * vs_e + vz_e)
+        pv = tl.dot(p_o16, (o0_ - 1024.0) * vs_o + vz_o, pv)
+        vcs = tl.where(packed[:, None], tl.load(vcp).to(tl.float32), 0.0) * 2.0
+        acc0 = acc0 * a3 + pv * vcs[:, None, :]
+        pv = tl.dot(p_e16, (e1 - 1024.0) * vs_e + vz_e)
+        pv = tl.dot(p_o16, (o1_ - 1024.0) * vs_o + vz_o, pv)
+        vcs = tl.where(packed[:, None], tl.load(vcp + 1).to(tl.float32), 0.0) * 2.0
+        acc1 = acc1 * a3 + pv * vcs[:, None, :]
+        if VG == 4:
+            pv = tl.dot(p_e16, (e2 - 1024.0) * vs_e + vz_e)
+            pv = tl.dot(p_o16, (o2_ - 1024.0) * vs_o + vz_o, pv)
+            vcs = tl.where(packed[:, None], tl.load(vcp + 2).to(tl.float32), 0.0) * 2.0
+            acc2 = acc2 * a3 + pv * vcs[:, None, :]
+            pv = tl.dot(p_e16, (e3 - 1024.0) * vs_e + vz_e)
+            pv = tl.dot(p_o16, (o3_ - 1024.0) * vs_o + vz_o, pv)
+            vcs = tl.where(packed[:, None], tl.load(vcp + 3).to(tl.float32), 0.0) * 2.0
+            acc3 = acc3 * a3 + pv * vcs[:, None, :]
+
+    # --- merge the W warps' states ---
+    m_all = tl.max(m, axis=0)  # [BLOCK_Q]
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    wscale = tl.exp2(m - m_safe[None, :])  # [W, BLOCK_Q]; 0 for empty warps
+    l_tot = tl.sum(l_acc * wscale, axis=0)
+    o0 = tl.sum(acc0 * wscale[:, :, None], axis=0)  # [BLOCK_Q, DV]
+    o1 = tl.sum(acc1 * wscale[:, :, None], axis=0)
+    o2 = tl.sum(acc2 * wscale[:, :, None], axis=0)
+    o3 = tl.sum(acc3 * wscale[:, :, None], axis=0)
+    m_run = m_all
+
+    # --- phase 2: the split's pool-resident blocks (fp16 sink / in-progress tiles) ---
+    sc = tl.arange(0, SCAN)
+    tn = tl.arange(0, H2)
+    for g0 in range(blk_lo, blk_hi, SCAN):
+        idx = g0 + sc
+        ok = idx < blk_hi
+        blks = tl.load(bt_row + idx, mask=ok, other=0)
+        slots = tl.load(BLOCK_TO_SLOT + blks, mask=ok, other=-1)
+        is_pool = ok & (slots >= 0)
+        rank = tl.cumsum(is_pool.to(tl.int32), axis=0) - 1
+        for k in range(0, tl.sum(is_pool.to(tl.int32), axis=0)):
+            sel = is_pool & (rank == k)
+            pbi = tl.sum(tl.where(sel, idx, 0), axis=0)
+            pslot = tl.sum(tl.where(sel, slots, 0), axis=0).to(tl.int64)
+            for cc in range(0, NCH):
+                te = cc * BN + tn * 2
+                le = pbi * G + te < seq_len
+                lo_ = pbi * G + te + 1 < seq_len
+                prow_e = (pslot * G + te) * HK + h
+                prow_o = prow_e + HK
+                kpe = tl.load(
+                    POOL_K + prow_e[None, :] * D + dd[:, None], mask=le[None, :], other=0.0
+                )
+                kpo = tl.load(
+                    POOL_K + prow_o[None, :] * D + dd[:, None], mask=lo_[None, :], other=0.0
+                )
+                pe = tl.dot(q16, kpe) * qmax[:, None]
+                po = tl.dot(q16, kpo) * qmax[:, None]
+                pe = tl.where(le[None, :], pe, float("-inf"))
+                po = tl.where(lo_[None, :], po, float("-inf"))
+                m_run, alpha2, l_tot, pe16, po16 = _online(m_run, l_tot, pe, po, 1)
+                a2 = alpha2[:, None]
+                vpe = POOL_V + prow_e[:, None] * D + nv[None, :] * VG
+                vpo = POOL_V + prow_o[:, None] * D + nv[None, :] * VG
+                o0 = o0 * a2 + tl.dot(pe16, tl.load(vpe, mask=le[:, None], other=0.0))
+                o0 = o0 + tl.dot(po16, tl.load(vpo, mask=lo_[:, None], other=0.0))
+                o1 = o1 * a2 + tl.dot(pe16, tl.load(vpe + 1, mask=le[:, None], other=0.0))
+                o1 = o1 + tl.dot(po16, tl.load(vpo + 1, mask=lo_[:, None], other=0.0))
+                if VG == 4:
+                    o2 = o2 * a2 + tl.dot(pe16, tl.load(vpe + 2, mask=le[:, None], other=0.0))
+                    o2 = o2 + tl.dot(po16, tl.load(vpo + 2, mask=lo_[:, None], other=0.0))
+                    o3 = o3 * a2 + tl.dot(pe16, tl.load(vpe + 3, mask=le[:, None], other=0.0))
+                    o3 = o3 + tl.dot(po16, tl.load(vpo + 3, mask=lo_[:, None], other=0.0))
+
+    l_safe = tl.where(l_tot > 0, l_tot, 1.0)
+    lse = tl.where(l_tot > 0, m_run + tl.log2(l_safe), float("-inf"))
+    prow_out = split.to(tl.int64) * n_rows_total + rows
+    obase = O_PART + prow_out[:, None] * D + nv[None, :] * VG
+    tl.store(obase, o0 / l_safe[:, None], mask=q_ok[:, None])
+    tl.store(obase + 1, o1 / l_safe[:, None], mask=q_ok[:, None])
+    if VG == 4:
+        tl.store(obase + 2, o2 / l_safe[:, None], mask=q_ok[:, None])
+        tl.store(obase + 3, o3 / l_safe[:, None], mask=q_ok[:, None])
+    tl.store(LSE_PART + prow_out, lse, mask=q_ok)
+
+
+def decode_v4_config(head_dim: int, group: int) -> dict[str, int]:
+    """Default launch shape (static analysis only so far; not yet timed on a GPU).
+
+    ``BN`` tokens per warp and step such that one warp's K chunk is ``D x BN/2 = 4 KB`` of
+    bytes, 4 warps (4 chunks in flight per program), 2 pipeline stages, block-table scans of
+    64 entries in the pool phase.
+    """
+    bn = max(32, min(group, 8192 // head_dim))
+    return {"block_n": bn, "num_warps": 4, "num_stages": 2, "scan": 64}
