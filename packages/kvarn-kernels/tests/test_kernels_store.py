@@ -1,4 +1,6 @@
-"""flush_tiles against kvarn-format's reference encoder (bytes) and decoder (values).
+"""flush_tiles against kvarn-format's reference encoder (bytes) and decoder (values), and
+flush_token_tiles (tiles read from token rows, optionally opening with pool rows) against
+flush_tiles on the same data.
 
 Under the Triton interpreter the kernel's fp32 sums are NumPy's, so records must be
 byte-identical. On the GPU the sums inside a standard deviation run as a tree across
@@ -11,13 +13,15 @@ no worse than the reference's own, within 2%.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 from kvarn_format import parse_cache_dtype, record_layout
 from kvarn_format.reference import decode_rotated_tiles, encode_rotated_tiles
-from kvarn_kernels import flush_tiles
+from kvarn_kernels import flush_tiles, flush_token_tiles
 from kvarn_kernels.testing import random_kv
 
 INTERPRET = not torch.cuda.is_available()
@@ -238,3 +242,222 @@ def test_flush_tiles_validation(device: torch.device, change: str, message: str)
         flush_tiles(
             name, pool, pool.clone(), src, kv, dst, variant="v3" if change == "variant" else "v1"
         )
+
+
+# ----------------------------------------------------------------------------- token rows
+
+
+def _token_rows(
+    n_rows: int, hk: int, d: int, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    k = random_kv(n_rows, hk, d, generator=gen)
+    v = random_kv(n_rows, hk, d, generator=gen, outliers=False)
+    return k.half().to(device), v.half().to(device)
+
+
+def _expected_records(
+    name: str,
+    tiles_k: list[torch.Tensor],
+    tiles_v: list[torch.Tensor],
+    kv_like: torch.Tensor,
+    variant: str = "v1",
+) -> torch.Tensor:
+    """Records of ``[G, Hk, D]`` tiles as flush_tiles writes them from pool slots 0..N-1."""
+    pool_k = torch.stack(tiles_k).contiguous()
+    pool_v = torch.stack(tiles_v).contiguous()
+    n = pool_k.shape[0]
+    out = torch.zeros((n, *kv_like.shape[1:]), dtype=torch.uint8, device=kv_like.device)
+    idx = torch.arange(n, dtype=torch.int32, device=kv_like.device)
+    flush_tiles(name, pool_k, pool_v, idx, out, idx, variant=variant)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "d", "hk", "variant"),
+    [
+        ("kvarn_k4v2_g64", 64, 2, "v1"),
+        ("kvarn_k5v5_g64", 64, 1, "v1"),
+        ("kvarn_k4v4_g128", 64, 1, "v1"),
+        ("kvarn_k4v2_g64", 64, 1, "v2"),
+    ],
+)
+def test_flush_token_tiles_equals_flush_tiles_bytes(
+    device: torch.device, name: str, d: int, hk: int, variant: str
+) -> None:
+    """Tiles read from token rows (at rows that are not multiples of G) and tiles that open
+    with side-pool rows give exactly flush_tiles' records on the same data."""
+    fmt = parse_cache_dtype(name)
+    g = fmt.group
+    k_rows, v_rows = _token_rows(3 * g + 7, hk, d, seed=d + hk, device=device)
+    pool_k, pool_v = _pool(g, hk, d, 3, seed=5, device=device)
+    tile = record_layout(fmt, d).tile_bytes
+    kv = torch.randint(0, 256, (6, hk, tile), dtype=torch.uint8).to(device)
+    before = kv.clone()
+    # tile 0: rows [5, 5+G); tile 1: pool slot 2's first 9 rows, then rows [2G+7-(G-9), ...)
+    # (ends at the last row); tile 2: rows [G+3, 2G+3); tile 3: skipped (negative row).
+    head = 9
+    starts = [5, 3 * g + 7 - (g - head), g + 3, -1]
+    lens = [0, head, 0, 0]
+    slots = [-1, 2, 7, 1]  # slots of head-less tiles are ignored, whatever they hold
+    dst = [4, 0, 2, 5]
+    i32 = {"dtype": torch.int32, "device": device}
+    flush_token_tiles(
+        name,
+        k_rows,
+        v_rows,
+        torch.tensor(starts, **i32),
+        kv,
+        torch.tensor(dst, **i32),
+        pool_k=pool_k,
+        pool_v=pool_v,
+        head_slots=torch.tensor(slots, **i32),
+        head_lens=torch.tensor(lens, **i32),
+        variant=variant,
+        check=True,
+    )
+    tiles_k = [
+        k_rows[5 : 5 + g],
+        torch.cat([pool_k[2, :head], k_rows[starts[1] :]]),
+        k_rows[g + 3 : 2 * g + 3],
+    ]
+    tiles_v = [
+        v_rows[5 : 5 + g],
+        torch.cat([pool_v[2, :head], v_rows[starts[1] :]]),
+        v_rows[g + 3 : 2 * g + 3],
+    ]
+    want = _expected_records(name, tiles_k, tiles_v, kv, variant)
+    for i, block in enumerate(dst[:3]):
+        assert torch.equal(kv[block].cpu(), want[i].cpu()), f"tile {i} differs from flush_tiles"
+    untouched = [b for b in range(6) if b not in dst[:3]]
+    assert torch.equal(kv[untouched].cpu(), before[untouched].cpu()), "a skipped tile was written"
+    # Without heads (all four head arguments left out) the same rows give the same records.
+    kv2 = before.clone()
+    flush_token_tiles(
+        name,
+        k_rows,
+        v_rows,
+        torch.tensor([5, g + 3], **i32),
+        kv2,
+        torch.tensor([4, 2], **i32),
+        variant=variant,
+    )
+    assert torch.equal(kv2[4].cpu(), want[0].cpu()) and torch.equal(kv2[2].cpu(), want[2].cpu())
+
+
+def test_flush_token_tiles_head_dim_512_torch_path(device: torch.device) -> None:
+    name = "kvarn_k4v4_g64"
+    fmt = parse_cache_dtype(name)
+    g, hk, d = 64, 1, 512
+    k_rows, v_rows = _token_rows(g + 11, hk, d, seed=9, device=device)
+    pool_k, pool_v = _pool(g, hk, d, 2, seed=4, device=device)
+    tile = record_layout(fmt, d).tile_bytes
+    kv = torch.randint(0, 256, (3, hk, tile), dtype=torch.uint8).to(device)
+    before = kv.clone()
+    i32 = {"dtype": torch.int32, "device": device}
+    flush_token_tiles(
+        name,
+        k_rows,
+        v_rows,
+        torch.tensor([11, g + 11 - (g - 20), -1], **i32),
+        kv,
+        torch.tensor([1, 0, 2], **i32),
+        pool_k=pool_k,
+        pool_v=pool_v,
+        head_slots=torch.tensor([0, 1, 0], **i32),
+        head_lens=torch.tensor([0, 20, 0], **i32),
+    )
+    tiles_k = [k_rows[11 : 11 + g], torch.cat([pool_k[1, :20], k_rows[g + 11 - 44 :]])]
+    tiles_v = [v_rows[11 : 11 + g], torch.cat([pool_v[1, :20], v_rows[g + 11 - 44 :]])]
+    want = _expected_records(name, tiles_k, tiles_v, kv)
+    assert torch.equal(kv[1].cpu(), want[0].cpu())
+    assert torch.equal(kv[0].cpu(), want[1].cpu())
+    assert torch.equal(kv[2].cpu(), before[2].cpu()), "the skipped tile was written"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("partial_heads", "go together"),
+        ("rows_dtype", "k_rows must have dtype"),
+        ("rows_shape", "v_rows must have k_rows' shape"),
+        ("starts_dtype", "row_starts must have dtype"),
+        ("pool_geometry", "the pool holds"),
+        ("past_end", "reads rows"),
+        ("head_len", "head_lens must lie in"),
+        ("head_slot", "head_slots must name pool slots"),
+        ("block", "dst_blocks must lie in"),
+    ],
+)
+def test_flush_token_tiles_validation(device: torch.device, change: str, message: str) -> None:
+    name = "kvarn_k4v2_g64"
+    g, d = 64, 64
+    rows = torch.zeros(g + 4, 1, d, dtype=torch.float16, device=device)
+    v_rows = rows.clone() if change != "rows_shape" else rows[:-1].clone()
+    if change == "rows_dtype":
+        rows = rows.float()
+    pool = torch.zeros(2, g, 2 if change == "pool_geometry" else 1, d, dtype=torch.float16)
+    pool = pool.to(device)
+    tile = record_layout(parse_cache_dtype(name), d).tile_bytes
+    kv = torch.zeros(2, 1, tile, dtype=torch.uint8, device=device)
+    i32 = {"dtype": torch.int32, "device": device}
+    starts = torch.tensor(
+        [10 if change == "past_end" else 0], dtype=torch.int64 if change == "starts_dtype" else None
+    ).to(device)
+    if change != "starts_dtype":
+        starts = starts.to(torch.int32)
+    dst = torch.tensor([7 if change == "block" else 1], **i32)
+    slots = torch.tensor([9 if change == "head_slot" else 0], **i32)
+    lens = torch.tensor([g if change == "head_len" else 3], **i32)
+    kwargs: dict[str, Any] = {
+        "pool_k": pool,
+        "pool_v": pool.clone(),
+        "head_slots": slots,
+        "head_lens": lens,
+    }
+    if change == "partial_heads":
+        del kwargs["head_lens"]
+    with pytest.raises(ValueError, match=message):
+        flush_token_tiles(name, rows, v_rows, starts, kv, dst, check=True, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("name", "d"), [("kvarn_k4v2_g128", 128), ("kvarn_k4v4_g128", 128)])
+def test_flush_token_tiles_many_tiles_gpu(device: torch.device, name: str, d: int) -> None:
+    """Token-row tiles (every other one opening with pool rows) against the reference codec,
+    with flush_tiles' GPU bars (the masked kernel runs the same arithmetic)."""
+    fmt = parse_cache_dtype(name)
+    g, hk, n = fmt.group, 8, 48
+    k_rows, v_rows = _token_rows(n * g + 5, hk, d, seed=13, device=device)
+    pool_k, pool_v = _pool(g, hk, d, n, seed=17, device=device)
+    heads = [(i * 37) % g if i % 2 else 0 for i in range(n)]
+    starts = [i * g + 5 for i in range(n)]
+    tile = record_layout(fmt, d).tile_bytes
+    kv = torch.zeros((n, hk, tile), dtype=torch.uint8, device=device)
+    i32 = {"dtype": torch.int32, "device": device}
+    idx = torch.arange(n, **i32)
+    flush_token_tiles(
+        name,
+        k_rows,
+        v_rows,
+        torch.tensor(starts, **i32),
+        kv,
+        idx,
+        pool_k=pool_k,
+        pool_v=pool_v,
+        head_slots=idx,
+        head_lens=torch.tensor(heads, **i32),
+    )
+    tiles_k = torch.stack(
+        [
+            torch.cat([pool_k[i, :h], k_rows[s : s + g - h]])
+            for i, (s, h) in enumerate(zip(starts, heads, strict=True))
+        ]
+    )
+    tiles_v = torch.stack(
+        [
+            torch.cat([pool_v[i, :h], v_rows[s : s + g - h]])
+            for i, (s, h) in enumerate(zip(starts, heads, strict=True))
+        ]
+    )
+    _check_records(name, tiles_k, tiles_v, idx, kv, idx, "align8", exact=False)

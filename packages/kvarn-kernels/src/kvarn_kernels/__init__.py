@@ -7,7 +7,8 @@ Serving data model (per attention layer):
 * side pool ``pool_k, pool_v: fp16 [num_slots, G, Hk, D]``, rotated (``x @ H``);
 * ``block_to_slot: int32 [num_blocks]``: a block's pool slot, or -1 when it is a packed record.
 
-Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store),
+Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from pool slots),
+:func:`flush_token_tiles` (store straight from a step's rotated K/V rows),
 :func:`decode_attention`, :func:`prefill_attention`, plus :func:`hadamard_matrix`.
 Pure-torch references live in :mod:`kvarn_kernels.reference`.
 """
@@ -19,7 +20,7 @@ from kvarn_kernels.attention import (
     prefill_attention,
 )
 from kvarn_kernels.rotation import hadamard_matrix, rotate, write_side_pool
-from kvarn_kernels.store import flush_tiles
+from kvarn_kernels.store import flush_tiles, flush_token_tiles
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "decode_attention",
     "decode_workspace_numel",
     "flush_tiles",
+    "flush_token_tiles",
     "hadamard_matrix",
     "prefill_attention",
     "rotate",

@@ -1,11 +1,20 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 # (Triton JIT kernels and their @triton.jit helpers are untyped by nature; the public
 # wrappers in this module are fully annotated.)
-"""Store (flush): quantize full tiles of the fp16 side pool into packed records, one launch.
+"""Store (flush): quantize full tiles of rotated fp16 tokens into packed records, one launch.
 
-For every ``(tile n, KV head h)`` one program quantizes the K tile and another the V tile of
-``pool[src_slots[n], :, h, :]`` and writes the record at ``kv_cache[dst_blocks[n], h]``. The
-whole batch is one launch, grid ``(N, Hk, 2)``. The arithmetic mirrors the reference codec
+For every ``(tile n, KV head h)`` one program quantizes the K tile and another the V tile and
+writes the record at ``kv_cache[dst_blocks[n], h]``; the whole batch is one launch, grid
+``(N, Hk, 2)``. The source is addressed by token rows of a ``[rows, Hk, D]`` fp16 tensor:
+
+* :func:`flush_tiles` reads side-pool slots (slot ``s`` is row ``s * G`` of the pool viewed as
+  ``[num_slots * G, Hk, D]``): tiles that filled up in the pool over several steps;
+* :func:`flush_token_tiles` reads a step's rotated K/V directly (tile ``n`` = rows
+  ``row_starts[n] ...``), optionally opening with rows already in a pool slot: the tiles a
+  prefill chunk completes, quantized in the step that writes them (kvarn-vllm's direct
+  flush), so they never take a pool slot.
+
+Both run the same kernel, so their records are byte-identical on the same data. The arithmetic mirrors the reference codec
 (:mod:`kvarn_format.reference`) operation by operation, in the same order and with
 correctly-rounded fp32 division, square root, exp and log:
 
@@ -28,6 +37,8 @@ the same algorithm written with batched torch ops (:func:`_flush_torch`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
@@ -39,14 +50,16 @@ from kvarn_kernels._common import (
     DenseGeometry,
     check_device,
     check_dtype,
+    check_head_dim,
     check_index_tensor,
     check_ndim,
+    debug_checks_enabled,
     dense_geometry,
     resolve_format,
     triton_interpret,
 )
 
-__all__ = ["flush_tiles"]
+__all__ = ["flush_tiles", "flush_token_tiles"]
 
 _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 
@@ -231,11 +244,57 @@ def _sinkhorn_v2(
 
 
 @triton.jit
-def _quantize_tile(
+def _st(ptrs, vals, mask, MASKED: tl.constexpr):
+    """Store, predicated on ``mask`` only in the masked kernel (the pool flush has no masks)."""
+    if MASKED:
+        tl.store(ptrs, vals, mask=mask)
+    else:
+        tl.store(ptrs, vals)
+
+
+@triton.jit
+def _load_tile(
     SRC,
     src_base,
+    HEAD,
+    head_base,
+    head_len,
+    ok,
     stride_r,
     stride_c,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    TOK_ROWS: tl.constexpr,
+    HAS_HEAD: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The tile ``x[r, c]`` in fp32; tokens run along rows (``TOK_ROWS``) or columns.
+
+    Token ``j`` of the tile is at ``SRC + src_base + j * (token stride)``; with a head, tokens
+    ``j < head_len`` are read from ``HEAD + head_base`` instead (same strides). ``ok`` false
+    (masked kernel only) reads nothing and yields zeros.
+    """
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    offs = r[:, None] * stride_r + c[None, :] * stride_c
+    if HAS_HEAD:
+        tok = r[:, None] + 0 * c[None, :] if TOK_ROWS else c[None, :] + 0 * r[:, None]
+        in_head = tok < head_len
+        body = tl.load(SRC + src_base + offs, mask=(tok >= head_len) & ok, other=0.0)
+        head = tl.load(HEAD + head_base + offs, mask=in_head & ok, other=0.0)
+        x = tl.where(in_head, head, body)
+    elif MASKED:
+        every = (r[:, None] < R) & (c[None, :] < C) & ok
+        x = tl.load(SRC + src_base + offs, mask=every, other=0.0)
+    else:
+        x = tl.load(SRC + src_base + offs)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _quantize_tile(
+    x,
+    ok,
     REC,
     OFF_CODES: tl.constexpr,
     OFF_ROW_SCALE: tl.constexpr,
@@ -247,11 +306,16 @@ def _quantize_tile(
     ITERS: tl.constexpr,
     PRECISE: tl.constexpr,
     V2: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """Quantize the tile ``x[r, c] = SRC[src_base + r*stride_r + c*stride_c]`` along rows."""
+    """Quantize the fp32 tile ``x [R, C]`` along rows into the record at ``REC``.
+
+    In the masked kernel nothing is stored when ``ok`` is false.
+    """
     r = tl.arange(0, R)
     c = tl.arange(0, C)
-    x = tl.load(SRC + src_base + r[:, None] * stride_r + c[None, :] * stride_c).to(tl.float32)
+    ok_r = (r < R) & ok
+    ok_c = (c < C) & ok
 
     # --- Sinkhorn, best-imbalance state in the log domain (reference: sinkhorn_batched) ---
     if V2:
@@ -287,9 +351,9 @@ def _quantize_tile(
     a = tl.div_rn(a, factor)
     z = tl.div_rn(z, factor)
     col_s = col_s * factor
-    tl.store((REC + OFF_ROW_SCALE).to(tl.pointer_type(tl.float16)) + r, _to_f16(a))
-    tl.store((REC + OFF_ROW_ZERO).to(tl.pointer_type(tl.float16)) + r, _to_f16(z))
-    tl.store((REC + OFF_COL_SCALE).to(tl.pointer_type(tl.float16)) + c, _to_f16(col_s))
+    _st((REC + OFF_ROW_SCALE).to(tl.pointer_type(tl.float16)) + r, _to_f16(a), ok_r, MASKED)
+    _st((REC + OFF_ROW_ZERO).to(tl.pointer_type(tl.float16)) + r, _to_f16(z), ok_r, MASKED)
+    _st((REC + OFF_COL_SCALE).to(tl.pointer_type(tl.float16)) + c, _to_f16(col_s), ok_c, MASKED)
 
     # --- pack codes along the row, LSB first ---
     row_bytes: tl.constexpr = C * BITS // 8
@@ -297,14 +361,24 @@ def _quantize_tile(
         ev, od = tl.split(tl.reshape(q, [R, C // 2, 2]))
         packed = ev | (od << 4)
         jb = tl.arange(0, C // 2)
-        tl.store(REC + OFF_CODES + r[:, None] * row_bytes + jb[None, :], packed.to(tl.uint8))
+        _st(
+            REC + OFF_CODES + r[:, None] * row_bytes + jb[None, :],
+            packed.to(tl.uint8),
+            ok_r[:, None] & (jb < C // 2)[None, :],
+            MASKED,
+        )
     elif BITS == 2:
         b0, b1 = tl.split(tl.reshape(q, [R, C // 4, 2, 2]))
         c0, c2 = tl.split(b0)
         c1, c3 = tl.split(b1)
         packed = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
         jb = tl.arange(0, C // 4)
-        tl.store(REC + OFF_CODES + r[:, None] * row_bytes + jb[None, :], packed.to(tl.uint8))
+        _st(
+            REC + OFF_CODES + r[:, None] * row_bytes + jb[None, :],
+            packed.to(tl.uint8),
+            ok_r[:, None] & (jb < C // 4)[None, :],
+            MASKED,
+        )
     else:
         tl.static_assert(BITS == 5, "code widths are 2, 4 or 5")
         s0, s1 = tl.split(tl.reshape(q, [R, C // 8, 2, 2, 2]))
@@ -316,18 +390,23 @@ def _quantize_tile(
         c3, c7 = tl.split(s11)
         jb = tl.arange(0, C // 8)
         base = REC + OFF_CODES + r[:, None] * row_bytes + 5 * jb[None, :]
-        tl.store(base + 0, ((c0 | (c1 << 5)) & 0xFF).to(tl.uint8))
-        tl.store(base + 1, (((c1 >> 3) | (c2 << 2) | (c3 << 7)) & 0xFF).to(tl.uint8))
-        tl.store(base + 2, (((c3 >> 1) | (c4 << 4)) & 0xFF).to(tl.uint8))
-        tl.store(base + 3, (((c4 >> 4) | (c5 << 1) | (c6 << 6)) & 0xFF).to(tl.uint8))
-        tl.store(base + 4, (((c6 >> 2) | (c7 << 3)) & 0xFF).to(tl.uint8))
+        m5 = ok_r[:, None] & (jb < C // 8)[None, :]
+        _st(base + 0, ((c0 | (c1 << 5)) & 0xFF).to(tl.uint8), m5, MASKED)
+        _st(base + 1, (((c1 >> 3) | (c2 << 2) | (c3 << 7)) & 0xFF).to(tl.uint8), m5, MASKED)
+        _st(base + 2, (((c3 >> 1) | (c4 << 4)) & 0xFF).to(tl.uint8), m5, MASKED)
+        _st(base + 3, (((c4 >> 4) | (c5 << 1) | (c6 << 6)) & 0xFF).to(tl.uint8), m5, MASKED)
+        _st(base + 4, (((c6 >> 2) | (c7 << 3)) & 0xFF).to(tl.uint8), m5, MASKED)
 
 
 @triton.jit
 def _flush_kernel(
-    POOL_K,
-    POOL_V,
-    SRC_SLOTS,
+    SRC_K,
+    SRC_V,
+    SRC_ROWS,
+    HEAD_K,
+    HEAD_V,
+    HEAD_SLOTS,
+    HEAD_LENS,
     KV_CACHE,
     DST_BLOCKS,
     HK: tl.constexpr,
@@ -349,57 +428,81 @@ def _flush_kernel(
     ITERS: tl.constexpr,
     PRECISE: tl.constexpr,
     V2: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    HAS_HEAD: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
+    """Grid ``(N, Hk, 2)``: program ``(n, h, 0)`` quantizes tile n's K, ``(n, h, 1)`` its V.
+
+    The source is token rows ``SRC[rows, Hk, D]`` (fp16, rotated): tile ``n`` starts at row
+    ``SRC_ROWS[n] * ROW_SCALE`` (``ROW_SCALE = G`` reads pool slots, ``1`` token rows). With a
+    head, its first ``HEAD_LENS[n]`` tokens are pool slot ``HEAD_SLOTS[n]``'s first rows and
+    ``SRC_ROWS[n]`` is the row of its token ``HEAD_LENS[n]``. In the masked kernel a tile with
+    a negative row is skipped (nothing is read or written).
+    """
     n = tl.program_id(0)
     h = tl.program_id(1)
     which = tl.program_id(2)
-    slot = tl.load(SRC_SLOTS + n).to(tl.int64)
+    row = tl.load(SRC_ROWS + n).to(tl.int64) * ROW_SCALE
     blk = tl.load(DST_BLOCKS + n).to(tl.int64)
-    src_base = slot * (G * HK * D) + h * D
+    ok = row >= 0
+    if HAS_HEAD:
+        head_len = tl.load(HEAD_LENS + n)
+        head_slot = tl.load(HEAD_SLOTS + n).to(tl.int64)
+        # A tile without a head may carry any slot id (e.g. -1): keep the address sane.
+        head_slot = tl.where(head_len > 0, head_slot, 0)
+        head_base = head_slot * (G * HK * D) + h * D
+        src_base = (row - head_len) * (HK * D) + h * D
+    else:
+        head_len = 0
+        head_base = 0
+        src_base = row * (HK * D) + h * D
     rec = KV_CACHE + (blk * HK + h) * STRIDE
     if which == 0:
         # K tile [R = D channels, C = G tokens]: rows are channels (per-channel RTN).
-        _quantize_tile(
-            POOL_K,
+        xk = _load_tile(
+            SRC_K,
             src_base,
+            HEAD_K,
+            head_base,
+            head_len,
+            ok,
             1,
             HK * D,
-            rec,
-            OFF_KC,
-            OFF_KS,
-            OFF_KZ,
-            OFF_KT,
             D,
             G,
-            KB,
-            ITERS,
-            PRECISE,
-            V2,
+            False,
+            HAS_HEAD,
+            MASKED,
+        )
+        _quantize_tile(
+            xk, ok, rec, OFF_KC, OFF_KS, OFF_KZ, OFF_KT, D, G, KB, ITERS, PRECISE, V2, MASKED
         )
     else:
         # V tile [R = G tokens, C = D channels]: rows are tokens (per-token RTN).
-        _quantize_tile(
-            POOL_V,
+        xv = _load_tile(
+            SRC_V,
             src_base,
+            HEAD_V,
+            head_base,
+            head_len,
+            ok,
             HK * D,
             1,
-            rec,
-            OFF_VC,
-            OFF_VS,
-            OFF_VZ,
-            OFF_VCS,
             G,
             D,
-            VB,
-            ITERS,
-            PRECISE,
-            V2,
+            True,
+            HAS_HEAD,
+            MASKED,
+        )
+        _quantize_tile(
+            xv, ok, rec, OFF_VC, OFF_VS, OFF_VZ, OFF_VCS, G, D, VB, ITERS, PRECISE, V2, MASKED
         )
         if STRIDE > PAYLOAD:
             # Zero the record's padding so records are byte-identical to the reference.
             for p0 in tl.static_range(PAYLOAD, STRIDE, PAD_BLOCK):
                 p = p0 + tl.arange(0, PAD_BLOCK)
-                tl.store(rec + p, tl.zeros([PAD_BLOCK], dtype=tl.uint8), mask=p < STRIDE)
+                _st(rec + p, tl.zeros([PAD_BLOCK], dtype=tl.uint8), (p < STRIDE) & ok, True)
 
 
 def _num_warps(d: int, g: int) -> int:
@@ -408,6 +511,86 @@ def _num_warps(d: int, g: int) -> int:
     # 128 x 64 (4.1 ms vs 5.0 ms at 4 warps), 4 for 128 x 128 (8.6 ms vs 11.0 at 8, 53 at 2).
     elems = d * g
     return 2 if elems <= 128 * 64 else (4 if elems <= 128 * 128 else 16)
+
+
+def _check_iters_variant(sinkhorn_iters: int, variant: str) -> None:
+    if (
+        isinstance(sinkhorn_iters, bool)
+        or not isinstance(sinkhorn_iters, int)
+        or sinkhorn_iters < 0
+    ):
+        raise ValueError(f"sinkhorn_iters must be a non-negative int, got {sinkhorn_iters!r}")
+    if variant not in ("v1", "v2"):
+        raise ValueError(f"variant must be 'v1' or 'v2', got {variant!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Heads:
+    """Pool rows that open some tiles (:func:`flush_token_tiles`'s ``head_*`` arguments)."""
+
+    pool_k: torch.Tensor
+    pool_v: torch.Tensor
+    slots: torch.Tensor
+    lens: torch.Tensor
+
+
+def _launch(
+    geo: DenseGeometry,
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    rows: torch.Tensor,
+    row_scale: int,
+    kv_cache: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    heads: _Heads | None,
+    masked: bool,
+    sinkhorn_iters: int,
+    num_warps: int | None,
+    variant: str,
+) -> None:
+    """The shared store: ``src_k/src_v`` are token rows ``[rows, Hk, D]`` fp16 (contiguous)."""
+    n = int(rows.shape[0])
+    if n == 0:
+        return
+    hk = int(src_k.shape[1])
+    if geo.head_dim > 256:
+        _flush_torch(
+            geo, src_k, src_v, rows, row_scale, kv_cache, dst_blocks, sinkhorn_iters, heads, masked
+        )
+        return
+    pad = geo.record_stride - geo.payload_bytes
+    # Pointers the kernel does not read without a head: any tensor on the device.
+    head_k = heads.pool_k if heads is not None else src_k
+    head_v = heads.pool_v if heads is not None else src_v
+    head_slots = heads.slots if heads is not None else rows
+    head_lens = heads.lens if heads is not None else rows
+    _flush_kernel[(n, hk, 2)](
+        src_k,
+        src_v,
+        rows,
+        head_k,
+        head_v,
+        head_slots,
+        head_lens,
+        kv_cache,
+        dst_blocks,
+        HK=hk,
+        D=geo.head_dim,
+        G=geo.group,
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        PAYLOAD=geo.payload_bytes,
+        PAD_BLOCK=max(16, triton.next_power_of_2(min(max(pad, 1), 4096))),
+        **geo.offsets(),
+        ITERS=sinkhorn_iters,
+        PRECISE=not triton_interpret(),
+        V2=variant == "v2",
+        ROW_SCALE=row_scale,
+        HAS_HEAD=heads is not None,
+        MASKED=masked,
+        num_warps=num_warps or _num_warps(geo.head_dim, geo.group),
+    )
 
 
 def flush_tiles(
@@ -442,45 +625,191 @@ def flush_tiles(
     One launch per call for head dims up to 256 (grid ``(N, Hk, 2)``: K and V tiles);
     head dim 512 runs the same algorithm as batched torch ops. Every tile must be full
     (``G`` written tokens): the pool's unwritten rows would otherwise enter the statistics.
+    The kernel is :func:`flush_token_tiles`'s: a pool slot ``s`` is token row ``s * G`` of the
+    pool viewed as ``[num_slots * G, Hk, D]``.
     """
     dense = resolve_format(fmt)
     geo = _check_flush_args(dense, pool_k, pool_v, src_slots, kv_cache, dst_blocks)
-    if (
-        isinstance(sinkhorn_iters, bool)
-        or not isinstance(sinkhorn_iters, int)
-        or sinkhorn_iters < 0
-    ):
-        raise ValueError(f"sinkhorn_iters must be a non-negative int, got {sinkhorn_iters!r}")
-    if variant not in ("v1", "v2"):
-        raise ValueError(f"variant must be 'v1' or 'v2', got {variant!r}")
-    n = int(src_slots.shape[0])
-    if n == 0:
-        return
-    hk = int(pool_k.shape[2])
-    if geo.head_dim > 256:
-        _flush_torch(geo, pool_k, pool_v, src_slots, kv_cache, dst_blocks, sinkhorn_iters)
-        return
-    pad = geo.record_stride - geo.payload_bytes
-    _flush_kernel[(n, hk, 2)](
-        pool_k,
-        pool_v,
+    _check_iters_variant(sinkhorn_iters, variant)
+    _, g, hk, d = (int(s) for s in pool_k.shape)
+    _launch(
+        geo,
+        pool_k.view(-1, hk, d),
+        pool_v.view(-1, hk, d),
         src_slots,
+        g,
         kv_cache,
         dst_blocks,
-        HK=hk,
-        D=geo.head_dim,
-        G=geo.group,
-        KB=geo.key_bits,
-        VB=geo.value_bits,
-        STRIDE=geo.record_stride,
-        PAYLOAD=geo.payload_bytes,
-        PAD_BLOCK=max(16, triton.next_power_of_2(min(max(pad, 1), 4096))),
-        **geo.offsets(),
-        ITERS=sinkhorn_iters,
-        PRECISE=not triton_interpret(),
-        V2=variant == "v2",
-        num_warps=num_warps or _num_warps(geo.head_dim, geo.group),
+        None,
+        False,
+        sinkhorn_iters,
+        num_warps,
+        variant,
     )
+
+
+def flush_token_tiles(
+    fmt: KVarNFormat | str,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    row_starts: torch.Tensor,
+    kv_cache: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    *,
+    pool_k: torch.Tensor | None = None,
+    pool_v: torch.Tensor | None = None,
+    head_slots: torch.Tensor | None = None,
+    head_lens: torch.Tensor | None = None,
+    sinkhorn_iters: int = 8,
+    num_warps: int | None = None,
+    variant: str = "v1",
+    check: bool | None = None,
+) -> None:
+    """Quantize tiles whose tokens are consecutive rows of a ``[rows, Hk, D]`` tensor.
+
+    This is how a prefill chunk's full tiles become packed records in the step that writes
+    them, without passing through the side pool: ``k_rows``/``v_rows`` are the step's K/V
+    rotated to fp16 (:func:`rotate`, exactly what :func:`write_side_pool` would have stored),
+    and tile ``n`` is rows ``[row_starts[n], row_starts[n] + G)``. Records are byte-identical
+    to :func:`flush_tiles` on the same data (the same kernel).
+
+    A tile may open with rows already in the side pool (a chunk that starts inside a tile the
+    previous step began): with ``pool_k``, ``pool_v``, ``head_slots`` and ``head_lens`` given,
+    tile ``n``'s tokens ``j < head_lens[n]`` are ``pool[head_slots[n], j]`` and its tokens
+    ``j >= head_lens[n]`` are row ``row_starts[n] + j - head_lens[n]`` (so ``row_starts[n]``
+    is the row of its first token that is not in the pool). ``head_lens[n] = 0`` means no
+    head; its ``head_slots[n]`` is then ignored.
+
+    Args:
+        fmt: a dense KVarN format (or its dtype string).
+        k_rows, v_rows: ``[rows, Hk, D]`` fp16, rotated, contiguous; read only.
+        row_starts: ``[N]`` int32. A tile with ``row_starts[n] < 0`` is skipped: nothing is
+            read and its record is left as is. This lets a caller derive the rows on the
+            device (no host sync) and drop tiles whose tokens are not in this batch.
+        kv_cache: ``uint8 [num_blocks, Hk, tile_bytes]``; records are written in place.
+        dst_blocks: ``[N]`` int32 block ids receiving the records.
+        pool_k, pool_v: ``[num_slots, G, Hk, D]`` fp16 side pools holding the heads.
+        head_slots, head_lens: ``[N]`` int32; ``0 <= head_lens[n] < G``.
+        sinkhorn_iters, num_warps, variant: as for :func:`flush_tiles`.
+        check: when true (default: env ``KVARN_KERNELS_DEBUG=1``), read the index tensors back
+            and raise ``ValueError`` for a tile reaching past ``k_rows`` or the pool, a bad
+            head length or a block id out of range. It syncs with the host: keep it off under
+            CUDA-graph capture.
+    """
+    dense = resolve_format(fmt)
+    heads_given = [x is not None for x in (pool_k, pool_v, head_slots, head_lens)]
+    if any(heads_given) and not all(heads_given):
+        raise ValueError(
+            "pool_k, pool_v, head_slots and head_lens go together: pass all four (tiles that "
+            "open with side-pool rows) or none"
+        )
+    for name, x in (("k_rows", k_rows), ("v_rows", v_rows)):
+        check_ndim(name, x, 3, "[rows, Hk, D]")
+        check_dtype(name, x, (torch.float16,))
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [rows, Hk, D] tensor")
+    if v_rows.shape != k_rows.shape:
+        raise ValueError(
+            f"v_rows must have k_rows' shape {tuple(k_rows.shape)}; got {tuple(v_rows.shape)}"
+        )
+    _, hk, d = (int(s) for s in k_rows.shape)
+    check_head_dim(d)
+    _check_cache(kv_cache, hk, "k_rows")
+    geo = dense_geometry(dense, d, int(kv_cache.shape[2]))
+    _check_index_pair("row_starts", row_starts, dst_blocks)
+    check_device(k_rows.device, v_rows=v_rows, row_starts=row_starts, kv_cache=kv_cache)
+    check_device(k_rows.device, dst_blocks=dst_blocks)
+    heads: _Heads | None = None
+    if all(heads_given):
+        assert pool_k is not None and pool_v is not None
+        assert head_slots is not None and head_lens is not None
+        from kvarn_kernels.rotation import _check_pool
+
+        _, g, phk, pd = _check_pool(pool_k, pool_v)
+        if (g, phk, pd) != (dense.group, hk, d):
+            raise ValueError(
+                f"the pool holds [*, {g}, {phk}, {pd}] tiles but {dense.name} over k_rows "
+                f"needs [*, {dense.group}, {hk}, {d}]"
+            )
+        for name, idx in (("head_slots", head_slots), ("head_lens", head_lens)):
+            check_index_tensor(name, idx, 1, "[N]")
+            if idx.shape != row_starts.shape:
+                raise ValueError(
+                    f"{name} has {idx.shape[0]} entries for {row_starts.shape[0]} tiles"
+                )
+        check_device(
+            k_rows.device, pool_k=pool_k, pool_v=pool_v, head_slots=head_slots, head_lens=head_lens
+        )
+        heads = _Heads(pool_k, pool_v, head_slots, head_lens)
+    _check_iters_variant(sinkhorn_iters, variant)
+    if debug_checks_enabled(check) and row_starts.shape[0]:
+        _check_token_tiles(geo, int(k_rows.shape[0]), row_starts, kv_cache, dst_blocks, heads)
+    _launch(
+        geo,
+        k_rows,
+        v_rows,
+        row_starts,
+        1,
+        kv_cache,
+        dst_blocks,
+        heads,
+        True,
+        sinkhorn_iters,
+        num_warps,
+        variant,
+    )
+
+
+def _check_token_tiles(
+    geo: DenseGeometry,
+    num_rows: int,
+    row_starts: torch.Tensor,
+    kv_cache: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    heads: _Heads | None,
+) -> None:
+    rows = row_starts.long().cpu()
+    live = rows >= 0
+    lens = heads.lens.long().cpu() if heads is not None else torch.zeros_like(rows)
+    if bool(((lens < 0) | (lens >= geo.group)).any()):
+        raise ValueError(f"head_lens must lie in [0, {geo.group}) (a head is part of one tile)")
+    ends = rows + geo.group - lens
+    bad = live & (ends > num_rows)
+    if bool(bad.any()):
+        n = int(torch.nonzero(bad).flatten()[0])
+        raise ValueError(
+            f"tile {n} reads rows [{int(rows[n])}, {int(ends[n])}) but k_rows has {num_rows} rows"
+        )
+    if heads is not None:
+        slots = heads.slots.long().cpu()
+        with_head = live & (lens > 0)
+        if bool((with_head & ((slots < 0) | (slots >= heads.pool_k.shape[0]))).any()):
+            raise ValueError(
+                f"head_slots must name pool slots in [0, {heads.pool_k.shape[0]}) for tiles "
+                "with a head"
+            )
+    blocks = dst_blocks.long().cpu()
+    if bool((live & ((blocks < 0) | (blocks >= kv_cache.shape[0]))).any()):
+        raise ValueError(f"dst_blocks must lie in [0, {kv_cache.shape[0]})")
+
+
+def _check_cache(kv_cache: torch.Tensor, hk: int, source: str) -> None:
+    check_ndim("kv_cache", kv_cache, 3, "[num_blocks, Hk, tile_bytes]")
+    check_dtype("kv_cache", kv_cache, (torch.uint8,))
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    if kv_cache.shape[1] != hk:
+        raise ValueError(f"kv_cache has {kv_cache.shape[1]} KV heads but {source} has {hk}")
+
+
+def _check_index_pair(name: str, src: torch.Tensor, dst_blocks: torch.Tensor) -> None:
+    check_index_tensor(name, src, 1, "[N]")
+    check_index_tensor("dst_blocks", dst_blocks, 1, "[N]")
+    if src.shape != dst_blocks.shape:
+        raise ValueError(
+            f"{name} and dst_blocks must have the same length; got {src.shape[0]} "
+            f"and {dst_blocks.shape[0]}"
+        )
 
 
 def _check_flush_args(
@@ -496,20 +825,9 @@ def _check_flush_args(
     _, g, hk, d = _check_pool(pool_k, pool_v)
     if g != fmt.group:
         raise ValueError(f"{fmt.name} has {fmt.group}-token tiles but the pool holds G={g}")
-    check_ndim("kv_cache", kv_cache, 3, "[num_blocks, Hk, tile_bytes]")
-    check_dtype("kv_cache", kv_cache, (torch.uint8,))
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous")
-    if kv_cache.shape[1] != hk:
-        raise ValueError(f"kv_cache has {kv_cache.shape[1]} KV heads but the pool has {hk}")
+    _check_cache(kv_cache, hk, "the pool")
     geo = dense_geometry(fmt, d, int(kv_cache.shape[2]))
-    check_index_tensor("src_slots", src_slots, 1, "[N]")
-    check_index_tensor("dst_blocks", dst_blocks, 1, "[N]")
-    if src_slots.shape != dst_blocks.shape:
-        raise ValueError(
-            f"src_slots and dst_blocks must have the same length; got {src_slots.shape[0]} "
-            f"and {dst_blocks.shape[0]}"
-        )
+    _check_index_pair("src_slots", src_slots, dst_blocks)
     check_device(
         pool_k.device, pool_v=pool_v, src_slots=src_slots, kv_cache=kv_cache, dst_blocks=dst_blocks
     )
@@ -599,21 +917,42 @@ def _put_field(rec: torch.Tensor, offset: int, data: torch.Tensor) -> None:
 
 def _flush_torch(
     geo: DenseGeometry,
-    pool_k: torch.Tensor,
-    pool_v: torch.Tensor,
-    src_slots: torch.Tensor,
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    rows: torch.Tensor,
+    row_scale: int,
     kv_cache: torch.Tensor,
     dst_blocks: torch.Tensor,
     iters: int,
+    heads: _Heads | None,
+    masked: bool,
 ) -> None:
-    hk = pool_k.shape[2]
+    """The store for head dim 512, on token rows like the kernel (no host sync)."""
+    hk = src_k.shape[1]
+    g = geo.group
+    last_row = src_k.shape[0] - 1
+    j = torch.arange(g, device=src_k.device)
     chunk = max(1, 256 // hk)
-    for start in range(0, src_slots.shape[0], chunk):
-        slots = src_slots[start : start + chunk].long()
+    for start in range(0, rows.shape[0], chunk):
+        first = rows[start : start + chunk].long() * row_scale
         blocks = dst_blocks[start : start + chunk].long()
-        m = slots.shape[0]
-        k = pool_k[slots].float().permute(0, 2, 3, 1).reshape(m * hk, geo.head_dim, geo.group)
-        v = pool_v[slots].float().permute(0, 2, 1, 3).reshape(m * hk, geo.group, geo.head_dim)
+        m = first.shape[0]
+        lens = (
+            heads.lens[start : start + chunk].long()
+            if heads is not None
+            else torch.zeros_like(first)
+        )
+        idx = ((first - lens)[:, None] + j[None, :]).clamp(0, last_row)
+        k = src_k[idx]  # [m, G, Hk, D]
+        v = src_v[idx]
+        if heads is not None:
+            slots = heads.slots[start : start + chunk].long()
+            slots = torch.where(lens > 0, slots, 0).clamp(0, heads.pool_k.shape[0] - 1)
+            in_head = (j[None, :] < lens[:, None])[:, :, None, None]
+            k = torch.where(in_head, heads.pool_k[slots], k)
+            v = torch.where(in_head, heads.pool_v[slots], v)
+        k = k.float().permute(0, 2, 3, 1).reshape(m * hk, geo.head_dim, g)
+        v = v.float().permute(0, 2, 1, 3).reshape(m * hk, g, geo.head_dim)
         rec = torch.zeros(m * hk, geo.record_stride, dtype=torch.uint8, device=kv_cache.device)
         codes, ks, kz, kt = _quantize_rows_torch(k, geo.key_bits, iters)
         _put_field(rec, geo.k_codes, _pack_torch(codes, geo.key_bits))
@@ -625,4 +964,8 @@ def _flush_torch(
         _put_field(rec, geo.v_channel_scale, vc)
         _put_field(rec, geo.v_scale, vs)
         _put_field(rec, geo.v_zero, vz)
-        kv_cache[blocks] = rec.reshape(m, hk, geo.record_stride)
+        out = rec.reshape(m, hk, geo.record_stride)
+        if masked:
+            # Skipped tiles keep their records (a select, not a host-side filter: no sync).
+            out = torch.where((first >= 0)[:, None, None], out, kv_cache[blocks])
+        kv_cache[blocks] = out
