@@ -271,6 +271,77 @@ PREFILL_CPU = [
 ]
 
 
+def _torch_varlen(
+    calls: list[float],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """A VarlenAttention in plain torch: per request, causal aligned bottom-right, GQA."""
+    calls.append(scale)
+    out = torch.zeros_like(q)
+    rep = q.shape[1] // k.shape[1]
+    for r in range(cu_q.shape[0] - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_q[r], cu_q[r + 1], cu_k[r], cu_k[r + 1]))
+        if q1 == q0:
+            continue
+        qi = q[q0:q1].float().transpose(0, 1)
+        ki = k[k0:k1].float().repeat_interleave(rep, dim=1).transpose(0, 1)
+        vi = v[k0:k1].float().repeat_interleave(rep, dim=1).transpose(0, 1)
+        s = qi @ ki.transpose(1, 2) * scale
+        pos_q = torch.arange(q1 - q0) + (k1 - k0) - (q1 - q0)
+        s = s.masked_fill(torch.arange(k1 - k0)[None, :] > pos_q[:, None], float("-inf"))
+        out[q0:q1] = (torch.softmax(s, dim=-1) @ vi).transpose(0, 1).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("cap", [None, 1], ids=["one_group", "group_per_request"])
+def test_prefill_external_varlen_attention(device: torch.device, cap: int | None) -> None:
+    """A caller-supplied varlen attention (how the plugin passes vLLM's FA3) gives the same
+    result, is called with fp16 halved workspaces and scale 2, and a wrong shape is refused."""
+    name, d, hq, hk, lens, qlens, _ = PREFILL_CPU[3]
+    pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
+    case = build_case(name, d, hk, lens, device=device, seed=3, pool_from=pool_from)
+    q = torch.randn(sum(qlens), hq, d, generator=torch.Generator().manual_seed(1)).half()
+    q = q.to(device)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    qsl = qsl.to(device)
+    args = (
+        name,
+        q,
+        case.kv_cache,
+        case.pool_k,
+        case.pool_v,
+        case.block_table,
+        qsl,
+        case.seq_lens,
+        case.block_to_slot,
+        1.0 / math.sqrt(d),
+    )
+    calls: list[float] = []
+    out = prefill_attention(
+        *args,  # type: ignore[arg-type]
+        max_workspace_bytes=cap,
+        varlen_attention=functools.partial(_torch_varlen, calls),
+    )
+    assert calls and all(c == 2.0 for c in calls)
+    assert len(calls) == (1 if cap is None else len(lens))
+    _assert_close(out, prefill_attention_ref(*args))  # type: ignore[arg-type]
+
+    def wrong(q: torch.Tensor, *_: object) -> torch.Tensor:
+        return q[:, :1]
+
+    with pytest.raises(ValueError, match="varlen_attention returned shape"):
+        prefill_attention(*args, varlen_attention=wrong)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="apply to method='dequant' only"):
+        prefill_attention(*args, method="fused", varlen_attention=wrong)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("method", ["dequant", "fused"])
 @pytest.mark.parametrize(("name", "d", "hq", "hk", "lens", "qlens", "splits"), PREFILL_CPU)
 def test_prefill_attention(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 import triton  # type: ignore[import-untyped]
@@ -50,6 +51,9 @@ from kvarn_kernels._common import (
     triton_interpret,
 )
 from kvarn_kernels.rotation import _check_pool, rotate_f32, sign_matrix
+
+if TYPE_CHECKING:
+    from kvarn_kernels.context import VarlenAttention
 
 __all__ = [
     "choose_decode_splits",
@@ -1021,6 +1025,7 @@ def prefill_attention(
     seq_lens_cpu: Sequence[int] | None = None,
     query_start_loc_cpu: Sequence[int] | None = None,
     max_workspace_bytes: int | None = None,
+    varlen_attention: VarlenAttention | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per request over cached context.
 
@@ -1062,6 +1067,10 @@ def prefill_attention(
             (default 512 MiB); requests are processed in groups under it, and a single
             request above it alone. The workspace holds ``4 * Hk * D`` bytes per context
             token of the group.
+        varlen_attention: ``"dequant"`` only: a FlashAttention-style varlen forward to run on
+            the dequantized workspace instead of torch's (see
+            :data:`kvarn_kernels.context.VarlenAttention`; e.g. vLLM's FlashAttention-3, which
+            the plugin passes). Overrides ``sdpa_backend``.
         other arguments: as :func:`decode_attention`.
 
     Returns ``[T, Hq, D]`` in q's dtype, unrotated.
@@ -1130,6 +1139,7 @@ def prefill_attention(
                 query_start_loc_cpu=query_start_loc_cpu,
                 max_workspace_bytes=cap,
                 sdpa_backend=sdpa_backend,
+                varlen_attention=varlen_attention,
             )
         return out
     if (
@@ -1137,10 +1147,11 @@ def prefill_attention(
         or seq_lens_cpu is not None
         or query_start_loc_cpu is not None
         or max_workspace_bytes is not None
+        or varlen_attention is not None
     ):
         raise ValueError(
-            "sdpa_backend, seq_lens_cpu, query_start_loc_cpu and max_workspace_bytes apply to "
-            "method='dequant' only"
+            "sdpa_backend, seq_lens_cpu, query_start_loc_cpu, max_workspace_bytes and "
+            "varlen_attention apply to method='dequant' only"
         )
     workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, num_splits), q.device)
     _launch(

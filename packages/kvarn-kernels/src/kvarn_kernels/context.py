@@ -28,7 +28,8 @@ extra HBM traffic (writing and reading ~4 bytes per context token and KV head pe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,7 +41,12 @@ from kvarn_kernels._common import DenseGeometry, triton_interpret
 from kvarn_kernels.attention import _codes_f16, _load_codes
 from kvarn_kernels.rotation import rotate_into
 
-__all__ = ["DEFAULT_MAX_WORKSPACE_BYTES", "SDPA_BACKENDS", "prefill_dequant_attention"]
+__all__ = [
+    "DEFAULT_MAX_WORKSPACE_BYTES",
+    "SDPA_BACKENDS",
+    "VarlenAttention",
+    "prefill_dequant_attention",
+]
 
 #: Default cap of the dequantized-context workspace (K and V together), in bytes.
 DEFAULT_MAX_WORKSPACE_BYTES = 512 << 20
@@ -135,6 +141,18 @@ def _dequant_context_kernel(
             tl.store(OUT_V + dst, v.to(tl.float16), mask=ok[:, None])
 
 
+#: A FlashAttention-style varlen forward that :func:`kvarn_kernels.prefill_attention` may use
+#: instead of torch's: ``fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+#: softmax_scale)`` with ``q`` ``[Tq, Hq, D]``, ``k``/``v`` ``[Tk, Hk, D]`` fp16 (GQA: ``Hq`` a
+#: multiple of ``Hk``), int32 cumulative lengths, causal attention aligned bottom-right (the
+#: last query of a request sees all its keys), returning ``[Tq, Hq, D]``. For example vLLM's
+#: ``flash_attn_varlen_func`` (FlashAttention-3 on Hopper) wrapped to this signature.
+VarlenAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float],
+    torch.Tensor,
+]
+
+
 def _flash_varlen_ok(q: torch.Tensor) -> bool:
     """torch's FlashAttention-2 varlen forward: CUDA, fp16/bf16, head_dim <= 256, % 8."""
     d = int(q.shape[-1])
@@ -155,6 +173,26 @@ def _attend_varlen(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=2.0
     )[0]
     return out  # type: ignore[no-any-return]
+
+
+def _attend_external(
+    fn: VarlenAttention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+) -> torch.Tensor:
+    """The caller's varlen attention, with the same scale as :func:`_attend_varlen` (the
+    workspace holds K/2 and V/2, so the scores are rescaled by 2)."""
+    out = fn(q, k, v, cu_q, cu_k, max_q, max_k, 2.0)
+    if out.shape != q.shape:
+        raise ValueError(
+            f"varlen_attention returned shape {tuple(out.shape)}, expected {tuple(q.shape)}"
+        )
+    return out.to(q.dtype)
 
 
 def _attend_per_request(
@@ -219,6 +257,7 @@ def prefill_dequant_attention(
     query_start_loc_cpu: Sequence[int] | None,
     max_workspace_bytes: int,
     sdpa_backend: str,
+    varlen_attention: VarlenAttention | None = None,
 ) -> None:
     """The ``method="dequant"`` path of :func:`kvarn_kernels.prefill_attention` (arguments
     already validated there). Uses host copies of ``seq_lens``/``query_start_loc`` when given,
@@ -254,7 +293,9 @@ def prefill_dequant_attention(
     klen = [seq[r] if qsl[r + 1] > qsl[r] else 0 for r in range(nreq)]
     per_token = 2 * hk * d * 2  # K and V, fp16
     backend = sdpa_backend
-    if backend == "auto":
+    if varlen_attention is not None:
+        backend = "external"
+    elif backend == "auto":
         backend = "varlen" if _flash_varlen_ok(q) else "per_request"
     if backend == "varlen" and not _flash_varlen_ok(q):
         raise ValueError(
@@ -293,6 +334,7 @@ def prefill_dequant_attention(
             klen,
             tokens,
             backend,
+            varlen_attention,
         )
         o16 = res
     if o16 is None:  # no request has query tokens
@@ -316,6 +358,7 @@ def _run_group(
     klen: list[int],
     tokens: int,
     backend: str,
+    varlen_attention: VarlenAttention | None = None,
 ) -> torch.Tensor:
     """Attention of requests ``r0 .. r1 - 1``: into ``o16`` when given, else into a new
     ``[T, Hq, D]`` tensor (only when the group is the whole batch). Returns the output."""
@@ -364,12 +407,13 @@ def _run_group(
         )
     q_off = [qsl[r] - t0 for r in range(r0, r1 + 1)]
     qg = q16[t0:t1]
-    if backend == "varlen":
+    if backend in ("varlen", "external"):
         cu = torch.tensor([q_off, k_off], dtype=torch.int32).to(dev)
         lq = [q_off[i + 1] - q_off[i] for i in range(len(q_off) - 1)]
-        res = _attend_varlen(
-            qg, ws_k[:tokens], ws_v[:tokens], cu[0], cu[1], max(lq), max(klen[r0:r1])
-        )
+        attend = _attend_varlen
+        if varlen_attention is not None:
+            attend = functools.partial(_attend_external, varlen_attention)
+        res = attend(qg, ws_k[:tokens], ws_v[:tokens], cu[0], cu[1], max(lq), max(klen[r0:r1]))
         if o16 is None:  # the whole batch: the library's output is the result
             return res
         o16[t0:t1] = res
