@@ -416,6 +416,15 @@ def bench_sdpa_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
     return {"us": us, "mode": mode, "tflops": flops / (us * 1e-6) / 1e12}
 
 
+def vllm_fa3() -> Any:
+    """vLLM's FlashAttention-3 varlen forward, adapted as the plugin adapts it."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    from kvarn_vllm.flash import varlen_attention_from_vllm
+
+    return varlen_attention_from_vllm(flash_attn_varlen_func, 3)
+
+
 def bench_fa3_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
     import torch
     from vllm.vllm_flash_attn import flash_attn_varlen_func
@@ -644,6 +653,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
         if res["vllm"]:
+            # The plugin's path: the dequantized context attended by vLLM's FlashAttention-3.
+            pre.append(
+                {
+                    "kernel": "kvarn_k4v2_g128 (FA3)",
+                    "B": bsz,
+                    **guarded(
+                        lambda bsz=bsz: bench_prefill(
+                            "kvarn_k4v2_g128", 14336, 2048, bsz, varlen_attention=vllm_fa3()
+                        )
+                    ),
+                }
+            )
             pre.append(
                 {
                     "kernel": "fa3_fp16",
