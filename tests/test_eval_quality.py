@@ -165,6 +165,7 @@ def test_make_codec_names() -> None:
     assert make_codec("kvarn_k4v2_g64+kernels", 64).name == "kvarn_k4v2_g64+kernels"
     assert make_codec("had_k4v2_g64", 64, backend="kernels-store").name == "had_k4v2_g64+store"
     assert make_codec("rtn_k4v2_g64", 64, backend="kernels").name == "rtn_k4v2_g64"
+    assert make_codec("kvarn_k4v4_g64+attn16", 64).name == "kvarn_k4v4_g64+attn16"
     with pytest.raises(ValueError, match="valid: \\+store"):
         make_codec("kvarn_k4v2_g64+triton", 64)
     with pytest.raises(ValueError, match="unknown codec backend"):
@@ -358,15 +359,16 @@ def test_batched_padded_greedy_equals_one_prompt_at_a_time(tiny: LlamaForCausalL
 def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> None:
     """The Triton store kernel and the serving attention kernels against the NumPy codec.
 
-    Four rows on the same tokens: fp16, ``kvarn_k4v2_g64`` (reference), ``+store`` (records
-    from ``flush_tiles``, decoded in torch) and ``+kernels`` (records, pool and attention by
-    the kernels). 256 tokens in 64-token steps (``prefill_attention``; tiles 1 and 2 get
-    flushed), then 3 one-token steps (``decode_attention``). Tolerances, on logits of order 1:
+    Five rows on the same tokens: fp16, ``kvarn_k4v2_g64`` (reference), ``+store`` (records
+    from ``flush_tiles``, decoded in torch), ``+kernels`` (records, pool and attention by
+    the kernels) and ``+attn16`` (the reference codec with torch's attention in fp16). 256
+    tokens in 64-token steps (``prefill_attention``; tiles 1 and 2 get flushed), then 3
+    one-token steps (``decode_attention``). Tolerances, on logits of order 1:
     the store row equals the reference row to float32 rounding (under the interpreter the
     store kernel's tiles decode to exactly the reference codec's, checked first); the
-    serving row, whose attention takes
-    fp16 queries and returns fp16 outputs as in serving, stays within 5 % of the
-    quantization's own effect on the logits (3 % on average).
+    serving row, whose attention takes fp16 queries and returns fp16 outputs as in serving,
+    stays within twice the distance of the fp16-attention control (the floor of computing
+    attention in fp16) and within 5 % of the quantization's own effect on the logits.
     """
     install(tiny)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -383,8 +385,14 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
         torch.testing.assert_close(ker, ref, rtol=0, atol=5e-3 * float(k.abs().max()))
     name = "kvarn_k4v2_g64"
     codecs = [FP16Cache(), make_codec(name, 64), make_codec(f"{name}+store", 64)]
-    codecs.append(make_codec(name, 64, backend="kernels"))
-    assert [c.name for c in codecs] == ["fp16", name, f"{name}+store", f"{name}+kernels"]
+    codecs += [make_codec(name, 64, backend="kernels"), make_codec(f"{name}+attn16", 64)]
+    assert [c.name for c in codecs] == [
+        "fp16",
+        name,
+        f"{name}+store",
+        f"{name}+kernels",
+        f"{name}+attn16",
+    ]
     n, extra = 256, 3
     ids = torch.randint(0, 128, (1, n + extra), generator=torch.Generator().manual_seed(9))
     ids = ids.expand(len(codecs), -1).to(device)
@@ -402,14 +410,18 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
     quant = (logits[1] - logits[0]).abs()
     store = (logits[2] - logits[1]).abs()
     kern = (logits[3] - logits[1]).abs()
+    half = (logits[4] - logits[1]).abs()  # the same codec with torch's attention in fp16
     effect = float(quant[128:].max())
     assert effect > 0.05, "the quantized tiles must change the logits"
     # Measured on the CPU interpreter: store 2e-7 (same records; the rows differ only by
-    # float32 noise of their batch position in the model's matmuls), serving 1.6 % of the
-    # effect at worst and 1.2 % on average (fp16 queries and outputs, the Triton rotation).
+    # float32 noise of their batch position in the model's matmuls); serving 1.95e-3 at
+    # worst and 2.3e-4 on average, fp16 attention 1.94e-3 and 2.1e-4 (1.6 % and 1.2 % of
+    # the quantization's effect): the kernels lose nothing beyond computing in fp16.
     assert float(store.max()) < 1e-5, float(store.max())
+    assert float(kern.max()) < 2 * float(half.max()), (float(kern.max()), float(half.max()))
+    assert float(kern.mean()) < 2 * float(half.mean()), (float(kern.mean()), float(half.mean()))
+    assert float(kern[-extra:].max()) < 2 * float(half[-extra:].max())  # decode steps
     assert float(kern[128:].max()) < 0.05 * effect, (float(kern[128:].max()), effect)
-    assert float(kern[128:].mean()) < 0.03 * float(quant[128:].mean())
     assert float(kern.max()) > 0, "the serving row must run its own (fp16) attention"
     layer = cache.tiled_layer(0)
     grp = layer.serving[0]
@@ -511,10 +523,14 @@ def test_plan_rows_per_codec_backend() -> None:
         "kvarn_k4v2_g64",
         "kvarn_k4v2_g64+store",
         "kvarn_k4v2_g64+kernels",
+        "kvarn_k4v2_g64+attn16",
         "rtn_k4v2_g64",
         "int8_token",
     ]
-    assert plan.backend_pairs(names) == [(1, 2), (1, 3)]
+    assert plan.backend_pairs(names) == [(1, 2), (1, 3), (1, 4)]
+    from kvarn_eval.codecs import BACKEND_SUFFIX
+
+    assert eval_quality.SUFFIX == BACKEND_SUFFIX
     assert plan.ablation_names() == ["had_k4v2_g64", "fp8_e4m3"]
     one = eval_quality.parse_args(["--codec-backend", "kernels", "--formats", "kvarn_k4v2_g64"])
     assert one.main_names()[1] == "kvarn_k4v2_g64+kernels" and one.suffix() == "+kernels"

@@ -49,9 +49,17 @@ DEFAULT_FORMATS = (
     "kvarn_k5v5_g64",
 )
 QUICK_FORMATS = ("kvarn_k4v4_g64", "kvarn_k4v2_g64")
-#: Codec backends of the KVarN rows (tools/kvarn_eval/codecs.py, kernel_codecs.py).
+#: Codec backends of the KVarN rows (tools/kvarn_eval/codecs.py, kernel_codecs.py); ``all``
+#: runs the first three side by side plus the control: the reference codec with its
+#: attention in fp16, the precision of any serving attention library.
 BACKENDS = ("reference", "kernels-store", "kernels")
-SUFFIX = {"reference": "", "kernels-store": "+store", "kernels": "+kernels"}
+ALL_BACKENDS = (*BACKENDS, "reference-attn16")
+SUFFIX = {
+    "reference": "",
+    "kernels-store": "+store",
+    "kernels": "+kernels",
+    "reference-attn16": "+attn16",
+}
 
 
 @dataclass
@@ -82,7 +90,7 @@ class Plan:
 
     def backends(self) -> list[str]:
         """The codec backends of the KVarN rows (``all``: the three side by side)."""
-        return list(BACKENDS) if self.backend == "all" else [self.backend]
+        return list(ALL_BACKENDS) if self.backend == "all" else [self.backend]
 
     def suffix(self) -> str:
         """Name suffix of the KVarN rows the ordering and target checks read."""
@@ -119,7 +127,7 @@ class Plan:
         at = {n: i for i, n in enumerate(names)}
         pairs: list[tuple[int, int]] = []
         for f in self.formats:
-            for b in BACKENDS[1:]:
+            for b in ALL_BACKENDS[1:]:
                 if f in at and f + SUFFIX[b] in at:
                     pairs.append((at[f], at[f + SUFFIX[b]]))
         return pairs
@@ -175,7 +183,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
         choices=[*BACKENDS, "all"],
         help="where the KVarN codec runs: reference (NumPy, default), kernels-store (Triton "
         "store kernel, harness attention), kernels (store, pool and attention kernels: the "
-        "serving path), all (the three side by side, with the KL between them)",
+        "serving path), all (the three side by side plus the reference codec with fp16 "
+        "attention as control, with the KL of each against the reference)",
     )
     p.add_argument(
         "--device",
@@ -260,9 +269,9 @@ def run(plan: Plan, command: str) -> int:
     started = dt.datetime.now(dt.UTC)
     load_start = os.getloadavg()[0]
     if plan.backend != "reference" and plan.device == "cpu":
-        # The Triton kernels run in the interpreter on a CPU; it must be on before
-        # kvarn_kernels is imported (its kernels are decorated at import).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        from kvarn_eval.kernel_codecs import check_kernels_usable
+
+        check_kernels_usable(plan.device)
         print("kernel backends on the CPU: Triton interpreter, very slow", file=sys.stderr)
     bundle = load_model(plan.threads, device=plan.device, gguf_path=plan.gguf)
     if max(plan.contexts) > bundle.max_context:
@@ -495,6 +504,10 @@ def _print_summary(
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     plan = parse_args(args)
+    if plan.backend != "reference" and plan.device == "cpu":
+        # On a CPU the Triton kernels run in the interpreter, which must be on before triton
+        # is first imported (torch or transformers may import it).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     command = "uv run python tools/eval_quality.py" + "".join(f" {shlex.quote(a)}" for a in args)
     return run(plan, command)
 

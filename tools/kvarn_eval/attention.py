@@ -131,6 +131,22 @@ def _attention(
 ) -> tuple[torch.Tensor, None]:
     out, weights = _sdpa_gqa(module, query, key, value, attention_mask, **kwargs)
     layer = last_updated_layer()
+    if layer is not None and layer.fp16_attention_rows and key is layer.keys:
+        rows = layer.fp16_attention_rows
+        mask = attention_mask
+        if mask is not None and mask.shape[0] > 1:
+            mask = mask[rows]
+        if mask is not None and mask.is_floating_point():
+            mask = mask.half()
+        half, _ = _sdpa_gqa(
+            module,
+            query[rows].half(),
+            key[rows].half(),
+            value[rows].half(),
+            mask,
+            **kwargs,
+        )
+        out[rows] = half.to(out.dtype)
     if layer is not None and layer.serving:
         # Rows of a serving-kernel codec read their own paged cache (kernel_codecs.py).
         if key is not layer.keys:

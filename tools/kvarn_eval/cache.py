@@ -111,6 +111,7 @@ class TiledLayer(DynamicLayer):
         self._capacity_hint = max(1, capacity)
         self.serving: list[ServingGroup] = []
         self._serving_rows: set[int] = set()
+        self.fp16_attention_rows = self._fp16_attention_rows()
         self._kbuf = torch.empty(0)
         self._vbuf = torch.empty(0)
         self._kx = torch.empty(0)
@@ -147,6 +148,7 @@ class TiledLayer(DynamicLayer):
                     )
                 )
         self._serving_rows = {r for grp in self.serving for r in grp.rows}
+        self.fp16_attention_rows = self._fp16_attention_rows()
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
@@ -273,6 +275,10 @@ class TiledLayer(DynamicLayer):
         self.values = self._vbuf[:, :, :end]
         return self.keys, self.values
 
+    def _fp16_attention_rows(self) -> list[int]:
+        """Rows whose codec asks for attention in fp16 (``attention_fp16``)."""
+        return [r for r, c in enumerate(self.codecs) if getattr(c, "attention_fp16", False)]
+
     def _groups(self, device: torch.device) -> list[tuple[TileCodec, list[int], torch.Tensor]]:
         """Rows sharing a codec object, with their indices on ``device`` (one store call each:
         a decode step of 100 rows would otherwise spend longer in per-row rotations than in
@@ -295,6 +301,7 @@ class TiledLayer(DynamicLayer):
         self.offsets = [self.offsets[r] for r in keep]
         self.flushed = [self.flushed[r] for r in keep]
         self.flush_log = []
+        self.fp16_attention_rows = self._fp16_attention_rows()
         if not self.is_initialized:
             self._store_groups = self._groups(torch.device("cpu"))
             return
@@ -312,6 +319,7 @@ class TiledLayer(DynamicLayer):
         new_index = {old: new for new, old in enumerate(keep)}
         self.serving = [g for g in self.serving if g.select(new_index)]
         self._serving_rows = {r for grp in self.serving for r in grp.rows}
+        self.fp16_attention_rows = self._fp16_attention_rows()
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("TiledLayer does not support cropping (no speculative rollback)")

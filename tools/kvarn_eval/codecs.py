@@ -45,6 +45,7 @@ from kvarn_format.registry import (
 
 __all__ = [
     "BACKENDS",
+    "BACKEND_SUFFIX",
     "BASELINE_KINDS",
     "FP16_MAX",
     "FP16Cache",
@@ -66,8 +67,16 @@ FP16_MAX: Final[float] = 65504.0
 BASELINE_KINDS: Final[tuple[str, ...]] = ("rtn", "had")
 _WHOLE_CACHE: Final[tuple[str, ...]] = ("fp16", "identity", "int8_token", "fp8_e4m3")
 #: Where a KVarN codec runs: the NumPy reference, the Triton store kernel with the harness's
-#: attention, or the whole serving path (store, pool and attention kernels).
-BACKENDS: Final[tuple[str, ...]] = ("reference", "kernels-store", "kernels")
+#: attention, the whole serving path (store, pool and attention kernels), or the reference
+#: codec with the attention computed in fp16 (the control row of the kernel comparison).
+BACKENDS: Final[tuple[str, ...]] = ("reference", "kernels-store", "kernels", "reference-attn16")
+#: Codec name suffix of each backend.
+BACKEND_SUFFIX: Final[dict[str, str]] = {
+    "reference": "",
+    "kernels-store": "+store",
+    "kernels": "+kernels",
+    "reference-attn16": "+attn16",
+}
 
 KV = tuple[torch.Tensor, torch.Tensor]
 _CPU: Final[torch.device] = torch.device("cpu")
@@ -233,12 +242,16 @@ class KVarNCodec:
     sinkhorn: bool = True
     sink_tiles: int = 1
     label: str = field(default="")
+    #: Compute this row's attention in fp16 (q, K, V, output), as a serving attention library
+    #: does: the control row (``+attn16``) for the serving kernels' distance from this codec.
+    attention_fp16: bool = False
 
     @property
     def name(self) -> str:
         if self.label:
             return self.label
-        return self.fmt.name if self.sinkhorn else "had_" + self.fmt.name.removeprefix("kvarn_")
+        base = self.fmt.name if self.sinkhorn else "had_" + self.fmt.name.removeprefix("kvarn_")
+        return base + ("+attn16" if self.attention_fp16 else "")
 
     @property
     def group(self) -> int:
@@ -293,8 +306,8 @@ class RTNKiviCodec:
 
 
 def codec_names() -> list[str]:
-    """Every name :func:`make_codec` accepts (kernel backends: a ``+store``/``+kernels`` suffix
-    on the ``kvarn_*`` and ``had_*`` names)."""
+    """Every name :func:`make_codec` accepts (other backends: a ``+store``, ``+kernels`` or
+    ``+attn16`` suffix on the ``kvarn_*`` and ``had_*`` names)."""
     suffixes = [d.removeprefix("kvarn_") for d in DENSE_DTYPES]
     names = list(_WHOLE_CACHE) + list(DENSE_DTYPES)
     for kind in BASELINE_KINDS:
@@ -312,16 +325,19 @@ def make_codec(name: str, head_dim: int, backend: str = "reference") -> TileCode
     """Build the codec called ``name`` (see the module docstring) for a model's head_dim.
 
     ``backend`` applies to the ``kvarn_*`` and ``had_*`` codecs: ``reference`` (the NumPy
-    codec), ``kernels-store`` or ``kernels`` (:mod:`kvarn_eval.kernel_codecs`; the name then
-    carries a ``+store``/``+kernels`` suffix, which may also be given in ``name``).
+    codec), ``kernels-store`` or ``kernels`` (:mod:`kvarn_eval.kernel_codecs`), or
+    ``reference-attn16`` (the NumPy codec, attention in fp16); the name then carries the
+    backend's suffix (``+store``, ``+kernels``, ``+attn16``), which may also be given in
+    ``name``.
     Raises ``ValueError`` listing the valid names for an unknown name, and the registry's
     ``UnsupportedGeometryError`` when the format does not take this head_dim.
     """
     name, plus, suffix = name.partition("+")
     if plus:
-        by_suffix = {"store": "kernels-store", "kernels": "kernels"}
+        by_suffix = {v.removeprefix("+"): k for k, v in BACKEND_SUFFIX.items() if v}
         if suffix not in by_suffix:
-            raise ValueError(f"unknown backend suffix '+{suffix}'; valid: +store, +kernels")
+            valid = ", ".join(v for v in BACKEND_SUFFIX.values() if v)
+            raise ValueError(f"unknown backend suffix '+{suffix}'; valid: {valid}")
         backend = by_suffix[suffix]
     if backend not in BACKENDS:
         raise ValueError(f"unknown codec backend {backend!r}; valid: {', '.join(BACKENDS)}")
@@ -339,13 +355,13 @@ def make_codec(name: str, head_dim: int, backend: str = "reference") -> TileCode
         fmt = parse_cache_dtype(dtype)
         assert isinstance(fmt, DenseFormat)
         check_dense_head_dim(fmt, head_dim)
-        if kind in ("kvarn", "had") and backend != "reference":
+        if kind in ("kvarn", "had") and backend in ("kernels-store", "kernels"):
             from kvarn_eval.kernel_codecs import KernelKVarNCodec
 
             return KernelKVarNCodec(fmt, serving=backend == "kernels", sinkhorn=kind == "kvarn")
-        if kind == "kvarn":
-            return KVarNCodec(fmt)
-        if kind == "had":
-            return KVarNCodec(fmt, sinkhorn=False)
+        if kind in ("kvarn", "had"):
+            return KVarNCodec(
+                fmt, sinkhorn=kind == "kvarn", attention_fp16=backend == "reference-attn16"
+            )
         return RTNKiviCodec(fmt.key_bits, fmt.value_bits, fmt.group)
     raise ValueError(f"unknown codec {name!r}; valid: {', '.join(codec_names())}")

@@ -21,9 +21,9 @@ Two codecs, both named after the dense format with a backend suffix:
     slots released), and the row's attention output is replaced by
     :func:`kvarn_kernels.prefill_attention` (several query tokens) or
     :func:`kvarn_kernels.decode_attention` (one) reading records and pool through the block
-    table. Queries go in as fp16 and the output comes back as fp16, as in serving; the
-    harness's float32 buffer for the row holds the store image (as ``+store``), used only by
-    the error recorder's exact/quantized comparison, never by the row's attention.
+    table. Queries go in as fp16 and the output comes back as fp16, as in serving. The
+    harness's float32 buffer for the row holds the decoded records (as ``+store`` would);
+    the harness's own attention over it still runs, but its output for the row is replaced.
 
 The model itself runs in float32 (the harness's choice, see ``assets.load_model``), so the
 pool is written by rotating the float32 K/V (the reference codec's input), not by
@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import torch
 
@@ -46,14 +46,10 @@ from kvarn_format.geometry import record_layout
 from kvarn_format.registry import DenseFormat
 
 __all__ = [
-    "BACKEND_SUFFIX",
     "KernelKVarNCodec",
     "ServingGroup",
     "check_kernels_usable",
 ]
-
-#: Name suffix of each kernel backend (the reference codec has none).
-BACKEND_SUFFIX: Final[dict[str, str]] = {"kernels-store": "+store", "kernels": "+kernels"}
 
 
 def check_kernels_usable(device: torch.device | str) -> None:
@@ -152,8 +148,9 @@ class ServingGroup:
 
     Row ``i`` of the group (batch row ``rows[i]``) owns ``max_blocks`` consecutive blocks
     (from ``i * max_blocks`` when built) of a paged record cache; every block starts with its
-    own pool slot (``block_to_slot[b] = b``) and gives it up when flushed. Sequence positions count from the row's first real token
-    (``offsets``: left padding of batched prompts is never written).
+    own pool slot (``block_to_slot[b] = b``) and gives it up when flushed. Sequence positions
+    count from the row's first real token (``offsets``: left padding of batched prompts is
+    never written).
     """
 
     def __init__(

@@ -275,9 +275,10 @@ _BACKEND_TEXT = {
     "kernels": "the `kvarn-kernels` serving path: Triton rotation into the fp16 pool, "
     "`flush_tiles`, and `prefill_attention` / `decode_attention` on the packed cache "
     "(`tools/kvarn_eval/kernel_codecs.py`)",
-    "all": "every KVarN format three times: the NumPy reference codec (plain name), the Triton "
-    "store kernel (`+store`) and the whole serving path (`+kernels`), see "
-    "`tools/kvarn_eval/kernel_codecs.py`",
+    "all": "every KVarN format four times: the NumPy reference codec (plain name), the Triton "
+    "store kernel (`+store`), the whole serving path (`+kernels`), see "
+    "`tools/kvarn_eval/kernel_codecs.py`, and the control `+attn16` (reference codec, "
+    "attention in fp16)",
 }
 
 
@@ -366,8 +367,11 @@ def render_markdown(
         "the rotated fp16 side pool, block table and `block_to_slot`; complete tiles "
         "flushed by `flush_tiles`; the row's attention computed by `prefill_attention` for "
         "a 64-token step and `decode_attention` for one token, on fp16 queries, exactly as "
-        "vLLM calls them) or `all` (the three side by side: each kernel row is compared with "
-        "the reference row of its format on identical inputs, KL between the two). "
+        "vLLM calls them) or `all` (the three side by side, plus a control row `+attn16`: the "
+        "reference codec with its attention computed in fp16, the precision any serving "
+        "attention library works at; each row is compared with the reference row of its "
+        "format on identical inputs, KL between the two, so the `+kernels` row's KL can be "
+        "read against the `+attn16` row's). "
         "The kernels need CUDA (`--device cuda`); on a CPU they run in Triton's "
         "interpreter, which the tests use at a tiny size. `tools/gpu_quality.py` runs the "
         "short comparison on one GPU (see its docstring for the exact device commands) "
@@ -435,10 +439,13 @@ def render_markdown(
             "the two rows; compare with the row's own KL against fp16 in the tables above. "
             "`+store` differs from the reference only by the store kernel's arithmetic (sums "
             "in another order: an fp16 scale can land one ulp away), `+kernels` also by the "
-            "attention kernels (fp16 queries and outputs, as in serving)."
+            "Triton rotation into the pool and the attention kernels (fp16 queries, fp16 "
+            "context workspace and outputs, as in serving). `+attn16` is the yardstick: the "
+            "reference codec with torch's attention in fp16. A `+kernels` KL at or below the "
+            "`+attn16` KL means the kernels lose nothing beyond fp16 attention itself."
         )
         add("")
-        add("| corpus | context | reference | kernel row | KL mean | KL max | top-1 agreement |")
+        add("| corpus | context | reference | row | KL mean | KL max | top-1 agreement |")
         add("|---|---:|---|---|---:|---:|---:|")
         for r in tf_pairs:
             add(
