@@ -200,8 +200,9 @@ def test_plan_one_dtype_and_options(capsys: pytest.CaptureFixture[str]) -> None:
         2,
         32768,
     )
-    # POOL = 2*64 + ceil(4096/64) + 8 + rollback (ceil(64*2/64) + 64 = 66) = 266 slots
-    assert row["side_pool_slots"] == 266
+    # POOL = 2*64 + 8 + rollback (ceil(64*2/64) + 64 = 66) = 202 slots (direct flush: no
+    # ceil(4096/64) prefill-chunk term)
+    assert row["side_pool_slots"] == 202
 
 
 def test_plan_weight_and_overhead_overrides(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -32,11 +33,11 @@ from kvarn_format.sizing import (
 #   page per layer  = Hk * tile = 8 * 13,824          = 110,592 B
 #   page per block  = 36 * 110,592                    = 3,981,312 B
 #   pool slot/layer = G * Hk * D * 2 (K,V) * 2 (fp16) = 128 * 8 * 128 * 4 = 524,288 B
-# With max_num_seqs S=4, max_num_batched_tokens T=256:
-#   POOL = max(2*4 + ceil(256/128) + 8, 8) = 18 slots
-#   pool bytes = 18 * 524,288 * 36 = 339,738,624 B
+# With max_num_seqs S=4, max_num_batched_tokens T=256, direct flush (the default):
+#   POOL = 2*4 + 8 = 16 slots (without direct flush: + ceil(256/128) = 18)
+#   pool bytes = 16 * 524,288 * 36 = 301,989,888 B
 QWEN8_PAGE = 3_981_312
-QWEN8_POOL = 339_738_624
+QWEN8_POOL = 301_989_888
 SMALL = ServingConfig(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256)
 
 
@@ -50,7 +51,8 @@ def test_dense_pages_and_pool_match_hand_arithmetic() -> None:
     (full,) = layers
     assert full.count == 36 and full.page_bytes == 110_592
     assert full.side_pool is not None and full.side_pool.slot_bytes == 524_288
-    assert side_pool_slots(full.side_pool, SMALL) == 18
+    assert side_pool_slots(full.side_pool, SMALL) == 16
+    assert side_pool_slots(full.side_pool, replace(SMALL, direct_flush=False)) == 18
     assert full.workspace is None
 
 
@@ -183,7 +185,7 @@ def test_speculative_rollback_fails_closed_when_it_does_not_fit() -> None:
         solve_kv_budget(layers, available, spec, block_size=block)
     # The same budget minus the rollback slots' bytes still fits 8 blocks with spec on.
     fits = solve_kv_budget(layers, available + 94_371_840, spec, block_size=block)
-    assert fits.num_blocks == 8 and fits.side_pool_slots == 23
+    assert fits.num_blocks == 8 and fits.side_pool_slots == 21
 
 
 def test_incompatible_workspace_geometries_raise() -> None:
@@ -294,7 +296,16 @@ def test_formats_the_model_cannot_take_raise() -> None:
 
 def test_side_pool_rules() -> None:
     s = ServingConfig(4096, max_num_seqs=128, max_num_batched_tokens=2048)
-    assert side_pool_slots(SidePool("dense", 128, 1), s) == 2 * 128 + 16 + 8
+    # Direct flush (default): no prefill-chunk term, whatever the token budget.
+    assert side_pool_slots(SidePool("dense", 128, 1), s) == 2 * 128 + 8
+    big = replace(s, max_num_batched_tokens=65536)
+    assert side_pool_slots(SidePool("dense", 128, 1), big) == 2 * 128 + 8
+    old = replace(s, direct_flush=False)
+    assert side_pool_slots(SidePool("dense", 128, 1), old) == 2 * 128 + 16 + 8
+    spec = replace(s, spec_tokens=2)
+    assert side_pool_slots(SidePool("dense", 128, 1), spec) == 2 * 128 + 8 + 2 + 128
+    # The MLA rules do not depend on direct flush.
+    assert side_pool_slots(SidePool("mla_g64", 64, 1), old) == 3 * 128 + 32 + 8
     assert side_pool_slots(SidePool("mla_g128", 128, 1), s) == 256
     assert side_pool_slots(SidePool("mla_g128", 128, 1), ServingConfig(4096, 10, 2048)) == 64
     assert side_pool_slots(SidePool("mla_g64", 64, 1), s) == 3 * 128 + 32 + 8
@@ -307,6 +318,8 @@ def test_serving_config_validation() -> None:
         ServingConfig(1024, spec_tokens=-1)
     with pytest.raises(ValueError, match="max_model_len"):
         ServingConfig(0)
+    with pytest.raises(ValueError, match="direct_flush"):
+        ServingConfig(1024, direct_flush=1)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,11 +345,27 @@ def test_h200_fp16_and_fp8_anchors_reproduced() -> None:
     assert auto.overhead_bytes == 1_610_612_736 + ANCHOR_FIXED_OVERHEAD_BYTES
 
 
+def test_qwen3_8b_standard_burst_kvarn_predictions() -> None:
+    """The H200 standard burst (docs/benchmarks.md). vLLM 0.23.0 reported 3,360,128 tokens for
+    kvarn_k4v2_g128 with the format-spec pool (648 slots); the same plan without direct flush
+    predicts 3,360,512 (3 blocks over). With direct flush the pool is 2*256 + 8 = 520 slots
+    (128 x 36 x 524,288 B = 2.25 GiB less): these are the predictions for the next GPU run."""
+    kw = {"max_model_len": 16384, "max_num_seqs": 256, "max_num_batched_tokens": 16384}
+    old = plan("Qwen3-8B", "kvarn_k4v2_g128", direct_flush=False, **kw)  # type: ignore[arg-type]
+    assert old.budget.side_pool_slots == 648 and old.kv_tokens == 3_360_512
+    k4v2 = plan("Qwen3-8B", "kvarn_k4v2_g128", **kw)  # type: ignore[arg-type]
+    assert k4v2.budget.side_pool_slots == 520
+    assert old.budget.side_pool_bytes - k4v2.budget.side_pool_bytes == 128 * 36 * 524_288
+    assert k4v2.kv_tokens == 3_438_080  # 4.342x the planned fp16 791,792
+    k4v4 = plan("Qwen3-8B", "kvarn_k4v4_g128", **kw)  # type: ignore[arg-type]
+    assert k4v4.kv_tokens == 2_652_288  # 3.350x
+
+
 def test_qwen3_32b_k4v2_a_bit_above_4x() -> None:
     p = plan("Qwen3-32B", "kvarn_k4v2_g128")
     assert p.ratio_vs_fp16 is not None and 4.0 < p.ratio_vs_fp16 < 4.3
-    # Side pool: (2*128 + ceil(2048/128) + 8) = 280 slots * 524,288 B * 64 layers.
-    assert p.budget.side_pool_bytes == 280 * 524_288 * 64
+    # Side pool: 2*128 + 8 = 264 slots * 524,288 B * 64 layers (direct flush).
+    assert p.budget.side_pool_bytes == 264 * 524_288 * 64
     assert p.kv_tokens == p.num_blocks * 128
     # Every byte is accounted for.
     b = p.budget

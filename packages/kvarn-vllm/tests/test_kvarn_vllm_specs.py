@@ -155,14 +155,20 @@ def test_routing_fails_closed_for_unsupported_layers(kvarn: None, qwen3_dir: Pat
             get_attn_backend(128, torch.bfloat16, "kvarn_k4v2_g128", has_sink=True)
 
 
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct", "pool"])
 def test_get_kv_cache_configs_charges_the_side_pool(
-    kvarn: None, qwen3_dir: Path, caplog: pytest.LogCaptureFixture
+    kvarn: None,
+    qwen3_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    direct: str,
 ) -> None:
     import vllm.v1.engine.core as core
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvarn_vllm.budget import reservation_for_worker
 
+    monkeypatch.setenv("KVARN_DIRECT_FLUSH", direct)
     config = _config(qwen3_dir)
     kv = {
         f"model.layers.{i}.self_attn.attn": KvarnFullAttentionSpec.for_layer(
@@ -175,9 +181,15 @@ def test_get_kv_cache_configs_charges_the_side_pool(
     assert res is not None
     slots = side_pool_slots(
         SidePool("dense", 128, 0),
-        ServingConfig(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048),
+        ServingConfig(
+            max_model_len=4096,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+            direct_flush=direct == "1",
+        ),
     )
-    assert slots == 2 * 64 + 2048 // 128 + 8
+    # Direct flush drops format-spec §4.3's ceil(T/G) prefill-chunk term.
+    assert slots == 2 * 64 + 8 + (0 if direct == "1" else 2048 // 128)
     assert res.pool_slots == slots
     assert res.pool_bytes == slots * 2 * 128 * 8 * 128 * 2 * 36
     assert res.workspace_bytes > 0 and res.table_bytes > 0
@@ -254,7 +266,7 @@ def test_capture_build_applies_no_side_pool_work(kvarn: None, qwen3_dir: Path) -
     layers[0].kv_cache = torch.zeros((8, 2, spec.tile_stride), dtype=torch.uint8)
     builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
     rt = builder.runtime
-    assert rt.num_slots == 2 * 64 + 2048 // 128 + 8
+    assert rt.num_slots == 2 * 64 + 8
     from kvarn_vllm.tracker import SidePoolTracker
 
     rt.tracker = SidePoolTracker(rt.num_slots, 128)
@@ -271,12 +283,16 @@ def test_capture_build_applies_no_side_pool_work(kvarn: None, qwen3_dir: Path) -
         block_table_tensor=torch.zeros((1, 32), dtype=torch.int32),
         slot_mapping=torch.zeros(1, dtype=torch.int64),
     )
+    # Direct tiles pending for this step never reach a capture build nor a batch of single
+    # tokens (the batches FULL CUDA graphs replay).
+    rt._direct_host = ([2], [-1], [0])
     meta = builder.build_for_cudagraph_capture(cam)
-    assert meta.num_decodes == 1 and not meta.prefill_runs
+    assert meta.num_decodes == 1 and not meta.prefill_runs and meta.direct is None
     assert int(meta.block_to_slot[1]) == -1, "capture must not apply queued plans"
     assert meta.runtime.decode_workspace is not None
-    builder.build(0, cam)
+    meta = builder.build(0, cam)
     assert int(meta.block_to_slot[1]) == rt.tracker.slot_of(1)
+    assert meta.direct is None
 
 
 def test_profiling_kv_cache_gets_a_one_slot_pool(kvarn: None, qwen3_dir: Path) -> None:
@@ -288,3 +304,79 @@ def test_profiling_kv_cache_gets_a_one_slot_pool(kvarn: None, qwen3_dir: Path) -
     spec = layers[0].get_kv_cache_spec(config)
     builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
     assert builder.runtime.profiling and builder.runtime.num_slots == 1
+
+
+def test_direct_flush_setting(
+    kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.config import CompilationMode
+
+    from kvarn_vllm.budget import direct_flush_setting, serving_limits
+
+    config = _config(qwen3_dir)
+    assert direct_flush_setting(config) == (True, "")
+    monkeypatch.setenv("KVARN_DIRECT_FLUSH", "0")
+    on, why = direct_flush_setting(config)
+    assert not on and "KVARN_DIRECT_FLUSH" in why
+    assert not serving_limits(config).serving_config().direct_flush
+    monkeypatch.setenv("KVARN_DIRECT_FLUSH", "maybe")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        direct_flush_setting(config)
+    monkeypatch.setenv("KVARN_DIRECT_FLUSH", "1")
+    # Micro-batching splits a step over several builds: off.
+    config.parallel_config.ubatch_size = 2
+    assert direct_flush_setting(config)[0] is False
+    config.parallel_config.ubatch_size = 0
+    # vLLM compilation that keeps the KV-cache update inside the (capturable) graph pieces.
+    comp = config.compilation_config
+    comp.mode = CompilationMode.VLLM_COMPILE
+    comp.splitting_ops = ["vllm::unified_attention_with_output"]
+    on, why = direct_flush_setting(config)
+    assert not on and "unified_kv_cache_update" in why
+    comp.splitting_ops.append("vllm::unified_kv_cache_update")
+    comp.splitting_ops.append("vllm::unified_mla_kv_cache_update")
+    assert direct_flush_setting(config)[0] is True
+
+
+def test_direct_tiles_rows_come_from_the_slot_mapping(kvarn: None, qwen3_dir: Path) -> None:
+    """The device derivation of each direct tile's first new row, without a host sync."""
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+
+    config = _config(qwen3_dir, "kvarn_k4v2_g64")
+    config.cache_config.num_gpu_blocks = 16
+    layers = _attention_layers(config, 1)
+    spec = layers[0].get_kv_cache_spec(config)
+    layers[0].kv_cache = torch.zeros((16, 2, spec.tile_stride), dtype=torch.uint8)
+    builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
+    rt = builder.runtime
+    g = 64
+    # Rows: one decode token of block 9, then a chunk of positions 104..263 over blocks 3
+    # (positions 104..127; 40 earlier rows in the pool), 5 (128..191), 7 (192..255) and 11
+    # (256..263), then padding.
+    slots = [9 * g + 17]
+    blocks = [2, 3, 5, 7, 11]
+    slots += [blocks[p // g] * g + p % g for p in range(104, 264)]
+    slots += [-1, -1]
+    sm = torch.tensor(slots, dtype=torch.int64)
+    # Plan: 3 opens with 40 pool rows (slot 4); 5 and 7 are whole; 13 is not in this build.
+    rt._direct_host = ([3, 5, 7, 13], [4, -1, -1, -1], [40, 0, 0, 0])
+    rt._direct_dev = None
+    tiles = rt.direct_tiles(sm, len(slots) - 2)
+    assert tiles is not None and tiles.count == 4
+    assert tiles.row_starts.tolist() == [1, 1 + 24, 1 + 24 + 64, -1]
+    assert tiles.head_lens.tolist() == [40, 0, 0, 0]
+    # A later build of the same step that holds only part of tile 7 skips it (and the rest).
+    part = sm[:100]
+    tiles = rt.direct_tiles(part, 100)
+    assert tiles is not None and tiles.row_starts.tolist() == [1, 25, -1, -1]
+    # The scheduler counted three tokens more than the worker writes (async scheduling with
+    # drafts): the step's tokens of block 3 start at offset 37, so those rows come from the
+    # step and only 37 from the pool; the other tiles keep their rows.
+    early = [9 * g + 17] + [blocks[p // g] * g + p % g for p in range(101, 261)]
+    tiles = rt.direct_tiles(torch.tensor(early, dtype=torch.int64), len(early))
+    assert tiles is not None
+    assert tiles.head_lens.tolist() == [37, 0, 0, 0]
+    assert tiles.row_starts.tolist() == [1, 1 + 27, 1 + 27 + 64, -1]
+    # No direct tiles this step: nothing to do.
+    rt._direct_host = None
+    assert rt.direct_tiles(sm, len(slots) - 2) is None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from kvarn_format.sizing import ServingConfig, SidePool, rollback_blocks, side_pool_slots
 from kvarn_vllm.tracker import (
     CachedRequest,
     NewRequest,
@@ -41,7 +42,7 @@ def _flushes(plans: list[StepPlan]) -> list[tuple[int, int]]:
 
 
 def test_prompt_then_decode_keeps_sink_and_tail_flushes_committed_blocks() -> None:
-    tr = SidePoolTracker(num_slots=8, group=G)
+    tr = SidePoolTracker(num_slots=8, group=G, direct_flush=False)
     # A 10-token prompt in blocks 7, 3, 9.
     plan = tr.step(StepInput(new=[NewRequest("a", [7, 3, 9], 0)], num_scheduled={"a": 10}))
     assert plan.flush_blocks == []
@@ -83,7 +84,7 @@ def test_only_committed_tokens_are_flushed_with_speculative_drafts() -> None:
 
 
 def test_finished_request_flushes_full_blocks_and_retires_its_sink() -> None:
-    tr = SidePoolTracker(num_slots=8, group=G)
+    tr = SidePoolTracker(num_slots=8, group=G, direct_flush=False)
     tr.step(StepInput(new=[NewRequest("a", [4, 5, 6], 0)], num_scheduled={"a": 10}))
     # Finishes right after its prompt (no later step ever committed blocks 5 and 6).
     plan = tr.step(StepInput(finished=["a"]))
@@ -122,7 +123,7 @@ def test_shared_sink_stays_until_last_owner_finishes() -> None:
 
 
 def test_preempted_request_recomputes_and_hits_its_own_blocks() -> None:
-    tr = SidePoolTracker(num_slots=8, group=G)
+    tr = SidePoolTracker(num_slots=8, group=G, direct_flush=False)
     tr.step(StepInput(new=[NewRequest("a", [1, 2, 3], 0)], num_scheduled={"a": 9}))
     plan = tr.step(StepInput(preempted=["a"]))
     assert plan.flush_blocks == [2]
@@ -136,7 +137,7 @@ def test_preempted_request_recomputes_and_hits_its_own_blocks() -> None:
 
 
 def test_retired_sinks_are_evicted_under_pressure_then_pool_exhausts_loudly() -> None:
-    tr = SidePoolTracker(num_slots=3, group=G)
+    tr = SidePoolTracker(num_slots=3, group=G, direct_flush=False)
     tr.step(StepInput(new=[NewRequest("a", [0, 1], 0)], num_scheduled={"a": 4}))
     tr.step(StepInput(finished=["a"]))
     assert tr.retired_sinks() == [0]
@@ -150,7 +151,7 @@ def test_retired_sinks_are_evicted_under_pressure_then_pool_exhausts_loudly() ->
 
 
 def test_scheduler_blocks_spanning_several_tiles_are_expanded() -> None:
-    tr = SidePoolTracker(num_slots=8, group=G, blocks_per_scheduler_block=2)
+    tr = SidePoolTracker(num_slots=8, group=G, blocks_per_scheduler_block=2, direct_flush=False)
     plan = tr.step(StepInput(new=[NewRequest("a", [3, 5], 0)], num_scheduled={"a": 9}))
     assert tr.request_blocks("a") == [6, 7, 10, 11]
     assert sorted(plan.map_blocks) == [6, 7, 10]
@@ -184,6 +185,90 @@ def test_pending_plans_accumulate_in_order() -> None:
     assert _mapping(plans)[0] == tr.slot_of(0)
 
 
+# ----------------------------------------------------------------------------- direct flush
+
+
+def _direct(plan: StepPlan) -> list[tuple[int, int, int]]:
+    return list(zip(plan.direct_blocks, plan.direct_head_slots, plan.direct_head_lens, strict=True))
+
+
+def test_direct_tiles_of_a_prompt_take_no_slot_and_are_never_flushed_again() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G)
+    # A 10-token prompt in blocks 7, 3, 9: block 3 is complete and committed after the step.
+    plan = tr.step(StepInput(new=[NewRequest("a", [7, 3, 9], 0)], num_scheduled={"a": 10}))
+    assert _direct(plan) == [(3, -1, 0)]
+    assert set(plan.map_blocks) == {7, 9} and tr.slot_of(3) is None
+    assert tr.slots_used == 2
+    plan = tr.step(StepInput(cached=[CachedRequest("a", None, False, 10)], num_scheduled={"a": 1}))
+    assert plan.flush_blocks == [] and _direct(plan) == []
+    # It finishes: block 3 is already a packed record; nothing is flushed for it.
+    plan = tr.step(StepInput(finished=["a"]))
+    assert 3 not in plan.flush_blocks and tr.retired_sinks() == [7]
+    # A prefix hit on blocks 7 and 3 reads the fp16 sink and the packed block 3.
+    tr.step(StepInput(new=[NewRequest("b", [7, 3, 5], 8)], num_scheduled={"b": 3}))
+    assert tr.slot_of(7) is not None and tr.slot_of(3) is None and tr.total_direct == 1
+
+
+def test_chunk_starting_inside_a_block_frees_that_slot_for_its_new_tail() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G)
+    tr.step(StepInput(new=[NewRequest("a", [10, 11, 12, 13], 0)], num_scheduled={"a": 6}))
+    s11 = tr.slot_of(11)
+    assert s11 is not None and tr.slots_used == 2
+    # Tokens 6..13: block 11 completes (its tokens 4, 5 are in slot s11), block 12 is written
+    # whole, block 13 receives tokens 12, 13.
+    plan = tr.step(StepInput(cached=[CachedRequest("a", None, False, 6)], num_scheduled={"a": 8}))
+    assert _direct(plan) == [(11, s11, 2), (12, -1, 0)]
+    assert tr.slot_of(11) is None and tr.slot_of(12) is None
+    assert tr.slot_of(13) == s11, "the freed slot serves the new in-progress block"
+    assert tr.slots_used == 2
+    # The same step without direct flush needs a third slot (block 11 waits for its flush).
+    old = SidePoolTracker(num_slots=8, group=G, direct_flush=False)
+    old.step(StepInput(new=[NewRequest("a", [10, 11, 12, 13], 0)], num_scheduled={"a": 6}))
+    old.step(StepInput(cached=[CachedRequest("a", None, False, 6)], num_scheduled={"a": 8}))
+    assert old.slots_used == 4 and old.total_direct == 0
+
+
+def test_sinks_drafts_margins_and_single_tokens_are_never_direct() -> None:
+    tr = SidePoolTracker(num_slots=16, group=G)
+    # The sink is block 0: never direct, even when the chunk completes it.
+    plan = tr.step(StepInput(new=[NewRequest("a", [0, 1, 2], 0)], num_scheduled={"a": 8}))
+    assert _direct(plan) == [(1, -1, 0)]
+    assert tr.slot_of(0) is not None
+    # A one-token step completing block 1 (position 7) keeps its slot until the next step.
+    tr2 = SidePoolTracker(num_slots=16, group=G)
+    tr2.step(StepInput(new=[NewRequest("b", [0, 1, 2], 0)], num_scheduled={"b": 7}))
+    plan = tr2.step(StepInput(cached=[CachedRequest("b", None, False, 7)], num_scheduled={"b": 1}))
+    assert _direct(plan) == [] and tr2.slot_of(1) is not None
+    plan = tr2.step(StepInput(cached=[CachedRequest("b", None, False, 8)], num_scheduled={"b": 1}))
+    assert plan.flush_blocks == [1]
+    # A verify step whose drafts complete a block: not committed, not direct.
+    tr3 = SidePoolTracker(num_slots=16, group=G)
+    tr3.step(StepInput(new=[NewRequest("c", [0, 1, 2], 0)], num_scheduled={"c": 5}))
+    plan = tr3.step(
+        StepInput(
+            cached=[CachedRequest("c", None, False, 5)], num_scheduled={"c": 3}, num_spec={"c": 2}
+        )
+    )
+    assert _direct(plan) == [] and tr3.slot_of(1) is not None
+    # Async scheduling with drafts: tiles ending within spec_margin of the chunk's end wait.
+    tr4 = SidePoolTracker(num_slots=16, group=G, spec_margin=3)
+    plan = tr4.step(StepInput(new=[NewRequest("d", [0, 1, 2, 3], 0)], num_scheduled={"d": 12}))
+    assert _direct(plan) == [(1, -1, 0)] and tr4.slot_of(2) is not None
+
+
+def test_a_block_rewritten_whole_drops_its_stale_slot() -> None:
+    tr = SidePoolTracker(num_slots=8, group=G)
+    tr.step(StepInput(new=[NewRequest("a", [4, 5], 0)], num_scheduled={"a": 6}))
+    tr.step(StepInput(finished=["a"]))
+    assert tr.retired_sinks() == [4]
+    slots_before = tr.slots_used
+    # vLLM evicted block 4 from its prefix cache and hands it to b as a fresh second block.
+    plan = tr.step(StepInput(new=[NewRequest("b", [6, 4, 7], 0)], num_scheduled={"b": 9}))
+    assert (4, -1, 0) in _direct(plan) and tr.slot_of(4) is None
+    assert tr.retired_sinks() == [] and (4, -1) in zip(plan.map_blocks, plan.map_slots, strict=True)
+    assert tr.slots_used == slots_before - 1 + 2  # b's sink 6 and tail 7; block 4 freed
+
+
 # ----------------------------------------------------------------------------- simulation
 
 
@@ -202,7 +287,18 @@ class _Req:
 
 
 class _Sim:
-    """A small vLLM-like engine driving the tracker, with a device model that checks reads."""
+    """A small vLLM-like engine driving the tracker, with a device model that checks reads.
+
+    The scheduler follows vLLM 0.23's V1 ``Scheduler.schedule``: running requests first, in
+    order, each taking ``min(need, budget)`` tokens (drafts included) and stopping when the
+    budget is spent; preemption of the last running request when blocks run out; waiting
+    requests only when nothing was preempted, with prefix-cache hits and the last one cut at
+    the budget; blocks entered in the prefix cache when they are *scheduled* (so a request
+    admitted later in the same step can hit a block being computed in it). The device applies
+    the tracker's plans and, per forward, does what a layer does: direct tiles' heads are read
+    from the pool first, then every token is written (pool slot or direct tile), then every
+    request reads its whole history from wherever ``block_to_slot`` says.
+    """
 
     def __init__(
         self,
@@ -214,13 +310,25 @@ class _Sim:
         spec: int,
         v2_resume: bool,
         budget: int = 24,
+        max_running: int = 6,
+        long_prompts: bool = False,
+        direct_flush: bool = True,
+        spec_margin: int = 0,
     ) -> None:
         self.rng = random.Random(seed)
-        self.tr = SidePoolTracker(num_slots, G, prefix_caching=prefix_caching)
+        self.tr = SidePoolTracker(
+            num_slots,
+            G,
+            prefix_caching=prefix_caching,
+            direct_flush=direct_flush,
+            spec_margin=spec_margin,
+        )
         self.prefix_caching = prefix_caching
         self.spec = spec
         self.v2_resume = v2_resume
         self.budget = budget
+        self.max_running = max_running
+        self.long_prompts = long_prompts
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.hash_of: dict[int, tuple[int, ...]] = {}
         self.block_of_hash: dict[tuple[int, ...], int] = {}
@@ -235,11 +343,21 @@ class _Sim:
         self.prefixes = [[self.rng.randrange(1000) for _ in range(n)] for n in (5, 9, 13)]
         self.reads = 0
         self.fp16_sink_hits = 0
+        self.direct_tiles = 0
+        self.direct_heads = 0
+        self.same_step_hits = 0
+        self.preemptions = 0
+        #: Most slots held by live requests at once (retired sinks excluded: evictable).
+        self.max_live = 0
+        self._computing: set[int] = set()
 
     # -- scheduler side
     def add_request(self) -> None:
         prefix = self.rng.choice(self.prefixes)
-        prompt = prefix + [self.rng.randrange(1000) for _ in range(self.rng.randrange(0, 7))]
+        if self.long_prompts and self.rng.random() < 0.6:
+            prefix = []  # a prompt of its own: its sink is not shared
+        extra = self.rng.randrange(1, 40) if self.long_prompts else self.rng.randrange(0, 7)
+        prompt = prefix + [self.rng.randrange(1000) for _ in range(extra)]
         self.waiting.append(
             _Req(f"r{self.next_id}", list(prompt), len(prompt), self.rng.randrange(1, 12))
         )
@@ -263,10 +381,11 @@ class _Sim:
                 self.free[block] = None
         req.blocks = []
 
-    def _cache_full_blocks(self, req: _Req) -> None:
+    def _cache_full_blocks(self, req: _Req, upto: int) -> None:
+        """vLLM's ``cache_blocks``: full blocks of final tokens up to position ``upto``."""
         if not self.prefix_caching:
             return
-        for i in range(req.num_computed // G):
+        for i in range(min(upto, len(req.tokens)) // G):
             h = tuple(req.tokens[: (i + 1) * G])
             if h not in self.block_of_hash:
                 self.block_of_hash[h] = req.blocks[i]
@@ -284,6 +403,8 @@ class _Sim:
             self.refs[block] = self.refs.get(block, 0) + 1
             req.blocks.append(block)
             req.num_computed = (i + 1) * G
+            if block in self._computing:
+                self.same_step_hits += 1
             if i == 0:
                 req.sink_hit = True
                 if block in self.block_to_slot:
@@ -294,10 +415,23 @@ class _Sim:
         while len(req.blocks) < -(-upto_tokens // G):
             block = self._alloc_block()
             if block is None:
+                for b in new:  # vLLM allocates all or nothing
+                    req.blocks.remove(b)
+                    del self.refs[b]
+                    self.free[b] = None
+                    self.free.move_to_end(b, last=False)
                 return None
             req.blocks.append(block)
             new.append(block)
         return new
+
+    def _preempt(self, victim: _Req) -> None:
+        self._free_blocks(victim)
+        victim.num_computed = 0
+        victim.resumed = True
+        victim.sink_hit = False
+        self.waiting.insert(0, victim)
+        self.preemptions += 1
 
     def step(self) -> None:
         finished, self.finished = self.finished, []
@@ -308,59 +442,62 @@ class _Sim:
         spec: dict[str, int] = {}
         drafts: dict[str, list[int]] = {}
         budget = self.budget
-        for req in list(self.running):
-            if budget <= 0:
-                break
-            if req not in self.running:  # preempted earlier in this loop
-                continue
-            k = self.spec if (self.spec and req.num_computed >= req.prompt_len) else 0
-            todo = min(len(req.tokens) - req.num_computed, budget)
-            if k:
-                todo = 1
-            new_blocks = self._grow(req, req.num_computed + todo + k)
+        self._computing = set()
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            decoding = req.num_computed >= req.prompt_len
+            k = self.spec if (self.spec and decoding) else 0
+            need = (1 + k) if decoding else len(req.tokens) - req.num_computed
+            n = min(need, budget)
+            k = max(0, n - 1) if decoding and k else 0
+            new_blocks = self._grow(req, req.num_computed + n + self.spec)
             while new_blocks is None:
                 victim = self.running.pop()
-                self._free_blocks(victim)
-                victim.num_computed = 0
-                victim.resumed = True
-                self.waiting.insert(0, victim)
-                victim.sink_hit = False
+                self._preempt(victim)
                 preempted.append(victim.rid)
-                sched.pop(victim.rid, None)
-                spec.pop(victim.rid, None)
-                cached = [c for c in cached if c.req_id != victim.rid]
+                if victim.rid in sched:
+                    budget += sched.pop(victim.rid)
+                    spec.pop(victim.rid, None)
+                    drafts.pop(victim.rid, None)
+                    cached = [c for c in cached if c.req_id != victim.rid]
                 if victim is req:
                     break
-                new_blocks = self._grow(req, req.num_computed + todo + k)
+                new_blocks = self._grow(req, req.num_computed + n + self.spec)
             if new_blocks is None:
-                continue
-            sched[req.rid] = todo + k
-            budget -= todo + k
+                break
+            sched[req.rid] = n
+            budget -= n
             if k:
                 spec[req.rid] = k
                 drafts[req.rid] = [self.rng.randrange(1000) for _ in range(k)]
             cached.append(CachedRequest(req.rid, new_blocks or None, False, req.num_computed))
-        while self.waiting and budget > 0 and len(self.running) < 6:
-            req = self.waiting[0]
-            if req.rid in preempted:
+            self._cache_full_blocks(req, req.num_computed + n - k)
+            self._computing.update(req.blocks)
+            index += 1
+        while not preempted and self.waiting and budget > 0:
+            if len(self.running) == self.max_running:
                 break
+            req = self.waiting[0]
             self._prefix_hit(req)
-            todo = min(len(req.tokens) - req.num_computed, budget)
-            if self._grow(req, req.num_computed + todo) is None:
+            n = min(len(req.tokens) - req.num_computed, budget)
+            if self._grow(req, req.num_computed + n) is None:
                 self._free_blocks(req)
                 req.num_computed = 0
                 req.sink_hit = False
                 break
             self.waiting.pop(0)
             self.running.append(req)
-            sched[req.rid] = todo
-            budget -= todo
+            sched[req.rid] = n
+            budget -= n
             if req.resumed and not self.v2_resume:
                 cached.append(CachedRequest(req.rid, list(req.blocks), True, req.num_computed))
             else:
                 new_data.append(NewRequest(req.rid, list(req.blocks), req.num_computed))
             req.resumed = False
-        self.tr.step(
+            self._cache_full_blocks(req, req.num_computed + n)
+            self._computing.update(req.blocks)
+        plan = self.tr.step(
             StepInput(
                 finished=finished,
                 preempted=preempted,
@@ -370,9 +507,11 @@ class _Sim:
                 num_spec=spec,
             )
         )
-        for plan in self.tr.take_pending():
-            self._apply(plan)
-        self._forward(sched, drafts)
+        live = self.tr.slots_used - len(self.tr.retired_sinks())
+        self.max_live = max(self.max_live, live)
+        for pending in self.tr.take_pending():
+            self._apply(pending)
+        self._forward(plan, sched, drafts)
 
     # -- device side
     def _apply(self, plan: StepPlan) -> None:
@@ -390,11 +529,26 @@ class _Sim:
         slot = self.block_to_slot.get(block)
         if slot is not None:
             return self.pool[slot][offset]
+        # Not pool-resident: the kernels read its packed record, which must have been written.
         tile = self.tiles.get(block)
-        return None if tile is None else tile[offset]
+        assert tile is not None, f"block {block} is neither in the pool nor a written record"
+        return tile[offset]
 
-    def _forward(self, sched: dict[str, int], drafts: dict[str, list[int]]) -> None:
+    def _forward(self, plan: StepPlan, sched: dict[str, int], drafts: dict[str, list[int]]) -> None:
         by_id = {r.rid: r for r in self.running}
+        # 1. Direct tiles: the head rows come from the pool before anything is written (the
+        #    head's slot may serve another block in this very step).
+        staged: dict[int, list[int | None]] = {}
+        for block, slot, head in zip(
+            plan.direct_blocks, plan.direct_head_slots, plan.direct_head_lens, strict=True
+        ):
+            assert block not in self.block_to_slot, f"direct block {block} still has a slot"
+            row: list[int | None] = [None] * G
+            if head:
+                row[:head] = self.pool[slot][:head]
+                self.direct_heads += 1
+            staged[block] = row
+        # 2. Writes: pool slots, or the direct tile being built.
         for rid, n in sched.items():
             req = by_id[rid]
             start = req.num_computed
@@ -402,9 +556,23 @@ class _Sim:
             assert len(content) == n
             for i, tok in enumerate(content):
                 pos = start + i
-                slot = self.block_to_slot.get(req.blocks[pos // G])
+                block = req.blocks[pos // G]
+                if block in staged:
+                    staged[block][pos % G] = tok
+                    continue
+                slot = self.block_to_slot.get(block)
                 assert slot is not None, f"{rid} writes position {pos} into a block without a slot"
                 self.pool[slot][pos % G] = tok
+        # 3. The direct tiles' records, written in this forward.
+        for block, row in staged.items():
+            assert None not in row, f"direct tile {block} was not completed by this step"
+            self.tiles[block] = tuple(row)
+            self.direct_tiles += 1
+        # 4. Reads: every scheduled request attends to its whole history.
+        for rid, n in sched.items():
+            req = by_id[rid]
+            start = req.num_computed
+            content = req.tokens[start : start + n - len(drafts.get(rid, []))] + drafts.get(rid, [])
             expected = req.tokens[:start] + content
             if req.blocks[0] not in self.block_to_slot:
                 assert req.sink_hit, f"{rid}: its own sink was quantized while it runs"
@@ -423,7 +591,7 @@ class _Sim:
                 req.num_computed += 1 + accepted
             else:
                 req.num_computed += n
-            self._cache_full_blocks(req)
+            self._cache_full_blocks(req, req.num_computed)
             if req.num_computed == len(req.tokens):
                 if req.generated >= req.max_new:
                     self.running.remove(req)
@@ -434,6 +602,7 @@ class _Sim:
                 req.generated += 1
 
 
+@pytest.mark.parametrize("direct_flush", [True, False], ids=["direct", "pool"])
 @pytest.mark.parametrize(
     ("seed", "prefix_caching", "spec", "v2_resume", "num_blocks"),
     [
@@ -446,7 +615,7 @@ class _Sim:
     ],
 )
 def test_random_serving_reads_are_always_valid(
-    seed: int, prefix_caching: bool, spec: int, v2_resume: bool, num_blocks: int
+    seed: int, prefix_caching: bool, spec: int, v2_resume: bool, num_blocks: int, direct_flush: bool
 ) -> None:
     sim = _Sim(
         seed,
@@ -455,6 +624,7 @@ def test_random_serving_reads_are_always_valid(
         prefix_caching=prefix_caching,
         spec=spec,
         v2_resume=v2_resume,
+        direct_flush=direct_flush,
     )
     for step in range(400):
         if step % 3 == 0 and len(sim.waiting) < 8:
@@ -464,6 +634,88 @@ def test_random_serving_reads_are_always_valid(
     assert sim.tr.total_flushed > 20
     if prefix_caching:
         assert sim.fp16_sink_hits > 0, "no request re-adopted a pool-resident sink"
+    if direct_flush:
+        assert sim.direct_tiles > 10 and sim.direct_tiles == sim.tr.total_direct
+    else:
+        assert sim.direct_tiles == 0
     # Live requests hold at most a sink and a few in-progress blocks each.
     live = len(sim.tr.live_requests())
     assert sim.tr.slots_used <= 3 * live + len(sim.tr.retired_sinks()) + sim.budget // G + 2
+
+
+@pytest.mark.parametrize(
+    ("seed", "max_running", "budget", "spec", "spec_margin", "prefix_caching", "num_blocks"),
+    [
+        (10, 6, 24, 0, 0, True, 60),
+        (11, 6, 64, 0, 0, True, 48),  # a larger token budget needs no more slots
+        (12, 8, 8, 0, 0, False, 70),  # budget = max_num_seqs: many cut chunks
+        (13, 6, 24, 2, 0, True, 60),
+        (14, 6, 24, 3, 3, True, 60),  # async scheduling with drafts: commits lag 3 tokens
+        (15, 4, 16, 0, 0, True, 24),  # tight KV cache: preemption mid-prefill
+    ],
+)
+def test_pool_rule_is_never_exhausted_under_vllm_like_schedules(
+    seed: int,
+    max_running: int,
+    budget: int,
+    spec: int,
+    spec_margin: int,
+    prefix_caching: bool,
+    num_blocks: int,
+) -> None:
+    """The pool kvarn-format sizes for direct flush, *without* its 8 spare slots, never runs
+    out: live requests never hold more than ``2*S`` slots plus the rollback tiles."""
+    serving = ServingConfig(
+        max_model_len=4096,
+        max_num_seqs=max_running,
+        max_num_batched_tokens=budget,
+        spec_tokens=spec,
+    )
+    rollback = rollback_blocks(serving, G)
+    slots = side_pool_slots(SidePool("dense", G, 0), serving) - 8
+    assert slots == 2 * max_running + rollback
+    sim = _Sim(
+        seed,
+        num_blocks=num_blocks,
+        num_slots=slots,
+        prefix_caching=prefix_caching,
+        spec=spec,
+        v2_resume=seed % 2 == 1,
+        budget=budget,
+        max_running=max_running,
+        long_prompts=True,
+        spec_margin=spec_margin,
+    )
+    for _ in range(500):
+        if len(sim.waiting) < 2 * max_running:
+            sim.add_request()
+        sim.step()  # raises SidePoolExhaustedError if the rule is short
+    assert sim.reads > 5000 and sim.direct_tiles > 50
+    assert sim.direct_heads > 5, "no chunk started inside a block that it then completed"
+    assert sim.max_live <= 2 * max_running + rollback
+    if prefix_caching:
+        assert sim.same_step_hits + sim.fp16_sink_hits > 0
+    if num_blocks < 30:
+        assert sim.preemptions > 0
+
+
+def test_old_pool_path_needs_the_chunk_term() -> None:
+    """Without direct flush the same schedules need more than ``2*S`` slots (the reason for
+    format-spec §4.3's ``ceil(T/G)`` term): the simulation above does measure something."""
+    sim = _Sim(
+        10,
+        num_blocks=60,
+        num_slots=64,
+        prefix_caching=True,
+        spec=0,
+        v2_resume=False,
+        budget=24,
+        max_running=6,
+        long_prompts=True,
+        direct_flush=False,
+    )
+    for _ in range(300):
+        if len(sim.waiting) < 12:
+            sim.add_request()
+        sim.step()
+    assert sim.max_live > 2 * 6

@@ -9,9 +9,11 @@ paged blocks, all in one budget per worker (one tensor-parallel rank):
    unless given; the rest from :func:`estimate_overhead` unless given.
 3. From ``available`` KVarN takes, before any block is counted:
 
-   * the **side pool** (format-spec §4.3): per quantized layer, ``POOL`` fp16 slots of one
-     tile each, holding every request's sink tile and in-progress tile and the tiles of
-     in-flight prefill chunks, plus speculative-decoding rollback tiles (below);
+   * the **side pool**: per quantized layer, ``POOL`` fp16 slots of one tile each, holding
+     every request's sink tile and in-progress tile, plus speculative-decoding rollback tiles
+     (below). Format-spec §4.3 also reserves the tiles of in-flight prefill chunks; kvarn-vllm
+     quantizes those in the step that writes them (*direct flush*), so the dense rule drops
+     that term unless ``ServingConfig.direct_flush`` is off (:func:`side_pool_slots`);
    * the **shared MLA workspace** (format-spec §5.2), for the g64 MLA formats only: one
      dequantization arena per worker, shared by all local MLA layers, whose size grows with
      the number of blocks ``N``.
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
 from kvarn_format.catalog import ModelGeometry, load_model
@@ -182,12 +184,18 @@ def resolve_gpu(gpu: GpuSpec | str | float) -> GpuSpec:
 
 @dataclass(frozen=True, slots=True)
 class ServingConfig:
-    """The vLLM scheduler limits that size the side pool, the workspace and concurrency."""
+    """The vLLM scheduler limits that size the side pool, the workspace and concurrency.
+
+    ``direct_flush``: whether the server quantizes the tiles a prefill chunk completes inside
+    the step that writes them (kvarn-vllm's default; env ``KVARN_DIRECT_FLUSH=0`` turns it off).
+    It only changes the dense side-pool rule (:func:`side_pool_slots`).
+    """
 
     max_model_len: int
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     spec_tokens: int = 0
+    direct_flush: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -198,6 +206,8 @@ class ServingConfig:
             raise ValueError(f"spec_tokens must be an integer, got {self.spec_tokens!r}")
         if self.spec_tokens < 0:
             raise ValueError(f"spec_tokens must be >= 0, got {self.spec_tokens}")
+        if not isinstance(self.direct_flush, bool):
+            raise ValueError(f"direct_flush must be a bool, got {self.direct_flush!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # vLLM's SchedulerConfig rejects this too.
             raise ValueError(
@@ -292,7 +302,8 @@ def valid_cache_dtypes(model: ModelGeometry) -> tuple[str, ...]:
 class SidePool:
     """A per-layer full-precision side pool: ``slot_bytes`` per slot per layer.
 
-    ``rule`` picks the slot count (:func:`side_pool_slots`): ``dense`` (format-spec §4.3),
+    ``rule`` picks the slot count (:func:`side_pool_slots`): ``dense`` (format-spec §4.3, less
+    the prefill-chunk term under direct flush),
     ``mla_g128`` (official MLA, §5.1) or ``mla_g64`` (community g64 family, §5.2).
     """
 
@@ -346,17 +357,33 @@ class LayerCache:
 def side_pool_slots(pool: SidePool, serving: ServingConfig) -> int:
     """Slots of one side pool (the same slot index serves every layer).
 
-    * ``dense``: ``max(2*S + ceil(T/G) + 8, 8)`` (format-spec §4.3: a sink and an in-progress
-      tile per request, the tiles of the prefill chunks in flight, 8 spare).
+    * ``dense`` with ``serving.direct_flush`` (kvarn-vllm's default): ``2*S + 8``: a sink and
+      an in-progress tile per request, 8 spare.
+    * ``dense`` without it: ``max(2*S + ceil(T/G) + 8, 8)`` (format-spec §4.3: also the tiles
+      of the prefill chunks in flight, which then wait in the pool for the next step's flush).
     * ``mla_g128``: ``max(2*S, 64)`` (official MLA, §5.1; no sink, in-progress and prefill tiles).
     * ``mla_g64``: ``3*S + ceil(T/G) + 8`` (§5.2 lists a 128-token sink = 2 tiles and the current
       tile per request; the prefill and spare terms are ours, as for dense).
 
     Each rule adds :func:`rollback_blocks` when speculative decoding is on.
+
+    Why ``2*S`` suffices under direct flush (kvarn-vllm's tracker, ``kvarn_vllm.tracker``):
+    after a step, a request holds at most its sink (block 0) and the block its last token
+    fell into when that block is partial; every tile a chunk of two or more tokens completes
+    (and commits) is quantized inside that step and holds no slot, including the tile the
+    chunk *started in*: its earlier rows are read from its slot before that step's writes, and
+    the slot is free for the same step's new in-progress block. A one-token step (a decode)
+    that completes its block keeps the slot until the next step's flush, which runs before
+    that step allocates. So at any point of a step the live requests hold at most ``2*S``
+    slots, whatever cuts the scheduler makes (token budget, ``long_prefill_token_threshold``,
+    encoder budgets, several partial prefills): no term depends on how chunks are cut.
+    Speculative decoding adds uncommitted tiles, covered by :func:`rollback_blocks`. A
+    finished request's retired sink stays in the pool only while slots are free.
     """
     s, t, g = serving.max_num_seqs, serving.max_num_batched_tokens, pool.group
     if pool.rule == "dense":
-        base = max(2 * s + _ceil_div(t, g) + 8, 8)
+        chunk = 0 if serving.direct_flush else _ceil_div(t, g)
+        base = max(2 * s + chunk + 8, 8)
     elif pool.rule == "mla_g128":
         base = max(2 * s, 64)
     else:
@@ -649,11 +676,10 @@ def _max_seqs_that_fit(layers: Sequence[LayerCache], serving: ServingConfig, bud
     lo, hi = 0, serving.max_num_seqs
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        trial = ServingConfig(
-            serving.max_model_len,
-            mid,
-            max(serving.max_num_batched_tokens, mid),
-            serving.spec_tokens,
+        trial = replace(
+            serving,
+            max_num_seqs=mid,
+            max_num_batched_tokens=max(serving.max_num_batched_tokens, mid),
         )
         if _pool_bytes(layers, trial)[1] <= budget:
             lo = mid
@@ -996,6 +1022,7 @@ def plan(
     max_num_seqs: int = 128,
     max_num_batched_tokens: int = 2048,
     spec_tokens: int = 0,
+    direct_flush: bool = True,
     weights: WeightFormat | str | None = None,
     weight_bytes: int | None = None,
     overhead_bytes: int | None = None,
@@ -1009,15 +1036,18 @@ def plan(
     the estimate for the checkpoint's own format (``weights`` overrides the format,
     ``weight_bytes`` the per-rank bytes); ``overhead_bytes`` overrides
     :func:`estimate_overhead`; ``memory`` (from :func:`worker_memory`) replaces all of these
-    and the GPU. Raises :class:`UnsupportedGeometryError` for a format the model cannot take,
-    :class:`BudgetError` when the configuration does not fit.
+    and the GPU. ``direct_flush=False`` sizes the dense side pool for a server run with
+    ``KVARN_DIRECT_FLUSH=0``. Raises :class:`UnsupportedGeometryError` for a format the model
+    cannot take, :class:`BudgetError` when the configuration does not fit.
     """
     geo = _model(model)
     if max_model_len is None:
         if geo.max_position_embeddings is None:
             raise ValueError(f"{geo.name} has no max_position_embeddings: give max_model_len")
         max_model_len = geo.max_position_embeddings
-    serving = ServingConfig(max_model_len, max_num_seqs, max_num_batched_tokens, spec_tokens)
+    serving = ServingConfig(
+        max_model_len, max_num_seqs, max_num_batched_tokens, spec_tokens, direct_flush
+    )
     cache = resolve_cache_format(cache_dtype)
     block, layers = layer_caches(geo, cache, tp=tp, slot_rounding=slot_rounding)
     if memory is None:

@@ -8,7 +8,8 @@
   :class:`~kvarn_vllm.runtime.KvarnGroupRuntime` (flushes, ``block_to_slot``) before the
   forward, splits the batch (decodes first, then runs of first prefill chunks and of
   continuations) and hands the impl what it needs.
-* :class:`KvarnAttentionImpl` writes the step's K/V (rotated, fp16) into the side pool in
+* :class:`KvarnAttentionImpl` quantizes the tiles this step completes straight from its K/V
+  (direct flush) and writes the rest (rotated, fp16) into the side pool in
   ``do_kv_cache_update``, then routes: decode rows -> the fused decode kernel; first prefill
   chunks (``seq_len == query_len``) -> FlashAttention on the raw K/V (torch SDPA where
   ``vllm.vllm_flash_attn`` is unavailable, e.g. on CPU); continuations and verifies ->
@@ -45,7 +46,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from kvarn_format import DENSE_DTYPES, DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype
-from kvarn_vllm.runtime import KvarnGroupRuntime
+from kvarn_vllm.runtime import DirectTiles, KvarnGroupRuntime
 from kvarn_vllm.specs import KvarnFullAttentionSpec, lookup_tile_stride
 
 if TYPE_CHECKING:
@@ -268,6 +269,9 @@ class KvarnMetadata(AttentionMetadata):
     num_decode_tokens: int
     max_seq_len: int
     prefill_runs: list[PrefillRun]
+    #: Tiles this step's forward quantizes from its own K/V, or None (never in capture builds
+    #: or pure-decode batches).
+    direct: DirectTiles | None = None
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
@@ -300,7 +304,14 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         fast_build: bool = False,
     ) -> KvarnMetadata:
         self.runtime.apply_pending()
-        return self._describe(common_attn_metadata)
+        cam = common_attn_metadata
+        direct = None
+        if cam.max_query_len >= 2:
+            # The tracker only plans direct tiles for requests with two or more tokens in the
+            # step, so a batch of single tokens (what FULL CUDA graphs capture and replay)
+            # never carries them; skipping it here keeps decode replays step-independent.
+            direct = self.runtime.direct_tiles(cam.slot_mapping, cam.num_actual_tokens)
+        return self._describe(cam, direct)
 
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
@@ -308,7 +319,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         # No side-pool work at capture time: only describe the (dummy) decode batch.
         return self._describe(common_attn_metadata)
 
-    def _describe(self, cam: CommonAttentionMetadata) -> KvarnMetadata:
+    def _describe(
+        self, cam: CommonAttentionMetadata, direct: DirectTiles | None = None
+    ) -> KvarnMetadata:
         if not cam.causal:
             raise ValueError("kvarn: non-causal attention is not supported")
         table = self.runtime.ensure_block_table()
@@ -332,6 +345,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             num_decode_tokens=num_decode_tokens,
             max_seq_len=cam.max_seq_len,
             prefill_runs=runs,
+            direct=direct,
         )
 
     @staticmethod
@@ -457,7 +471,16 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Rotate this step's K/V and write them, fp16, into the layer's side pool."""
+        """Quantize this step's direct tiles, then write the other tokens into the side pool.
+
+        Direct tiles (the tiles this step's prefill chunks complete, see
+        ``kvarn_vllm.tracker``) are stored into their packed records from the step's K/V,
+        rotated to fp16 exactly as the pool would hold them; a tile that opens with rows an
+        earlier step left in the pool reads them first, because this step may reuse that slot
+        (the pool write comes second). Both happen before this layer's attention, which then
+        finds every block it reads. The remaining tokens (sinks, in-progress blocks, drafts)
+        go to the pool; ``write_side_pool`` skips the tokens of blocks without a slot.
+        """
         layer_name = str(getattr(layer, "layer_name", ""))
         meta = _metadata_for(layer_name)
         if meta is None:
@@ -466,8 +489,38 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         if n == 0:
             return
         pools = meta.runtime.pools_for(layer_name)
-        _kernels().write_side_pool(
-            key[:n], value[:n], pools.k, pools.v, slot_mapping, meta.block_to_slot
+        kk = _kernels()
+        direct = meta.direct
+        if direct is not None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "kvarn: a step with direct tiles is being captured in a CUDA graph; the "
+                    "KV-cache update must run outside graphs (vLLM's default splitting op) or "
+                    "set KVARN_DIRECT_FLUSH=0"
+                )
+            # Temporaries of 2 * n * Hk * D fp16 elements, freed before attention; the profiled
+            # prefill transients (>= 2 * n * Hq * D elements plus the workspace) cover them.
+            kk.flush_token_tiles(
+                self.fmt,
+                kk.rotate(key[:n]),
+                kk.rotate(value[:n]),
+                direct.row_starts,
+                kv_cache,
+                direct.blocks,
+                pool_k=pools.k,
+                pool_v=pools.v,
+                head_slots=direct.head_slots,
+                head_lens=direct.head_lens,
+            )
+        kk.write_side_pool(
+            key[:n],
+            value[:n],
+            pools.k,
+            pools.v,
+            slot_mapping,
+            meta.block_to_slot,
+            # Direct tiles' tokens have no slot by design: the debug check would flag them.
+            check=False if direct is not None else None,
         )
 
     # ------------------------------------------------------------------ attention

@@ -1,7 +1,8 @@
 """Charging KVarN's extra memory in vLLM's KV budget, and reporting the resulting capacity.
 
 Besides its paged blocks a KVarN layer needs an fp16 *side pool* (every request's sink tile and
-in-progress tile, the tiles of in-flight prefill chunks), and the decode kernel needs a
+in-progress tile; without direct flush also the tiles of in-flight prefill chunks, see
+:func:`direct_flush_setting`), and the decode kernel needs a
 fixed-size split-K workspace. vLLM's memory profiler cannot see them (they are allocated when
 the KV cache is, after profiling), so patch P5 subtracts them from each worker's available KV
 memory before vLLM counts blocks: vLLM then never over-commits, with or without
@@ -14,6 +15,7 @@ source of truth the offline planner (``kvarn plan``) uses too.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,9 +26,11 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = [
+    "DIRECT_FLUSH_ENV",
     "Reservation",
     "ServingLimits",
     "decode_workspace_bytes",
+    "direct_flush_setting",
     "log_capacity",
     "pool_slots_for",
     "reservation_for_worker",
@@ -46,6 +50,10 @@ class ServingLimits:
     spec_tokens: int
     #: Tokens the scheduler's computed count may run ahead of verified ones (async + spec).
     spec_margin: int
+    #: Whether prefill chunks' full tiles are quantized in the step that writes them.
+    direct_flush: bool = True
+    #: Why direct flush is off ("" when it is on).
+    direct_flush_off_reason: str = ""
 
     def serving_config(self) -> ServingConfig:
         return ServingConfig(
@@ -53,7 +61,55 @@ class ServingLimits:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
             spec_tokens=self.spec_tokens,
+            direct_flush=self.direct_flush,
         )
+
+
+#: Set to 0 to turn direct flush off: prefill tiles then go through the side pool and are
+#: flushed at the next step, and the pool gets format-spec §4.3's ``ceil(T/G)`` term back.
+DIRECT_FLUSH_ENV = "KVARN_DIRECT_FLUSH"
+
+
+def direct_flush_setting(vllm_config: VllmConfig) -> tuple[bool, str]:
+    """Whether this configuration quantizes prefill tiles in the step that writes them.
+
+    Returns ``(on, reason_if_off)``. Evaluated identically in the engine process (which sizes
+    the pool, patch P5) and in every worker (which sizes and runs it), from fields vLLM does
+    not change after building the config. Off when:
+
+    * env ``KVARN_DIRECT_FLUSH=0`` (the escape hatch);
+    * micro-batching (``--enable-dbo`` / ``ubatch_size > 1``): a step's tokens would be split
+      over several metadata builds, and a tile split between two of them would be written by
+      neither;
+    * vLLM's compilation (``VLLM_COMPILE``) keeps the KV-cache update inside the compiled
+      pieces (custom ``splitting_ops`` without ``vllm::unified_kv_cache_update``, e.g. with
+      Inductor graph partition): piecewise CUDA graphs would then capture the update of a
+      dummy batch and replay it without the step's direct tiles. By default vLLM 0.23 splits
+      the graph at that op, so the update runs eagerly and may depend on the step.
+    """
+    raw = os.environ.get(DIRECT_FLUSH_ENV, "1").strip().lower()
+    if raw in ("0", "false", "off", "no"):
+        return False, f"{DIRECT_FLUSH_ENV}={raw}"
+    if raw not in ("1", "true", "on", "yes", ""):
+        raise ValueError(f"{DIRECT_FLUSH_ENV} must be 0 or 1, got {raw!r}")
+    parallel = vllm_config.parallel_config
+    if (
+        bool(getattr(parallel, "enable_dbo", False))
+        or int(getattr(parallel, "ubatch_size", 0) or 0) > 1
+    ):
+        return False, "micro-batching (DBO) splits a step over several metadata builds"
+    from vllm.config import CompilationMode
+
+    comp = vllm_config.compilation_config
+    if (
+        comp.mode == CompilationMode.VLLM_COMPILE
+        and not comp.splitting_ops_contain_kv_cache_update()
+    ):
+        return False, (
+            "vllm::unified_kv_cache_update is not a graph-splitting op, so piecewise CUDA "
+            "graphs could capture the KV-cache update"
+        )
+    return True, ""
 
 
 def serving_limits(vllm_config: VllmConfig) -> ServingLimits:
@@ -61,17 +117,21 @@ def serving_limits(vllm_config: VllmConfig) -> ServingLimits:
     spec_cfg = vllm_config.speculative_config
     spec_tokens = int(getattr(spec_cfg, "num_speculative_tokens", 0) or 0) if spec_cfg else 0
     async_sched = bool(getattr(sched, "async_scheduling", False))
+    direct, why_not = direct_flush_setting(vllm_config)
     return ServingLimits(
         max_model_len=int(vllm_config.model_config.max_model_len),
         max_num_seqs=int(sched.max_num_seqs),
         max_num_batched_tokens=int(sched.max_num_batched_tokens),
         spec_tokens=spec_tokens,
         spec_margin=spec_tokens if async_sched else 0,
+        direct_flush=direct,
+        direct_flush_off_reason=why_not,
     )
 
 
 def pool_slots_for(fmt: DenseFormat, limits: ServingLimits) -> int:
-    """Side-pool slots per layer for these limits (kvarn-format's dense rule)."""
+    """Side-pool slots per layer for these limits (kvarn-format's dense rule: ``2*S + 8`` plus
+    rollback tiles with direct flush, plus ``ceil(T/G)`` without)."""
     return side_pool_slots(SidePool("dense", fmt.group, 0), limits.serving_config())
 
 

@@ -12,7 +12,9 @@ e.g. one per micro-batch). It owns:
 Request lifecycle reaches the tracker through :func:`observe_scheduler_output`, which the
 patched ``Worker.execute_model`` calls with every scheduler output before the model runner
 runs (patch P6). The builder then applies the resulting plans on the device in ``build`` —
-before the forward and never inside CUDA-graph capture.
+before the forward and never inside CUDA-graph capture — and hands the step's *direct tiles*
+(:class:`DirectTiles`: the tiles this step's prefill chunks complete, quantized inside each
+layer's KV update) to the impl.
 
 Memory: the pools and the workspace are allocated when the real KV cache is initialized and
 are charged in vLLM's KV budget by patch P5 (:mod:`kvarn_vllm.budget`), so the profiler never
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from kvarn_vllm.specs import KvarnFullAttentionSpec
 
 __all__ = [
+    "DirectTiles",
     "KvarnGroupRuntime",
     "PoolPair",
     "live_runtimes",
@@ -57,6 +60,24 @@ class PoolPair:
 
     k: torch.Tensor
     v: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class DirectTiles:
+    """The tiles this step's forward quantizes straight from its K/V (one metadata build).
+
+    All ``int32 [count]`` on the device, the arguments of ``kvarn_kernels.flush_token_tiles``:
+    ``blocks`` receive the records; ``row_starts`` is the row, in this build's token order, of
+    each tile's first token written this step (-1: the tile's tokens are not all in this
+    build, so the store skips it); ``head_lens`` of its tokens (0 = none) come from pool slot
+    ``head_slots``.
+    """
+
+    blocks: torch.Tensor
+    row_starts: torch.Tensor
+    head_slots: torch.Tensor
+    head_lens: torch.Tensor
+    count: int
 
 
 # Live runtimes of this process; weak so that vLLM dropping its builders (after the profiling
@@ -101,6 +122,14 @@ class KvarnGroupRuntime:
         self.num_slots = 1 if self.profiling else pool_slots_for(fmt, limits)
         self.prefix_caching = bool(cache.enable_prefix_caching)
         self.spec_margin = limits.spec_margin
+        self.direct_flush = limits.direct_flush
+        # The current step's direct tiles (host lists from the tracker), uploaded once per
+        # step by the first build that needs them.
+        self._direct_host: tuple[list[int], list[int], list[int]] | None = None
+        self._direct_dev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._row_buf: torch.Tensor | None = None
+        self._off_buf: torch.Tensor | None = None
+        self._arange: torch.Tensor | None = None
 
         layers = get_layers_from_vllm_config(vllm_config, Attention, list(layer_names))
         self._layers = layers
@@ -132,12 +161,14 @@ class KvarnGroupRuntime:
         if not self.profiling:
             pool_bytes = len(self.pools) * self.num_slots * self.slot_bytes
             logger.info(
-                "kvarn: %s side pool: %d slots x %d layers (%.2f GiB); prefix caching %s",
+                "kvarn: %s side pool: %d slots x %d layers (%.2f GiB); prefix caching %s; "
+                "direct flush %s",
                 fmt.name,
                 self.num_slots,
                 len(self.pools),
                 pool_bytes / (1 << 30),
                 "on" if self.prefix_caching else "off",
+                "on" if self.direct_flush else f"off ({limits.direct_flush_off_reason})",
             )
 
     # ------------------------------------------------------------------ geometry
@@ -227,6 +258,7 @@ class KvarnGroupRuntime:
                     blocks_per_scheduler_block=manager_block // self.group,
                     prefix_caching=self.prefix_caching,
                     spec_margin=self.spec_margin,
+                    direct_flush=self.direct_flush,
                 )
                 return
         raise RuntimeError(f"kvarn: layer {first} is in no KV-cache group of this worker")
@@ -237,7 +269,64 @@ class KvarnGroupRuntime:
             return
         self._resolve_group(kv_cache_config)
         assert self.tracker is not None and self.group_id is not None
-        self.tracker.step(step_input_from_scheduler_output(scheduler_output, self.group_id))
+        plan = self.tracker.step(step_input_from_scheduler_output(scheduler_output, self.group_id))
+        self._direct_dev = None
+        self._direct_host = (
+            (plan.direct_blocks, plan.direct_head_slots, plan.direct_head_lens)
+            if plan.direct_blocks
+            else None
+        )
+
+    def direct_tiles(self, slot_mapping: torch.Tensor, num_tokens: int) -> DirectTiles | None:
+        """The current step's direct tiles as they sit in one metadata build (no host sync).
+
+        ``slot_mapping[:num_tokens]`` maps this build's token rows to ``block * G + offset``
+        (``-1`` = padding). A block's tokens of one step are consecutive rows at consecutive
+        positions, so ``row - offset`` is the same for all of them: scattering it per block
+        gives each tile's virtual first row, and the smallest offset per block is where the
+        step's tokens of that block begin. A tile's head (rows read from the pool) is the
+        tracker's head cut to that offset: with async scheduling and drafts the scheduler's
+        computed count can run ahead of the positions the worker really writes, and rows the
+        step rewrites must come from the step, not from the pool. A tile counts only if the
+        rows it needs hold exactly its first new token and its last token (a build that does
+        not contain the whole tile, e.g. a drafter's later pass or a dummy run, gets -1 and
+        skips it).
+        """
+        host = self._direct_host
+        if host is None or num_tokens <= 0:
+            return None
+        if self._direct_dev is None:
+            blocks, slots, lens = (self._to_device(x) for x in host)
+            self._direct_dev = (blocks, slots, lens)
+        blocks, slots, lens = self._direct_dev
+        table = self.ensure_block_table()
+        num_blocks = int(table.shape[0])
+        if self._row_buf is None or self._off_buf is None:
+            # One spare entry at the end takes the padding tokens' scatter.
+            self._row_buf = torch.zeros(num_blocks + 1, dtype=torch.int64, device=self.device)
+            self._off_buf = torch.zeros(num_blocks + 1, dtype=torch.int64, device=self.device)
+        if self._arange is None or self._arange.shape[0] < num_tokens:
+            self._arange = torch.arange(
+                max(num_tokens, 2 * self.max_num_seqs), dtype=torch.int64, device=self.device
+            )
+        g = self.group
+        sm = slot_mapping[:num_tokens].long()
+        t = self._arange[:num_tokens]
+        valid = sm >= 0
+        owner = torch.where(valid, torch.div(sm, g, rounding_mode="floor"), num_blocks)
+        offset = torch.remainder(sm, g)
+        self._row_buf.scatter_(0, owner, t - offset)
+        self._off_buf.scatter_reduce_(0, owner, offset, reduce="amin", include_self=False)
+        b = blocks.long()
+        head = torch.minimum(lens.long(), self._off_buf[b])
+        first = self._row_buf[b] + head
+        last = first + (g - 1) - head
+        inside = (first >= 0) & (last < num_tokens)
+        found = (sm[first.clamp(0, num_tokens - 1)] == b * g + head) & (
+            sm[last.clamp(0, num_tokens - 1)] == b * g + (g - 1)
+        )
+        rows = torch.where(inside & found, first, -1).to(torch.int32)
+        return DirectTiles(blocks, rows, slots, head.to(torch.int32), len(host[0]))
 
     def apply_pending(self) -> None:
         """Run queued flushes and ``block_to_slot`` updates on the device (before the forward).

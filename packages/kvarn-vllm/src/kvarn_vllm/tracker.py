@@ -17,8 +17,24 @@ The one invariant everything else relies on, per physical (kernel) block ``b``:
 * ``b`` holds no slot      ->  the authoritative data of ``b`` is its packed record.
 
 Kernels read a block from wherever ``block_to_slot[b]`` says, so any block a request can see
-(its own, or one it shares through a prefix-cache hit) is valid at all times. Writes always go
-to the pool: a block receives a slot before its first token is written.
+(its own, or one it shares through a prefix-cache hit) is valid at all times.
+
+**Direct flush** (default; ``direct_flush=False`` restores the pool-only path). A tile that a
+step of two or more tokens completes, and whose tokens are all committed after that step, is
+quantized *inside that step* from the step's own K/V (``StepPlan.direct_*``; kvarn-vllm runs
+the store in each layer's KV update, before that layer's attention) and never takes a slot:
+``block_to_slot`` is -1 for it from the start of the step. A *direct* tile may open with rows
+an earlier step wrote into the pool (the chunk starts inside the request's in-progress
+block): the store reads those rows from the old slot before the step writes anything, so the
+slot is released in the same step and can take the step's new in-progress block. Sinks
+(block 0) are never direct. Without direct flush, writes always go to the pool and full tiles
+are flushed at the next step. Either way a block receives a slot before its first token is
+written unless it is direct.
+
+Pool need (the sizing rule of ``kvarn_format.sizing.side_pool_slots``): with direct flush a
+request holds at most its sink and one in-progress block at any point of a step, plus the
+uncommitted tiles speculative decoding adds; a one-token step that completes its block keeps
+that slot until the next step's pass 1, which frees it before anything is allocated.
 
 Request lifecycle comes from vLLM's scheduler output (new, cached, resumed, finished and
 preempted requests, with their block ids), which every worker receives; see
@@ -99,11 +115,19 @@ class StepInput:
 
 @dataclass(slots=True)
 class StepPlan:
-    """Device work for one step, applied in this order before the forward pass.
+    """Device work for one step.
+
+    Before the forward pass, in this order:
 
     1. Flush: quantize pool slot ``flush_slots[i]`` into the packed record of block
        ``flush_blocks[i]`` (all pairs, every layer of the group).
     2. Map: set ``block_to_slot[map_blocks[i]] = map_slots[i]`` (``-1`` = no slot).
+
+    During *this step's* forward pass, in every layer before its pool write and attention:
+
+    3. Direct: quantize block ``direct_blocks[i]`` from the step's K/V rows of that block; its
+       first ``direct_head_lens[i]`` tokens (0 = none) are read from pool slot
+       ``direct_head_slots[i]`` (-1 when there is no head), which this step may reuse.
     """
 
     step: int
@@ -111,10 +135,13 @@ class StepPlan:
     flush_blocks: list[int] = field(default_factory=list)
     map_blocks: list[int] = field(default_factory=list)
     map_slots: list[int] = field(default_factory=list)
+    direct_blocks: list[int] = field(default_factory=list)
+    direct_head_slots: list[int] = field(default_factory=list)
+    direct_head_lens: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.flush_slots or self.map_blocks)
+        return not (self.flush_slots or self.map_blocks or self.direct_blocks)
 
 
 @dataclass(slots=True)
@@ -145,6 +172,8 @@ class SidePoolTracker:
         spec_margin: tokens by which the scheduler's computed-token count may be optimistic
             (async scheduling with speculative decoding counts drafts before verification);
             flushes stay this many tokens behind it.
+        direct_flush: quantize the tiles a multi-token step completes inside that step
+            (``StepPlan.direct_*``) instead of giving them pool slots.
     """
 
     def __init__(
@@ -155,6 +184,7 @@ class SidePoolTracker:
         blocks_per_scheduler_block: int = 1,
         prefix_caching: bool = True,
         spec_margin: int = 0,
+        direct_flush: bool = True,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -171,6 +201,7 @@ class SidePoolTracker:
         self.ratio = blocks_per_scheduler_block
         self.prefix_caching = prefix_caching
         self.spec_margin = spec_margin
+        self.direct_flush = direct_flush
 
         # Stack of free slots; popping from the end hands out low slot ids first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -185,6 +216,7 @@ class SidePoolTracker:
         self._step = 0
         self.peak_slots_used = 0
         self.total_flushed = 0
+        self.total_direct = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -248,7 +280,8 @@ class SidePoolTracker:
                 self._flush_committed(req)
         self._dirty.clear()
 
-        # Pass 2: give every block that receives tokens this step a slot.
+        # Pass 2: give every block that receives tokens this step a slot, unless the step
+        # completes and commits it (direct).
         for req_id, num_tokens in inp.num_scheduled.items():
             req = self._reqs.get(req_id)
             if req is None:
@@ -267,12 +300,24 @@ class SidePoolTracker:
                     f"kvarn side pool: request {req_id!r} writes token {end - 1} but has only "
                     f"{len(req.blocks)} blocks of {self.group} tokens"
                 )
+            # After this step's forward, every non-draft token written is committed.
+            final = end - spec - self.spec_margin
+            # One-token steps (decodes) never go direct: CUDA graphs capture pure-decode
+            # batches, whose KV update must not depend on the step.
+            direct = self.direct_flush and num_tokens >= 2
             for index in range(start // self.group, last + 1):
-                self._ensure_slot(req.blocks[index])
+                block = req.blocks[index]
+                if (
+                    direct
+                    and index >= 1
+                    and (index + 1) * self.group <= final
+                    and self._make_direct(block, max(0, start - index * self.group))
+                ):
+                    continue
+                self._ensure_slot(block)
             req.written = end
             self._dirty[req_id] = None
-            # After this step's forward, every non-draft token written is committed.
-            req.committed = max(req.committed, end - spec - self.spec_margin)
+            req.committed = max(req.committed, final)
 
         self.peak_slots_used = max(self.peak_slots_used, self.slots_used)
         plan = self._plan
@@ -365,13 +410,40 @@ class SidePoolTracker:
         self._plan.map_blocks.append(block)
         self._plan.map_slots.append(slot)
 
+    def _make_direct(self, block: int, head: int) -> bool:
+        """Plan ``block`` as a direct tile; ``head`` of its tokens are already in its slot.
+
+        Returns False (the caller gives it a slot instead) when its earlier rows are not in
+        the pool, which the rules above never produce, or when it is a live request's sink.
+        """
+        if block in self._sink_refs:
+            return False
+        slot = self._slot_of.get(block)
+        if head:
+            if slot is None:
+                return False
+            head_slot = slot
+        else:
+            head_slot = -1
+        if slot is not None:
+            # With a head: the store reads the head rows before this step's writes, so the
+            # slot can serve this step already. Without one, the slot is stale (a retired sink
+            # vLLM handed out again, or rejected drafts): all G rows are rewritten now.
+            self._drop(block)
+        self._plan.direct_blocks.append(block)
+        self._plan.direct_head_slots.append(head_slot)
+        self._plan.direct_head_lens.append(head)
+        self.total_direct += 1
+        return True
+
     def _evict_retired(self) -> None:
         if not self._retired:
             raise SidePoolExhaustedError(
                 f"kvarn side pool exhausted: all {self.num_slots} slots hold live sink or "
                 f"in-progress blocks ({len(self._reqs)} live requests). The pool is sized from "
-                "max_num_seqs and max_num_batched_tokens; lower --max-num-seqs or "
-                "--max-num-batched-tokens."
+                "max_num_seqs (and, with KVARN_DIRECT_FLUSH=0, max_num_batched_tokens); lower "
+                "--max-num-seqs or --max-num-batched-tokens, and report the schedule: the "
+                "sizing rule should have made this impossible."
             )
         block, _ = self._retired.popitem(last=False)
         self._flush(block)
