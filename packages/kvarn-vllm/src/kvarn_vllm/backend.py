@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.kv_cache_interface import AttentionSpec
 
+    from kvarn_kernels.context import VarlenAttention
+
 __all__ = [
     "BACKENDS",
     "KvarnAttentionBackend",
@@ -461,6 +463,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         self._fa: Any = None
         self._fa_version: int | None = None
         self._fa_checked = False
+        self._varlen: VarlenAttention | None = None
 
     # ------------------------------------------------------------------ KV write
     def do_kv_cache_update(
@@ -592,6 +595,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                         seq_lens_cpu=run.seq_lens,
                         query_start_loc_cpu=run.cu_host,
                         max_workspace_bytes=PREFILL_WORKSPACE_BYTES,
+                        varlen_attention=self._varlen_attention(),
                     )
         return output
 
@@ -604,6 +608,18 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         del tmp
 
     # ------------------------------------------------------------------ first chunks
+    def _varlen_attention(self) -> VarlenAttention | None:
+        """vLLM's FlashAttention (FA3 on Hopper) for the dequantized context of continuation
+        chunks, as for first chunks; None lets kvarn-kernels use torch's attention."""
+        if self._varlen is None:
+            fa = self._flash_attn()
+            if fa is None:
+                return None
+            from kvarn_vllm.flash import varlen_attention_from_vllm
+
+            self._varlen = varlen_attention_from_vllm(fa, self._fa_version)
+        return self._varlen
+
     def _flash_attn(self) -> Any:
         if not self._fa_checked:
             self._fa_checked = True
