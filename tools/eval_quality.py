@@ -359,11 +359,13 @@ def run(plan: Plan, command: str) -> int:
         docs = plan.doc.parent
         docs.mkdir(parents=True, exist_ok=True)
         if main_tf is not None:
-            report.plot_kl_by_position(main_tf, docs / "quality_kl_position.png")
-            plots["kl_position"] = "quality_kl_position.png"
+            # Named after the report (quality.md -> quality_*.png, quality-gpu.md ->
+            # quality-gpu_*.png), so reports copied next to each other keep their own plots.
+            plots["kl_position"] = f"{plan.doc.stem}_kl_position.png"
+            report.plot_kl_by_position(main_tf, docs / plots["kl_position"])
         if acc is not None:
-            report.plot_accumulation(acc, docs / "quality_accumulation.png")
-            plots["accumulation"] = "quality_accumulation.png"
+            plots["accumulation"] = f"{plan.doc.stem}_accumulation.png"
+            report.plot_accumulation(acc, docs / plots["accumulation"])
 
     payload: dict[str, Any] = {
         "command": command,

@@ -17,9 +17,9 @@ exllamav3), and a device call carries at most 64 MiB. On the development machine
     uv run python tools/gpu_quality.py --split-gguf .gpu/gguf
 
 writes ``.gpu/gguf/part0`` and ``part1`` (the GGUF in two ~49 MB halves), ``wiki.utf8``,
-``gguf-py.tar`` (the pure-Python ``gguf`` reader, for a machine without the vLLM bundle) and
-``MANIFEST.json`` (sizes and SHA-256, checked on the device). Then three device calls, issued
-together (the machine is released when idle):
+``gguf-py.tar`` (the pure-Python ``gguf`` reader with its metadata, for a machine without
+the vLLM bundle) and ``MANIFEST.json`` (sizes and SHA-256, checked on the device). Then
+three device calls, issued together (the machine is released when idle):
 
     carry [".gpu/gguf/part0"]
         rm -rf /root/gguf && mkdir -p /root/gguf && cp .gpu/gguf/part0 /root/gguf/
@@ -122,8 +122,13 @@ def split_gguf(out_dir: Path) -> int:
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("the gguf package is not installed here; run `uv sync --all-packages`")
     gguf_pkg = Path(next(iter(spec.submodule_search_locations)))
+    # The dist-info too: transformers reads gguf's version from the package metadata.
+    dist_info = sorted(gguf_pkg.parent.glob("gguf-*.dist-info"))
+    if not dist_info:
+        raise SystemExit(f"no gguf-*.dist-info next to {gguf_pkg}; reinstall gguf")
     with tarfile.open(out_dir / "gguf-py.tar", "w") as t:
-        t.add(gguf_pkg, arcname="gguf", filter=lambda i: None if "__pycache__" in i.name else i)
+        for src in (gguf_pkg, dist_info[-1]):
+            t.add(src, arcname=src.name, filter=lambda i: None if "__pycache__" in i.name else i)
     manifest["corpora"] = [f"{c}.utf8" for c in CORPORA]
     (out_dir / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     sizes = ", ".join(f"{p['name']} {p['bytes'] / 1e6:.1f} MB" for p in parts)
@@ -303,7 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "gpu_quality_summary.md").write_text(table, encoding="utf-8")
     print()
     print(table)
-    print(f"files in {out}: quality.json, quality-gpu.md, gpu_quality_summary.md, PNG plots")
+    print(
+        f"files in {out}: quality.json, quality-gpu.md, gpu_quality_summary.md, quality-gpu_*.png"
+    )
     return code
 
 
