@@ -941,7 +941,8 @@ def decode_attention(
             ``"v4"`` (:mod:`kvarn_kernels.decode_v4`: one chunk per warp, codes unpacked in
             the MMA operand layout; same formats as v3; not yet timed on a GPU). All compute
             the same attention; see docs/kernel-notes.md.
-        num_stages: v3/v4 only: software-pipeline depth of the code-byte loads (default 3).
+        num_stages: v3/v4 only: software-pipeline depth of the code-byte loads (default: the
+            variant's launch config, 3 for v3 and 2 for v4).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
