@@ -242,6 +242,19 @@ def _load_chunk(
 
 
 @triton.jit
+def _split_blocks(n_blocks, split, NUM_SPLITS: tl.constexpr):
+    """Blocks ``[lo, hi)`` of split ``split`` (split-K over a request's blocks; may be empty)."""
+    if NUM_SPLITS > 1:
+        per = tl.cdiv(n_blocks, NUM_SPLITS)
+        lo = split * per
+        hi = tl.minimum(lo + per, n_blocks)
+    else:
+        lo = 0
+        hi = n_blocks
+    return lo, hi
+
+
+@triton.jit
 def _norm(x):
     """max |x| as a positive scale (1 for an all-zero vector)."""
     m = tl.max(tl.abs(x), axis=0)
@@ -338,13 +351,7 @@ def _attn_kernel(
     qn16 = qn.to(tl.float16)
 
     n_blocks = tl.cdiv(kv_len, G)
-    if NUM_SPLITS > 1:
-        per = tl.cdiv(n_blocks, NUM_SPLITS)
-        blk_lo = split * per
-        blk_hi = tl.minimum(blk_lo + per, n_blocks)
-    else:
-        blk_lo = 0
-        blk_hi = n_blocks
+    blk_lo, blk_hi = _split_blocks(n_blocks, split, NUM_SPLITS)
     NCH: tl.constexpr = G // BN
     n_it = tl.maximum(blk_hi - blk_lo, 0) * NCH
 
@@ -869,6 +876,11 @@ def _q_for_kernel(q: torch.Tensor) -> torch.Tensor:
     return q if q.stride(-1) == 1 else q.contiguous()
 
 
+def _transposed_supports(geo: DenseGeometry) -> bool:
+    """v3 and v4 read codes field by field: 4-bit keys with 2- or 4-bit values."""
+    return geo.key_bits == 4 and geo.value_bits in (2, 4)
+
+
 def default_decode_variant(geo: DenseGeometry, num_stages: int | None, prefetch: bool) -> str:
     """The decode kernel ``variant="auto"`` runs.
 
@@ -878,9 +890,7 @@ def default_decode_variant(geo: DenseGeometry, num_stages: int | None, prefetch:
     and whenever a v1-only option (``prefetch=False``) is given; ``num_stages`` (v3's)
     selects v3.
     """
-    from kvarn_kernels.decode_v3 import decode_v3_supports  # (imports this module)
-
-    v3_ok = decode_v3_supports(geo.key_bits, geo.value_bits)
+    v3_ok = _transposed_supports(geo)
     if (
         v3_ok
         and prefetch
@@ -961,9 +971,7 @@ def decode_attention(
         )
     if variant == "v1" and num_stages is not None:
         raise ValueError("num_stages applies to variant='v3' and 'v4' only")
-    from kvarn_kernels.decode_v3 import decode_v3_supports  # (imports this module)
-
-    if variant in ("v3", "v4") and not decode_v3_supports(geo.key_bits, geo.value_bits):
+    if variant in ("v3", "v4") and not _transposed_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
             f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"

@@ -36,9 +36,9 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM
+from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM, _split_blocks
 
-__all__ = ["decode_v3_config", "decode_v3_kernel", "decode_v3_supports"]
+__all__ = ["decode_v3_config", "decode_v3_kernel"]
 
 
 @triton.jit
@@ -146,13 +146,7 @@ def decode_v3_kernel(
     qT16 = qn.to(tl.float16)
 
     n_blocks = tl.cdiv(seq_len, G)
-    if NUM_SPLITS > 1:
-        per = tl.cdiv(n_blocks, NUM_SPLITS)
-        blk_lo = split * per
-        blk_hi = tl.minimum(blk_lo + per, n_blocks)
-    else:
-        blk_lo = 0
-        blk_hi = n_blocks
+    blk_lo, blk_hi = _split_blocks(n_blocks, split, NUM_SPLITS)
     NCH: tl.constexpr = G // BN
     n_it = tl.maximum(blk_hi - blk_lo, 0) * NCH
 
@@ -287,11 +281,6 @@ def decode_v3_kernel(
         tl.store(obase + 2, acc2 / l_safe[None, :], mask=q_ok[None, :])
         tl.store(obase + 3, acc3 / l_safe[None, :], mask=q_ok[None, :])
     tl.store(LSE_PART + prow_out, lse, mask=q_ok)
-
-
-def decode_v3_supports(key_bits: int, value_bits: int) -> bool:
-    """v3 takes 4-bit keys with 2- or 4-bit values (every g128/g64 k4 format)."""
-    return key_bits == 4 and value_bits in (2, 4)
 
 
 def decode_v3_config(head_dim: int, group: int) -> dict[str, int]:

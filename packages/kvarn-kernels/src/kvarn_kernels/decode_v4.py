@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM
+from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM, _split_blocks
 
 __all__ = ["decode_v4_config", "decode_v4_kernel"]
 
@@ -170,13 +170,7 @@ def decode_v4_kernel(
     q3 = tl.broadcast_to(q16[None, :, :], (W, BLOCK_Q, D))
 
     n_blocks = tl.cdiv(seq_len, G)
-    if NUM_SPLITS > 1:
-        per = tl.cdiv(n_blocks, NUM_SPLITS)
-        blk_lo = split * per
-        blk_hi = tl.minimum(blk_lo + per, n_blocks)
-    else:
-        blk_lo = 0
-        blk_hi = n_blocks
+    blk_lo, blk_hi = _split_blocks(n_blocks, split, NUM_SPLITS)
     ch_lo = blk_lo * NCH
     ch_hi = tl.maximum(blk_hi, blk_lo) * NCH
     n_it = tl.cdiv(ch_hi - ch_lo, W)
