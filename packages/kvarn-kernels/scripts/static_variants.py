@@ -17,23 +17,26 @@ def _geo(name: str, d: int = 128) -> Any:
     return dense_geometry(fmt, d, record_layout(fmt, d).tile_bytes)
 
 
+#: Pointer and scalar argument types shared by the decode kernels (v1 adds ``QSL``).
+DECODE_SIG = {
+    "Q": "*fp32",
+    "KV": "*u8",
+    "POOL_K": "*fp16",
+    "POOL_V": "*fp16",
+    "BLOCK_TABLE": "*i32",
+    "SEQ_LENS": "*i32",
+    "BLOCK_TO_SLOT": "*i32",
+    "O_PART": "*fp32",
+    "LSE_PART": "*fp32",
+    "qk_scale": "fp32",
+}
+
+
 def _decode_v1(name: str, bn: int = 64, warps: int = 4, fast: bool = True, pf: bool = True) -> Any:
     from kvarn_kernels.attention import _attn_kernel
 
     geo = _geo(name)
-    sig = {
-        "Q": "*fp32",
-        "KV": "*u8",
-        "POOL_K": "*fp16",
-        "POOL_V": "*fp16",
-        "BLOCK_TABLE": "*i32",
-        "SEQ_LENS": "*i32",
-        "BLOCK_TO_SLOT": "*i32",
-        "QSL": "*i32",
-        "O_PART": "*fp32",
-        "LSE_PART": "*fp32",
-        "qk_scale": "fp32",
-    }
+    sig = {**DECODE_SIG, "QSL": "*i32"}
     consts = dict(
         HQ=32,
         HK=8,
@@ -76,18 +79,7 @@ def _decode_v34(
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
-    sig = {
-        "Q": "*fp32",
-        "KV": "*u8",
-        "POOL_K": "*fp16",
-        "POOL_V": "*fp16",
-        "BLOCK_TABLE": "*i32",
-        "SEQ_LENS": "*i32",
-        "BLOCK_TO_SLOT": "*i32",
-        "O_PART": "*fp32",
-        "LSE_PART": "*fp32",
-        "qk_scale": "fp32",
-    }
+    sig = DECODE_SIG
     consts = dict(
         HQ=32,
         HK=8,
