@@ -174,10 +174,28 @@ def decode_inputs(fmt_name: str, bsz: int, ctx: int, seed: int = 0) -> dict[str,
     }
 
 
+def decode_once(inp: dict[str, Any], **kw: Any) -> Any:
+    """``decode_attention`` on a :func:`decode_inputs` case (``kw``: its keyword options)."""
+    from kvarn_kernels import decode_attention
+
+    return decode_attention(
+        inp["fmt"],
+        inp["q"],
+        inp["kv"],
+        inp["pool_k"],
+        inp["pool_v"],
+        inp["bt"],
+        inp["seq_lens"],
+        inp["b2s"],
+        D**-0.5,
+        **kw,
+    )
+
+
 def bench_kvarn_decode(inp: dict[str, Any], **kw: Any) -> dict[str, Any]:
     import torch
 
-    from kvarn_kernels import choose_decode_splits, decode_attention, decode_workspace_numel
+    from kvarn_kernels import choose_decode_splits, decode_workspace_numel
 
     bsz = inp["q"].shape[0]
     splits = kw.pop("num_splits", None) or choose_decode_splits(
@@ -186,24 +204,7 @@ def bench_kvarn_decode(inp: dict[str, Any], **kw: Any) -> dict[str, Any]:
     ws = torch.empty(decode_workspace_numel(bsz, HQ, D, splits), device="cuda")
     out = torch.empty_like(inp["q"])
 
-    def fn() -> None:
-        decode_attention(
-            inp["fmt"],
-            inp["q"],
-            inp["kv"],
-            inp["pool_k"],
-            inp["pool_v"],
-            inp["bt"],
-            inp["seq_lens"],
-            inp["b2s"],
-            D**-0.5,
-            out=out,
-            workspace=ws,
-            num_splits=splits,
-            **kw,
-        )
-
-    us, mode = timed(fn)
+    us, mode = timed(lambda: decode_once(inp, out=out, workspace=ws, num_splits=splits, **kw))
     return {"us": us, "mode": mode, "bytes": inp["bytes"], "splits": splits}
 
 
@@ -465,26 +466,13 @@ def bench_fa3_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
 def run_variants(parts: set[str]) -> dict[str, Any]:
     import torch
 
-    from kvarn_kernels import decode_attention
-
     out: dict[str, Any] = {"decode": [], "store": [], "prefill": []}
     for bsz, ctx in ((64, 16384), (256, 4096)) if "decode" in parts else ():
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
         base = None
         for cfg in ({}, {"prefetch": False}, {"prefetch": False, "block_n": 128, "num_warps": 8}):
             r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))
-            o = decode_attention(
-                "kvarn_k4v2_g128",
-                inp["q"],
-                inp["kv"],
-                inp["pool_k"],
-                inp["pool_v"],
-                inp["bt"],
-                inp["seq_lens"],
-                inp["b2s"],
-                D**-0.5,
-                **cfg,
-            ).float()
+            o = decode_once(inp, **cfg).float()
             if base is None:
                 base = o
             r["rel_diff_vs_default"] = float((o - base).norm() / base.norm())

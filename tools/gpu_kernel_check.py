@@ -26,8 +26,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,17 +120,6 @@ def finish_tests(procs: dict[str, tuple[subprocess.Popen[str], float]]) -> dict[
     return res
 
 
-def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    import torch
-
-    try:
-        return fn()
-    except Exception as exc:  # a failed row is reported, the run goes on
-        traceback.print_exc()
-        torch.cuda.empty_cache()
-        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-
-
 DECODE_V4_SHAPES: list[dict[str, Any]] = [
     {"block_n": 32},
     {"block_n": 32, "num_warps": 8},
@@ -145,7 +132,7 @@ def decode_runs(warm: bool, formats: tuple[str, ...] = DECODE_FORMATS) -> list[d
     """Decode rows; ``warm`` only compiles (runs each config once on small inputs)."""
     import torch
 
-    from kvarn_kernels import choose_decode_splits, decode_attention
+    from kvarn_kernels import choose_decode_splits
 
     rows: list[dict[str, Any]] = []
     shapes = [(64, 16384), (256, 16384)]
@@ -160,40 +147,16 @@ def decode_runs(warm: bool, formats: tuple[str, ...] = DECODE_FORMATS) -> list[d
             base = None
             for cfg in configs:
                 if warm:
-                    decode_attention(
-                        fmt,
-                        inp["q"],
-                        inp["kv"],
-                        inp["pool_k"],
-                        inp["pool_v"],
-                        inp["bt"],
-                        inp["seq_lens"],
-                        inp["b2s"],
-                        bk.D**-0.5,
-                        num_splits=splits,
-                        **cfg,
-                    )
+                    bk.decode_once(inp, num_splits=splits, **cfg)
                     continue
-                r = guarded(
+                r = bk.guarded(
                     lambda cfg=cfg, inp=inp, splits=splits: bk.bench_kvarn_decode(
                         inp, num_splits=splits, **dict(cfg)
                     )
                 )
-                o = guarded(
-                    lambda cfg=cfg, inp=inp, fmt=fmt, splits=splits: {
-                        "out": decode_attention(
-                            fmt,
-                            inp["q"],
-                            inp["kv"],
-                            inp["pool_k"],
-                            inp["pool_v"],
-                            inp["bt"],
-                            inp["seq_lens"],
-                            inp["b2s"],
-                            bk.D**-0.5,
-                            num_splits=splits,
-                            **cfg,
-                        ).float()
+                o = bk.guarded(
+                    lambda cfg=cfg, inp=inp, splits=splits: {
+                        "out": bk.decode_once(inp, num_splits=splits, **cfg).float()
                     }
                 )
                 if "out" in o:
@@ -223,7 +186,7 @@ def store_runs(
             warps = cfg.get("num_warps")
             if warps is not None and fmt.endswith("g64"):
                 warps = 4
-            r = guarded(
+            r = bk.guarded(
                 lambda fmt=fmt, cfg=cfg, warps=warps: bk.bench_store(
                     fmt, 8 if warm else 1024, matmul_tflops, warps, cfg["variant"]
                 )
@@ -246,7 +209,7 @@ def prefill_runs(warm: bool) -> list[dict[str, Any]]:
         ),
         ("sdpa fp16 (noncausal)", lambda: bk.bench_sdpa_prefill(ctx, q_len, 1)),
     ):
-        r = guarded(fn)
+        r = bk.guarded(fn)
         if not warm:
             rows.append({"kernel": name, "ctx": ctx, "q_len": q_len, **r})
             log(f"prefill {name}: {r.get('us', r.get('error'))}")
