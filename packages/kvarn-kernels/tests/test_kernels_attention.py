@@ -728,13 +728,13 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
 @pytest.mark.parametrize(
     ("name", "d", "kw", "expected"),
     [
-        ("kvarn_k4v2_g128", 128, {}, "v3"),
-        ("kvarn_k4v4_g128", 64, {}, "v3"),
+        ("kvarn_k4v2_g128", 128, {}, "v4"),
+        ("kvarn_k4v4_g128", 64, {}, "v4"),
         ("kvarn_k4v2_g128", 256, {}, "v1"),  # not measured faster there
         ("kvarn_k4v2_g64", 128, {}, "v1"),
-        ("kvarn_k5v5_g64", 128, {}, "v1"),  # v3 cannot read 5-bit codes
+        ("kvarn_k5v5_g64", 128, {}, "v1"),  # v3/v4 cannot read 5-bit codes
         ("kvarn_k4v2_g128", 128, {"prefetch": False}, "v1"),  # a v1-only option
-        ("kvarn_k4v2_g64", 128, {"num_stages": 2}, "v3"),  # a v2/v3-only option
+        ("kvarn_k4v2_g64", 128, {"num_stages": 2}, "v4"),  # a v3/v4-only option
     ],
 )
 def test_auto_decode_variant(name: str, d: int, kw: dict[str, object], expected: str) -> None:

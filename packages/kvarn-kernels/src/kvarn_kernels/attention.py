@@ -884,19 +884,19 @@ def _transposed_supports(geo: DenseGeometry) -> bool:
 def default_decode_variant(geo: DenseGeometry, num_stages: int | None, prefetch: bool) -> str:
     """The decode kernel ``variant="auto"`` runs.
 
-    v3 where the H200 measured it fastest: 4-bit keys with 2/4-bit values in 128-token tiles
-    at head dims up to 128 (k4v2_g128, B = 64, 16K: 1,470 µs vs v1 1,546;
-    docs/kernel-notes.md, round 3). v1 elsewhere (g64 tiles, 5-bit codes, head dims 256/512),
-    and whenever a v1-only option (``prefetch=False``) is given; ``num_stages`` (v3's)
-    selects v3.
+    v4 where the H200 measured it fastest: 4-bit keys with 2/4-bit values in 128-token tiles
+    at head dims up to 128 (B = 64, 16K: k4v2_g128 903 µs vs v3 1,470 and v1 1,559;
+    k4v4_g128 991 µs vs v1 1,599; docs/kernel-notes.md, round 4). v1 elsewhere (g64 tiles,
+    5-bit codes, head dims 256/512: correct in v4 but not yet timed), and whenever a v1-only
+    option (``prefetch=False``) is given; ``num_stages`` (v3/v4's) selects v4.
     """
-    v3_ok = _transposed_supports(geo)
+    v4_ok = _transposed_supports(geo)
     if (
-        v3_ok
+        v4_ok
         and prefetch
         and (num_stages is not None or (geo.group == 128 and geo.head_dim <= 128))
     ):
-        return "v3"
+        return "v4"
     return "v1"
 
 
