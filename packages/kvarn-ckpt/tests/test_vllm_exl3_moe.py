@@ -596,7 +596,10 @@ def test_deepseek_tr3_checkpoint_equals_its_dense_twin(
 ) -> None:
     """GLM TR3's layout (ModelOpt shim + hybrid_tr3_tail, experts sliced for TP2, shared-H
     vectors) through DeepSeek-V2's loader, the one GLM-5.2 uses in vLLM. MLA does not run
-    on vLLM's CPU platform, so the synthetic model uses DeepSeek's MHA attention."""
+    on vLLM's CPU platform, so the synthetic model uses DeepSeek's MHA attention: zero
+    qk head dims select it, and ``VLLM_MLA_DISABLE`` keeps vLLM from sizing an MLA cache
+    for the (integer) ``kv_lora_rank`` that newer transformers' strict configs require."""
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
     rng = np.random.default_rng(8)
     config: dict[str, Any] = {
         "architectures": ["DeepseekV2ForCausalLM"],
@@ -608,7 +611,7 @@ def test_deepseek_tr3_checkpoint_equals_its_dense_twin(
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
-        "kv_lora_rank": None,
+        "kv_lora_rank": 64,
         "q_lora_rank": None,
         "qk_nope_head_dim": 0,
         "qk_rope_head_dim": 0,
