@@ -1,21 +1,23 @@
 """One GPU run (< 120 s on an H200) that checks and times the kvarn-kernels paths in work.
 
 1. Correctness: the kernel package's GPU tests for the newest path at real sizes (round 4:
-   decode ``variant="v4"``; round 3: v3; rounds 1-2 checked v2, prefill ``method="dequant"`` and store
-   ``variant="v2"``), as pytest subprocesses that run (and compile) while this process
-   compiles the timed kernels.
+   decode ``variant="v4"``; round 3 checked v3, since removed; rounds 1-2 checked v2, prefill
+   ``method="dequant"`` and store ``variant="v2"``), as pytest subprocesses that run (and
+   compile) while this process compiles the timed kernels.
 2. Timings, with the GPU to itself, in one process (``--parts`` picks them): copy bandwidth
-   (the ceiling, same run); decode v1, v3 and v4 at B = 64 and 256, 16K context,
-   k4v2_g128 and k4v4_g128 (plus v4 shapes at B = 64, k4v2); store v1 vs v2 (1024 tiles x 8 KV heads, g128 and g64); prefill
-   (2048-token chunk after 14,336 cached tokens) fused vs dequant (varlen FlashAttention and
-   per-request SDPA) next to torch SDPA fp16 over the same context.
+   (the ceiling, same run); decode v1 and v4 at B = 64 and 256, 16K context, k4v2_g128 and
+   k4v4_g128 (plus v4 launch shapes at B = 64, k4v2_g128), and v1 vs v4 at B = 64, 16K for
+   k4v2_g64 and for k4v2_g128 at head dim 256, where ``variant="auto"`` still runs v1 (these
+   two decide whether it should take v4 there too); store v1 vs v2 (1024 tiles x 8 KV heads,
+   g128 and g64); prefill (2048-token chunk after 14,336 cached tokens) fused vs dequant
+   (varlen FlashAttention and per-request SDPA) next to torch SDPA fp16 over the same context.
 3. A short table last; JSON with everything to ``$OUT/gpu_kernel_check.json`` when ``OUT``
    is set (and to ``--json`` if given).
 
 Usage::
 
     PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src \\
-        python3 tools/gpu_kernel_check.py [--no-tests] [--json PATH]
+        python3 tools/gpu_kernel_check.py [--no-tests] [--parts decode,store,prefill] [--json PATH]
 """
 
 from __future__ import annotations
@@ -51,10 +53,19 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-DECODE_FORMATS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128")
+#: Timed decode cases: (format, head dim, batch sizes), each at 16K context with 32 query and
+#: 8 KV heads. The first two are where ``variant="auto"`` runs v4 (measured there); the last
+#: two are where it still runs v1, timed to decide whether it should take v4 there too.
+DECODE_CASES: tuple[tuple[str, int, tuple[int, ...]], ...] = (
+    ("kvarn_k4v2_g128", 128, (64, 256)),
+    ("kvarn_k4v4_g128", 128, (64, 256)),
+    ("kvarn_k4v2_g64", 128, (64,)),
+    ("kvarn_k4v2_g128", 256, (64,)),
+)
+DECODE_CTX = 16384
 STORE_FORMATS = ("kvarn_k4v2_g128", "kvarn_k4v2_g64")
 WARM_PARTS = (
-    *(f"decode:{f}" for f in DECODE_FORMATS),
+    *(f"decode:{f}:{d}" for f, d, _ in DECODE_CASES),
     *(f"store:{f}" for f in STORE_FORMATS),
     "prefill:",
 )
@@ -128,21 +139,27 @@ DECODE_V4_SHAPES: list[dict[str, Any]] = [
 ]
 
 
-def decode_runs(warm: bool, formats: tuple[str, ...] = DECODE_FORMATS) -> list[dict[str, Any]]:
-    """Decode rows; ``warm`` only compiles (runs each config once on small inputs)."""
+def decode_runs(
+    warm: bool, cases: tuple[tuple[str, int, tuple[int, ...]], ...] = DECODE_CASES
+) -> list[dict[str, Any]]:
+    """Decode rows, v1 first (the reference for ``rel_diff_vs_v1`` and the speed-up); ``warm``
+    only compiles (runs each config once on small inputs)."""
     import torch
 
+    from kvarn_format import parse_cache_dtype
     from kvarn_kernels import choose_decode_splits
 
     rows: list[dict[str, Any]] = []
-    shapes = [(64, 16384), (256, 16384)]
-    for bsz, ctx in shapes:
-        # The split count is a compile-time constant: warm up with the real one.
-        splits = choose_decode_splits(bsz, bk.HK, -(-(ctx - 63) // 128), torch.device("cuda"))
-        for fmt in formats:
-            inp = bk.decode_inputs(fmt, 2 if warm else bsz, 2048 if warm else ctx)
-            configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v3", "v4")]
-            if fmt == "kvarn_k4v2_g128" and bsz == 64:
+    for fmt, d, batches in cases:
+        blocks = -(-(DECODE_CTX - 63) // parse_cache_dtype(fmt).group)
+        for bsz in batches:
+            # The split count is a compile-time constant: warm up with the real one.
+            splits = choose_decode_splits(bsz, bk.HK, blocks, torch.device("cuda"))
+            inp = bk.decode_inputs(
+                fmt, 2 if warm else bsz, 2048 if warm else DECODE_CTX, head_dim=d
+            )
+            configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v4")]
+            if (fmt, d, bsz) == ("kvarn_k4v2_g128", 128, 64):
                 configs += [{"variant": "v4", **c} for c in DECODE_V4_SHAPES]
             base = None
             for cfg in configs:
@@ -163,8 +180,10 @@ def decode_runs(warm: bool, formats: tuple[str, ...] = DECODE_FORMATS) -> list[d
                     if base is None:
                         base = o["out"]
                     r["rel_diff_vs_v1"] = float((o["out"] - base).norm() / base.norm())
-                rows.append({"kernel": fmt, "B": bsz, "ctx": ctx, "config": cfg, **r})
-                log(f"decode {fmt} B={bsz} {cfg}: {r.get('us', r.get('error'))}")
+                rows.append(
+                    {"kernel": fmt, "D": d, "B": bsz, "ctx": DECODE_CTX, "config": cfg, **r}
+                )
+                log(f"decode {fmt} D={d} B={bsz} {cfg}: {r.get('us', r.get('error'))}")
             del inp
             torch.cuda.empty_cache()
     return rows
@@ -225,23 +244,27 @@ def table(res: dict[str, Any]) -> str:
     ]
     for name, t in res.get("tests", {}).items():
         out.append(f"tests {name:16s} {'PASS' if t['ok'] else 'FAIL'}  {t['summary']}")
-    out += ["", f"{'decode':18s} {'B':>4s} {'config':44s} {'us':>9s} {'%copy':>6s} {'vs v1':>6s}"]
+    out += [
+        "",
+        f"{'decode':18s} {'D':>4s} {'B':>4s} {'config':44s} {'us':>9s} {'%copy':>6s} {'vs v1':>6s}",
+    ]
     v1 = {
-        (r["kernel"], r["B"]): r["us"]
+        (r["kernel"], r.get("D", 128), r["B"]): r["us"]
         for r in res.get("decode", [])
         if r["config"] == {"variant": "v1"} and "us" in r
     }
     for r in res.get("decode", []):
         cfg = ",".join(f"{k}={v}" for k, v in r["config"].items())
+        d = r.get("D", 128)
         if "us" not in r:
-            out.append(f"{r['kernel']:18s} {r['B']:4d} {cfg:44s} {r['error'][:40]}")
+            out.append(f"{r['kernel']:18s} {d:4d} {r['B']:4d} {cfg:44s} {r['error'][:40]}")
             continue
         gbs = r["bytes"] / (r["us"] * 1e-6) / 1e9
-        base = v1.get((r["kernel"], r["B"]))
+        base = v1.get((r["kernel"], d, r["B"]))
         speed = f"{base / r['us']:.2f}x" if base else "-"
         out.append(
-            f"{r['kernel']:18s} {r['B']:4d} {cfg:44s} {r['us']:9.1f} {100 * gbs / copy:5.0f}% "
-            f"{speed:>6s}"
+            f"{r['kernel']:18s} {d:4d} {r['B']:4d} {cfg:44s} {r['us']:9.1f} "
+            f"{100 * gbs / copy:5.0f}% {speed:>6s}"
         )
     out += ["", f"{'store':18s} {'config':32s} {'us':>9s} {'share':>7s}"]
     for r in res.get("store", []):
@@ -272,11 +295,15 @@ def main() -> None:
     import triton
 
     if args.warm:  # a compile-only child process of the run below
-        part, fmt = args.warm.split(":")
+        part, _, spec = args.warm.partition(":")
         if part == "decode":
-            decode_runs(warm=True, formats=(fmt,))
+            fmt, d = spec.split(":")
+            decode_runs(
+                warm=True,
+                cases=tuple(c for c in DECODE_CASES if (c[0], c[1]) == (fmt, int(d))),
+            )
         elif part == "store":
-            store_runs(warm=True, matmul_tflops=700.0, formats=(fmt,))
+            store_runs(warm=True, matmul_tflops=700.0, formats=(spec,))
         else:
             prefill_runs(warm=True)
         torch.cuda.synchronize()

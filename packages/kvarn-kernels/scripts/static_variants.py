@@ -64,27 +64,25 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
     variant(f"decode_v1 {_n} bn64 w4")(lambda _n=_n: _decode_v1(_n))
 
 
-def _decode_v34(
-    kernel: str,
+def _decode_v4(
     name: str,
     bn: int = 64,
     warps: int = 4,
-    stages: int = 3,
+    stages: int = 2,
     maxnreg: int | None = None,
-    bq: int = 8,
     d: int = 128,
+    qpk: int = 4,
     fast: bool = True,
 ) -> Any:
-    from kvarn_kernels.decode_v3 import decode_v3_kernel
+    """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
-    sig = DECODE_SIG
     consts = dict(
-        HQ=32,
+        HQ=8 * qpk,
         HK=8,
-        QPK=4,
-        BLOCK_Q=bq,
+        QPK=qpk,
+        BLOCK_Q=max(16, 1 << (qpk - 1).bit_length()),
         D=d,
         G=geo.group,
         KB=geo.key_bits,
@@ -92,27 +90,12 @@ def _decode_v34(
         STRIDE=geo.record_stride,
         **geo.offsets(),
         BN=bn,
+        W=warps,
+        SCAN=64,
         NUM_SPLITS=4,
         FAST_UNPACK=fast,
-        **({} if kernel == "v3" else {"W": warps, "SCAN": 64}),
     )
-    fn = decode_v3_kernel if kernel == "v3" else decode_v4_kernel
-    return compile_kernel(fn, sig, consts, warps, stages, maxnreg)
-
-
-for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
-    for _bn, _w, _st, _mr in (
-        (128, 4, 3, None),
-        (128, 8, 3, None),
-        (64, 4, 3, None),
-    ):
-        variant(f"decode_v3 {_n} bn{_bn} w{_w} s{_st} r{_mr}")(
-            lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _mr=_mr: _decode_v34("v3", _n, _bn, _w, _st, _mr)
-        )
-    # the plain Triton unpack (shifts and masks) instead of the inline PTX
-    variant(f"decode_v3 {_n} bn128 w4 s3 plain-unpack")(
-        lambda _n=_n: _decode_v34("v3", _n, 128, 4, 3, None, fast=False)
-    )
+    return compile_kernel(decode_v4_kernel, DECODE_SIG, consts, warps, stages, maxnreg)
 
 
 def _dequant_context(name: str, d: int = 128, bt: int = 32) -> Any:
@@ -230,22 +213,25 @@ for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 4), ("kvarn_k5v5_g64"
     variant(f"store_tokens {_n} w{_w}")(lambda _n=_n, _w=_w: _store(_n, 128, _w, "v1", True))
 
 
-def _decode_v3_default(name: str, d: int, qpk: int) -> Any:
-    from kvarn_kernels.decode_v3 import decode_v3_config
+def _decode_v4_default(name: str, d: int, qpk: int) -> Any:
+    """v4 with ``decode_v4_config``'s shape, as ``decode_attention`` launches it."""
+    from kvarn_kernels.decode_v4 import decode_v4_config
 
-    cfg = decode_v3_config(d, parse_cache_dtype(name).group)
-    bq = max(8, 1 << (qpk - 1).bit_length())
-    return _decode_v34("v3", name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], None, bq, d)
+    cfg = decode_v4_config(d, parse_cache_dtype(name).group)
+    return _decode_v4(name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], None, d, qpk)
 
 
+# v4's default shape away from the timed case (D = 128, GQA 4, 128-token tiles): other head
+# dims, GQA ratios and 64-token tiles (variant="auto" runs v1 at g64 and at D > 128 so far).
 for _n, _d, _qpk in (
     ("kvarn_k4v2_g128", 64, 1),
     ("kvarn_k4v4_g64", 256, 8),
+    ("kvarn_k4v2_g128", 256, 4),
     ("kvarn_k4v2_g128", 512, 8),
     ("kvarn_k4v2_g64", 128, 16),
 ):
-    variant(f"decode_v3 default {_n} d{_d} qpk{_qpk}")(
-        lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v3_default(_n, _d, _qpk)
+    variant(f"decode_v4 default {_n} d{_d} qpk{_qpk}")(
+        lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v4_default(_n, _d, _qpk)
     )
 
 
@@ -257,7 +243,5 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
         (32, 8, 3, True),
     ):
         variant(f"decode_v4 {_n} bn{_bn} w{_w} s{_st}{'' if _f else ' plain'}")(
-            lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _f=_f: _decode_v34(
-                "v4", _n, _bn, _w, _st, None, 16, fast=_f
-            )
+            lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _f=_f: _decode_v4(_n, _bn, _w, _st, fast=_f)
         )

@@ -39,14 +39,14 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v3", "v4"]
-VARIANT_IDS = ["variant1", "variant3", "variant4"]
+VARIANTS = ["v1", "v4"]
+VARIANT_IDS = ["variant1", "variant4"]
 
 
-def _v3_refuses(name: str, variant: str, d: int, device: torch.device | None = None) -> bool:
-    """v3 and v4 take k4 formats only: for the others, check that they say so."""
+def _v4_refuses(name: str, variant: str, d: int, device: torch.device | None = None) -> bool:
+    """v4 takes k4 formats only: for the others, check that it says so."""
     fmt = parse_cache_dtype(name)
-    if variant not in ("v3", "v4") or fmt.key_bits == 4:
+    if variant != "v4" or fmt.key_bits == 4:
         return False
     dev = device or torch.device("cpu")
     case = build_case(name, d, 1, [fmt.group + 1], device=dev, seed=0)
@@ -123,7 +123,7 @@ def test_decode_attention(
     splits: int,
     variant: str,
 ) -> None:
-    if _v3_refuses(name, variant, d):
+    if _v4_refuses(name, variant, d):
         return
     case = shared_case(
         name,
@@ -229,7 +229,7 @@ def test_decode_bf16_and_default_splits_against_fp16_attention(
 
 @pytest.mark.parametrize("scale_kind", ["huge", "tiny"])
 def test_decode_extreme_magnitudes(device: torch.device, scale_kind: str) -> None:
-    """Tokens near the fp16 limit (saturating) or far below 1: v3's fp16 operands hold
+    """Tokens near the fp16 limit (saturating) or far below 1: v4's fp16 operands hold
     ``(code * scale + zero) / 2``, which must neither overflow nor lose the small values."""
     name, d, hq, hk, lens = "kvarn_k4v4_g64", 64, 4, 1, [300, 129]
     value_scale = 20000.0 if scale_kind == "huge" else 1e-3
@@ -496,8 +496,9 @@ def test_prefill_validation(device: torch.device, kw: dict[str, object], message
         ("table_dtype", "block_table must have dtype"),
         ("workspace", "workspace must be"),
         ("variant", "variant must be"),
-        ("v3_prefetch", "applies to variant='v1' only"),
-        ("v1_stages", "applies to variant='v3' and 'v4' only"),
+        ("v4_prefetch", "applies to variant='v1' only"),
+        ("v1_stages", "applies to variant='v4' only"),
+        ("v3_removed", "variant must be 'auto', 'v1' or 'v4'"),
     ],
 )
 def test_decode_validation(device: torch.device, change: str, message: str) -> None:
@@ -523,8 +524,10 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
     kw: dict[str, object] = {}
     if change == "variant":
         kw["variant"] = "v9"
-    elif change == "v3_prefetch":
-        kw.update(variant="v3", prefetch=False)
+    elif change == "v4_prefetch":
+        kw.update(variant="v4", prefetch=False)
+    elif change == "v3_removed":  # removed after round 4 (v4 was faster everywhere timed)
+        kw["variant"] = "v3"
     elif change == "v1_stages":
         kw.update(variant="v1", num_stages=4)
     with pytest.raises(ValueError, match=message):
@@ -565,7 +568,7 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
 def test_decode_attention_gpu(
     device: torch.device, name: str, d: int, hq: int, hk: int, variant: str
 ) -> None:
-    if _v3_refuses(name, variant, d, device):
+    if _v4_refuses(name, variant, d, device):
         return
     g = parse_cache_dtype(name).group
     lens = [4096, 1, g - 1, 3000, 2 * g + 1, 777, 0, 1500]
@@ -732,9 +735,9 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
         ("kvarn_k4v4_g128", 64, {}, "v4"),
         ("kvarn_k4v2_g128", 256, {}, "v1"),  # not measured faster there
         ("kvarn_k4v2_g64", 128, {}, "v1"),
-        ("kvarn_k5v5_g64", 128, {}, "v1"),  # v3/v4 cannot read 5-bit codes
+        ("kvarn_k5v5_g64", 128, {}, "v1"),  # v4 cannot read 5-bit codes
         ("kvarn_k4v2_g128", 128, {"prefetch": False}, "v1"),  # a v1-only option
-        ("kvarn_k4v2_g64", 128, {"num_stages": 2}, "v4"),  # a v3/v4-only option
+        ("kvarn_k4v2_g64", 128, {"num_stages": 2}, "v4"),  # a v4-only option
     ],
 )
 def test_auto_decode_variant(name: str, d: int, kw: dict[str, object], expected: str) -> None:

@@ -240,7 +240,7 @@ def test_flush_tiles_validation(device: torch.device, change: str, message: str)
     dst = torch.zeros(1, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=message):
         flush_tiles(
-            name, pool, pool.clone(), src, kv, dst, variant="v3" if change == "variant" else "v1"
+            name, pool, pool.clone(), src, kv, dst, variant="v9" if change == "variant" else "v1"
         )
 
 

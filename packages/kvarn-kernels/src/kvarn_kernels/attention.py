@@ -613,8 +613,7 @@ def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_spli
     return rows * head_dim + num_splits * rows * (head_dim + 1)
 
 
-def _launch_transposed(
-    variant: str,
+def _launch_v4(
     geo: DenseGeometry,
     q_rot: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -633,28 +632,15 @@ def _launch_transposed(
     num_warps: int | None,
     num_stages: int | None,
 ) -> None:
-    """Launch the v3 or v4 decode kernel (their arguments are the same but for v4's two)."""
+    """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace."""
+    from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
+
     t = int(block_table.shape[0])
     hk = int(pool_k.shape[2])
     qpk = n_rows // t // hk
-    extra: dict[str, int] = {}
-    if variant == "v4":
-        from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
-
-        kernel = decode_v4_kernel
-        cfg = decode_v4_config(geo.head_dim, geo.group)
-        warps = num_warps or cfg["num_warps"]
-        extra = {"W": warps, "SCAN": cfg["scan"], "FAST_UNPACK": fast}
-        block_q = max(16, triton.next_power_of_2(qpk))
-    else:
-        from kvarn_kernels.decode_v3 import decode_v3_config, decode_v3_kernel
-
-        kernel = decode_v3_kernel
-        cfg = decode_v3_config(geo.head_dim, geo.group)
-        warps = num_warps or cfg["num_warps"]
-        extra = {"FAST_UNPACK": fast}
-        block_q = max(8, triton.next_power_of_2(qpk))
-    kernel[(t, hk, num_splits)](
+    cfg = decode_v4_config(geo.head_dim, geo.group)
+    warps = num_warps or cfg["num_warps"]
+    decode_v4_kernel[(t, hk, num_splits)](
         q_rot,
         kv_cache,
         pool_k,
@@ -670,7 +656,7 @@ def _launch_transposed(
         HQ=n_rows // t,
         HK=hk,
         QPK=qpk,
-        BLOCK_Q=block_q,
+        BLOCK_Q=max(16, triton.next_power_of_2(qpk)),
         D=geo.head_dim,
         G=geo.group,
         KB=geo.key_bits,
@@ -678,10 +664,12 @@ def _launch_transposed(
         STRIDE=geo.record_stride,
         **geo.offsets(),
         BN=block_n or cfg["block_n"],
+        W=warps,
+        SCAN=cfg["scan"],
         NUM_SPLITS=num_splits,
+        FAST_UNPACK=fast,
         num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
-        **extra,
     )
 
 
@@ -722,9 +710,8 @@ def _launch(
     ]
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
-    if variant in ("v3", "v4"):
-        _launch_transposed(
-            variant,
+    if variant == "v4":
+        _launch_v4(
             geo,
             q_rot,
             kv_cache,
@@ -876,8 +863,8 @@ def _q_for_kernel(q: torch.Tensor) -> torch.Tensor:
     return q if q.stride(-1) == 1 else q.contiguous()
 
 
-def _transposed_supports(geo: DenseGeometry) -> bool:
-    """v3 and v4 read codes field by field: 4-bit keys with 2- or 4-bit values."""
+def _v4_supports(geo: DenseGeometry) -> bool:
+    """v4 reads codes field by field (whole bytes): 4-bit keys with 2- or 4-bit values."""
     return geo.key_bits == 4 and geo.value_bits in (2, 4)
 
 
@@ -885,12 +872,12 @@ def default_decode_variant(geo: DenseGeometry, num_stages: int | None, prefetch:
     """The decode kernel ``variant="auto"`` runs.
 
     v4 where the H200 measured it fastest: 4-bit keys with 2/4-bit values in 128-token tiles
-    at head dims up to 128 (B = 64, 16K: k4v2_g128 903 µs vs v3 1,470 and v1 1,559;
-    k4v4_g128 991 µs vs v1 1,599; docs/kernel-notes.md, round 4). v1 elsewhere (g64 tiles,
-    5-bit codes, head dims 256/512: correct in v4 but not yet timed), and whenever a v1-only
-    option (``prefetch=False``) is given; ``num_stages`` (v3/v4's) selects v4.
+    at head dims up to 128 (B = 64, 16K: k4v2_g128 903 µs vs v1 1,559; k4v4_g128 991 µs vs
+    v1 1,599; docs/kernel-notes.md, round 4). v1 elsewhere (g64 tiles, 5-bit codes, head
+    dims 256/512: correct in v4 but not yet timed), and whenever a v1-only option
+    (``prefetch=False``) is given; ``num_stages`` (v4's) selects v4.
     """
-    v4_ok = _transposed_supports(geo)
+    v4_ok = _v4_supports(geo)
     if (
         v4_ok
         and prefetch
@@ -945,14 +932,15 @@ def decode_attention(
             Triton interpreter, which cannot run PTX).
         prefetch: load the next chunk's record bytes into registers before computing the
             current one (default on; v1 only).
-        variant: ``"auto"`` (default: :func:`default_decode_variant`), ``"v1"`` or ``"v3"``
-            (:mod:`kvarn_kernels.decode_v3`: transposed MMAs on dequantized fp16 code
-            operands that are never re-interleaved; 4-bit keys with 2/4-bit values only) or
-            ``"v4"`` (:mod:`kvarn_kernels.decode_v4`: one chunk per warp, codes unpacked in
-            the MMA operand layout; same formats as v3; not yet timed on a GPU). All compute
-            the same attention; see docs/kernel-notes.md.
-        num_stages: v3/v4 only: software-pipeline depth of the code-byte loads (default: the
-            variant's launch config, 3 for v3 and 2 for v4).
+        variant: ``"auto"`` (default: :func:`default_decode_variant`), ``"v1"`` (this
+            module's kernel: any format) or ``"v4"`` (:mod:`kvarn_kernels.decode_v4`: one
+            chunk per warp, codes unpacked in the MMA operand layout; 4-bit keys with 2/4-bit
+            values only). Both compute the same attention. On the H200 at B = 64, 16K, v4
+            takes 903 µs for k4v2_g128 and 991 µs for k4v4_g128, v1 1,559 and 1,599 µs
+            (1.7x and 1.6x; B = 256 likewise); other formats and head dims are not yet timed
+            with v4. See docs/kernel-notes.md.
+        num_stages: v4 only: software-pipeline depth of the code-byte loads (default: the
+            launch config's, 2).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -961,8 +949,8 @@ def decode_attention(
     )
     if q.shape[0] != block_table.shape[0]:
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
-    if variant not in ("auto", "v1", "v3", "v4"):
-        raise ValueError(f"variant must be 'auto', 'v1', 'v3' or 'v4', got {variant!r}")
+    if variant not in ("auto", "v1", "v4"):
+        raise ValueError(f"variant must be 'auto', 'v1' or 'v4', got {variant!r}")
     if variant == "auto":
         variant = default_decode_variant(geo, num_stages, prefetch)
     if variant != "v1" and not prefetch:
@@ -970,8 +958,8 @@ def decode_attention(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
     if variant == "v1" and num_stages is not None:
-        raise ValueError("num_stages applies to variant='v3' and 'v4' only")
-    if variant in ("v3", "v4") and not _transposed_supports(geo):
+        raise ValueError("num_stages applies to variant='v4' only")
+    if variant == "v4" and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
             f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"

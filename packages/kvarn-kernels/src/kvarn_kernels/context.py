@@ -12,7 +12,7 @@ for prefill (the "never write dequantized KV to HBM" rule is for decode):
 1. one Triton launch dequantizes every context block of the batch into a packed fp16
    workspace ``[total_context_tokens, Hk, D]`` for K and for V -- records decoded with the
    reference decoder's fp32 operations, pool blocks copied -- in the rotated frame, halved
-   (exact; it keeps every value the codec can write inside fp16, see ``decode_v3``);
+   (exact; it keeps every value the codec can write inside fp16, see ``decode_v4``);
 2. the rotated, pre-scaled queries attend to it with FlashAttention (torch's varlen flash
    forward: one call for all requests, GQA native, bottom-right causal alignment), or with
    ``torch.nn.functional.scaled_dot_product_attention`` per request (``causal_lower_right``

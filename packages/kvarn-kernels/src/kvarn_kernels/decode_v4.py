@@ -3,10 +3,10 @@
 """Decode attention v4: one chunk per warp, no shared-memory staging of dequantized operands.
 
 Round 3 (docs/kernel-notes.md) found the decode loop latency-bound: the record loads alone run
-at 4.4 TB/s, but every chunk walks a dependent chain of layout conversions (dequantized
-fp16 operands stored to shared memory and read back for the MMA, 54 barriers per v3
-iteration) and cross-warp softmax reductions. v4 removes both, from the static analysis of
-small Triton kernels (``scripts/static_kernels.py``):
+at 4.4 TB/s, but every chunk walked a dependent chain of layout conversions (dequantized fp16
+operands stored to shared memory and read back for the MMA: 108 barriers per 256 tokens in the
+fastest round-3 kernel, 124 in v1) and cross-warp softmax reductions. v4 removes both, from
+the static analysis of small Triton kernels (``scripts/static_kernels.py``):
 
 * **Codes as MMA B operands, unpacked in the operand layout.** Scores are ``S = q K`` with the
   K codes (channel-major in the record, i.e. ``[D, tokens]``) as the B operand, and the
@@ -16,6 +16,10 @@ small Triton kernels (``scripts/static_kernels.py``):
   unpack and the fp16 dequantization are elementwise on the loaded bytes; Triton then keeps
   the raw bytes in shared memory (``cp.async``, pipelined) and reads them straight into the
   MMA operand layout (``local_load`` of ``i8`` into ``dot_op``), with no fp16 round trip.
+  Token order inside a chunk does not matter (softmax and ``P V`` are sums over tokens) as
+  long as scores, probabilities and V rows agree, so the fields are never re-interleaved:
+  each V field accumulates its own ``[q rows, D / VG]`` output block, stored to its channels
+  at the end.
 * **One chunk per warp.** A program runs ``W = num_warps`` chunks at a time as a batched
   ``[W, 16, D] x [W, D, BN/2]`` MMA; the batch dimension lies along the warps, so each warp
   keeps its own online softmax (maximum, sum, output) and no reduction crosses warps inside
@@ -25,10 +29,18 @@ small Triton kernels (``scripts/static_kernels.py``):
   short phase over the split's pool-resident blocks, found with a vectorized scan of the
   block table.
 
-Numerics are v3's (:mod:`kvarn_kernels.decode_v3`): the K operand is ``fp16((code - 2^(KB-1))
-* k_scale / 2)`` with the zero point added once per query head in fp32, the V operand
-``fp16((code * v_scale + v_zero) / 2)``, the per-token K scale and per-channel V scale applied
-to fp32 MMA results. 4-bit keys with 2- or 4-bit values.
+Numerics. Codes become fp16 as ``1024 + code`` (exact: OR-ed into the mantissa of 1024.0).
+The K operand is ``fp16((code * k_scale[d] + k_zero[d]) / 2)`` and the V operand
+``fp16((code * v_scale[t] + v_zero[t]) / 2)``: a dequantized cache value at the precision of
+an fp16 cache entry. ``2 * k_token_scale`` multiplies the fp32 scores and ``2 *
+v_channel_scale`` the fp32 outputs. The halving keeps every record the codec can write inside
+fp16: ``code * scale + zero`` is a tile value divided by its other-axis Sinkhorn scale, which
+the codec clamps to at least ``exp(-0.3)``, so it is at most ``65504 / exp(-0.3) = 88,421``
+in magnitude, 44,211 after halving (halving an fp16 value is exact). The query operand is the
+row-normalized query in fp16 (its row maximum multiplies the scores in fp32); probabilities go
+in unscaled, as in FlashAttention.
+
+4-bit keys with 2- or 4-bit values only: 5-bit codes straddle bytes (v1 serves them).
 """
 
 from __future__ import annotations
@@ -141,7 +153,7 @@ def decode_v4_kernel(
     """One program per (request, KV head, split); ``W`` chunks of ``BN`` tokens per step.
 
     Writes the split's normalized partial output (``O_PART``, fp32, rotated frame, natural
-    channel order) and base-2 LSE (``LSE_PART``), like v1 and v3.
+    channel order) and base-2 LSE (``LSE_PART``), like v1's kernel.
     """
     tl.static_assert(KB == 4, "v4 takes 4-bit keys")
     tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
@@ -326,11 +338,13 @@ def decode_v4_kernel(
 
 
 def decode_v4_config(head_dim: int, group: int) -> dict[str, int]:
-    """Default launch shape (static analysis only so far; not yet timed on a GPU).
+    """Default launch shape, as timed on the H200 (docs/kernel-notes.md, round 4).
 
     ``BN`` tokens per warp and step such that one warp's K chunk is ``D x BN/2 = 4 KB`` of
     bytes, 4 warps (4 chunks in flight per program), 2 pipeline stages, block-table scans of
-    64 entries in the pool phase.
+    64 entries in the pool phase. At k4v2_g128, B = 64, 16K, D = 128 this shape takes 903 µs
+    (v1: 1,559); 3 stages 1,021 µs, BN 32 2,503 µs, BN 32 on 8 warps 3,996 µs. Head dims
+    other than 128 and 64-token tiles run the same rule untimed.
     """
     bn = max(32, min(group, 8192 // head_dim))
     return {"block_n": bn, "num_warps": 4, "num_stages": 2, "scan": 64}
