@@ -45,6 +45,10 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
+# Profiler ranges (``kvarn: *``): a ``record_function`` only with
+# VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 (tools/bench_serving.py --profile), else a nullcontext.
+from vllm.v1.utils import record_function_or_nullcontext as _prof_range
+
 from kvarn_format import DENSE_DTYPES, DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype
 from kvarn_vllm.runtime import DirectTiles, KvarnGroupRuntime
 from kvarn_vllm.specs import KvarnFullAttentionSpec, lookup_tile_stride
@@ -305,15 +309,18 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> KvarnMetadata:
-        self.runtime.apply_pending()
-        cam = common_attn_metadata
-        direct = None
-        if cam.max_query_len >= 2:
-            # The tracker only plans direct tiles for requests with two or more tokens in the
-            # step, so a batch of single tokens (what FULL CUDA graphs capture and replay)
-            # never carries them; skipping it here keeps decode replays step-independent.
-            direct = self.runtime.direct_tiles(cam.slot_mapping, cam.num_actual_tokens)
-        return self._describe(cam, direct)
+        with _prof_range("kvarn: build"):
+            with _prof_range("kvarn: apply_pending"):
+                self.runtime.apply_pending()
+            cam = common_attn_metadata
+            direct = None
+            if cam.max_query_len >= 2:
+                # The tracker only plans direct tiles for requests with two or more tokens in
+                # the step, so a batch of single tokens (what FULL CUDA graphs capture and
+                # replay) never carries them; skipping it keeps decode replays step-independent.
+                with _prof_range("kvarn: direct_tiles"):
+                    direct = self.runtime.direct_tiles(cam.slot_mapping, cam.num_actual_tokens)
+            return self._describe(cam, direct)
 
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
@@ -503,28 +510,30 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                 )
             # Temporaries of 2 * n * Hk * D fp16 elements, freed before attention; the profiled
             # prefill transients (>= 2 * n * Hq * D elements plus the workspace) cover them.
-            kk.flush_token_tiles(
-                self.fmt,
-                kk.rotate(key[:n]),
-                kk.rotate(value[:n]),
-                direct.row_starts,
-                kv_cache,
-                direct.blocks,
-                pool_k=pools.k,
-                pool_v=pools.v,
-                head_slots=direct.head_slots,
-                head_lens=direct.head_lens,
+            with _prof_range("kvarn: direct flush"):
+                kk.flush_token_tiles(
+                    self.fmt,
+                    kk.rotate(key[:n]),
+                    kk.rotate(value[:n]),
+                    direct.row_starts,
+                    kv_cache,
+                    direct.blocks,
+                    pool_k=pools.k,
+                    pool_v=pools.v,
+                    head_slots=direct.head_slots,
+                    head_lens=direct.head_lens,
+                )
+        with _prof_range("kvarn: pool write"):
+            kk.write_side_pool(
+                key[:n],
+                value[:n],
+                pools.k,
+                pools.v,
+                slot_mapping,
+                meta.block_to_slot,
+                # Direct tiles' tokens have no slot by design: the debug check would flag them.
+                check=False if direct is not None else None,
             )
-        kk.write_side_pool(
-            key[:n],
-            value[:n],
-            pools.k,
-            pools.v,
-            slot_mapping,
-            meta.block_to_slot,
-            # Direct tiles' tokens have no slot by design: the debug check would flag them.
-            check=False if direct is not None else None,
-        )
 
     # ------------------------------------------------------------------ attention
     def forward(
@@ -558,28 +567,31 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
 
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
         if nd:
-            kk.decode_attention(
-                self.fmt,
-                q[:ndt],
-                kv_cache,
-                pools.k,
-                pools.v,
-                meta.block_table[:nd],
-                meta.seq_lens[:nd],
-                meta.block_to_slot,
-                self.scale,
-                out=out[:ndt],
-                workspace=meta.runtime.decode_workspace,
-                num_splits=meta.runtime.decode_splits(nd),
-            )
+            with _prof_range("kvarn: decode"):
+                kk.decode_attention(
+                    self.fmt,
+                    q[:ndt],
+                    kv_cache,
+                    pools.k,
+                    pools.v,
+                    meta.block_table[:nd],
+                    meta.seq_lens[:nd],
+                    meta.block_to_slot,
+                    self.scale,
+                    out=out[:ndt],
+                    workspace=meta.runtime.decode_workspace,
+                    num_splits=meta.runtime.decode_splits(nd),
+                )
         if meta.prefill_runs:
             k = key[:n].view(n, self.num_kv_heads, self.head_size)
             v = value[:n].view(n, self.num_kv_heads, self.head_size)
             for run in meta.prefill_runs:
                 t0, t1 = run.tok_start, run.tok_end
                 if run.kind == "first":
-                    self._first_chunk(q[t0:t1], k[t0:t1], v[t0:t1], out[t0:t1], run)
-                else:
+                    with _prof_range("kvarn: first chunk"):
+                        self._first_chunk(q[t0:t1], k[t0:t1], v[t0:t1], out[t0:t1], run)
+                    continue
+                with _prof_range("kvarn: context chunk"):
                     kk.prefill_attention(
                         self.fmt,
                         q[t0:t1],

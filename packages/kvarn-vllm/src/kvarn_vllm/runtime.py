@@ -431,8 +431,12 @@ def observe_scheduler_output(worker: Any, scheduler_output: Any) -> None:
             f"kvarn: {type(runner).__name__} has no kv_cache_config; kvarn-vllm supports "
             "vLLM 0.23's GPU (V1 and V2) and CPU model runners only"
         )
-    for runtime in runtimes:
-        runtime.observe(scheduler_output, kv_cache_config)
+    # A profiler range only with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1, else a nullcontext.
+    from vllm.v1.utils import record_function_or_nullcontext
+
+    with record_function_or_nullcontext("kvarn: observe"):
+        for runtime in runtimes:
+            runtime.observe(scheduler_output, kv_cache_config)
 
 
 def iter_layer_pools(runtime: KvarnGroupRuntime) -> Iterator[tuple[str, PoolPair]]:
