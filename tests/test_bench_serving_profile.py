@@ -8,8 +8,7 @@ import importlib.util
 import json
 import math
 import re
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -17,7 +16,6 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOLS = ROOT / "tools"
 
 # vLLM's profiler_out_0.txt of a kvarn run, in torch 2.11's key_averages().table() format
 # (sort_by="self_cuda_time_total", 55-character names): kernels, CPU ops, a CPU range of
@@ -65,20 +63,9 @@ SAMPLE_KERNELS = {
 }
 
 
-def _load(name: str) -> ModuleType:
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    return _load("bench_serving")
+def bench(load_tool: Callable[[str], ModuleType]) -> ModuleType:
+    return load_tool("bench_serving")
 
 
 # ----------------------------------------------------------------------------- tables from torch

@@ -2,36 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
-
-def _load(name: str) -> ModuleType:
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def e2e(load_tool: Callable[[str], ModuleType]) -> ModuleType:
+    return load_tool("gpu_e2e")
 
 
 @pytest.fixture(scope="module")
-def e2e() -> ModuleType:
-    return _load("gpu_e2e")
-
-
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    return _load("bench_serving")
+def bench(load_tool: Callable[[str], ModuleType]) -> ModuleType:
+    return load_tool("bench_serving")
 
 
 def test_agreement_counts_matches_and_common_prefixes(e2e: ModuleType) -> None:
