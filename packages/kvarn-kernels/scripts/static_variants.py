@@ -73,8 +73,10 @@ def _decode_v4(
     d: int = 128,
     qpk: int = 4,
     fast: bool = True,
+    words: bool = False,
 ) -> Any:
-    """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head."""
+    """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``words``: the
+    ``unpack="words"`` path of round 5)."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
@@ -94,6 +96,7 @@ def _decode_v4(
         SCAN=64,
         NUM_SPLITS=4,
         FAST_UNPACK=fast,
+        WORDS=words,
     )
     return compile_kernel(decode_v4_kernel, DECODE_SIG, consts, warps, stages, maxnreg)
 
@@ -244,4 +247,13 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
     ):
         variant(f"decode_v4 {_n} bn{_bn} w{_w} s{_st}{'' if _f else ' plain'}")(
             lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _f=_f: _decode_v4(_n, _bn, _w, _st, fast=_f)
+        )
+
+
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
+    for _bn, _w, _st, _f in ((64, 4, 2, True), (64, 4, 2, False)):
+        variant(f"decode_v4w {_n} bn{_bn} w{_w} s{_st}{'' if _f else ' plain'}")(
+            lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _f=_f: _decode_v4(
+                _n, _bn, _w, _st, fast=_f, words=True
+            )
         )

@@ -39,18 +39,24 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v4"]
-VARIANT_IDS = ["variant1", "variant4"]
+# "v4w" is v4 with ``unpack="words"`` (round 5: codes read as 32-bit words).
+VARIANTS = ["v1", "v4", "v4w"]
+VARIANT_IDS = ["variant1", "variant4", "variant4words"]
+
+
+def _vkw(variant: str) -> dict[str, str]:
+    """decode_attention keyword arguments of a test variant."""
+    return {"variant": "v4", "unpack": "words"} if variant == "v4w" else {"variant": variant}
 
 
 def _v4_refuses(name: str, variant: str, d: int, device: torch.device | None = None) -> bool:
     """v4 takes k4 formats only: for the others, check that it says so."""
     fmt = parse_cache_dtype(name)
-    if variant != "v4" or fmt.key_bits == 4:
+    if variant == "v1" or fmt.key_bits == 4:
         return False
     dev = device or torch.device("cpu")
     case = build_case(name, d, 1, [fmt.group + 1], device=dev, seed=0)
-    with pytest.raises(ValueError, match=f"variant='{variant}' takes 4-bit keys"):
+    with pytest.raises(ValueError, match="variant='v4' takes 4-bit keys"):
         decode_attention(
             name,
             torch.zeros(1, 1, d, dtype=torch.float16, device=dev),
@@ -61,7 +67,7 @@ def _v4_refuses(name: str, variant: str, d: int, device: torch.device | None = N
             case.seq_lens,
             case.block_to_slot,
             1.0,
-            variant=variant,
+            **_vkw(variant),  # type: ignore[arg-type]
         )
     return True
 
@@ -153,7 +159,7 @@ def test_decode_attention(
         num_splits=splits,
         # the two-split cases run v1's loop without register prefetch
         prefetch=variant != "v1" or splits != 2,
-        variant=variant,
+        **_vkw(variant),  # type: ignore[arg-type]
     )
     assert res is out
     ref = decode_attention_ref(
@@ -198,7 +204,7 @@ def test_decode_bf16_and_default_splits_against_fp16_attention(
         case.seq_lens,
         case.block_to_slot,
         scale,
-        variant=variant,
+        **_vkw(variant),  # type: ignore[arg-type]
     )
     assert out.dtype == torch.bfloat16
     ref = decode_attention_ref(
@@ -259,7 +265,7 @@ def test_decode_extreme_magnitudes(device: torch.device, scale_kind: str) -> Non
     )
     ref = decode_attention_ref(*args)
     for variant in VARIANTS:
-        _assert_close(decode_attention(*args, variant=variant), ref)
+        _assert_close(decode_attention(*args, **_vkw(variant)), ref)  # type: ignore[arg-type]
 
 
 # (format, head_dim, Hq, Hk, seq_lens, q_lens, num_splits)
@@ -498,6 +504,9 @@ def test_prefill_validation(device: torch.device, kw: dict[str, object], message
         ("variant", "variant must be"),
         ("v4_prefetch", "applies to variant='v1' only"),
         ("v1_stages", "applies to variant='v4' only"),
+        ("v1_unpack", "unpack applies to variant='v4' only"),
+        ("unpack", "unpack must be 'bytes' or 'words'"),
+        ("unaligned", "4-byte aligned"),
         ("v3_removed", "variant must be 'auto', 'v1' or 'v4'"),
     ],
 )
@@ -530,6 +539,13 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
         kw["variant"] = "v3"
     elif change == "v1_stages":
         kw.update(variant="v1", num_stages=4)
+    elif change == "v1_unpack":
+        kw.update(variant="v1", unpack="words")
+    elif change == "unpack":
+        kw["unpack"] = "nibbles"
+    elif change == "unaligned":
+        kw["unpack"] = "words"
+        kv = torch.zeros(2 * hk * tile + 2, dtype=torch.uint8, device=device)[2:].view(2, hk, tile)
     with pytest.raises(ValueError, match=message):
         decode_attention(
             name,
@@ -593,7 +609,7 @@ def test_decode_attention_gpu(
             num_splits=splits,
             fast_unpack=fast,
             prefetch=prefetch or variant != "v1",
-            variant=variant,
+            **_vkw(variant),  # type: ignore[arg-type]
         )
         ref = decode_attention_ref(
             name,
@@ -698,7 +714,7 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
             out=out,
             workspace=ws,
             num_splits=splits,
-            variant=variant,
+            **_vkw(variant),  # type: ignore[arg-type]
         )
 
     stream = torch.cuda.Stream()
@@ -738,6 +754,8 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
         ("kvarn_k5v5_g64", 128, {}, "v1"),  # v4 cannot read 5-bit codes
         ("kvarn_k4v2_g128", 128, {"prefetch": False}, "v1"),  # a v1-only option
         ("kvarn_k4v2_g64", 128, {"num_stages": 2}, "v4"),  # a v4-only option
+        ("kvarn_k4v2_g128", 256, {"unpack": "words"}, "v4"),  # another
+        ("kvarn_k5v5_g64", 128, {"unpack": "words"}, "v1"),  # v4 cannot; decode refuses
     ],
 )
 def test_auto_decode_variant(name: str, d: int, kw: dict[str, object], expected: str) -> None:
@@ -750,5 +768,6 @@ def test_auto_decode_variant(name: str, d: int, kw: dict[str, object], expected:
         geo,
         kw.get("num_stages"),  # type: ignore[arg-type]
         bool(kw.get("prefetch", True)),
+        kw.get("unpack"),  # type: ignore[arg-type]
     )
     assert got == expected

@@ -631,6 +631,7 @@ def _launch_v4(
     block_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
+    unpack: str = "bytes",
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
@@ -668,6 +669,7 @@ def _launch_v4(
         SCAN=cfg["scan"],
         NUM_SPLITS=num_splits,
         FAST_UNPACK=fast,
+        WORDS=unpack == "words",
         num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
     )
@@ -695,6 +697,7 @@ def _launch(
     block_m: int | None = None,
     variant: str = "v1",
     num_stages: int | None = None,
+    unpack: str = "bytes",
 ) -> None:
     t, hq, d = (int(s) for s in q.shape)
     hk = int(pool_k.shape[2])
@@ -729,6 +732,7 @@ def _launch(
             block_n,
             num_warps,
             num_stages,
+            unpack,
         )
     else:
         if decode:
@@ -868,21 +872,20 @@ def _v4_supports(geo: DenseGeometry) -> bool:
     return geo.key_bits == 4 and geo.value_bits in (2, 4)
 
 
-def default_decode_variant(geo: DenseGeometry, num_stages: int | None, prefetch: bool) -> str:
+def default_decode_variant(
+    geo: DenseGeometry, num_stages: int | None, prefetch: bool, unpack: str | None = None
+) -> str:
     """The decode kernel ``variant="auto"`` runs.
 
     v4 where the H200 measured it fastest: 4-bit keys with 2/4-bit values in 128-token tiles
     at head dims up to 128 (B = 64, 16K: k4v2_g128 903 µs vs v1 1,559; k4v4_g128 991 µs vs
     v1 1,599; docs/kernel-notes.md, round 4). v1 elsewhere (g64 tiles, 5-bit codes, head
     dims 256/512: correct in v4 but not yet timed), and whenever a v1-only option
-    (``prefetch=False``) is given; ``num_stages`` (v4's) selects v4.
+    (``prefetch=False``) is given; a v4-only option (``num_stages``, ``unpack``) selects v4.
     """
     v4_ok = _v4_supports(geo)
-    if (
-        v4_ok
-        and prefetch
-        and (num_stages is not None or (geo.group == 128 and geo.head_dim <= 128))
-    ):
+    v4_opt = num_stages is not None or unpack is not None
+    if v4_ok and prefetch and (v4_opt or (geo.group == 128 and geo.head_dim <= 128)):
         return "v4"
     return "v1"
 
@@ -907,6 +910,7 @@ def decode_attention(
     prefetch: bool = True,
     variant: str = "auto",
     num_stages: int | None = None,
+    unpack: str | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request over packed records and the side pool.
 
@@ -941,6 +945,13 @@ def decode_attention(
             with v4. See docs/kernel-notes.md.
         num_stages: v4 only: software-pipeline depth of the code-byte loads (default: the
             launch config's, 2).
+        unpack: v4 only: ``"bytes"`` (default; round 4's operand construction, measured) or
+            ``"words"`` (round 5, opt-in, not yet timed on a GPU): the codes are read as
+            32-bit words and unpacked two operand rows at a time straight into the fp16x2 MMA
+            registers (no per-byte shared-memory reads and byte packing), with tokens taken
+            in a per-chunk order that makes this possible. Same operands and numerics as
+            ``"bytes"``; 18% (k4v2) / 20% (k4v4) fewer instructions per token in the static
+            count (docs/kernel-notes.md, round 5).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -951,14 +962,23 @@ def decode_attention(
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
     if variant not in ("auto", "v1", "v4"):
         raise ValueError(f"variant must be 'auto', 'v1' or 'v4', got {variant!r}")
+    if unpack not in (None, "bytes", "words"):
+        raise ValueError(f"unpack must be 'bytes' or 'words', got {unpack!r}")
     if variant == "auto":
-        variant = default_decode_variant(geo, num_stages, prefetch)
+        variant = default_decode_variant(geo, num_stages, prefetch, unpack)
     if variant != "v1" and not prefetch:
         raise ValueError(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
     if variant == "v1" and num_stages is not None:
         raise ValueError("num_stages applies to variant='v4' only")
+    if variant == "v1" and unpack is not None:
+        raise ValueError("unpack applies to variant='v4' only")
+    if unpack == "words" and kv_cache.data_ptr() % 4:
+        raise ValueError(
+            "unpack='words' reads the records as 32-bit words: kv_cache must start at a "
+            "4-byte aligned address (use a fresh tensor, not an offset view)"
+        )
     if variant == "v4" and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
@@ -993,6 +1013,7 @@ def decode_attention(
         prefetch,
         variant=variant,
         num_stages=num_stages,
+        unpack=unpack or "bytes",
     )
     return out
 
