@@ -202,6 +202,7 @@ def _store(
         ITERS=8,
         PRECISE=True,
         V2=kernel == "v2",
+        V3=kernel == "v3",
         ROW_SCALE=1 if tokens else geo.group,
         HAS_HEAD=tokens,
         MASKED=tokens,
@@ -209,19 +210,21 @@ def _store(
     return compile_kernel(fn, sig, consts, warps, 3)
 
 
-for _k in ("v1", "v2"):
+for _k in ("v1", "v2", "v3"):
     for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v2_g64", 2), ("kvarn_k4v2_g128", 8)):
         variant(f"store_{_k} {_n} w{_w}")(lambda _n=_n, _w=_w, _k=_k: _store(_n, 128, _w, _k))
 for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 4), ("kvarn_k5v5_g64", 2)):
     variant(f"store_tokens {_n} w{_w}")(lambda _n=_n, _w=_w: _store(_n, 128, _w, "v1", True))
 
 
-def _decode_v4_default(name: str, d: int, qpk: int) -> Any:
+def _decode_v4_default(name: str, d: int, qpk: int, words: bool = False) -> Any:
     """v4 with ``decode_v4_config``'s shape, as ``decode_attention`` launches it."""
     from kvarn_kernels.decode_v4 import decode_v4_config
 
     cfg = decode_v4_config(d, parse_cache_dtype(name).group)
-    return _decode_v4(name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], None, d, qpk)
+    return _decode_v4(
+        name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], None, d, qpk, words=words
+    )
 
 
 # v4's default shape away from the timed case (D = 128, GQA 4, 128-token tiles): other head
@@ -233,9 +236,10 @@ for _n, _d, _qpk in (
     ("kvarn_k4v2_g128", 512, 8),
     ("kvarn_k4v2_g64", 128, 16),
 ):
-    variant(f"decode_v4 default {_n} d{_d} qpk{_qpk}")(
-        lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v4_default(_n, _d, _qpk)
-    )
+    for _w in (False, True):
+        variant(f"decode_v4{'w' if _w else ''} default {_n} d{_d} qpk{_qpk}")(
+            lambda _n=_n, _d=_d, _qpk=_qpk, _w=_w: _decode_v4_default(_n, _d, _qpk, _w)
+        )
 
 
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):

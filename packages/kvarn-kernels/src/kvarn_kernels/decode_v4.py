@@ -240,6 +240,22 @@ def _online(m, l_acc, s_e, s_o, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _online_rows(m, l_acc, s_e, s_o, qm):
+    """:func:`_online` over axis 2 for scores that still lack a positive per-row factor
+    ``qm`` [BLOCK_Q]: the maximum is tracked without it (it commutes with the maximum) and the
+    exponent applies it in one FMA, ``exp2(s * qm - m * qm)``."""
+    m_new = tl.maximum(m, tl.maximum(tl.max(s_e, axis=2), tl.max(s_o, axis=2)))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2((m - m_use) * qm[None, :])
+    mq = (m_use * qm[None, :])[:, :, None]
+    q3 = qm[None, :, None]
+    p_e = tl.exp2(s_e * q3 - mq)
+    p_o = tl.exp2(s_o * q3 - mq)
+    l_acc = l_acc * alpha + tl.sum(p_e, axis=2) + tl.sum(p_o, axis=2)
+    return m_new, alpha, l_acc, p_e.to(tl.float16), p_o.to(tl.float16)
+
+
+@triton.jit
 def decode_v4_kernel(
     Q,
     KV,
@@ -346,6 +362,8 @@ def decode_v4_kernel(
         pc = tl.arange(0, 4 * NWV)
         vcol = VG * (4 * (pc % NWV) + pc // NWV)  # channel of PV column pc, field 0
         qm2 = qmax * 2.0  # the halved K operand's factor 2, folded into the row scale
+        kw_off = dd[:, None] * (K_ROW // 4) + nk[None, :]  # [D, NWK] words of a K chunk
+        vw_off = tok_h[:, None] * (V_ROW // 4) + nvw[None, :]  # [H2, NWV] V words, half a
         for it in range(0, n_it):
             ci = ch_lo + it * W + ww
             valid = ci < ch_hi
@@ -355,15 +373,15 @@ def decode_v4_kernel(
             slot = tl.load(BLOCK_TO_SLOT + blk, mask=valid, other=0)
             packed = valid & (slot < 0)
             rec = KV + (blk * HK + h) * STRIDE
-            tok_a = c[:, None] * BN + tok_h[None, :]  # [W, H2]
-            tok_b = tok_a + 4
-            live_a = packed[:, None] & (bi[:, None] * G + tok_a < seq_len)
-            live_b = packed[:, None] & (bi[:, None] * G + tok_b < seq_len)
+            # tokens of half a (half b: + 4) relative to the request's first token
+            tok_a = (bi * G + c * BN)[:, None] + tok_h[None, :]  # [W, H2]
+            live_a = packed[:, None] & (tok_a < seq_len)
+            live_b = packed[:, None] & (tok_a + 4 < seq_len)
 
             # --- scores [W, BLOCK_Q, H2] of the two halves ---
-            kwp = (rec + OFF_KC).to(i32p)[:, None, None] + (
-                dd[None, :, None] * (K_ROW // 4) + c[:, None, None] * NWK + nk[None, None, :]
-            )
+            # per-warp base plus a constant offset tensor (immediate offsets in the copies)
+            kwb = (rec + OFF_KC).to(i32p) + c * NWK  # [W]
+            kwp = kwb[:, None, None] + kw_off[None, :, :]
             kw = tl.load(kwp)
             k0, k1, k2, k3 = _words4(kw, 0, FAST_UNPACK)
             k4, k5, k6, k7 = _words4(kw, 1, FAST_UNPACK)
@@ -373,29 +391,27 @@ def decode_v4_kernel(
             # by -inf below whatever its record bytes hold (a select, so NaN cannot leak).
             ks = (tl.load(ksp) * 0.5)[:, :, None]
             kz = (tl.load(kzp) * 0.5)[:, :, None]
-            ktp = (rec[:, None] + OFF_KT).to(f16)
-            kt_a = tl.load(ktp + tok_a).to(tl.float32)
-            kt_b = tl.load(ktp + tok_b).to(tl.float32)
+            ktp = ((rec + OFF_KT).to(f16) + c * BN)[:, None] + tok_h[None, :]
+            kt_a = tl.load(ktp).to(tl.float32)
+            kt_b = tl.load(ktp + 4).to(tl.float32)
             s_a = tl.dot(q3, _cat4(k0, k1, k2, k3) * ks + kz)
             s_b = tl.dot(q3, _cat4(k4, k5, k6, k7) * ks + kz)
-            s_a = s_a * kt_a[:, None, :] * qm2[None, :, None]
-            s_b = s_b * kt_b[:, None, :] * qm2[None, :, None]
-            s_a = tl.where(live_a[:, None, :], s_a, float("-inf"))
-            s_b = tl.where(live_b[:, None, :], s_b, float("-inf"))
-            m, alpha, l_acc, p_a16, p_b16 = _online(m, l_acc, s_a, s_b, 2)
+            # scores without the per-row factor qm2 (> 0): it is applied inside the exponent
+            s_a = tl.where(live_a[:, None, :], s_a * kt_a[:, None, :], float("-inf"))
+            s_b = tl.where(live_b[:, None, :], s_b * kt_b[:, None, :], float("-inf"))
+            m, alpha, l_acc, p_a16, p_b16 = _online_rows(m, l_acc, s_a, s_b, qm2)
 
             # --- P V [W, BLOCK_Q, DV] per V field, columns in word order ---
-            vwp = (rec + OFF_VC).to(i32p)[:, None, None] + (
-                tok_a[:, :, None] * (V_ROW // 4) + nvw[None, None, :]
-            )
-            vsp = (rec[:, None] + OFF_VS).to(f16)
-            vzp = (rec[:, None] + OFF_VZ).to(f16)
+            vwb = (rec + OFF_VC).to(i32p) + c * (BN * (V_ROW // 4))  # [W]
+            vwp = vwb[:, None, None] + vw_off[None, :, :]
+            vsp = ((rec + OFF_VS).to(f16) + c * BN)[:, None] + tok_h[None, :]
+            vzp = ((rec + OFF_VZ).to(f16) + c * BN)[:, None] + tok_h[None, :]
             # V must be finite where the probabilities are 0: masked loads (zero fill, no
             # selects) give dead tokens a 0 operand and pool blocks a 0 channel scale.
-            vs_a = tl.load(vsp + tok_a, mask=live_a, other=0.0)[:, :, None] * 0.5
-            vz_a = tl.load(vzp + tok_a, mask=live_a, other=0.0)[:, :, None] * 0.5
-            vs_b = tl.load(vsp + tok_b, mask=live_b, other=0.0)[:, :, None] * 0.5
-            vz_b = tl.load(vzp + tok_b, mask=live_b, other=0.0)[:, :, None] * 0.5
+            vs_a = tl.load(vsp, mask=live_a, other=0.0)[:, :, None] * 0.5
+            vz_a = tl.load(vzp, mask=live_a, other=0.0)[:, :, None] * 0.5
+            vs_b = tl.load(vsp + 4, mask=live_b, other=0.0)[:, :, None] * 0.5
+            vz_b = tl.load(vzp + 4, mask=live_b, other=0.0)[:, :, None] * 0.5
             vcp = (rec[:, None] + OFF_VCS).to(f16) + vcol[None, :]
             a3 = alpha[:, :, None]
             fa0, fa1, fa2, fa3 = _vfields(tl.load(vwp), VB, FAST_UNPACK)
@@ -417,6 +433,7 @@ def decode_v4_kernel(
                 pv = tl.dot(p_b16, fb3 * vs_b + vz_b, pv)
                 vcs = tl.load(vcp + 3, mask=packed[:, None], other=0.0).to(tl.float32)
                 acc3 = acc3 * a3 + pv * vcs[:, None, :]
+        m = m * qm2[None, :]  # the running maximum in the units of the other path
         # back to v4's column order (byte n of a V row): column b * NWV + m is byte 4m + b;
         # and the halved V operand's factor 2, once here instead of per chunk
         acc0 = _unword(acc0 * 2.0, NWV)
