@@ -1,14 +1,16 @@
 """One GPU run (< 120 s on an H200) that checks and times the kvarn-kernels paths in work.
 
-1. Correctness: the kernel package's GPU tests for the newest path at real sizes (round 4:
-   decode ``variant="v4"``; round 3 checked v3, since removed; rounds 1-2 checked v2, prefill
-   ``method="dequant"`` and store ``variant="v2"``), as pytest subprocesses that run (and
-   compile) while this process compiles the timed kernels.
+1. Correctness: the kernel package's GPU tests for the newest path at real sizes (round 5:
+   decode v4 with ``unpack="words"``, plus one group of round 4's v4 as a regression check;
+   round 3 checked v3, since removed; rounds 1-2 checked v2, prefill ``method="dequant"`` and
+   store ``variant="v2"``), as pytest subprocesses that run (and compile) while this process
+   compiles the timed kernels.
 2. Timings, with the GPU to itself, in one process (``--parts`` picks them): copy bandwidth
-   (the ceiling, same run); decode v1 and v4 at B = 64 and 256, 16K context, k4v2_g128 and
-   k4v4_g128 (plus v4 launch shapes at B = 64, k4v2_g128), and v1 vs v4 at B = 64, 16K for
-   k4v2_g64 and for k4v2_g128 at head dim 256, where ``variant="auto"`` still runs v1 (these
-   two decide whether it should take v4 there too); store v1 vs v2 (1024 tiles x 8 KV heads,
+   (the ceiling, same run); decode v1, v4 and v4 ``unpack="words"`` at B = 64 and 256, 16K
+   context, k4v2_g128 and k4v4_g128 (plus the plain-unpack and 3-stage shapes at B = 64,
+   k4v2_g128), and the same three at B = 64, 16K for k4v2_g64 and for k4v2_g128 at head dim
+   256, where ``variant="auto"`` still runs v1 (these decide whether it should take v4 there
+   too); store v1 vs v2 (1024 tiles x 8 KV heads,
    g128 and g64); prefill (2048-token chunk after 14,336 cached tokens) fused vs dequant
    (varlen FlashAttention and per-request SDPA) next to torch SDPA fp16 over the same context.
 3. A short table last; JSON with everything to ``$OUT/gpu_kernel_check.json`` when ``OUT``
@@ -37,15 +39,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402  (tools/ is not a package)
 
 TEST_BUDGET_S = 150.0
-_DEC = "gpu and decode and variant4 and "
+_DEC = "gpu and decode and variant4 and not variant4words and "
+_DECW = "gpu and decode and variant4words and "
 # pytest selections, one subprocess each: the host's cores compile them in parallel. A subset
 # of the parametrizations covers every new code path (all bit widths, G = 64 and 128, head
-# dims 128, 256 and 512, CUDA-graph replay); the full GPU suite runs without -k.
+# dims 128, 256 and 512, CUDA-graph replay); the full GPU suite runs without -k. Round 4's
+# v4 (unchanged code, all groups passed in round 4) keeps one group as a regression check.
 TEST_GROUPS = {
     "decode_v4_a": ["test_kernels_attention.py", "-k", _DEC + "(k4v2_g128-128 or cuda_graph)"],
-    "decode_v4_b": ["test_kernels_attention.py", "-k", _DEC + "(k4v4_g128 or k4v2_g64)"],
-    "decode_v4_c": ["test_kernels_attention.py", "-k", _DEC + "(k4v4_g64 or k5v5)"],
-    "decode_v4_d": ["test_kernels_attention.py", "-k", _DEC + "(512-8-1 or 64-8-8)"],
+    "decode_v4w_a": ["test_kernels_attention.py", "-k", _DECW + "(k4v2_g128-128 or cuda_graph)"],
+    "decode_v4w_b": ["test_kernels_attention.py", "-k", _DECW + "(k4v4_g128 or k4v2_g64)"],
+    "decode_v4w_c": ["test_kernels_attention.py", "-k", _DECW + "(k4v4_g64 or k5v5)"],
+    "decode_v4w_d": ["test_kernels_attention.py", "-k", _DECW + "(512-8-1 or 64-8-8)"],
+    "words_ptx": ["test_kernels_words_ptx.py"],
 }
 
 
@@ -131,11 +137,19 @@ def finish_tests(procs: dict[str, tuple[subprocess.Popen[str], float]]) -> dict[
     return res
 
 
+#: Extra v4 shapes timed at k4v2_g128, D = 128, B = 64 (round 4's BN 32 rows lost 2.8x and
+#: 4.4x and are gone): the PTX unpack's worth for both operand constructions, and one more
+#: pipeline stage for the words path (round 4: 3 stages lost 13% with bytes).
 DECODE_V4_SHAPES: list[dict[str, Any]] = [
-    {"block_n": 32},
-    {"block_n": 32, "num_warps": 8},
-    {"num_stages": 3},
     {"fast_unpack": False},
+    {"unpack": "words", "fast_unpack": False},
+    {"unpack": "words", "num_stages": 3},
+]
+#: The decode configurations timed at every case, v1 first.
+DECODE_CONFIGS: list[dict[str, Any]] = [
+    {"variant": "v1"},
+    {"variant": "v4"},
+    {"variant": "v4", "unpack": "words"},
 ]
 
 
@@ -158,7 +172,7 @@ def decode_runs(
             inp = bk.decode_inputs(
                 fmt, 2 if warm else bsz, 2048 if warm else DECODE_CTX, head_dim=d
             )
-            configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v4")]
+            configs: list[dict[str, Any]] = list(DECODE_CONFIGS)
             if (fmt, d, bsz) == ("kvarn_k4v2_g128", 128, 64):
                 configs += [{"variant": "v4", **c} for c in DECODE_V4_SHAPES]
             base = None

@@ -945,13 +945,15 @@ def decode_attention(
             with v4. See docs/kernel-notes.md.
         num_stages: v4 only: software-pipeline depth of the code-byte loads (default: the
             launch config's, 2).
-        unpack: v4 only: ``"bytes"`` (default; round 4's operand construction, measured) or
-            ``"words"`` (round 5, opt-in, not yet timed on a GPU): the codes are read as
-            32-bit words and unpacked two operand rows at a time straight into the fp16x2 MMA
-            registers (no per-byte shared-memory reads and byte packing), with tokens taken
-            in a per-chunk order that makes this possible. Same operands and numerics as
-            ``"bytes"``; 18% (k4v2) / 20% (k4v4) fewer instructions per token in the static
-            count (docs/kernel-notes.md, round 5).
+        unpack: v4 only: ``"bytes"`` (default; round 4's operand construction, the one
+            measured on the H200) or ``"words"`` (round 5, opt-in, not yet timed): the codes
+            are read as 32-bit words and unpacked two operand rows at a time straight into the
+            fp16x2 MMA registers (no per-byte shared-memory reads and byte packing), with the
+            tokens of a chunk taken in the order that makes this possible. The same fp16
+            operands as ``"bytes"`` (results differ by fp32 rounding order only); 26% (k4v2)
+            / 28% (k4v4) fewer SASS instructions per token in the static count at 128-token
+            tiles, head dim 128 (docs/kernel-notes.md, round 5). Needs a 4-byte aligned
+            ``kv_cache``.
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """

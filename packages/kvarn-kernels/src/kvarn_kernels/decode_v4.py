@@ -41,6 +41,27 @@ row-normalized query in fp16 (its row maximum multiplies the scores in fp32); pr
 in unscaled, as in FlashAttention.
 
 4-bit keys with 2- or 4-bit values only: 5-bit codes straddle bytes (v1 serves them).
+
+``WORDS`` (``decode_attention(..., unpack="words")``, round 5, opt-in until timed). Round 4's
+H200 run showed the time tracking instructions per token, ~60% of them ``PRMT``/``LOP3``: the
+operand layout pairs two rows of the MMA's reduction axis (K: channels ``d, d + 1``; V:
+tokens) in one fp16x2 register, while the record is contiguous along the other axis, so the
+bytes path reads every byte alone from shared memory (``LDS.U8``) and packs four of them per
+register before its unpack. The words path loads the code rows as 32-bit words instead. Word
+``n`` of a chunk row holds tokens ``8n .. 8n + 7`` (K) or the channels of bytes ``4n .. 4n +
+3`` (V); the operand layout gives each thread the words of two adjacent rows, and one PTX
+block turns that pair into the finished fp16x2 registers of 8 (K) or 16 (V) operand columns
+(see ``_PAIR_ASM``). The columns that come out of one word sit on registers and the words on
+the lanes, which is the MMA's own N layout when a chunk's tokens are taken in the order
+``8 * (r % (BN / 8)) + r // (BN / 8)`` (K columns, score columns, probability columns and V
+rows all follow it, so nothing moves between threads; token order within a chunk is free, as
+above), and a V output column ``b * NWV + m`` is byte ``4m + b`` of the row (reordered once
+at the end). The dequantization is v4's (same fp16 operands); the per-chunk K scale vectors
+are no longer masked (a pool chunk's scores are replaced by ``-inf`` anyway), the V vectors
+are masked in their loads instead of by selects, and the row factor of the scores is applied
+inside the exponent's FMA. Static count at k4v2_g128, D = 128 (docs/kernel-notes.md, round 5):
+1,987 SASS instructions per warp and 256-token step instead of 2,687 (31 instead of 42 per
+token), no spills inside the loop.
 """
 
 from __future__ import annotations
@@ -102,7 +123,7 @@ def _fields(b, VB: tl.constexpr, FAST: tl.constexpr):
 # axis (one PTX instance, ``pack=2``). ``_PAIR_ASM`` puts bytes 0-1 (``x``) and 2-3 (``y``)
 # of both words side by side, so each 16-bit half holds two bytes of one row, plus ``x >> 8``
 # and ``y >> 8``; a field is then masked in place and OR-ed into the mantissa of an fp16
-# constant whose unit in the last place equals the field's weight (``_FIELD_ASM``: bits 0-3
+# constant whose unit in the last place equals the field's weight (``_F_*``: bits 0-3
 # under 1024.0, ulp 1; bits 4-7 under 64.0, ulp 1/16; bits 2-3 under 256.0, ulp 1/4; bits 6-7
 # under 16.0, ulp 1/64), giving ``offset + code`` exactly in the fp16x2 register the MMA
 # reads: one ``lop3`` per two codes and two ``prmt`` + two ``shr`` per 16 (4-bit) or 32
