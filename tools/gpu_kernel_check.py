@@ -10,7 +10,7 @@
    context, k4v2_g128 and k4v4_g128 (plus the plain-unpack and 3-stage shapes at B = 64,
    k4v2_g128), and the same three at B = 64, 16K for k4v2_g64 and for k4v2_g128 at head dim
    256, where ``variant="auto"`` still runs v1 (these decide whether it should take v4 there
-   too); store v1 vs v2 (1024 tiles x 8 KV heads,
+   too); store v1 vs v2 vs v3 (1024 tiles x 8 KV heads,
    g128 and g64); prefill (2048-token chunk after 14,336 cached tokens) fused vs dequant
    (varlen FlashAttention and per-request SDPA) next to torch SDPA fp16 over the same context.
 3. A short table last; JSON with everything to ``$OUT/gpu_kernel_check.json`` when ``OUT``
@@ -52,6 +52,8 @@ TEST_GROUPS = {
     "decode_v4w_c": ["test_kernels_attention.py", "-k", _DECW + "(k4v4_g64 or k5v5)"],
     "decode_v4w_d": ["test_kernels_attention.py", "-k", _DECW + "(512-8-1 or 64-8-8)"],
     "words_ptx": ["test_kernels_words_ptx.py"],
+    # store v3 (round 3 of the store, untimed): 8 formats/head dims against the reference.
+    "store_v3": ["test_kernels_store.py", "-k", "gpu and variant3"],
 }
 
 
@@ -207,6 +209,8 @@ STORE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v2"},
     {"variant": "v2", "num_warps": 8},
+    {"variant": "v3"},
+    {"variant": "v3", "num_warps": 8},
 ]
 
 
