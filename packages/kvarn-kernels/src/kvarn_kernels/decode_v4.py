@@ -148,9 +148,10 @@ _F_2B3: tl.constexpr = tl.constexpr("lop3.b32 $0, $1, 0x00C000C0, 0x4C004C00, 0x
 
 @triton.jit
 def _pairs(w):
-    """``x, x >> 8, y, y >> 8`` of each row pair (GPU only; see ``_PAIR_ASM``), as fp16x2."""
+    """``x, x >> 8, y, y >> 8`` of each row pair (GPU only; see ``_PAIR_ASM``), as int16
+    pairs (raw bits: some are NaN patterns as fp16, so they are not typed as floats)."""
     return tl.inline_asm_elementwise(
-        _PAIR_ASM, "=r,=r,=r,=r,r,r", [w], dtype=(tl.float16,) * 4, is_pure=True, pack=2
+        _PAIR_ASM, "=r,=r,=r,=r,r,r", [w], dtype=(tl.int16,) * 4, is_pure=True, pack=2
     )
 
 
