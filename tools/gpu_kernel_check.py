@@ -234,6 +234,10 @@ def store_runs(
     return rows
 
 
+def _no_attn(q: Any, *_: Any) -> Any:
+    return q
+
+
 def prefill_runs(warm: bool) -> list[dict[str, Any]]:
     ctx, q_len = (14336, 2048) if not warm else (256, 64)
     rows = []
@@ -243,6 +247,12 @@ def prefill_runs(warm: bool) -> list[dict[str, Any]]:
         (
             "dequant per_request",
             lambda: bk.bench_prefill("kvarn_k4v2_g128", ctx, q_len, 1, sdpa_backend="per_request"),
+        ),
+        # The dequantization alone: a varlen "attention" that returns q unchanged, so the
+        # row is the workspace fill plus bookkeeping (what the dequant method adds to FA).
+        (
+            "dequant only",
+            lambda: bk.bench_prefill("kvarn_k4v2_g128", ctx, q_len, 1, varlen_attention=_no_attn),
         ),
         ("sdpa fp16 (noncausal)", lambda: bk.bench_sdpa_prefill(ctx, q_len, 1)),
     ):
