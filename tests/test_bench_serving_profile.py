@@ -1,5 +1,6 @@
-"""tools/bench_serving.py --profile, host side (no GPU): table parser, kernel categories,
-profile.md, the child's collection logic with fakes, and the CLI plumbing with a stub child."""
+"""tools/bench_serving.py --profile, host side (no GPU): the profiling code of
+tools/serving_profile.py (table parser, kernel categories, profile.md, the child's collection
+logic with fakes, the worker functions' pickling) and the CLI plumbing with a stub child."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import ast
 import importlib.util
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -64,8 +68,17 @@ SAMPLE_KERNELS = {
 
 
 @pytest.fixture(scope="module")
-def bench(load_tool: Callable[[str], ModuleType]) -> ModuleType:
-    return load_tool("bench_serving")
+def prof(load_tool: Callable[[str], ModuleType]) -> ModuleType:
+    """tools/serving_profile.py: the profiling code bench_serving.py imports."""
+    return load_tool("serving_profile")
+
+
+@pytest.fixture(scope="module")
+def bench(load_tool: Callable[[str], ModuleType], prof: ModuleType) -> ModuleType:
+    """tools/bench_serving.py, loaded after ``prof`` so that it imports that same module."""
+    module = load_tool("bench_serving")
+    assert module.collect_profile is prof.collect_profile
+    return module
 
 
 # ----------------------------------------------------------------------------- tables from torch
@@ -113,8 +126,8 @@ def torch_table(
 # ----------------------------------------------------------------------------- parser
 
 
-def test_parses_vllm_sample_columns_units_and_footer(bench: ModuleType) -> None:
-    tables = bench.parse_key_averages(SAMPLE_VLLM)
+def test_parses_vllm_sample_columns_units_and_footer(prof: ModuleType) -> None:
+    tables = prof.parse_key_averages(SAMPLE_VLLM)
     assert len(tables) == 1
     t = tables[0]
     assert t.headers[0] == "Name" and t.device == "CUDA"
@@ -135,9 +148,9 @@ def test_parses_vllm_sample_columns_units_and_footer(bench: ModuleType) -> None:
     assert t.device_total_us() == pytest.approx(12.943e6)
 
 
-def test_device_rows_leave_out_cpu_ops_and_step_spans(bench: ModuleType) -> None:
-    t = bench.parse_key_averages(SAMPLE_VLLM)[0]
-    kernels = bench.device_rows(t)
+def test_device_rows_leave_out_cpu_ops_and_step_spans(prof: ModuleType) -> None:
+    t = prof.parse_key_averages(SAMPLE_VLLM)[0]
+    kernels = prof.device_rows(t)
     assert {r.name for r in kernels} == SAMPLE_KERNELS
     # What is left is the footer's device total (annotations are not in it; the footer is
     # rounded to 1 ms here).
@@ -145,29 +158,29 @@ def test_device_rows_leave_out_cpu_ops_and_step_spans(bench: ModuleType) -> None
     assert sum(r.get("Self CUDA") for r in kernels) == pytest.approx(total, abs=500.0)
 
 
-def test_a_value_wider_than_its_column_does_not_shift_the_others(bench: ModuleType) -> None:
+def test_a_value_wider_than_its_column_does_not_shift_the_others(prof: ModuleType) -> None:
     line = next(ln for ln in SAMPLE_VLLM.splitlines() if ln.strip().startswith("decode_v4"))
     wide = line[: line.rstrip().rfind(" ")] + " 123456789012345  "
-    tables = bench.parse_key_averages(SAMPLE_VLLM.replace(line, wide))
+    tables = prof.parse_key_averages(SAMPLE_VLLM.replace(line, wide))
     row = next(r for r in tables[0].rows if r.name == "decode_v4_kernel")
     assert row.get("# of Calls") == 123456789012345
     assert row.get("Self CUDA") == pytest.approx(1.24e6)
 
 
-def test_parse_errors_say_where(bench: ModuleType) -> None:
+def test_parse_errors_say_where(prof: ModuleType) -> None:
     lines = SAMPLE_VLLM.splitlines()
     short = lines[4][:90]  # a row cut after its first values
-    with pytest.raises(bench.ProfileTableError, match=r"line 5: \d+ values for 10"):
-        bench.parse_key_averages("\n".join([*lines[:4], short, *lines[5:]]))
+    with pytest.raises(prof.ProfileTableError, match=r"line 5: \d+ values for 10"):
+        prof.parse_key_averages("\n".join([*lines[:4], short, *lines[5:]]))
     bad = lines[3].replace("7.200s", "7.200xs", 1)
-    with pytest.raises(bench.ProfileTableError, match=r"7\.200xs"):
-        bench.parse_key_averages("\n".join([*lines[:3], bad, *lines[4:]]))
-    assert bench.parse_key_averages("no table here\n---\n") == []
-    assert math.isnan(bench.parse_cell("NaN"))
-    assert bench.parse_cell("1.5ns") == pytest.approx(0.0015)
+    with pytest.raises(prof.ProfileTableError, match=r"7\.200xs"):
+        prof.parse_key_averages("\n".join([*lines[:3], bad, *lines[4:]]))
+    assert prof.parse_key_averages("no table here\n---\n") == []
+    assert math.isnan(prof.parse_cell("NaN"))
+    assert prof.parse_cell("1.5ns") == pytest.approx(0.0015)
 
 
-def test_parser_reads_the_installed_torch_tables(bench: ModuleType) -> None:
+def test_parser_reads_the_installed_torch_tables(prof: ModuleType) -> None:
     """Tables made by this torch's formatter: long names, NaN shares, Input Shapes."""
     long_name = "void cutlass::device_kernel<flash::enable_sm90_or_later<" + "x" * 150 + ">"
     spec = [
@@ -176,8 +189,8 @@ def test_parser_reads_the_installed_torch_tables(bench: ModuleType) -> None:
         ("_flush_kernel", 0, 42.25, 4, "kernel"),
         ("execute_context_0(0)_generation_8(8)", 0, 9_000, 1, "span"),
     ]
-    t = bench.parse_key_averages(torch_table(spec, name_width=140))[0]
-    got = {r.name: r for r in bench.device_rows(t)}
+    t = prof.parse_key_averages(torch_table(spec, name_width=140))[0]
+    got = {r.name: r for r in prof.device_rows(t)}
     assert set(got) == {spec[0][0], long_name[:137] + "...", "_flush_kernel"}
     assert got["_flush_kernel"].get("Self CUDA") == pytest.approx(4 * 42.25)
     assert got["_flush_kernel"].get("# of Calls") == 4
@@ -185,7 +198,7 @@ def test_parser_reads_the_installed_torch_tables(bench: ModuleType) -> None:
     # The footer has 4 significant digits (5.003s).
     assert t.device_total_us() == pytest.approx(5_000_000 + 3 * 900.5 + 4 * 42.25, abs=500.0)
     cpu = [("aten::mm", 35.0, 0, 2, "cpu"), ("_flush_kernel", 0, 10.0, 1, "kernel")]
-    t2 = bench.parse_key_averages(torch_table(cpu, shapes=True))[0]
+    t2 = prof.parse_key_averages(torch_table(cpu, shapes=True))[0]
     assert "Input Shapes" in t2.headers
     mm = next(r for r in t2.rows if r.name == "aten::mm")
     assert mm.get("CPU total") == pytest.approx(70.0) and mm.get("# of Calls") == 2
@@ -194,8 +207,8 @@ def test_parser_reads_the_installed_torch_tables(bench: ModuleType) -> None:
 # ----------------------------------------------------------------------------- categories
 
 
-def test_kernel_categories(bench: ModuleType) -> None:
-    cat = bench.kernel_category
+def test_kernel_categories(prof: ModuleType) -> None:
+    cat = prof.kernel_category
     assert cat("decode_v4_kernel") == "kvarn decode attention"
     assert cat("_attn_kernel") == cat("_merge_unrotate_kernel") == "kvarn decode attention"
     assert cat("_dequant_context_kernel") == "kvarn prefill dequant"
@@ -212,10 +225,10 @@ def test_kernel_categories(bench: ModuleType) -> None:
     assert cat("triton_poi_fused_mul_silu_slice_1").startswith("torch.compile")
     assert cat("Memset (Device)") == "memcpy / memset"
     assert cat("void at::native::vectorized_elementwise_kernel<4, FillFunctor>") == "other"
-    assert set(bench.CATEGORY_ORDER) >= {cat(n) for n in SAMPLE_KERNELS}
+    assert set(prof.CATEGORY_ORDER) >= {cat(n) for n in SAMPLE_KERNELS}
 
 
-def test_every_kvarn_triton_kernel_has_a_kvarn_category(bench: ModuleType) -> None:
+def test_every_kvarn_triton_kernel_has_a_kvarn_category(prof: ModuleType) -> None:
     """A kvarn-kernels kernel renamed or added must not fall into 'other' unnoticed."""
     src = "\n".join(
         p.read_text() for p in (ROOT / "packages/kvarn-kernels/src/kvarn_kernels").glob("*.py")
@@ -225,13 +238,13 @@ def test_every_kvarn_triton_kernel_has_a_kvarn_category(bench: ModuleType) -> No
     kernels = launched & jitted
     assert {"decode_v4_kernel", "_flush_kernel", "_rotate_rows_kernel"} <= kernels
     for name in kernels:
-        assert bench.kernel_category(name).startswith("kvarn"), name
+        assert prof.kernel_category(name).startswith("kvarn"), name
 
 
 # ----------------------------------------------------------------------------- files and md
 
 
-def _profile_text(bench: ModuleType, flavour: str) -> str:
+def _profile_text(prof: ModuleType, flavour: str) -> str:
     """A child's profile file: totals, worker kernels table, host ranges, vLLM's table."""
     if flavour == "auto":
         kernels = [
@@ -273,7 +286,7 @@ def _profile_text(bench: ModuleType, flavour: str) -> str:
         },
     }
     return str(
-        bench.profile_sections(
+        prof.profile_sections(
             [
                 ("totals", json.dumps(totals)),
                 ("kernels", torch_table(kernels, name_width=140)),
@@ -285,53 +298,53 @@ def _profile_text(bench: ModuleType, flavour: str) -> str:
     )
 
 
-def test_sections_round_trip_and_fallbacks(bench: ModuleType, tmp_path: Path) -> None:
-    text = bench.profile_sections([("totals", "{}"), ("kernels", "a\nb")])
-    assert bench.split_sections(text) == {"totals": "{}", "kernels": "a\nb"}
-    assert bench.split_sections(SAMPLE_VLLM) == {"vllm profiler_out_0": SAMPLE_VLLM}
+def test_sections_round_trip_and_fallbacks(prof: ModuleType, tmp_path: Path) -> None:
+    text = prof.profile_sections([("totals", "{}"), ("kernels", "a\nb")])
+    assert prof.split_sections(text) == {"totals": "{}", "kernels": "a\nb"}
+    assert prof.split_sections(SAMPLE_VLLM) == {"vllm profiler_out_0": SAMPLE_VLLM}
     raw = tmp_path / "profiler_out_0.txt"  # a bare vLLM table reads too, with a note
     raw.write_text(SAMPLE_VLLM)
-    p = bench.load_profile(raw, "kvarn_k4v2_g128")
+    p = prof.load_profile(raw, "kvarn_k4v2_g128")
     assert p.source.startswith("vLLM profiler_out_0.txt")
     assert {k[0] for k in p.kernels} == SAMPLE_KERNELS
     assert p.kernels[0][0].startswith("nvjet")  # sorted by time
     assert [r[0] for r in p.ranges] == ["gpu_model_runner: preprocess", "kvarn: build"]
     assert p.notes and "55 characters" in p.notes[0]
-    with pytest.raises(bench.ProfileTableError, match=r"profile_auto\.txt.*log_auto\.txt"):
-        bench.load_profile(tmp_path / "profile_auto.txt", "auto")
+    with pytest.raises(prof.ProfileTableError, match=r"profile_auto\.txt.*log_auto\.txt"):
+        prof.load_profile(tmp_path / "profile_auto.txt", "auto")
     empty = tmp_path / "empty.txt"
-    empty.write_text(bench.profile_sections([("totals", "{}")]))
-    with pytest.raises(bench.ProfileTableError, match="no key_averages table"):
-        bench.load_profile(empty, "auto")
+    empty.write_text(prof.profile_sections([("totals", "{}")]))
+    with pytest.raises(prof.ProfileTableError, match="no key_averages table"):
+        prof.load_profile(empty, "auto")
 
 
-def test_a_cpu_only_profile_keeps_the_host_side(bench: ModuleType, tmp_path: Path) -> None:
+def test_a_cpu_only_profile_keeps_the_host_side(prof: ModuleType, tmp_path: Path) -> None:
     """vLLM's CPU worker profiles CPU activity only: no device columns, host ranges kept."""
     host = [("kvarn: build", 50.0, 0, 2, "cpu"), ("gpu_model_runner: forward", 900.0, 0, 2, "cpu")]
     path = tmp_path / "profile_auto.txt"
     path.write_text(
-        bench.profile_sections([("vllm profiler_out_0", torch_table(host, device=None))])
+        prof.profile_sections([("vllm profiler_out_0", torch_table(host, device=None))])
     )
-    p = bench.load_profile(path, "auto", elapsed_s=1.0)
+    p = prof.load_profile(path, "auto", elapsed_s=1.0)
     assert p.kernels == [] and p.device_total_us == 0
     assert "no device (CUDA) columns" in p.notes[-1]
     assert [r[0] for r in p.ranges] == ["gpu_model_runner: forward", "kvarn: build"]
     rows = [{"label": "auto", "status": "ok", "profiled": True, "profile_file": path.name}]
-    errors = bench.write_profile_summary(tmp_path, rows, {}, "auto")
+    errors = prof.write_profile_summary(tmp_path, rows, {}, "auto")
     assert errors == ["auto: no device kernel time in profile_auto.txt (CUDA not recorded?)"]
     md = (tmp_path / "profile.md").read_text()
     assert "| `kvarn: build` | 0.1 | 2 | 0.0 |" in md and "CUDA not recorded" in md
 
 
-def test_profile_md_side_by_side(bench: ModuleType, tmp_path: Path) -> None:
-    (tmp_path / "a.txt").write_text(_profile_text(bench, "auto"))
-    (tmp_path / "k.txt").write_text(_profile_text(bench, "kvarn"))
-    auto = bench.load_profile(tmp_path / "a.txt", "auto", elapsed_s=120.0)
-    kv = bench.load_profile(tmp_path / "k.txt", "kvarn_k4v2_g128", elapsed_s=130.0)
+def test_profile_md_side_by_side(prof: ModuleType, tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text(_profile_text(prof, "auto"))
+    (tmp_path / "k.txt").write_text(_profile_text(prof, "kvarn"))
+    auto = prof.load_profile(tmp_path / "a.txt", "auto", elapsed_s=120.0)
+    kv = prof.load_profile(tmp_path / "k.txt", "kvarn_k4v2_g128", elapsed_s=130.0)
     assert auto.source.startswith("worker key_averages")  # the kernels section wins
     assert kv.categories()["kvarn flush (quantize + store)"] == pytest.approx(3e6)
     meta = {"gpu": "NVIDIA H200", "num_prompts": 96, "prompt_len": 6144, "output_len": 512}
-    md = bench.render_profile_md([auto, kv], meta, "auto")
+    md = prof.render_profile_md([auto, kv], meta, "auto")
     assert "| category | auto ms | share | kvarn_k4v2_g128 ms | share |" in md
     assert "kvarn_k4v2_g128 - auto ms" in md
     # GEMM 80 s in both (same time, shares of different totals), FlashAttention 16 -> 14 s.
@@ -348,7 +361,7 @@ def test_profile_md_side_by_side(bench: ModuleType, tmp_path: Path) -> None:
 
 
 def test_profiler_config_matches_vllm_profiler_config_fields(
-    bench: ModuleType, tmp_path: Path
+    prof: ModuleType, tmp_path: Path
 ) -> None:
     """The keys exist on vLLM 0.23's ProfilerConfig (read from its source, not imported:
     importing vllm here would fix its platform for the rest of the session)."""
@@ -362,7 +375,7 @@ def test_profiler_config_matches_vllm_profiler_config_fields(
         for n in cls.body
         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
     }
-    cfg = bench.profiler_config(tmp_path)
+    cfg = prof.profiler_config(tmp_path)
     assert set(cfg) <= fields
     assert cfg["profiler"] == "torch" and cfg["torch_profiler_dir"] == str(tmp_path)
     assert not cfg["torch_profiler_with_stack"] and not cfg["torch_profiler_record_shapes"]
@@ -389,21 +402,21 @@ def _cpu_profile() -> Any:
 
 
 @pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
-def test_worker_functions_on_a_real_cpu_profile(bench: ModuleType) -> None:
-    prof = _cpu_profile()
-    worker = SimpleNamespace(profiler=SimpleNamespace(profiler=prof))
-    got = bench._worker_profile_tables(worker)
+def test_worker_functions_on_a_real_cpu_profile(prof: ModuleType) -> None:
+    torch_prof = _cpu_profile()
+    worker = SimpleNamespace(profiler=SimpleNamespace(profiler=torch_prof))
+    got = prof._worker_profile_tables(worker)
     steps = got["totals"]["steps"]
     assert steps["with prefill"]["steps"] == 2 and steps["with prefill"]["prompt_tokens"] == 32
     assert steps["decode only"]["steps"] == 1 and steps["decode only"]["decode_rows"] == 4
     assert got["kernels"] == ""  # no device events on a CPU profile
-    ranges = bench.parse_key_averages(got["host ranges"])[0]
+    ranges = prof.parse_key_averages(got["host ranges"])[0]
     assert [(r.name, r.get("# of Calls")) for r in ranges.rows] == [("kvarn: build", 2)]
-    assert bench.parse_key_averages(got["host self cpu"])[0].rows
-    assert "error" in bench._worker_profile_tables(SimpleNamespace())
-    prof.on_trace_ready = print
-    assert bench._worker_skip_trace_export(worker) is True and prof.on_trace_ready is None
-    assert bench._worker_skip_trace_export(SimpleNamespace(profiler=None)) is False
+    assert prof.parse_key_averages(got["host self cpu"])[0].rows
+    assert "error" in prof._worker_profile_tables(SimpleNamespace())
+    torch_prof.on_trace_ready = print
+    assert prof._worker_skip_trace_export(worker) is True and torch_prof.on_trace_ready is None
+    assert prof._worker_skip_trace_export(SimpleNamespace(profiler=None)) is False
 
 
 class FakeLLM:
@@ -430,16 +443,56 @@ class FakeLLM:
             (self.prof_dir / "profiler_out_0.txt").write_text(self.vllm_text)
 
 
+def test_worker_functions_travel_by_value(prof: ModuleType, tmp_path: Path) -> None:
+    """vLLM's IPC cloudpickles the two rpc functions; the engine core and the worker must
+    load them without importing serving_profile (tools/ is not a package). A fresh Python
+    that cannot import it loads them only once collect_profile's registration is done."""
+    import cloudpickle
+
+    loader = (
+        "import pickle, sys, types\n"
+        "skip, tables = pickle.loads(sys.stdin.buffer.read())\n"
+        "print(skip(types.SimpleNamespace(profiler=None)), tables(types.SimpleNamespace()))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    fns = (prof._worker_skip_trace_export, prof._worker_profile_tables)
+
+    def load_elsewhere() -> tuple[int, str, str]:
+        proc = subprocess.run(
+            [sys.executable, "-I", "-c", loader],
+            input=cloudpickle.dumps(fns),
+            capture_output=True,
+            cwd=tmp_path,
+            env=env,
+            timeout=120,
+        )
+        return proc.returncode, proc.stdout.decode(), proc.stderr.decode(errors="replace")
+
+    registered = prof.__name__ in cloudpickle.list_registry_pickle_by_value()
+    if registered:
+        cloudpickle.unregister_pickle_by_value(prof)
+    try:
+        rc, _, err = load_elsewhere()  # by reference: the failure the registration prevents
+        assert rc != 0 and "No module named 'serving_profile'" in err
+        prof.pickle_worker_functions_by_value()
+        rc, out, err = load_elsewhere()
+        assert rc == 0, err[-2000:]
+        assert out.startswith("False {'error': 'the worker has no torch profiler")
+    finally:
+        if not registered and prof.__name__ in cloudpickle.list_registry_pickle_by_value():
+            cloudpickle.unregister_pickle_by_value(prof)
+
+
 @pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
-def test_collect_profile_writes_one_file(bench: ModuleType, tmp_path: Path) -> None:
+def test_collect_profile_writes_one_file(prof: ModuleType, tmp_path: Path) -> None:
     worker = SimpleNamespace(profiler=SimpleNamespace(profiler=_cpu_profile()))
     llm = FakeLLM(tmp_path, worker, SAMPLE_VLLM, rpc_ok=True)
     dest = tmp_path / "profile_auto.txt"
-    info = bench.collect_profile(llm, tmp_path, dest, keep_trace=False)
+    info = prof.collect_profile(llm, tmp_path, dest, keep_trace=False)
     assert llm.calls == ["_worker_skip_trace_export", "stop_profile", "_worker_profile_tables"]
     assert info["profiled"] and info["profile_file"] == "profile_auto.txt"
     assert info["profile_trace"] == "skipped"
-    sections = bench.split_sections(dest.read_text())
+    sections = prof.split_sections(dest.read_text())
     assert list(sections) == [
         "totals",
         "kernels",
@@ -449,15 +502,15 @@ def test_collect_profile_writes_one_file(bench: ModuleType, tmp_path: Path) -> N
     ]
     assert json.loads(sections["totals"])["steps"]["with prefill"]["steps"] == 2
     # The RPC failing leaves vLLM's table (and says why); nothing at all is an error.
-    info = bench.collect_profile(
+    info = prof.collect_profile(
         FakeLLM(tmp_path, worker, SAMPLE_VLLM, rpc_ok=False), tmp_path, dest, keep_trace=False
     )
     assert "not serializable" in info["profile_rpc_error"]
     assert info["profile_trace"].startswith("kept")
-    assert list(bench.split_sections(dest.read_text())) == ["vllm profiler_out_0"]
+    assert list(prof.split_sections(dest.read_text())) == ["vllm profiler_out_0"]
     (tmp_path / "profiler_out_0.txt").unlink()
-    with pytest.raises(bench.ProfileTableError, match="no profiler table"):
-        bench.collect_profile(
+    with pytest.raises(prof.ProfileTableError, match="no profiler table"):
+        prof.collect_profile(
             FakeLLM(tmp_path, worker, None, rpc_ok=False), tmp_path, dest, keep_trace=True
         )
 
@@ -465,9 +518,7 @@ def test_collect_profile_writes_one_file(bench: ModuleType, tmp_path: Path) -> N
 # ----------------------------------------------------------------------------- CLI plumbing
 
 
-def _stub_child(
-    bench: ModuleType, seen: list[tuple[list[str], dict[str, str]]], write: bool
-) -> Any:
+def _stub_child(prof: ModuleType, seen: list[tuple[list[str], dict[str, str]]], write: bool) -> Any:
     def run_child(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> Any:
         seen.append((cmd, env))
         dtype = cmd[cmd.index("--child-dtype") + 1]
@@ -483,7 +534,7 @@ def _stub_child(
             out = Path(cmd[cmd.index("--child-profile-out") + 1])
             row.update(profiled=True, profile_file=out.name)
             if write:
-                out.write_text(_profile_text(bench, "auto" if dtype == "auto" else "kvarn"))
+                out.write_text(_profile_text(prof, "auto" if dtype == "auto" else "kvarn"))
         Path(cmd[cmd.index("--child-out") + 1]).write_text(json.dumps(row))
         log.write_text("kvarn-bench child done\n")
         return 0, "kvarn-bench child done\n"
@@ -492,10 +543,10 @@ def _stub_child(
 
 
 def test_cli_profile_plumbing(
-    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    bench: ModuleType, prof: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[tuple[list[str], dict[str, str]]] = []
-    monkeypatch.setattr(bench.common, "run_child", _stub_child(bench, seen, write=True))
+    monkeypatch.setattr(bench.common, "run_child", _stub_child(prof, seen, write=True))
     monkeypatch.setattr(bench, "DOCS", tmp_path / "benchmarks.md")
     out = tmp_path / "prof"
     argv = ["--dtypes", "auto,kvarn_k4v2_g128", "--profile", "--num-prompts", "8"]
@@ -540,10 +591,10 @@ def test_cli_profile_plumbing(
 
 
 def test_cli_profile_missing_table_fails_clearly(
-    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    bench: ModuleType, prof: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[tuple[list[str], dict[str, str]]] = []
-    monkeypatch.setattr(bench.common, "run_child", _stub_child(bench, seen, write=False))
+    monkeypatch.setattr(bench.common, "run_child", _stub_child(prof, seen, write=False))
     out = tmp_path / "prof"
     assert bench.main(["--dtypes", "auto", "--profile", "--out", str(out)]) == 1
     md = (out / "profile.md").read_text()
@@ -551,10 +602,10 @@ def test_cli_profile_missing_table_fails_clearly(
 
 
 def test_cli_without_profile_keeps_the_plain_child(
-    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    bench: ModuleType, prof: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[tuple[list[str], dict[str, str]]] = []
-    monkeypatch.setattr(bench.common, "run_child", _stub_child(bench, seen, write=False))
+    monkeypatch.setattr(bench.common, "run_child", _stub_child(prof, seen, write=False))
     monkeypatch.delenv("VLLM_CUSTOM_SCOPES_FOR_PROFILING", raising=False)
     out = tmp_path / "plain"
     assert bench.main(["--dtypes", "auto", "--out", str(out)]) == 0
