@@ -255,7 +255,9 @@ def child_main(args: argparse.Namespace) -> int:
 
     def gen(batch: list[list[int]]) -> tuple[list[list[int]], int, float]:
         t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+        # Token-id prompts (vLLM's TokensPrompt dicts; typed loosely for its overloads).
+        prompts: list[Any] = [{"prompt_token_ids": p} for p in batch]
+        outs = llm.generate(prompts, sp, use_tqdm=False)
         elapsed = time.perf_counter() - t
         tokens, bad = [], 0
         for o in outs:
