@@ -100,8 +100,10 @@ def analyse(kernel: Any, sass_out: Path | None = None, tag: str = "") -> dict[st
                 best = (j, i)
     body = [t for _, t in ins[best[0] : best[1] + 1]]
 
-    def count(pat: str) -> int:
-        return sum(1 for t in body if re.search(pat, t))
+    def count(pat: str, texts: list[str] = body) -> int:
+        return sum(1 for t in texts if re.search(pat, t))
+
+    every = [t for _, t in ins]
 
     return {
         "regs": regs,
@@ -115,6 +117,15 @@ def analyse(kernel: Any, sass_out: Path | None = None, tag: str = "") -> dict[st
         "loop_mma": count(r"\b(HMMA|HGMMA|WGMMA)\b"),
         "loop_ldg": count(r"\b(LDG|LDGSTS)\b"),
         "loop_mufu": count(r"\bMUFU\b"),
+        # whole kernel (for kernels without a loop, e.g. fully unrolled ones)
+        "all_bar": count(r"\bBAR\b", every),
+        "all_smem": count(r"\b(LDS|STS|LDSM|STSM)(\.|\b)", every),
+        "all_stg128": count(r"\bSTG\.E\.128\b", every),
+        "all_stg_narrow": count(r"\bSTG\.E(\.U16|\.64|\.U8)?\s", every),
+        "all_ldg": count(r"\bLDG\b", every),
+        "all_fp32": count(r"^(@!?P\d )?(FMUL|FFMA|FADD|FMNMX)\b", every),
+        "all_cvt": count(r"^(@!?P\d )?(HADD2\.F32|F2FP|I2F|F2F)\b", every),
+        "all_alu": count(r"^(@!?P\d )?(LOP3|PRMT|SHF|IADD3|IMAD|LEA|ISETP|SEL)\b", every),
     }
 
 
@@ -147,7 +158,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", help="substring of the variant names to run")
     ap.add_argument("--sass", type=Path, help="write each variant's SASS here")
+    ap.add_argument(
+        "--whole",
+        action="store_true",
+        help="count over the whole kernel instead of its hottest loop (unrolled kernels)",
+    )
     args = ap.parse_args()
+    if args.whole:
+        _whole_table(args)
+        return
     print(
         f"{'variant':44s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'loop':>5s} {'BAR':>4s} "
         f"{'LDS/STS':>7s} {'SHFL':>4s} {'MMA':>4s} {'LDG':>4s}"
@@ -164,6 +183,32 @@ def main() -> None:
             f"{name:44s} {r['regs']:4d} {r['spill_bytes']:5d} {r['smem']:6d} {r['loop_sass']:5d} "
             f"{r['loop_bar']:4d} {r['loop_lds_sts']:7d} {r['loop_shfl']:4d} {r['loop_mma']:4d} "
             f"{r['loop_ldg']:4d}",
+            flush=True,
+        )
+
+
+def _whole_table(args: argparse.Namespace) -> None:
+    """Whole-kernel counts: SASS, barriers, shared-memory ops, wide vs narrow stores."""
+    import static_variants
+
+    print(
+        f"{'variant':48s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'SASS':>5s} {'BAR':>4s} "
+        f"{'LDS/STS':>7s} {'STG128':>6s} {'STGnar':>6s} {'LDG':>4s} {'FP32':>5s} {'CVT':>4s} "
+        f"{'INT':>5s}"
+    )
+    for name, fn in static_variants.VARIANTS.items():
+        if args.only and args.only not in name:
+            continue
+        try:
+            r = analyse(fn(), args.sass, name)
+        except Exception as exc:  # report and go on
+            print(f"{name:48s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        print(
+            f"{name:48s} {r['regs']:4d} {r['spill_bytes']:5d} {r['smem']:6d} "
+            f"{r['total_sass']:5d} {r['all_bar']:4d} {r['all_smem']:7d} {r['all_stg128']:6d} "
+            f"{r['all_stg_narrow']:6d} {r['all_ldg']:4d} {r['all_fp32']:5d} {r['all_cvt']:4d} "
+            f"{r['all_alu']:5d}",
             flush=True,
         )
 

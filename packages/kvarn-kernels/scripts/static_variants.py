@@ -261,3 +261,45 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
                 _n, _bn, _w, _st, fast=_f, words=True
             )
         )
+
+
+def _dequant_context_v2(name: str, d: int = 128, bt: int = 32, warps: int = 4) -> Any:
+    """``dequant_variant="v2"``: K unpacked token-major (no transpose of the fp16 results)."""
+    from kvarn_kernels.context import _dequant_context_kernel_v2
+
+    geo = _geo(name, d)
+    sig = {
+        "KV": "*u8",
+        "POOL_K": "*fp16",
+        "POOL_V": "*fp16",
+        "BLOCK_TABLE": "*i32",
+        "BLOCK_TO_SLOT": "*i32",
+        "PLAN": "*i32",
+        "OUT_K": "*fp16",
+        "OUT_V": "*fp16",
+    }
+    consts = dict(
+        HK=8,
+        D=d,
+        G=geo.group,
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **geo.offsets(),
+        BT=min(bt, geo.group),
+        FAST_UNPACK=True,
+    )
+    return compile_kernel(_dequant_context_kernel_v2, sig, consts, warps, 3)
+
+
+for _n, _d, _bt, _w in (
+    ("kvarn_k4v2_g128", 128, 32, 4),
+    ("kvarn_k4v2_g128", 128, 64, 4),
+    ("kvarn_k4v2_g128", 128, 64, 8),
+    ("kvarn_k5v5_g64", 128, 32, 4),
+    ("kvarn_k4v4_g64", 256, 16, 4),
+    ("kvarn_k4v2_g128", 64, 32, 4),
+):
+    variant(f"dequant_context_v2 {_n} d{_d} bt{_bt} w{_w}")(
+        lambda _n=_n, _d=_d, _bt=_bt, _w=_w: _dequant_context_v2(_n, _d, _bt, _w)
+    )

@@ -1046,6 +1046,7 @@ def prefill_attention(
     query_start_loc_cpu: Sequence[int] | None = None,
     max_workspace_bytes: int | None = None,
     varlen_attention: VarlenAttention | None = None,
+    dequant_variant: str = "v1",
 ) -> torch.Tensor:
     """Causal attention of several query tokens per request over cached context.
 
@@ -1091,6 +1092,8 @@ def prefill_attention(
             the dequantized workspace instead of torch's (see
             :data:`kvarn_kernels.context.VarlenAttention`; e.g. vLLM's FlashAttention-3, which
             the plugin passes). Overrides ``sdpa_backend``.
+        dequant_variant: ``"dequant"`` only: the dequantization kernel, ``"v1"`` (default)
+            or ``"v2"`` (fewer instructions per element, the same bits; untimed so far).
         other arguments: as :func:`decode_attention`.
 
     Returns ``[T, Hq, D]`` in q's dtype, unrotated.
@@ -1133,12 +1136,17 @@ def prefill_attention(
             )
         from kvarn_kernels.context import (
             DEFAULT_MAX_WORKSPACE_BYTES,
+            DEQUANT_VARIANTS,
             SDPA_BACKENDS,
             prefill_dequant_attention,
         )
 
         if sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}, got {sdpa_backend!r}")
+        if dequant_variant not in DEQUANT_VARIANTS:
+            raise ValueError(
+                f"dequant_variant must be one of {DEQUANT_VARIANTS}, got {dequant_variant!r}"
+            )
         cap = DEFAULT_MAX_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
         if cap < 1:
             raise ValueError(f"max_workspace_bytes must be positive, got {cap}")
@@ -1160,18 +1168,20 @@ def prefill_attention(
                 max_workspace_bytes=cap,
                 sdpa_backend=sdpa_backend,
                 varlen_attention=varlen_attention,
+                dequant_variant=dequant_variant,
             )
         return out
     if (
-        sdpa_backend != "auto"
+        dequant_variant != "v1"
+        or sdpa_backend != "auto"
         or seq_lens_cpu is not None
         or query_start_loc_cpu is not None
         or max_workspace_bytes is not None
         or varlen_attention is not None
     ):
         raise ValueError(
-            "sdpa_backend, seq_lens_cpu, query_start_loc_cpu, max_workspace_bytes and "
-            "varlen_attention apply to method='dequant' only"
+            "sdpa_backend, seq_lens_cpu, query_start_loc_cpu, max_workspace_bytes, "
+            "varlen_attention and dequant_variant apply to method='dequant' only"
         )
     workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, num_splits), q.device)
     _launch(

@@ -43,8 +43,11 @@ from kvarn_kernels.rotation import rotate_into
 
 __all__ = [
     "DEFAULT_MAX_WORKSPACE_BYTES",
+    "DEQUANT_VARIANTS",
     "SDPA_BACKENDS",
     "VarlenAttention",
+    "dequant_context_into",
+    "dequant_plan",
     "prefill_dequant_attention",
 ]
 
@@ -52,6 +55,8 @@ __all__ = [
 DEFAULT_MAX_WORKSPACE_BYTES = 512 << 20
 #: Accepted values of ``sdpa_backend``.
 SDPA_BACKENDS = ("auto", "varlen", "per_request")
+#: Accepted values of ``dequant_variant`` (the dequantization kernel; same results).
+DEQUANT_VARIANTS = ("v1", "v2")
 _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 
 
@@ -139,6 +144,184 @@ def _dequant_context_kernel(
             v = v * (0.5 * vcs[None, :])
             v = tl.minimum(tl.maximum(v, -_FP16_MAX), _FP16_MAX)
             tl.store(OUT_V + dst, v.to(tl.float16), mask=ok[:, None])
+
+
+# PTX for v2's GPU path. The codes come out as the raw fp16 bit patterns ``code`` (the
+# subnormals ``code * 2**-24``, exact), which saves v1's ``- 1024`` per element; the scales
+# are multiplied by ``2**24`` once per row instead, so ``code' * scale' == code * scale``
+# bit for bit (power-of-two factors are exact here: no overflow, no fp32 subnormal).
+_RAW4_ASM: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 t0, t1;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+and.b32 $0, t0, 0x000F000F;
+and.b32 $1, t1, 0x000F000F;
+shr.b32 t0, t0, 4;
+shr.b32 t1, t1, 4;
+and.b32 $2, t0, 0x000F000F;
+and.b32 $3, t1, 0x000F000F;
+}
+""")
+_RAW2_ASM: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 t0, t1, u0, u1;
+prmt.b32 t0, $8, 0, 0x4140;
+prmt.b32 t1, $8, 0, 0x4342;
+and.b32 $0, t0, 0x00030003;
+and.b32 $1, t1, 0x00030003;
+shr.b32 u0, t0, 2;
+shr.b32 u1, t1, 2;
+and.b32 $2, u0, 0x00030003;
+and.b32 $3, u1, 0x00030003;
+shr.b32 u0, t0, 4;
+shr.b32 u1, t1, 4;
+and.b32 $4, u0, 0x00030003;
+and.b32 $5, u1, 0x00030003;
+shr.b32 u0, t0, 6;
+shr.b32 u1, t1, 6;
+and.b32 $6, u0, 0x00030003;
+and.b32 $7, u1, 0x00030003;
+}
+""")
+# Round to fp16, saturating to +-65504: equal to v1's clamp-then-round for every finite input
+# (the only inputs here: finite fp16 fields times codes <= 31 stay far inside fp32).
+_SATF16_ASM: tl.constexpr = tl.constexpr("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;")
+#: ``2**24``: a raw code's fp16 subnormal is ``code * 2**-24``.
+_RAW_SCALE: tl.constexpr = tl.constexpr(16777216.0)
+
+
+@triton.jit
+def _codes_raw(b0, b1, b2, b3, b4, N: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr):
+    """``[R, N]`` fp32 holding ``code * 2**-24`` (exact), from :func:`_load_codes`'s bytes.
+
+    The same code order as :func:`kvarn_kernels.attention._codes_f16`; ``FAST`` (GPU only)
+    unpacks four bytes per PTX block for 2/4 bits.
+    """
+    if FAST and BITS == 4:
+        lo, hi = tl.inline_asm_elementwise(
+            _RAW4_ASM,
+            "=r,=r,=r,=r,r",
+            [b0],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+        f = tl.interleave(lo, hi)
+    elif FAST and BITS == 2:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            _RAW2_ASM,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r",
+            [b0],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+        f = tl.interleave(tl.interleave(c0, c2), tl.interleave(c1, c3))
+    else:
+        # 5 bits, or the interpreter: v1's fp16 ``1024 + code`` with the exponent bits cleared
+        f = _codes_f16(b0, b1, b2, b3, b4, N, BITS, False)
+        f = (f.to(tl.int16, bitcast=True) & 1023).to(tl.float16, bitcast=True)
+    return f.to(tl.float32)
+
+
+@triton.jit
+def _to_f16_sat(x, FAST: tl.constexpr):
+    """fp32 -> fp16 with v1's saturation at +-65504 (one instruction per pair on the GPU)."""
+    if FAST:
+        y = tl.inline_asm_elementwise(
+            _SATF16_ASM, "=r,r,r", [x], dtype=tl.float16, is_pure=True, pack=2
+        )
+    else:
+        y = tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16)
+    return y
+
+
+@triton.jit
+def _dequant_context_kernel_v2(
+    KV,
+    POOL_K,
+    POOL_V,
+    BLOCK_TABLE,
+    BLOCK_TO_SLOT,
+    PLAN,
+    OUT_K,
+    OUT_V,
+    stride_bt,
+    n_progs,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    STRIDE: tl.constexpr,
+    OFF_KC: tl.constexpr,
+    OFF_KS: tl.constexpr,
+    OFF_KZ: tl.constexpr,
+    OFF_KT: tl.constexpr,
+    OFF_VC: tl.constexpr,
+    OFF_VCS: tl.constexpr,
+    OFF_VS: tl.constexpr,
+    OFF_VZ: tl.constexpr,
+    BT: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
+):
+    """:func:`_dequant_context_kernel` with fewer instructions per element
+    (``dequant_variant="v2"``): the same plan, grid, layout and results bit for bit.
+
+    v1 spends, per element, fp16->fp32, ``- 1024``, FFMA, FMUL, two FMNMX (the clamp) and
+    half an F2FP. v2 drops the subtraction (raw codes as fp16 subnormals, scales times
+    ``2**24``: exact) and the clamp (``cvt.rn.satfinite``: the same bits for finite values),
+    leaving fp16->fp32, FFMA, FMUL and half an F2FP. Under the interpreter it runs v1's
+    operations (the PTX has no CPU form); the unit tests compare the two paths bit for bit.
+    """
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.load(PLAN + pid).to(tl.int64)
+    j = tl.load(PLAN + n_progs + pid)
+    row0 = tl.load(PLAN + 2 * n_progs + pid).to(tl.int64)
+    n = tl.load(PLAN + 3 * n_progs + pid)
+    blk = tl.load(BLOCK_TABLE + r * stride_bt + j).to(tl.int64)
+    slot = tl.load(BLOCK_TO_SLOT + blk)
+    dd = tl.arange(0, D)
+    tt = tl.arange(0, BT)
+    rec = KV + (blk * HK + h) * STRIDE
+    f16 = tl.pointer_type(tl.float16)
+    for c in tl.static_range(0, G // BT):
+        tok = c * BT + tt
+        ok = tok < n
+        dst = ((row0 + tok) * HK + h)[:, None] * D + dd[None, :]  # [BT, D]
+        if slot >= 0:
+            src = ((slot.to(tl.int64) * G + tok) * HK + h)[:, None] * D + dd[None, :]
+            kp = tl.load(POOL_K + src, mask=ok[:, None], other=0.0)
+            vp = tl.load(POOL_V + src, mask=ok[:, None], other=0.0)
+            tl.store(OUT_K + dst, kp * 0.5, mask=ok[:, None])
+            tl.store(OUT_V + dst, vp * 0.5, mask=ok[:, None])
+        else:
+            # K: codes [D, BT] along tokens; k = (code * k_scale + k_zero) * k_token_scale.
+            k0, k1, k2, k3, k4 = _load_codes(
+                rec + OFF_KC, D, G * KB // 8, c * (BT * KB // 8), BT, KB, True
+            )
+            kc = _codes_raw(k0, k1, k2, k3, k4, BT, KB, FAST_UNPACK)
+            ks = tl.load((rec + OFF_KS).to(f16) + dd).to(tl.float32) * _RAW_SCALE
+            kz = tl.load((rec + OFF_KZ).to(f16) + dd).to(tl.float32)
+            kt = tl.load((rec + OFF_KT).to(f16) + tok).to(tl.float32)
+            k = kc * ks[:, None]
+            k = k + kz[:, None]
+            k = k * (0.5 * kt[None, :])
+            tl.store(OUT_K + tl.trans(dst), _to_f16_sat(k, FAST_UNPACK), mask=ok[None, :])
+            # V: codes [BT, D] along channels; v = (code * v_scale + v_zero) * v_channel_scale.
+            v0, v1, v2, v3, v4 = _load_codes(
+                rec + OFF_VC + c * BT * (D * VB // 8), BT, D * VB // 8, 0, D, VB, True
+            )
+            vc = _codes_raw(v0, v1, v2, v3, v4, D, VB, FAST_UNPACK)
+            vs = tl.load((rec + OFF_VS).to(f16) + tok).to(tl.float32) * _RAW_SCALE
+            vz = tl.load((rec + OFF_VZ).to(f16) + tok).to(tl.float32)
+            vcs = tl.load((rec + OFF_VCS).to(f16) + dd).to(tl.float32)
+            v = vc * vs[:, None]
+            v = v + vz[:, None]
+            v = v * (0.5 * vcs[None, :])
+            tl.store(OUT_V + dst, _to_f16_sat(v, FAST_UNPACK), mask=ok[:, None])
 
 
 #: A FlashAttention-style varlen forward that :func:`kvarn_kernels.prefill_attention` may use
@@ -258,6 +441,7 @@ def prefill_dequant_attention(
     max_workspace_bytes: int,
     sdpa_backend: str,
     varlen_attention: VarlenAttention | None = None,
+    dequant_variant: str = "v1",
 ) -> None:
     """The ``method="dequant"`` path of :func:`kvarn_kernels.prefill_attention` (arguments
     already validated there). Uses host copies of ``seq_lens``/``query_start_loc`` when given,
@@ -335,6 +519,7 @@ def prefill_dequant_attention(
             tokens,
             backend,
             varlen_attention,
+            dequant_variant,
         )
         o16 = res
     if o16 is None:  # no request has query tokens
@@ -359,6 +544,7 @@ def _run_group(
     tokens: int,
     backend: str,
     varlen_attention: VarlenAttention | None = None,
+    dequant_variant: str = "v1",
 ) -> torch.Tensor:
     """Attention of requests ``r0 .. r1 - 1``: into ``o16`` when given, else into a new
     ``[T, Hq, D]`` tensor (only when the group is the whole batch). Returns the output."""
@@ -367,23 +553,13 @@ def _run_group(
     t0, t1 = qsl[r0], qsl[r1]
     if t1 == t0:
         return torch.zeros_like(q16) if o16 is None else o16
-    # Plan, one entry per (request, block): request row, block index, first workspace row,
-    # valid tokens (vectorized: a large batch has thousands of blocks).
-    kl = np.asarray(klen[r0:r1], dtype=np.int64)
-    nb = -(-kl // g)
-    k_off = [0, *np.cumsum(kl).tolist()]
-    total = int(nb.sum())
-    req = np.repeat(np.arange(r0, r1, dtype=np.int64), nb)
-    j = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
-    row0 = np.repeat(np.asarray(k_off[:-1], dtype=np.int64), nb) + j * g
-    ntok = np.minimum(g, np.repeat(kl, nb) - j * g)
-    plan = np.stack([req, j, row0, ntok]).astype(np.int32)
+    plan, k_off = dequant_plan(klen[r0:r1], g, r0)
     ws_k = torch.empty((max(tokens, 1), hk, d), dtype=torch.float16, device=dev)
     ws_v = torch.empty_like(ws_k)
-    if total:
-        plan_t = torch.from_numpy(np.ascontiguousarray(plan)).to(dev)
-        bt = 32 if d <= 128 else (16 if d <= 256 else 8)
-        _dequant_context_kernel[(total, hk)](
+    if plan.shape[1]:
+        plan_t = torch.from_numpy(plan).to(dev)
+        dequant_context_into(
+            geo,
             kv_cache,
             pool_k,
             pool_v,
@@ -392,18 +568,7 @@ def _run_group(
             plan_t,
             ws_k,
             ws_v,
-            block_table.stride(0),
-            total,
-            HK=hk,
-            D=d,
-            G=g,
-            KB=geo.key_bits,
-            VB=geo.value_bits,
-            STRIDE=geo.record_stride,
-            **geo.offsets(),
-            BT=min(bt, g),
-            FAST_UNPACK=not triton_interpret(),
-            num_warps=4,
+            dequant_variant,
         )
     q_off = [qsl[r] - t0 for r in range(r0, r1 + 1)]
     qg = q16[t0:t1]
@@ -422,3 +587,72 @@ def _run_group(
         o16 = torch.zeros_like(q16)
     _attend_per_request(qg, ws_k, ws_v, q_off, k_off, o16[t0:t1])
     return o16
+
+
+def dequant_plan(
+    klen: Sequence[int], g: int, first_request: int = 0
+) -> tuple[np.ndarray, list[int]]:
+    """The dequantization plan of requests with ``klen`` context tokens each (rows
+    ``first_request ..`` of the block table): int32 ``[4, blocks]`` (request row, block index,
+    first workspace row, valid tokens; vectorized, a large batch has thousands of blocks)
+    and the workspace offsets of the requests (``len(klen) + 1`` entries)."""
+    kl = np.asarray(klen, dtype=np.int64)
+    nb = -(-kl // g)
+    k_off = [0, *np.cumsum(kl).tolist()]
+    total = int(nb.sum())
+    req = np.repeat(np.arange(first_request, first_request + len(kl), dtype=np.int64), nb)
+    j = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
+    row0 = np.repeat(np.asarray(k_off[:-1], dtype=np.int64), nb) + j * g
+    ntok = np.minimum(g, np.repeat(kl, nb) - j * g)
+    plan = np.ascontiguousarray(np.stack([req, j, row0, ntok]).astype(np.int32))
+    return plan, [int(x) for x in k_off]
+
+
+def dequant_context_into(
+    geo: DenseGeometry,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    plan: torch.Tensor,
+    ws_k: torch.Tensor,
+    ws_v: torch.Tensor,
+    variant: str = "v1",
+) -> None:
+    """One launch: every block of ``plan`` (:func:`dequant_plan`, on the device) into the
+    workspaces ``ws_k``/``ws_v`` ``[rows, Hk, D]`` fp16 as K/2 and V/2 in the rotated frame.
+
+    ``variant`` picks the kernel (:data:`DEQUANT_VARIANTS`); both write the same bits. Also
+    what ``tools/gpu_kernel_check.py`` times alone.
+    """
+    if variant not in DEQUANT_VARIANTS:
+        raise ValueError(f"dequant_variant must be one of {DEQUANT_VARIANTS}, got {variant!r}")
+    hk, d, g = int(pool_k.shape[2]), int(pool_k.shape[3]), geo.group
+    total = int(plan.shape[1])
+    if total == 0:
+        return
+    kernel = _dequant_context_kernel if variant == "v1" else _dequant_context_kernel_v2
+    bt = 32 if d <= 128 else (16 if d <= 256 else 8)
+    kernel[(total, hk)](
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        block_to_slot,
+        plan,
+        ws_k,
+        ws_v,
+        block_table.stride(0),
+        total,
+        HK=hk,
+        D=d,
+        G=g,
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **geo.offsets(),
+        BT=min(bt, g),
+        FAST_UNPACK=not triton_interpret(),
+        num_warps=4,
+    )
