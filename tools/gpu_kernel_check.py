@@ -12,7 +12,9 @@
    256, where ``variant="auto"`` still runs v1 (these decide whether it should take v4 there
    too); store v1 vs v2 vs v3 (1024 tiles x 8 KV heads,
    g128 and g64); prefill (2048-token chunk after 14,336 cached tokens) fused vs dequant
-   (varlen FlashAttention and per-request SDPA) next to torch SDPA fp16 over the same context.
+   (varlen FlashAttention and per-request SDPA) next to torch SDPA fp16 over the same context,
+   plus the dequantization alone (no-op attention; and the kernel alone, v1 vs
+   ``dequant_variant="v2"``, in a CUDA graph).
 3. A short table last; JSON with everything to ``$OUT/gpu_kernel_check.json`` when ``OUT``
    is set (and to ``--json`` if given).
 
@@ -54,6 +56,8 @@ TEST_GROUPS = {
     "words_ptx": ["test_kernels_words_ptx.py"],
     # store v3 (round 3 of the store, untimed): 8 formats/head dims against the reference.
     "store_v3": ["test_kernels_store.py", "-k", "gpu and variant3"],
+    # prefill dequant v2 (round 2 of the dequantization): v1 and v2 write the same bits.
+    "dequant_v2": ["test_kernels_context.py"],
 }
 
 
@@ -238,6 +242,44 @@ def _no_attn(q: Any, *_: Any) -> Any:
     return q
 
 
+def bench_dequant_kernel(variant: str, ctx: int, q_len: int) -> dict[str, Any]:
+    """The dequantization launch alone (``dequant_context_into``, replayed in a CUDA graph) on
+    the prefill row's context: ``ctx + q_len`` tokens of k4v2_g128, block 0 and the last
+    ``q_len / G + 1`` blocks in the pool, as ``bench_prefill`` lays them out."""
+    import torch
+
+    from kvarn_format import parse_cache_dtype
+    from kvarn_kernels._common import dense_geometry
+    from kvarn_kernels.context import dequant_context_into, dequant_plan
+
+    name = "kvarn_k4v2_g128"
+    fmt = parse_cache_dtype(name)
+    g, hk, d = fmt.group, bk.HK, bk.D
+    seq = ctx + q_len
+    nb = -(-seq // g)
+    kv = bk.make_records(name, nb, hk, d, 1)
+    bt = torch.randperm(nb, device="cuda").to(torch.int32).view(1, nb)
+    first_pool = ctx // g
+    pooled = torch.cat([bt[0, :1], bt[0, first_pool:]]).long()
+    pool_k = torch.randn(pooled.numel(), g, hk, d, device="cuda").half()
+    pool_v = torch.randn_like(pool_k)
+    b2s = torch.full((nb,), -1, dtype=torch.int32, device="cuda")
+    b2s[pooled] = torch.arange(pooled.numel(), dtype=torch.int32, device="cuda")
+    geo = dense_geometry(fmt, d, int(kv.shape[-1]))
+    plan, _ = dequant_plan([seq], g)
+    plan_t = torch.from_numpy(plan).cuda()
+    ws_k = torch.empty(seq, hk, d, dtype=torch.float16, device="cuda")
+    ws_v = torch.empty_like(ws_k)
+    us, mode = bk.timed(
+        lambda: dequant_context_into(geo, kv, pool_k, pool_v, bt, b2s, plan_t, ws_k, ws_v, variant),
+        graph=True,
+    )
+    n_pool = pooled.numel()
+    moved = 2 * ws_k.numel() * 2  # K and V written
+    moved += (nb - n_pool) * hk * geo.payload_bytes + 2 * n_pool * g * hk * d * 2  # read
+    return {"us": us, "mode": mode, "bytes": moved, "gbs": moved / (us * 1e-6) / 1e9}
+
+
 def prefill_runs(warm: bool) -> list[dict[str, Any]]:
     ctx, q_len = (14336, 2048) if not warm else (256, 64)
     rows = []
@@ -253,6 +295,21 @@ def prefill_runs(warm: bool) -> list[dict[str, Any]]:
         (
             "dequant only",
             lambda: bk.bench_prefill("kvarn_k4v2_g128", ctx, q_len, 1, varlen_attention=_no_attn),
+        ),
+        # Round 2 of the dequantization (CPU only, predictions in docs/kernel-notes.md):
+        # the v2 kernel in the same no-op row, and both kernels alone (CUDA graph, no host
+        # work), which is what the byte floor (~78 MB moved, ~18 us) is about.
+        (
+            "dequant only v2",
+            lambda: bk.bench_prefill(
+                "kvarn_k4v2_g128", ctx, q_len, 1, varlen_attention=_no_attn, dequant_variant="v2"
+            ),
+        ),
+        ("dequant kernel v1", lambda: bench_dequant_kernel("v1", ctx, q_len)),
+        ("dequant kernel v2", lambda: bench_dequant_kernel("v2", ctx, q_len)),
+        (
+            "dequant v2",
+            lambda: bk.bench_prefill("kvarn_k4v2_g128", ctx, q_len, 1, dequant_variant="v2"),
         ),
         ("sdpa fp16 (noncausal)", lambda: bk.bench_sdpa_prefill(ctx, q_len, 1)),
     ):
@@ -301,9 +358,11 @@ def table(res: dict[str, Any]) -> str:
             out.append(f"{r['kernel']:18s} {cfg:32s} {r['us']:9.1f} {100 * r['store_share']:6.2f}%")
         else:
             out.append(f"{r['kernel']:18s} {cfg:32s} {r['error'][:50]}")
-    out += ["", f"{'prefill (2048 after 14336)':28s} {'us':>9s} {'TFLOP/s':>8s}"]
+    out += ["", f"{'prefill (2048 after 14336)':28s} {'us':>9s} {'TFLOP/s':>8s} {'%copy':>6s}"]
     for r in res.get("prefill", []):
-        if "us" in r:
+        if "us" in r and "gbs" in r:  # a kernel alone: bandwidth instead of flops
+            out.append(f"{r['kernel']:28s} {r['us']:9.1f} {'-':>8s} {100 * r['gbs'] / copy:5.0f}%")
+        elif "us" in r:
             out.append(f"{r['kernel']:28s} {r['us']:9.1f} {r['tflops']:8.0f}")
         else:
             out.append(f"{r['kernel']:28s} {r['error'][:60]}")
