@@ -528,6 +528,19 @@ def prefill_dequant_attention(
     rotate_into(o16.view(t * hq, d), out.view(t * hq, d), 2.0)
 
 
+def _host_to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to ``dev`` without a host sync.
+
+    A copy from pageable memory makes the host wait until the GPU has drained the stream, and
+    then the GPU idles while Python launches the next kernels: twice per layer on every
+    prefill step. From pinned memory the copy is queued like a kernel; PyTorch's pinned-memory
+    cache keeps the buffer alive until the copy has run.
+    """
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def _run_group(
     geo: DenseGeometry,
     q16: torch.Tensor,
@@ -557,7 +570,7 @@ def _run_group(
     ws_k = torch.empty((max(tokens, 1), hk, d), dtype=torch.float16, device=dev)
     ws_v = torch.empty_like(ws_k)
     if plan.shape[1]:
-        plan_t = torch.from_numpy(plan).to(dev)
+        plan_t = _host_to_device(torch.from_numpy(plan), dev)
         dequant_context_into(
             geo,
             kv_cache,
@@ -573,7 +586,7 @@ def _run_group(
     q_off = [qsl[r] - t0 for r in range(r0, r1 + 1)]
     qg = q16[t0:t1]
     if backend in ("varlen", "external"):
-        cu = torch.tensor([q_off, k_off], dtype=torch.int32).to(dev)
+        cu = _host_to_device(torch.tensor([q_off, k_off], dtype=torch.int32), dev)
         lq = [q_off[i + 1] - q_off[i] for i in range(len(q_off) - 1)]
         attend = _attend_varlen
         if varlen_attention is not None:
