@@ -101,7 +101,10 @@ def _decode_v4(
     return compile_kernel(decode_v4_kernel, DECODE_SIG, consts, warps, stages, maxnreg)
 
 
-def _dequant_context(name: str, d: int = 128, bt: int = 32) -> Any:
+def _dequant_context(
+    name: str, d: int = 128, bt: int = 32, warps: int = 4, *, raw: bool = False
+) -> Any:
+    """The context dequantization kernel; ``raw`` is ``dequant_variant="v2"``."""
     from kvarn_kernels.context import _dequant_context_kernel
 
     geo = _geo(name, d)
@@ -125,8 +128,9 @@ def _dequant_context(name: str, d: int = 128, bt: int = 32) -> Any:
         **geo.offsets(),
         BT=min(bt, geo.group),
         FAST_UNPACK=True,
+        RAW=raw,
     )
-    return compile_kernel(_dequant_context_kernel, sig, consts, 4, 3)
+    return compile_kernel(_dequant_context_kernel, sig, consts, warps, 3)
 
 
 for _n, _d, _bt in (
@@ -263,35 +267,6 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
         )
 
 
-def _dequant_context_v2(name: str, d: int = 128, bt: int = 32, warps: int = 4) -> Any:
-    """``dequant_variant="v2"``: K unpacked token-major (no transpose of the fp16 results)."""
-    from kvarn_kernels.context import _dequant_context_kernel_v2
-
-    geo = _geo(name, d)
-    sig = {
-        "KV": "*u8",
-        "POOL_K": "*fp16",
-        "POOL_V": "*fp16",
-        "BLOCK_TABLE": "*i32",
-        "BLOCK_TO_SLOT": "*i32",
-        "PLAN": "*i32",
-        "OUT_K": "*fp16",
-        "OUT_V": "*fp16",
-    }
-    consts = dict(
-        HK=8,
-        D=d,
-        G=geo.group,
-        KB=geo.key_bits,
-        VB=geo.value_bits,
-        STRIDE=geo.record_stride,
-        **geo.offsets(),
-        BT=min(bt, geo.group),
-        FAST_UNPACK=True,
-    )
-    return compile_kernel(_dequant_context_kernel_v2, sig, consts, warps, 3)
-
-
 for _n, _d, _bt, _w in (
     ("kvarn_k4v2_g128", 128, 32, 4),
     ("kvarn_k4v2_g128", 128, 64, 4),
@@ -301,5 +276,5 @@ for _n, _d, _bt, _w in (
     ("kvarn_k4v2_g128", 64, 32, 4),
 ):
     variant(f"dequant_context_v2 {_n} d{_d} bt{_bt} w{_w}")(
-        lambda _n=_n, _d=_d, _bt=_bt, _w=_w: _dequant_context_v2(_n, _d, _bt, _w)
+        lambda _n=_n, _d=_d, _bt=_bt, _w=_w: _dequant_context(_n, _d, _bt, _w, raw=True)
     )

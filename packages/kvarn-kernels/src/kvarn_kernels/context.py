@@ -88,12 +88,20 @@ def _dequant_context_kernel(
     OFF_VZ: tl.constexpr,
     BT: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
+    RAW: tl.constexpr,
 ):
     """One program per (context block of a request, KV head).
 
     ``PLAN`` is int32 ``[4, n_progs]``: request row, block index within the request, first
     workspace row, valid tokens. Writes ``k / 2`` and ``v / 2`` (rotated frame, fp16) to rows
     ``row0 .. row0 + n - 1`` of ``OUT_K``/``OUT_V`` ``[rows, HK, D]``.
+
+    ``RAW`` (``dequant_variant="v2"``) gives the same bits with fewer instructions per
+    element. v1 spends fp16->fp32, ``- 1024``, FFMA, FMUL, two FMNMX (the clamp) and half an
+    F2FP; v2 drops the subtraction (raw codes as fp16 subnormals, scales times ``2**24``:
+    exact) and the clamp (``cvt.rn.satfinite``: the same bits for finite values). Under the
+    interpreter v2 runs v1's clamp (the PTX has no CPU form); the unit tests compare the two
+    paths bit for bit.
     """
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -122,28 +130,30 @@ def _dequant_context_kernel(
             k0, k1, k2, k3, k4 = _load_codes(
                 rec + OFF_KC, D, G * KB // 8, c * (BT * KB // 8), BT, KB, True
             )
-            kc = _codes_f16(k0, k1, k2, k3, k4, BT, KB, FAST_UNPACK).to(tl.float32) - 1024.0
+            kc = _codes_fp32(k0, k1, k2, k3, k4, BT, KB, FAST_UNPACK, RAW)
             ks = tl.load((rec + OFF_KS).to(f16) + dd).to(tl.float32)
+            if RAW:
+                ks = ks * _RAW_SCALE
             kz = tl.load((rec + OFF_KZ).to(f16) + dd).to(tl.float32)
             kt = tl.load((rec + OFF_KT).to(f16) + tok).to(tl.float32)
             k = kc * ks[:, None]
             k = k + kz[:, None]
             k = k * (0.5 * kt[None, :])
-            k = tl.minimum(tl.maximum(k, -_FP16_MAX), _FP16_MAX)
-            tl.store(OUT_K + tl.trans(dst), k.to(tl.float16), mask=ok[None, :])
+            tl.store(OUT_K + tl.trans(dst), _to_f16_sat(k, FAST_UNPACK, RAW), mask=ok[None, :])
             # V: codes [BT, D] along channels; v = (code * v_scale + v_zero) * v_channel_scale.
             v0, v1, v2, v3, v4 = _load_codes(
                 rec + OFF_VC + c * BT * (D * VB // 8), BT, D * VB // 8, 0, D, VB, True
             )
-            vc = _codes_f16(v0, v1, v2, v3, v4, D, VB, FAST_UNPACK).to(tl.float32) - 1024.0
+            vc = _codes_fp32(v0, v1, v2, v3, v4, D, VB, FAST_UNPACK, RAW)
             vs = tl.load((rec + OFF_VS).to(f16) + tok).to(tl.float32)
+            if RAW:
+                vs = vs * _RAW_SCALE
             vz = tl.load((rec + OFF_VZ).to(f16) + tok).to(tl.float32)
             vcs = tl.load((rec + OFF_VCS).to(f16) + dd).to(tl.float32)
             v = vc * vs[:, None]
             v = v + vz[:, None]
             v = v * (0.5 * vcs[None, :])
-            v = tl.minimum(tl.maximum(v, -_FP16_MAX), _FP16_MAX)
-            tl.store(OUT_V + dst, v.to(tl.float16), mask=ok[:, None])
+            tl.store(OUT_V + dst, _to_f16_sat(v, FAST_UNPACK, RAW), mask=ok[:, None])
 
 
 # PTX for v2's GPU path. The codes come out as the raw fp16 bit patterns ``code`` (the
@@ -226,9 +236,9 @@ def _codes_raw(b0, b1, b2, b3, b4, N: tl.constexpr, BITS: tl.constexpr, FAST: tl
 
 
 @triton.jit
-def _to_f16_sat(x, FAST: tl.constexpr):
-    """fp32 -> fp16 with v1's saturation at +-65504 (one instruction per pair on the GPU)."""
-    if FAST:
+def _to_f16_sat(x, FAST: tl.constexpr, RAW: tl.constexpr):
+    """fp32 -> fp16 with v1's saturation at +-65504 (v2 on the GPU: one instruction per pair)."""
+    if FAST and RAW:
         y = tl.inline_asm_elementwise(
             _SATF16_ASM, "=r,r,r", [x], dtype=tl.float16, is_pure=True, pack=2
         )
@@ -238,90 +248,16 @@ def _to_f16_sat(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _dequant_context_kernel_v2(
-    KV,
-    POOL_K,
-    POOL_V,
-    BLOCK_TABLE,
-    BLOCK_TO_SLOT,
-    PLAN,
-    OUT_K,
-    OUT_V,
-    stride_bt,
-    n_progs,
-    HK: tl.constexpr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    KB: tl.constexpr,
-    VB: tl.constexpr,
-    STRIDE: tl.constexpr,
-    OFF_KC: tl.constexpr,
-    OFF_KS: tl.constexpr,
-    OFF_KZ: tl.constexpr,
-    OFF_KT: tl.constexpr,
-    OFF_VC: tl.constexpr,
-    OFF_VCS: tl.constexpr,
-    OFF_VS: tl.constexpr,
-    OFF_VZ: tl.constexpr,
-    BT: tl.constexpr,
-    FAST_UNPACK: tl.constexpr,
+def _codes_fp32(
+    b0, b1, b2, b3, b4, N: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, RAW: tl.constexpr
 ):
-    """:func:`_dequant_context_kernel` with fewer instructions per element
-    (``dequant_variant="v2"``): the same plan, grid, layout and results bit for bit.
-
-    v1 spends, per element, fp16->fp32, ``- 1024``, FFMA, FMUL, two FMNMX (the clamp) and
-    half an F2FP. v2 drops the subtraction (raw codes as fp16 subnormals, scales times
-    ``2**24``: exact) and the clamp (``cvt.rn.satfinite``: the same bits for finite values),
-    leaving fp16->fp32, FFMA, FMUL and half an F2FP. Under the interpreter it runs v1's
-    operations (the PTX has no CPU form); the unit tests compare the two paths bit for bit.
-    """
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    r = tl.load(PLAN + pid).to(tl.int64)
-    j = tl.load(PLAN + n_progs + pid)
-    row0 = tl.load(PLAN + 2 * n_progs + pid).to(tl.int64)
-    n = tl.load(PLAN + 3 * n_progs + pid)
-    blk = tl.load(BLOCK_TABLE + r * stride_bt + j).to(tl.int64)
-    slot = tl.load(BLOCK_TO_SLOT + blk)
-    dd = tl.arange(0, D)
-    tt = tl.arange(0, BT)
-    rec = KV + (blk * HK + h) * STRIDE
-    f16 = tl.pointer_type(tl.float16)
-    for c in tl.static_range(0, G // BT):
-        tok = c * BT + tt
-        ok = tok < n
-        dst = ((row0 + tok) * HK + h)[:, None] * D + dd[None, :]  # [BT, D]
-        if slot >= 0:
-            src = ((slot.to(tl.int64) * G + tok) * HK + h)[:, None] * D + dd[None, :]
-            kp = tl.load(POOL_K + src, mask=ok[:, None], other=0.0)
-            vp = tl.load(POOL_V + src, mask=ok[:, None], other=0.0)
-            tl.store(OUT_K + dst, kp * 0.5, mask=ok[:, None])
-            tl.store(OUT_V + dst, vp * 0.5, mask=ok[:, None])
-        else:
-            # K: codes [D, BT] along tokens; k = (code * k_scale + k_zero) * k_token_scale.
-            k0, k1, k2, k3, k4 = _load_codes(
-                rec + OFF_KC, D, G * KB // 8, c * (BT * KB // 8), BT, KB, True
-            )
-            kc = _codes_raw(k0, k1, k2, k3, k4, BT, KB, FAST_UNPACK)
-            ks = tl.load((rec + OFF_KS).to(f16) + dd).to(tl.float32) * _RAW_SCALE
-            kz = tl.load((rec + OFF_KZ).to(f16) + dd).to(tl.float32)
-            kt = tl.load((rec + OFF_KT).to(f16) + tok).to(tl.float32)
-            k = kc * ks[:, None]
-            k = k + kz[:, None]
-            k = k * (0.5 * kt[None, :])
-            tl.store(OUT_K + tl.trans(dst), _to_f16_sat(k, FAST_UNPACK), mask=ok[None, :])
-            # V: codes [BT, D] along channels; v = (code * v_scale + v_zero) * v_channel_scale.
-            v0, v1, v2, v3, v4 = _load_codes(
-                rec + OFF_VC + c * BT * (D * VB // 8), BT, D * VB // 8, 0, D, VB, True
-            )
-            vc = _codes_raw(v0, v1, v2, v3, v4, D, VB, FAST_UNPACK)
-            vs = tl.load((rec + OFF_VS).to(f16) + tok).to(tl.float32) * _RAW_SCALE
-            vz = tl.load((rec + OFF_VZ).to(f16) + tok).to(tl.float32)
-            vcs = tl.load((rec + OFF_VCS).to(f16) + dd).to(tl.float32)
-            v = vc * vs[:, None]
-            v = v + vz[:, None]
-            v = v * (0.5 * vcs[None, :])
-            tl.store(OUT_V + dst, _to_f16_sat(v, FAST_UNPACK), mask=ok[:, None])
+    """``[R, N]`` fp32 codes: ``code`` (v1), or ``code * 2**-24`` with ``RAW`` (v2, whose
+    scales carry the ``2**24``)."""
+    if RAW:
+        f = _codes_raw(b0, b1, b2, b3, b4, N, BITS, FAST)
+    else:
+        f = _codes_f16(b0, b1, b2, b3, b4, N, BITS, FAST).to(tl.float32) - 1024.0
+    return f
 
 
 #: A FlashAttention-style varlen forward that :func:`kvarn_kernels.prefill_attention` may use
@@ -645,9 +581,8 @@ def dequant_context_into(
     total = int(plan.shape[1])
     if total == 0:
         return
-    kernel = _dequant_context_kernel if variant == "v1" else _dequant_context_kernel_v2
     bt = 32 if d <= 128 else (16 if d <= 256 else 8)
-    kernel[(total, hk)](
+    _dequant_context_kernel[(total, hk)](
         kv_cache,
         pool_k,
         pool_v,
@@ -667,5 +602,6 @@ def dequant_context_into(
         **geo.offsets(),
         BT=min(bt, g),
         FAST_UNPACK=not triton_interpret(),
+        RAW=variant == "v2",
         num_warps=4,
     )
