@@ -162,6 +162,12 @@ def _std_pivot(x, pivot, AXIS: tl.constexpr, N: tl.constexpr, FUSED: tl.constexp
     division by ``N - 1`` is a multiplication by its rounded reciprocal.
     """
     d = x - pivot[None, :] if AXIS == 0 else x - pivot[:, None]
+    return _std_of_deviations(d, pivot, AXIS, N, FUSED)
+
+
+@triton.jit
+def _std_of_deviations(d, pivot, AXIS: tl.constexpr, N: tl.constexpr, FUSED: tl.constexpr):
+    """``(std, mean)`` along AXIS from the deviations ``d`` of the values from ``pivot``."""
     if FUSED:
         s, q = tl.reduce((d, d * d), AXIS, _add2)
     else:
@@ -269,14 +275,7 @@ def _scaled_std(x, scale, pivot, AXIS: tl.constexpr, N: tl.constexpr, FUSED: tl.
     ``(std, mean)``.
     """
     d = x * scale[None, :] - pivot[:, None] if AXIS == 1 else x * scale[:, None] - pivot[None, :]
-    if FUSED:
-        s, q = tl.reduce((d, d * d), AXIS, _add2)
-    else:
-        s = tl.sum(d, axis=AXIS)
-        q = tl.sum(d * d, axis=AXIS)
-    mean_d = s * (1.0 / N)  # N is a power of two: exact
-    var = tl.maximum(q - s * mean_d, 0.0) * (1.0 / (N - 1))
-    return tl.sqrt_rn(var), pivot + mean_d
+    return _std_of_deviations(d, pivot, AXIS, N, FUSED)
 
 
 @triton.jit
