@@ -1,4 +1,4 @@
-"""One GPU run (< 120 s on an H200) that checks and times the kvarn-kernels paths in work.
+"""One GPU run (about 3-4 min on an H200) that checks and times the kvarn-kernels paths in work.
 
 1. Correctness: the kernel package's GPU tests for the newest path at real sizes (round 5:
    decode v4 with ``unpack="words"``, plus one group of round 4's v4 as a regression check;
