@@ -44,15 +44,7 @@ def main() -> int:
         print(f"store {variant}: launched")
     for variant in args.decode_variants.split(","):
         out = decode_attention(
-            args.format,
-            q,
-            case.kv_cache,
-            case.pool_k,
-            case.pool_v,
-            case.block_table,
-            case.seq_lens,
-            case.block_to_slot,
-            1.0 / math.sqrt(d),
+            *case.decode_args(args.format, q, 1.0 / math.sqrt(d)),
             variant=variant,
         )
         if dev.type == "cuda":

@@ -58,15 +58,7 @@ def _v4_refuses(name: str, variant: str, d: int, device: torch.device | None = N
     case = build_case(name, d, 1, [fmt.group + 1], device=dev, seed=0)
     with pytest.raises(ValueError, match="variant='v4' takes 4-bit keys"):
         decode_attention(
-            name,
-            torch.zeros(1, 1, d, dtype=torch.float16, device=dev),
-            case.kv_cache,
-            case.pool_k,
-            case.pool_v,
-            case.block_table,
-            case.seq_lens,
-            case.block_to_slot,
-            1.0,
+            *case.decode_args(name, torch.zeros(1, 1, d, dtype=torch.float16, device=dev), 1.0),
             **_vkw(variant),  # type: ignore[arg-type]
         )
     return True
@@ -146,15 +138,7 @@ def test_decode_attention(
     scale = 1.0 / math.sqrt(d)
     out = torch.full_like(q, float("nan"))
     res = decode_attention(
-        name,
-        q,
-        case.kv_cache,
-        case.pool_k,
-        case.pool_v,
-        case.block_table,
-        case.seq_lens,
-        case.block_to_slot,
-        scale,
+        *case.decode_args(name, q, scale),
         out=out,
         num_splits=splits,
         # the two-split cases run v1's loop without register prefetch
@@ -162,17 +146,7 @@ def test_decode_attention(
         **_vkw(variant),  # type: ignore[arg-type]
     )
     assert res is out
-    ref = decode_attention_ref(
-        name,
-        q,
-        case.kv_cache,
-        case.pool_k,
-        case.pool_v,
-        case.block_table,
-        case.seq_lens,
-        case.block_to_slot,
-        scale,
-    )
+    ref = decode_attention_ref(*case.decode_args(name, q, scale))
     _assert_close(out, ref)
 
 
@@ -195,29 +169,11 @@ def test_decode_bf16_and_default_splits_against_fp16_attention(
     q = torch.randn(len(lens), hq, d).to(torch.bfloat16).to(device)
     scale = 1.0 / math.sqrt(d)
     out = decode_attention(
-        name,
-        q,
-        case.kv_cache,
-        case.pool_k,
-        case.pool_v,
-        case.block_table,
-        case.seq_lens,
-        case.block_to_slot,
-        scale,
+        *case.decode_args(name, q, scale),
         **_vkw(variant),  # type: ignore[arg-type]
     )
     assert out.dtype == torch.bfloat16
-    ref = decode_attention_ref(
-        name,
-        q,
-        case.kv_cache,
-        case.pool_k,
-        case.pool_v,
-        case.block_table,
-        case.seq_lens,
-        case.block_to_slot,
-        scale,
-    )
+    ref = decode_attention_ref(*case.decode_args(name, q, scale))
     _assert_close(out, ref, tot=8e-3, row=3e-2)  # the output itself is rounded to bf16
     for b, n in enumerate(lens):
         exact = fp16_attention_ref(
@@ -252,17 +208,7 @@ def test_decode_extreme_magnitudes(device: torch.device, scale_kind: str) -> Non
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(2)) * 0.05
     q = (q / (value_scale * 0.05) if scale_kind == "huge" else q * 200).half().to(device)
     scale = 1.0 / math.sqrt(d)
-    args = (
-        name,
-        q,
-        case.kv_cache,
-        case.pool_k,
-        case.pool_v,
-        case.block_table,
-        case.seq_lens,
-        case.block_to_slot,
-        scale,
-    )
+    args = case.decode_args(name, q, scale)
     ref = decode_attention_ref(*args)
     for variant in VARIANTS:
         _assert_close(decode_attention(*args, **_vkw(variant)), ref)  # type: ignore[arg-type]
@@ -317,18 +263,7 @@ def test_prefill_external_varlen_attention(device: torch.device, cap: int | None
     q = q.to(device)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
     qsl = qsl.to(device)
-    args = (
-        name,
-        q,
-        case.kv_cache,
-        case.pool_k,
-        case.pool_v,
-        case.block_table,
-        qsl,
-        case.seq_lens,
-        case.block_to_slot,
-        1.0 / math.sqrt(d),
-    )
+    args = case.prefill_args(name, q, qsl, 1.0 / math.sqrt(d))
     calls: list[float] = []
     out = prefill_attention(
         *args,  # type: ignore[arg-type]
@@ -385,33 +320,13 @@ def test_prefill_attention(
         # host copies once, and a workspace cap that forces one group per request once
         kw = {"seq_lens_cpu": lens} if splits == 1 else {"max_workspace_bytes": 1}
     res = prefill_attention(
-        name,
-        q,
-        case.kv_cache,
-        case.pool_k,
-        case.pool_v,
-        case.block_table,
-        qsl,
-        case.seq_lens,
-        case.block_to_slot,
-        scale,
+        *case.prefill_args(name, q, qsl, scale),
         out=out,
         method=method,
         **kw,  # type: ignore[arg-type]
     )
     assert res is out
-    ref = prefill_attention_ref(
-        name,
-        q,
-        case.kv_cache,
-        case.pool_k,
-        case.pool_v,
-        case.block_table,
-        qsl,
-        case.seq_lens,
-        case.block_to_slot,
-        scale,
-    )
+    ref = prefill_attention_ref(*case.prefill_args(name, q, qsl, scale))
     _assert_close(out, ref)
 
 
@@ -436,18 +351,7 @@ def test_prefill_bf16_and_extreme_magnitudes(device: torch.device, method: str) 
     gen = torch.Generator().manual_seed(6)
     q = (torch.randn(sum(qlens), hq, d, generator=gen) * 5e-5).to(torch.bfloat16).to(device)
     qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32, device=device)
-    args = (
-        name,
-        q,
-        case.kv_cache,
-        case.pool_k,
-        case.pool_v,
-        case.block_table,
-        qsl,
-        case.seq_lens,
-        case.block_to_slot,
-        1.0 / math.sqrt(d),
-    )
+    args = case.prefill_args(name, q, qsl, 1.0 / math.sqrt(d))
     out = prefill_attention(*args, method=method)
     assert out.dtype == torch.bfloat16
     _assert_close(out, prefill_attention_ref(*args), tot=8e-3)  # bf16 output rounding
@@ -596,32 +500,14 @@ def test_decode_attention_gpu(
     for splits, fast, prefetch in ((None, None, True), (1, None, True), (3, False, False)):
         out = torch.full_like(q, float("nan"))
         decode_attention(
-            name,
-            q,
-            case.kv_cache,
-            case.pool_k,
-            case.pool_v,
-            case.block_table,
-            case.seq_lens,
-            case.block_to_slot,
-            scale,
+            *case.decode_args(name, q, scale),
             out=out,
             num_splits=splits,
             fast_unpack=fast,
             prefetch=prefetch or variant != "v1",
             **_vkw(variant),  # type: ignore[arg-type]
         )
-        ref = decode_attention_ref(
-            name,
-            q,
-            case.kv_cache,
-            case.pool_k,
-            case.pool_v,
-            case.block_table,
-            case.seq_lens,
-            case.block_to_slot,
-            scale,
-        )
+        ref = decode_attention_ref(*case.decode_args(name, q, scale))
         _assert_close(out, ref)
 
 
@@ -656,32 +542,12 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
     for cfg in configs:
         out = torch.full_like(q, float("nan"))
         prefill_attention(
-            name,
-            q,
-            case.kv_cache,
-            case.pool_k,
-            case.pool_v,
-            case.block_table,
-            qsl,
-            case.seq_lens,
-            case.block_to_slot,
-            scale,
+            *case.prefill_args(name, q, qsl, scale),
             out=out,
             method=method,
             **cfg,  # type: ignore[arg-type]
         )
-        ref = prefill_attention_ref(
-            name,
-            q,
-            case.kv_cache,
-            case.pool_k,
-            case.pool_v,
-            case.block_table,
-            qsl,
-            case.seq_lens,
-            case.block_to_slot,
-            scale,
-        )
+        ref = prefill_attention_ref(*case.prefill_args(name, q, qsl, scale))
         _assert_close(out, ref)
 
 
@@ -702,15 +568,7 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
 
     def run() -> None:
         decode_attention(
-            name,
-            q,
-            case.kv_cache,
-            case.pool_k,
-            case.pool_v,
-            case.block_table,
-            seq,
-            case.block_to_slot,
-            scale,
+            *case.decode_args(name, q, scale, seq_lens=seq),
             out=out,
             workspace=ws,
             num_splits=splits,
@@ -730,17 +588,7 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref = decode_attention_ref(
-            name,
-            q,
-            case.kv_cache,
-            case.pool_k,
-            case.pool_v,
-            case.block_table,
-            seq,
-            case.block_to_slot,
-            scale,
-        )
+        ref = decode_attention_ref(*case.decode_args(name, q, scale, seq_lens=seq))
         _assert_close(out, ref)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -41,6 +41,31 @@ class PagedCase:
     #: Original-frame K and V of each request, ``[n, Hk, D]`` in the activation dtype.
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+
+    def decode_args(
+        self,
+        fmt: KVarNFormat | str,
+        q: torch.Tensor,
+        softmax_scale: float,
+        *,
+        seq_lens: torch.Tensor | None = None,
+    ) -> tuple[Any, ...]:
+        """The positional arguments of ``decode_attention`` (and its reference) on this case;
+        ``seq_lens`` replaces the case's own."""
+        lens = self.seq_lens if seq_lens is None else seq_lens
+        paged = (self.kv_cache, self.pool_k, self.pool_v, self.block_table)
+        return (fmt, q, *paged, lens, self.block_to_slot, softmax_scale)
+
+    def prefill_args(
+        self,
+        fmt: KVarNFormat | str,
+        q: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        softmax_scale: float,
+    ) -> tuple[Any, ...]:
+        """The positional arguments of ``prefill_attention`` (and its reference) on this case."""
+        paged = (self.kv_cache, self.pool_k, self.pool_v, self.block_table)
+        return (fmt, q, *paged, query_start_loc, self.seq_lens, self.block_to_slot, softmax_scale)
 
 
 def random_kv(
