@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,8 +153,6 @@ def variant(name: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
-    import static_variants
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", help="substring of the variant names to run")
     ap.add_argument("--sass", type=Path, help="write each variant's SASS here")
@@ -171,14 +169,7 @@ def main() -> None:
         f"{'variant':44s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'loop':>5s} {'BAR':>4s} "
         f"{'LDS/STS':>7s} {'SHFL':>4s} {'MMA':>4s} {'LDG':>4s}"
     )
-    for name, fn in static_variants.VARIANTS.items():
-        if args.only and args.only not in name:
-            continue
-        try:
-            r = analyse(fn(), args.sass, name)
-        except Exception as exc:  # report and go on
-            print(f"{name:44s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
-            continue
+    for name, r in _analysed(args, 44):
         print(
             f"{name:44s} {r['regs']:4d} {r['spill_bytes']:5d} {r['smem']:6d} {r['loop_sass']:5d} "
             f"{r['loop_bar']:4d} {r['loop_lds_sts']:7d} {r['loop_shfl']:4d} {r['loop_mma']:4d} "
@@ -187,23 +178,30 @@ def main() -> None:
         )
 
 
-def _whole_table(args: argparse.Namespace) -> None:
-    """Whole-kernel counts: SASS, barriers, shared-memory ops, wide vs narrow stores."""
+def _analysed(args: argparse.Namespace, width: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The selected variants (``--only``) with their analysis; a variant that fails to
+    compile is reported in its table row and skipped."""
     import static_variants
 
-    print(
-        f"{'variant':48s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'SASS':>5s} {'BAR':>4s} "
-        f"{'LDS/STS':>7s} {'STG128':>6s} {'STGnar':>6s} {'LDG':>4s} {'FP32':>5s} {'CVT':>4s} "
-        f"{'INT':>5s}"
-    )
     for name, fn in static_variants.VARIANTS.items():
         if args.only and args.only not in name:
             continue
         try:
             r = analyse(fn(), args.sass, name)
         except Exception as exc:  # report and go on
-            print(f"{name:48s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
+            print(f"{name:{width}s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
             continue
+        yield name, r
+
+
+def _whole_table(args: argparse.Namespace) -> None:
+    """Whole-kernel counts: SASS, barriers, shared-memory ops, wide vs narrow stores."""
+    print(
+        f"{'variant':48s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'SASS':>5s} {'BAR':>4s} "
+        f"{'LDS/STS':>7s} {'STG128':>6s} {'STGnar':>6s} {'LDG':>4s} {'FP32':>5s} {'CVT':>4s} "
+        f"{'INT':>5s}"
+    )
+    for name, r in _analysed(args, 48):
         print(
             f"{name:48s} {r['regs']:4d} {r['spill_bytes']:5d} {r['smem']:6d} "
             f"{r['total_sass']:5d} {r['all_bar']:4d} {r['all_smem']:7d} {r['all_stg128']:6d} "
