@@ -501,7 +501,15 @@ def _moe_block_forward(model: Any, cfg: Any, layer: int, x: Any) -> Any:
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
-    x = x.to(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        from vllm.v1.worker import workspace
+
+        # The CUDA modular fused-MoE kernel takes its scratch from the workspace manager,
+        # which vLLM's GPU model runner sets up; this test has no runner.
+        if not workspace.is_workspace_manager_initialized():
+            workspace.init_workspace_manager(device)
+    x = x.to(device)
     with set_current_vllm_config(cfg), set_forward_context(None, cfg):
         return model.model.layers[layer].mlp(x).cpu()
 
