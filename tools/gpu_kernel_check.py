@@ -1,20 +1,19 @@
 """One GPU run (about 3-4 min on an H200) that checks and times the kvarn-kernels paths in work.
 
-1. Correctness: the kernel package's GPU tests for the newest path at real sizes (round 5:
-   decode v4 with ``unpack="words"``, plus one group of round 4's v4 as a regression check;
-   round 3 checked v3, since removed; rounds 1-2 checked v2, prefill ``method="dequant"`` and
-   store ``variant="v2"``), as pytest subprocesses that run (and compile) while this process
-   compiles the timed kernels.
+1. Correctness: some of the kernel package's GPU tests at real sizes (one group of decode
+   v4 as a regression check, store v3, and the context dequantization kernel against the
+   reference; round 5 checked a decode v4 operand construction and a second dequantization
+   kernel, both removed as no faster; round 3 checked v3, since removed; rounds 1-2 checked
+   v2, prefill ``method="dequant"`` and store ``variant="v2"``), as pytest subprocesses that
+   run (and compile) while this process compiles the timed kernels.
 2. Timings, with the GPU to itself, in one process (``--parts`` picks them): copy bandwidth
-   (the ceiling, same run); decode v1, v4 and v4 ``unpack="words"`` at B = 64 and 256, 16K
-   context, k4v2_g128 and k4v4_g128 (plus the plain-unpack and 3-stage shapes at B = 64,
-   k4v2_g128), and the same three at B = 64, 16K for k4v2_g64 and for k4v2_g128 at head dim
-   256, where ``variant="auto"`` still runs v1 (these decide whether it should take v4 there
-   too); store v1 vs v2 vs v3 (1024 tiles x 8 KV heads,
-   g128 and g64); prefill (2048-token chunk after 14,336 cached tokens) fused vs dequant
-   (varlen FlashAttention and per-request SDPA) next to torch SDPA fp16 over the same context,
-   plus the dequantization alone (no-op attention; and the kernel alone, v1 vs
-   ``dequant_variant="v2"``, in a CUDA graph).
+   (the ceiling, same run); decode v1 and v4 at B = 64 and 256, 16K context, k4v2_g128 and
+   k4v4_g128 (plus v4's plain-unpack shape at B = 64, k4v2_g128), and both at B = 64, 16K for
+   k4v2_g64 and for k4v2_g128 at head dim 256; store v1 vs v2 vs v3 (1024 tiles x 8 KV
+   heads, g128 and g64); prefill (2048-token chunk after 14,336 cached tokens) fused vs
+   dequant (varlen FlashAttention and per-request SDPA) next to torch SDPA fp16 over the same
+   context, plus the dequantization alone (no-op attention; and the kernel alone, in a CUDA
+   graph).
 3. A short table last; JSON with everything to ``$OUT/gpu_kernel_check.json`` when ``OUT``
    is set (and to ``--json`` if given).
 
@@ -40,24 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_kernels as bk  # noqa: E402  (tools/ is not a package)
 
-TEST_BUDGET_S = 200.0  # 8 groups compile in parallel with the timed kernels
-_DEC = "gpu and decode and variant4 and not variant4words and "
-_DECW = "gpu and decode and variant4words and "
-# pytest selections, one subprocess each: the host's cores compile them in parallel. A subset
-# of the parametrizations covers every new code path (all bit widths, G = 64 and 128, head
-# dims 128, 256 and 512, CUDA-graph replay); the full GPU suite runs without -k. Round 4's
-# v4 (unchanged code, all groups passed in round 4) keeps one group as a regression check.
+TEST_BUDGET_S = 200.0  # the groups compile in parallel with the timed kernels
+_DEC = "gpu and decode and variant4 and "
+# pytest selections, one subprocess each: the host's cores compile them in parallel; the full
+# GPU suite runs without -k. Round 4's v4 (unchanged code, all groups passed in round 4) keeps
+# one group as a regression check.
 TEST_GROUPS = {
     "decode_v4_a": ["test_kernels_attention.py", "-k", _DEC + "(k4v2_g128-128 or cuda_graph)"],
-    "decode_v4w_a": ["test_kernels_attention.py", "-k", _DECW + "(k4v2_g128-128 or cuda_graph)"],
-    "decode_v4w_b": ["test_kernels_attention.py", "-k", _DECW + "(k4v4_g128 or k4v2_g64)"],
-    "decode_v4w_c": ["test_kernels_attention.py", "-k", _DECW + "(k4v4_g64 or k5v5)"],
-    "decode_v4w_d": ["test_kernels_attention.py", "-k", _DECW + "(512-8-1 or 64-8-8)"],
-    "words_ptx": ["test_kernels_words_ptx.py"],
     # store v3 (round 3 of the store, untimed): 8 formats/head dims against the reference.
     "store_v3": ["test_kernels_store.py", "-k", "gpu and variant3"],
-    # prefill dequant v2 (round 2 of the dequantization): v1 and v2 write the same bits.
-    "dequant_v2": ["test_kernels_context.py"],
+    # the context dequantization kernel (PTX unpack) against the reference decode.
+    "dequant": ["test_kernels_context.py"],
 }
 
 
@@ -66,8 +58,7 @@ def log(msg: str) -> None:
 
 
 #: Timed decode cases: (format, head dim, batch sizes), each at 16K context with 32 query and
-#: 8 KV heads. The first two are where ``variant="auto"`` runs v4 (measured there); the last
-#: two are where it still runs v1, timed to decide whether it should take v4 there too.
+#: 8 KV heads; ``variant="auto"`` runs v4 at all four.
 DECODE_CASES: tuple[tuple[str, int, tuple[int, ...]], ...] = (
     ("kvarn_k4v2_g128", 128, (64, 256)),
     ("kvarn_k4v4_g128", 128, (64, 256)),
@@ -144,18 +135,14 @@ def finish_tests(procs: dict[str, tuple[subprocess.Popen[str], float]]) -> dict[
 
 
 #: Extra v4 shapes timed at k4v2_g128, D = 128, B = 64 (round 4's BN 32 rows lost 2.8x and
-#: 4.4x and are gone): the PTX unpack's worth for both operand constructions, and one more
-#: pipeline stage for the words path (round 4: 3 stages lost 13% with bytes).
+#: 4.4x and are gone): the PTX unpack's worth.
 DECODE_V4_SHAPES: list[dict[str, Any]] = [
     {"fast_unpack": False},
-    {"unpack": "words", "fast_unpack": False},
-    {"unpack": "words", "num_stages": 3},
 ]
 #: The decode configurations timed at every case, v1 first.
 DECODE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4"},
-    {"variant": "v4", "unpack": "words"},
 ]
 
 
@@ -242,7 +229,7 @@ def _no_attn(q: Any, *_: Any) -> Any:
     return q
 
 
-def bench_dequant_kernel(variant: str, ctx: int, q_len: int) -> dict[str, Any]:
+def bench_dequant_kernel(ctx: int, q_len: int) -> dict[str, Any]:
     """The dequantization launch alone (``dequant_context_into``, replayed in a CUDA graph) on
     the prefill row's context: ``ctx + q_len`` tokens of k4v2_g128, block 0 and the last
     ``q_len / G + 1`` blocks in the pool, as ``bench_prefill`` lays them out."""
@@ -271,7 +258,7 @@ def bench_dequant_kernel(variant: str, ctx: int, q_len: int) -> dict[str, Any]:
     ws_k = torch.empty(seq, hk, d, dtype=torch.float16, device="cuda")
     ws_v = torch.empty_like(ws_k)
     us, mode = bk.timed(
-        lambda: dequant_context_into(geo, kv, pool_k, pool_v, bt, b2s, plan_t, ws_k, ws_v, variant),
+        lambda: dequant_context_into(geo, kv, pool_k, pool_v, bt, b2s, plan_t, ws_k, ws_v),
         graph=True,
     )
     n_pool = pooled.numel()
@@ -296,21 +283,9 @@ def prefill_runs(warm: bool) -> list[dict[str, Any]]:
             "dequant only",
             lambda: bk.bench_prefill("kvarn_k4v2_g128", ctx, q_len, 1, varlen_attention=_no_attn),
         ),
-        # Round 2 of the dequantization (CPU only, predictions in docs/kernel-notes.md):
-        # the v2 kernel in the same no-op row, and both kernels alone (CUDA graph, no host
-        # work), which is what the byte floor (~78 MB moved, ~18 us) is about.
-        (
-            "dequant only v2",
-            lambda: bk.bench_prefill(
-                "kvarn_k4v2_g128", ctx, q_len, 1, varlen_attention=_no_attn, dequant_variant="v2"
-            ),
-        ),
-        ("dequant kernel v1", lambda: bench_dequant_kernel("v1", ctx, q_len)),
-        ("dequant kernel v2", lambda: bench_dequant_kernel("v2", ctx, q_len)),
-        (
-            "dequant v2",
-            lambda: bk.bench_prefill("kvarn_k4v2_g128", ctx, q_len, 1, dequant_variant="v2"),
-        ),
+        # The dequantization kernel alone (CUDA graph, no host work), which is what the byte
+        # floor (~78 MB moved, ~18 us; docs/kernel-notes.md) is about.
+        ("dequant kernel", lambda: bench_dequant_kernel(ctx, q_len)),
         ("sdpa fp16 (noncausal)", lambda: bk.bench_sdpa_prefill(ctx, q_len, 1)),
     ):
         r = bk.guarded(fn)

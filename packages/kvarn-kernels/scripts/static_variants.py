@@ -73,10 +73,8 @@ def _decode_v4(
     d: int = 128,
     qpk: int = 4,
     fast: bool = True,
-    words: bool = False,
 ) -> Any:
-    """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``words``: the
-    ``unpack="words"`` path of round 5)."""
+    """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
@@ -96,15 +94,12 @@ def _decode_v4(
         SCAN=64,
         NUM_SPLITS=4,
         FAST_UNPACK=fast,
-        WORDS=words,
     )
     return compile_kernel(decode_v4_kernel, DECODE_SIG, consts, warps, stages, maxnreg)
 
 
-def _dequant_context(
-    name: str, d: int = 128, bt: int = 32, warps: int = 4, *, raw: bool = False
-) -> Any:
-    """The context dequantization kernel; ``raw`` is ``dequant_variant="v2"``."""
+def _dequant_context(name: str, d: int = 128, bt: int = 32) -> Any:
+    """The context dequantization kernel."""
     from kvarn_kernels.context import _dequant_context_kernel
 
     geo = _geo(name, d)
@@ -128,9 +123,8 @@ def _dequant_context(
         **geo.offsets(),
         BT=min(bt, geo.group),
         FAST_UNPACK=True,
-        RAW=raw,
     )
-    return compile_kernel(_dequant_context_kernel, sig, consts, warps, 3)
+    return compile_kernel(_dequant_context_kernel, sig, consts, 4, 3)
 
 
 for _n, _d, _bt in (
@@ -221,18 +215,16 @@ for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 4), ("kvarn_k5v5_g64"
     variant(f"store_tokens {_n} w{_w}")(lambda _n=_n, _w=_w: _store(_n, 128, _w, "v1", True))
 
 
-def _decode_v4_default(name: str, d: int, qpk: int, words: bool = False) -> Any:
+def _decode_v4_default(name: str, d: int, qpk: int) -> Any:
     """v4 with ``decode_v4_config``'s shape, as ``decode_attention`` launches it."""
     from kvarn_kernels.decode_v4 import decode_v4_config
 
     cfg = decode_v4_config(d, parse_cache_dtype(name).group)
-    return _decode_v4(
-        name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], None, d, qpk, words=words
-    )
+    return _decode_v4(name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], None, d, qpk)
 
 
 # v4's default shape away from the timed case (D = 128, GQA 4, 128-token tiles): other head
-# dims, GQA ratios and 64-token tiles (variant="auto" runs v1 at g64 and at D > 128 so far).
+# dims, GQA ratios and 64-token tiles (variant="auto" runs v4 up to D = 256, v1 at D = 512).
 for _n, _d, _qpk in (
     ("kvarn_k4v2_g128", 64, 1),
     ("kvarn_k4v4_g64", 256, 8),
@@ -240,10 +232,9 @@ for _n, _d, _qpk in (
     ("kvarn_k4v2_g128", 512, 8),
     ("kvarn_k4v2_g64", 128, 16),
 ):
-    for _w in (False, True):
-        variant(f"decode_v4{'w' if _w else ''} default {_n} d{_d} qpk{_qpk}")(
-            lambda _n=_n, _d=_d, _qpk=_qpk, _w=_w: _decode_v4_default(_n, _d, _qpk, _w)
-        )
+    variant(f"decode_v4 default {_n} d{_d} qpk{_qpk}")(
+        lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v4_default(_n, _d, _qpk)
+    )
 
 
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
@@ -256,25 +247,3 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
         variant(f"decode_v4 {_n} bn{_bn} w{_w} s{_st}{'' if _f else ' plain'}")(
             lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _f=_f: _decode_v4(_n, _bn, _w, _st, fast=_f)
         )
-
-
-for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
-    for _bn, _w, _st, _f in ((64, 4, 2, True), (64, 4, 2, False)):
-        variant(f"decode_v4w {_n} bn{_bn} w{_w} s{_st}{'' if _f else ' plain'}")(
-            lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _f=_f: _decode_v4(
-                _n, _bn, _w, _st, fast=_f, words=True
-            )
-        )
-
-
-for _n, _d, _bt, _w in (
-    ("kvarn_k4v2_g128", 128, 32, 4),
-    ("kvarn_k4v2_g128", 128, 64, 4),
-    ("kvarn_k4v2_g128", 128, 64, 8),
-    ("kvarn_k5v5_g64", 128, 32, 4),
-    ("kvarn_k4v4_g64", 256, 16, 4),
-    ("kvarn_k4v2_g128", 64, 32, 4),
-):
-    variant(f"dequant_context_v2 {_n} d{_d} bt{_bt} w{_w}")(
-        lambda _n=_n, _d=_d, _bt=_bt, _w=_w: _dequant_context(_n, _d, _bt, _w, raw=True)
-    )

@@ -39,14 +39,8 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-# "v4w" is v4 with ``unpack="words"`` (round 5: codes read as 32-bit words).
-VARIANTS = ["v1", "v4", "v4w"]
-VARIANT_IDS = ["variant1", "variant4", "variant4words"]
-
-
-def _vkw(variant: str) -> dict[str, str]:
-    """decode_attention keyword arguments of a test variant."""
-    return {"variant": "v4", "unpack": "words"} if variant == "v4w" else {"variant": variant}
+VARIANTS = ["v1", "v4"]
+VARIANT_IDS = ["variant1", "variant4"]
 
 
 def _v4_refuses(name: str, variant: str, d: int, device: torch.device | None = None) -> bool:
@@ -59,7 +53,7 @@ def _v4_refuses(name: str, variant: str, d: int, device: torch.device | None = N
     with pytest.raises(ValueError, match="variant='v4' takes 4-bit keys"):
         decode_attention(
             *case.decode_args(name, torch.zeros(1, 1, d, dtype=torch.float16, device=dev), 1.0),
-            **_vkw(variant),  # type: ignore[arg-type]
+            variant=variant,
         )
     return True
 
@@ -143,7 +137,7 @@ def test_decode_attention(
         num_splits=splits,
         # the two-split cases run v1's loop without register prefetch
         prefetch=variant != "v1" or splits != 2,
-        **_vkw(variant),  # type: ignore[arg-type]
+        variant=variant,
     )
     assert res is out
     ref = decode_attention_ref(*case.decode_args(name, q, scale))
@@ -170,7 +164,7 @@ def test_decode_bf16_and_default_splits_against_fp16_attention(
     scale = 1.0 / math.sqrt(d)
     out = decode_attention(
         *case.decode_args(name, q, scale),
-        **_vkw(variant),  # type: ignore[arg-type]
+        variant=variant,
     )
     assert out.dtype == torch.bfloat16
     ref = decode_attention_ref(*case.decode_args(name, q, scale))
@@ -211,7 +205,7 @@ def test_decode_extreme_magnitudes(device: torch.device, scale_kind: str) -> Non
     args = case.decode_args(name, q, scale)
     ref = decode_attention_ref(*args)
     for variant in VARIANTS:
-        _assert_close(decode_attention(*args, **_vkw(variant)), ref)  # type: ignore[arg-type]
+        _assert_close(decode_attention(*args, variant=variant), ref)
 
 
 # (format, head_dim, Hq, Hk, seq_lens, q_lens, num_splits)
@@ -408,9 +402,6 @@ def test_prefill_validation(device: torch.device, kw: dict[str, object], message
         ("variant", "variant must be"),
         ("v4_prefetch", "applies to variant='v1' only"),
         ("v1_stages", "applies to variant='v4' only"),
-        ("v1_unpack", "unpack applies to variant='v4' only"),
-        ("unpack", "unpack must be 'bytes' or 'words'"),
-        ("unaligned", "4-byte aligned"),
         ("v3_removed", "variant must be 'auto', 'v1' or 'v4'"),
     ],
 )
@@ -443,13 +434,6 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
         kw["variant"] = "v3"
     elif change == "v1_stages":
         kw.update(variant="v1", num_stages=4)
-    elif change == "v1_unpack":
-        kw.update(variant="v1", unpack="words")
-    elif change == "unpack":
-        kw["unpack"] = "nibbles"
-    elif change == "unaligned":
-        kw["unpack"] = "words"
-        kv = torch.zeros(2 * hk * tile + 2, dtype=torch.uint8, device=device)[2:].view(2, hk, tile)
     with pytest.raises(ValueError, match=message):
         decode_attention(
             name,
@@ -505,7 +489,7 @@ def test_decode_attention_gpu(
             num_splits=splits,
             fast_unpack=fast,
             prefetch=prefetch or variant != "v1",
-            **_vkw(variant),  # type: ignore[arg-type]
+            variant=variant,
         )
         ref = decode_attention_ref(*case.decode_args(name, q, scale))
         _assert_close(out, ref)
@@ -572,7 +556,7 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
             out=out,
             workspace=ws,
             num_splits=splits,
-            **_vkw(variant),  # type: ignore[arg-type]
+            variant=variant,
         )
 
     stream = torch.cuda.Stream()
@@ -597,13 +581,12 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
     [
         ("kvarn_k4v2_g128", 128, {}, "v4"),
         ("kvarn_k4v4_g128", 64, {}, "v4"),
-        ("kvarn_k4v2_g128", 256, {}, "v1"),  # not measured faster there
-        ("kvarn_k4v2_g64", 128, {}, "v1"),
+        ("kvarn_k4v2_g128", 256, {}, "v4"),
+        ("kvarn_k4v2_g64", 128, {}, "v4"),
+        ("kvarn_k4v4_g64", 512, {}, "v1"),  # not timed there
         ("kvarn_k5v5_g64", 128, {}, "v1"),  # v4 cannot read 5-bit codes
         ("kvarn_k4v2_g128", 128, {"prefetch": False}, "v1"),  # a v1-only option
-        ("kvarn_k4v2_g64", 128, {"num_stages": 2}, "v4"),  # a v4-only option
-        ("kvarn_k4v2_g128", 256, {"unpack": "words"}, "v4"),  # another
-        ("kvarn_k5v5_g64", 128, {"unpack": "words"}, "v1"),  # v4 cannot; decode refuses
+        ("kvarn_k4v4_g64", 512, {"num_stages": 2}, "v4"),  # a v4-only option
     ],
 )
 def test_auto_decode_variant(name: str, d: int, kw: dict[str, object], expected: str) -> None:
@@ -616,6 +599,29 @@ def test_auto_decode_variant(name: str, d: int, kw: dict[str, object], expected:
         geo,
         kw.get("num_stages"),  # type: ignore[arg-type]
         bool(kw.get("prefetch", True)),
-        kw.get("unpack"),  # type: ignore[arg-type]
     )
     assert got == expected
+
+
+@pytest.mark.parametrize(("num_kv_heads", "max_blocks"), [(8, 128), (8, 1024), (1, 32), (4, 16)])
+def test_decode_splits_are_few_and_met_by_capture_sizes(
+    monkeypatch: pytest.MonkeyPatch, num_kv_heads: int, max_blocks: int
+) -> None:
+    """Each split count is its own Triton compile: every value a serving engine can ask for
+    (any batch of 1..256 decodes) must already occur at vLLM's default CUDA-graph capture
+    sizes, so that start-up compiles them all and none is compiled while serving."""
+    from kvarn_kernels import attention
+
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)  # an H100/H200
+    cpu = torch.device("cpu")
+
+    def splits(batch: int) -> int:
+        return attention.choose_decode_splits(batch, num_kv_heads, max_blocks, cpu)
+
+    served = {splits(b) for b in range(1, 257)}
+    captured = {splits(b) for b in [1, 2, 4, *range(8, 257, 8)]}
+    assert served == captured
+    assert all(s & (s - 1) == 0 for s in served), served
+    assert len(served) <= 7
+    by_batch = [splits(b) for b in range(1, 257)]
+    assert by_batch == sorted(by_batch, reverse=True)  # more requests, fewer splits

@@ -1,11 +1,11 @@
-"""The two dequantization kernels of ``prefill_attention(method="dequant")`` write the same bits.
+"""The dequantization kernel of ``prefill_attention(method="dequant")`` against the reference.
 
-``dequant_variant="v2"`` replaces v1's per-element ``- 1024`` and clamp with exact
-equivalents (raw codes as fp16 subnormals against scales times 2**24; a saturating fp16
-conversion on the GPU). The records here are random code bytes with finite fp16 scale fields
-over a wide range, so that products saturate fp16 and codes cover every value; blocks in the
-side pool, partial last blocks and several KV heads are included. On the CPU the kernels run
-in Triton's interpreter; on a GPU the same test compares the PTX paths.
+The records here are random code bytes with finite fp16 scale fields over a wide range, so
+that products saturate fp16 and codes cover every value; blocks in the side pool, partial
+last blocks and several KV heads are included. On the CPU the kernel runs in Triton's
+interpreter (the plain unpack) and must match the reference's fp32 operations bit for bit; on
+a GPU (the PTX unpack) the compiler may fuse the multiply-add, so a few elements can land one
+fp32 rounding away.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from kvarn_format import parse_cache_dtype, record_layout
-from kvarn_kernels import prefill_attention
 from kvarn_kernels._common import dense_geometry
 from kvarn_kernels.context import dequant_context_into, dequant_plan
+from kvarn_kernels.reference import gather_kv
 
 # (format, head_dim): every bit width, G = 64 and 128, D = 64, 128 and 256.
 CASES = [
@@ -85,50 +85,41 @@ def _random_cache(
 
 
 @pytest.mark.parametrize(("name", "d"), CASES)
-def test_dequant_v2_bitwise_equals_v1(device: torch.device, name: str, d: int) -> None:
+def test_dequant_context_matches_reference(device: torch.device, name: str, d: int) -> None:
+    """Every workspace row is K/2 and V/2 of the reference decode, records saturated to the
+    fp16 range, pool blocks copied."""
     fmt = parse_cache_dtype(name)
     g = fmt.group
     lens = [2 * g + 5, g, 3 * g - 1]  # partial last blocks, a full one, pool blocks
     c = _random_cache(name, d, lens, device, seed=d + g)
     geo = dense_geometry(fmt, d, int(c["kv"].shape[-1]))
     plan, k_off = dequant_plan(lens, g)
-    plan_t = torch.from_numpy(plan).to(device)
-    out = {}
-    for variant in ("v1", "v2"):
-        ws_k = torch.full((k_off[-1], HK, d), float("nan"), dtype=torch.float16, device=device)
-        ws_v = torch.full_like(ws_k, float("nan"))
-        dequant_context_into(
-            geo, c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["b2s"], plan_t, ws_k, ws_v, variant
-        )
-        out[variant] = (ws_k, ws_v)
-    for i, what in enumerate(("K", "V")):
-        a = out["v1"][i].view(torch.int16)
-        b = out["v2"][i].view(torch.int16)
-        assert not torch.isnan(out["v1"][i]).any(), f"{what}: v1 left rows unwritten"
-        diff = int((a != b).sum())
-        assert diff == 0, f"{what}: {diff} of {a.numel()} elements differ between v1 and v2"
-    # the case does exercise saturation (both paths clamp to the fp16 limit)
-    assert bool((out["v1"][0].abs() == 65504).any() or (out["v1"][1].abs() == 65504).any())
-
-
-def test_prefill_dequant_variant_same_output(device: torch.device) -> None:
-    """``prefill_attention(dequant_variant="v2")`` gives v1's output bit for bit; a bad
-    variant, or one passed with ``method="fused"``, is refused."""
-    name, d, hq = "kvarn_k4v2_g64", 64, 4
-    lens, qlens = [150, 70], [30, 6]
-    c = _random_cache(name, d, lens, device, seed=7)
-    # moderate scales so that the attention is well conditioned (not needed for the equality)
-    q = (torch.randn(sum(qlens), hq, d, generator=torch.Generator().manual_seed(2)) * 1e-4).half()
-    q = q.to(device)
-    qsl = torch.tensor([0, *np.cumsum(qlens).tolist()], dtype=torch.int32, device=device)
-    seqs = torch.tensor(lens, dtype=torch.int32, device=device)
-    args = (name, q, c["kv"], c["pool_k"], c["pool_v"], c["bt"], qsl, seqs, c["b2s"], d**-0.5)
-    res = [
-        prefill_attention(*args, dequant_variant=v)  # type: ignore[arg-type]
-        for v in ("v1", "v2")
-    ]
-    assert torch.equal(res[0].view(torch.int16), res[1].view(torch.int16))
-    with pytest.raises(ValueError, match="dequant_variant must be one of"):
-        prefill_attention(*args, dequant_variant="v3")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="apply to method='dequant' only"):
-        prefill_attention(*args, method="fused", dequant_variant="v2")  # type: ignore[arg-type]
+    ws_k = torch.full((k_off[-1], HK, d), float("nan"), dtype=torch.float16, device=device)
+    ws_v = torch.full_like(ws_k, float("nan"))
+    dequant_context_into(
+        geo,
+        c["kv"],
+        c["pool_k"],
+        c["pool_v"],
+        c["bt"],
+        c["b2s"],
+        torch.from_numpy(plan).to(device),
+        ws_k,
+        ws_v,
+    )
+    for r, n in enumerate(lens):
+        k, v = gather_kv(name, c["kv"], c["pool_k"], c["pool_v"], c["bt"][r], n, c["b2s"])
+        for what, got, full in (("K", ws_k, k), ("V", ws_v, v)):
+            got_r = got[k_off[r] : k_off[r + 1]]
+            # records saturate; pool rows are copied as they are (the random pool has infs)
+            half = full * 0.5
+            want = torch.where(half.isinf(), half, half.clamp(-65504.0, 65504.0)).half()
+            assert not torch.isnan(got_r).any(), f"request {r} {what}: rows left unwritten"
+            if device.type == "cpu":
+                diff = int((got_r.view(torch.int16) != want.view(torch.int16)).sum())
+                assert diff == 0, f"request {r} {what}: {diff} of {want.numel()} elements differ"
+            else:
+                # one fp32 rounding of operands up to ~1e5, times token scales up to 8
+                torch.testing.assert_close(got_r.float(), want.float(), rtol=2e-3, atol=0.1)
+    # the case does exercise saturation (the kernel clamps to the fp16 limit)
+    assert bool((ws_k.abs() == 65504).any() or (ws_v.abs() == 65504).any())

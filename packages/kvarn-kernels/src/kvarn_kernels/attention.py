@@ -599,12 +599,18 @@ def choose_decode_splits(
 ) -> int:
     """Split count from static shapes only (CUDA-graph safe): enough programs to fill the GPU.
 
-    Aims at about four programs per SM, and at least 4 blocks per split.
+    Aims at about four programs per SM, and at least 4 blocks per split, rounded down to a
+    power of two. The split count is a compile-time constant of the decode and merge kernels,
+    so every distinct value is a separate Triton compile (seconds each). A serving engine
+    decodes every batch size from 1 to ``max_num_seqs`` (mixed prefill/decode batches run
+    eagerly at any size): unrounded, that is ~15 values, most first seen while serving; the
+    powers of two (at most 7) are all met by vLLM's CUDA-graph capture sizes at start-up.
     """
     progs = max(1, batch * num_kv_heads)
     want = triton.cdiv(4 * _num_sms(device), progs)
     cap = max(1, triton.cdiv(max_blocks, 4))
-    return int(max(1, min(want, cap, 64)))
+    splits = int(max(1, min(want, cap, 64)))
+    return 1 << (splits.bit_length() - 1)
 
 
 def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
@@ -631,7 +637,6 @@ def _launch_v4(
     block_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
-    unpack: str = "bytes",
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
@@ -669,7 +674,6 @@ def _launch_v4(
         SCAN=cfg["scan"],
         NUM_SPLITS=num_splits,
         FAST_UNPACK=fast,
-        WORDS=unpack == "words",
         num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
     )
@@ -697,7 +701,6 @@ def _launch(
     block_m: int | None = None,
     variant: str = "v1",
     num_stages: int | None = None,
-    unpack: str = "bytes",
 ) -> None:
     t, hq, d = (int(s) for s in q.shape)
     hk = int(pool_k.shape[2])
@@ -732,7 +735,6 @@ def _launch(
             block_n,
             num_warps,
             num_stages,
-            unpack,
         )
     else:
         if decode:
@@ -872,20 +874,18 @@ def _v4_supports(geo: DenseGeometry) -> bool:
     return geo.key_bits == 4 and geo.value_bits in (2, 4)
 
 
-def default_decode_variant(
-    geo: DenseGeometry, num_stages: int | None, prefetch: bool, unpack: str | None = None
-) -> str:
+def default_decode_variant(geo: DenseGeometry, num_stages: int | None, prefetch: bool) -> str:
     """The decode kernel ``variant="auto"`` runs.
 
-    v4 where the H200 measured it fastest: 4-bit keys with 2/4-bit values in 128-token tiles
-    at head dims up to 128 (B = 64, 16K: k4v2_g128 903 µs vs v1 1,559; k4v4_g128 991 µs vs
-    v1 1,599; docs/kernel-notes.md, round 4). v1 elsewhere (g64 tiles, 5-bit codes, head
-    dims 256/512: correct in v4 but not yet timed), and whenever a v1-only option
-    (``prefetch=False``) is given; a v4-only option (``num_stages``, ``unpack``) selects v4.
+    v4 wherever it can read the codes (4-bit keys with 2/4-bit values) at head dims up to
+    256: the H200 measured it faster at every such shape timed (B = 64, 16K, same run:
+    k4v2_g128 906 µs vs v1 1,558; k4v4_g128 995 vs 1,611; k4v2_g64 863 vs 1,543; head dim
+    256 5,953 vs 6,366; docs/kernel-notes.md, round 5). v1 for 5-bit codes and head dim 512
+    (v4 is correct there but not timed), and whenever a v1-only option (``prefetch=False``)
+    is given; ``num_stages`` (v4's) selects v4.
     """
     v4_ok = _v4_supports(geo)
-    v4_opt = num_stages is not None or unpack is not None
-    if v4_ok and prefetch and (v4_opt or (geo.group == 128 and geo.head_dim <= 128)):
+    if v4_ok and prefetch and (num_stages is not None or geo.head_dim <= 256):
         return "v4"
     return "v1"
 
@@ -910,7 +910,6 @@ def decode_attention(
     prefetch: bool = True,
     variant: str = "auto",
     num_stages: int | None = None,
-    unpack: str | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request over packed records and the side pool.
 
@@ -940,20 +939,10 @@ def decode_attention(
             module's kernel: any format) or ``"v4"`` (:mod:`kvarn_kernels.decode_v4`: one
             chunk per warp, codes unpacked in the MMA operand layout; 4-bit keys with 2/4-bit
             values only). Both compute the same attention. On the H200 at B = 64, 16K, v4
-            takes 903 µs for k4v2_g128 and 991 µs for k4v4_g128, v1 1,559 and 1,599 µs
-            (1.7x and 1.6x; B = 256 likewise); other formats and head dims are not yet timed
-            with v4. See docs/kernel-notes.md.
+            takes 906 µs for k4v2_g128 and 995 µs for k4v4_g128, v1 1,558 and 1,611 µs
+            (1.7x and 1.6x; B = 256 and g64 tiles likewise). See docs/kernel-notes.md.
         num_stages: v4 only: software-pipeline depth of the code-byte loads (default: the
             launch config's, 2).
-        unpack: v4 only: ``"bytes"`` (default; round 4's operand construction, the one
-            measured on the H200) or ``"words"`` (round 5, opt-in, not yet timed): the codes
-            are read as 32-bit words and unpacked two operand rows at a time straight into the
-            fp16x2 MMA registers (no per-byte shared-memory reads and byte packing), with the
-            tokens of a chunk taken in the order that makes this possible. The same fp16
-            operands as ``"bytes"`` (results differ by fp32 rounding order only); 26% (k4v2)
-            / 28% (k4v4) fewer SASS instructions per token in the static count at 128-token
-            tiles, head dim 128 (docs/kernel-notes.md, round 5). Needs a 4-byte aligned
-            ``kv_cache``.
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -964,23 +953,14 @@ def decode_attention(
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
     if variant not in ("auto", "v1", "v4"):
         raise ValueError(f"variant must be 'auto', 'v1' or 'v4', got {variant!r}")
-    if unpack not in (None, "bytes", "words"):
-        raise ValueError(f"unpack must be 'bytes' or 'words', got {unpack!r}")
     if variant == "auto":
-        variant = default_decode_variant(geo, num_stages, prefetch, unpack)
+        variant = default_decode_variant(geo, num_stages, prefetch)
     if variant != "v1" and not prefetch:
         raise ValueError(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
     if variant == "v1" and num_stages is not None:
         raise ValueError("num_stages applies to variant='v4' only")
-    if variant == "v1" and unpack is not None:
-        raise ValueError("unpack applies to variant='v4' only")
-    if unpack == "words" and kv_cache.data_ptr() % 4:
-        raise ValueError(
-            "unpack='words' reads the records as 32-bit words: kv_cache must start at a "
-            "4-byte aligned address (use a fresh tensor, not an offset view)"
-        )
     if variant == "v4" and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
@@ -1015,7 +995,6 @@ def decode_attention(
         prefetch,
         variant=variant,
         num_stages=num_stages,
-        unpack=unpack or "bytes",
     )
     return out
 
@@ -1046,7 +1025,6 @@ def prefill_attention(
     query_start_loc_cpu: Sequence[int] | None = None,
     max_workspace_bytes: int | None = None,
     varlen_attention: VarlenAttention | None = None,
-    dequant_variant: str = "v1",
 ) -> torch.Tensor:
     """Causal attention of several query tokens per request over cached context.
 
@@ -1092,8 +1070,6 @@ def prefill_attention(
             the dequantized workspace instead of torch's (see
             :data:`kvarn_kernels.context.VarlenAttention`; e.g. vLLM's FlashAttention-3, which
             the plugin passes). Overrides ``sdpa_backend``.
-        dequant_variant: ``"dequant"`` only: the dequantization kernel, ``"v1"`` (default)
-            or ``"v2"`` (fewer instructions per element, the same bits; untimed so far).
         other arguments: as :func:`decode_attention`.
 
     Returns ``[T, Hq, D]`` in q's dtype, unrotated.
@@ -1136,17 +1112,12 @@ def prefill_attention(
             )
         from kvarn_kernels.context import (
             DEFAULT_MAX_WORKSPACE_BYTES,
-            DEQUANT_VARIANTS,
             SDPA_BACKENDS,
             prefill_dequant_attention,
         )
 
         if sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}, got {sdpa_backend!r}")
-        if dequant_variant not in DEQUANT_VARIANTS:
-            raise ValueError(
-                f"dequant_variant must be one of {DEQUANT_VARIANTS}, got {dequant_variant!r}"
-            )
         cap = DEFAULT_MAX_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
         if cap < 1:
             raise ValueError(f"max_workspace_bytes must be positive, got {cap}")
@@ -1168,12 +1139,10 @@ def prefill_attention(
                 max_workspace_bytes=cap,
                 sdpa_backend=sdpa_backend,
                 varlen_attention=varlen_attention,
-                dequant_variant=dequant_variant,
             )
         return out
     if (
-        dequant_variant != "v1"
-        or sdpa_backend != "auto"
+        sdpa_backend != "auto"
         or seq_lens_cpu is not None
         or query_start_loc_cpu is not None
         or max_workspace_bytes is not None
@@ -1181,7 +1150,7 @@ def prefill_attention(
     ):
         raise ValueError(
             "sdpa_backend, seq_lens_cpu, query_start_loc_cpu, max_workspace_bytes, "
-            "varlen_attention and dequant_variant apply to method='dequant' only"
+            "varlen_attention apply to method='dequant' only"
         )
     workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, num_splits), q.device)
     _launch(

@@ -43,7 +43,6 @@ from kvarn_kernels.rotation import rotate_into
 
 __all__ = [
     "DEFAULT_MAX_WORKSPACE_BYTES",
-    "DEQUANT_VARIANTS",
     "SDPA_BACKENDS",
     "VarlenAttention",
     "dequant_context_into",
@@ -55,12 +54,12 @@ __all__ = [
 DEFAULT_MAX_WORKSPACE_BYTES = 512 << 20
 #: Accepted values of ``sdpa_backend``.
 SDPA_BACKENDS = ("auto", "varlen", "per_request")
-#: Accepted values of ``dequant_variant`` (the dequantization kernel; same results).
-DEQUANT_VARIANTS = ("v1", "v2")
 _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 
 
-@triton.jit
+# n_progs changes every step; unspecialized, so a new divisibility class of it is not a new
+# compile (seconds) in the middle of serving.
+@triton.jit(do_not_specialize=["n_progs"])
 def _dequant_context_kernel(
     KV,
     POOL_K,
@@ -88,20 +87,12 @@ def _dequant_context_kernel(
     OFF_VZ: tl.constexpr,
     BT: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
-    RAW: tl.constexpr,
 ):
     """One program per (context block of a request, KV head).
 
     ``PLAN`` is int32 ``[4, n_progs]``: request row, block index within the request, first
     workspace row, valid tokens. Writes ``k / 2`` and ``v / 2`` (rotated frame, fp16) to rows
     ``row0 .. row0 + n - 1`` of ``OUT_K``/``OUT_V`` ``[rows, HK, D]``.
-
-    ``RAW`` (``dequant_variant="v2"``) gives the same bits with fewer instructions per
-    element. v1 spends fp16->fp32, ``- 1024``, FFMA, FMUL, two FMNMX (the clamp) and half an
-    F2FP; v2 drops the subtraction (raw codes as fp16 subnormals, scales times ``2**24``:
-    exact) and the clamp (``cvt.rn.satfinite``: the same bits for finite values). Under the
-    interpreter v2 runs v1's clamp (the PTX has no CPU form); the unit tests compare the two
-    paths bit for bit.
     """
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -130,134 +121,28 @@ def _dequant_context_kernel(
             k0, k1, k2, k3, k4 = _load_codes(
                 rec + OFF_KC, D, G * KB // 8, c * (BT * KB // 8), BT, KB, True
             )
-            kc = _codes_fp32(k0, k1, k2, k3, k4, BT, KB, FAST_UNPACK, RAW)
+            kc = _codes_f16(k0, k1, k2, k3, k4, BT, KB, FAST_UNPACK).to(tl.float32) - 1024.0
             ks = tl.load((rec + OFF_KS).to(f16) + dd).to(tl.float32)
-            if RAW:
-                ks = ks * _RAW_SCALE
             kz = tl.load((rec + OFF_KZ).to(f16) + dd).to(tl.float32)
             kt = tl.load((rec + OFF_KT).to(f16) + tok).to(tl.float32)
             k = kc * ks[:, None]
             k = k + kz[:, None]
             k = k * (0.5 * kt[None, :])
-            tl.store(OUT_K + tl.trans(dst), _to_f16_sat(k, FAST_UNPACK, RAW), mask=ok[None, :])
+            k = tl.minimum(tl.maximum(k, -_FP16_MAX), _FP16_MAX)
+            tl.store(OUT_K + tl.trans(dst), k.to(tl.float16), mask=ok[None, :])
             # V: codes [BT, D] along channels; v = (code * v_scale + v_zero) * v_channel_scale.
             v0, v1, v2, v3, v4 = _load_codes(
                 rec + OFF_VC + c * BT * (D * VB // 8), BT, D * VB // 8, 0, D, VB, True
             )
-            vc = _codes_fp32(v0, v1, v2, v3, v4, D, VB, FAST_UNPACK, RAW)
+            vc = _codes_f16(v0, v1, v2, v3, v4, D, VB, FAST_UNPACK).to(tl.float32) - 1024.0
             vs = tl.load((rec + OFF_VS).to(f16) + tok).to(tl.float32)
-            if RAW:
-                vs = vs * _RAW_SCALE
             vz = tl.load((rec + OFF_VZ).to(f16) + tok).to(tl.float32)
             vcs = tl.load((rec + OFF_VCS).to(f16) + dd).to(tl.float32)
             v = vc * vs[:, None]
             v = v + vz[:, None]
             v = v * (0.5 * vcs[None, :])
-            tl.store(OUT_V + dst, _to_f16_sat(v, FAST_UNPACK, RAW), mask=ok[:, None])
-
-
-# PTX for v2's GPU path. The codes come out as the raw fp16 bit patterns ``code`` (the
-# subnormals ``code * 2**-24``, exact), which saves v1's ``- 1024`` per element; the scales
-# are multiplied by ``2**24`` once per row instead, so ``code' * scale' == code * scale``
-# bit for bit (power-of-two factors are exact here: no overflow, no fp32 subnormal).
-_RAW4_ASM: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 t0, t1;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-and.b32 $0, t0, 0x000F000F;
-and.b32 $1, t1, 0x000F000F;
-shr.b32 t0, t0, 4;
-shr.b32 t1, t1, 4;
-and.b32 $2, t0, 0x000F000F;
-and.b32 $3, t1, 0x000F000F;
-}
-""")
-_RAW2_ASM: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 t0, t1, u0, u1;
-prmt.b32 t0, $8, 0, 0x4140;
-prmt.b32 t1, $8, 0, 0x4342;
-and.b32 $0, t0, 0x00030003;
-and.b32 $1, t1, 0x00030003;
-shr.b32 u0, t0, 2;
-shr.b32 u1, t1, 2;
-and.b32 $2, u0, 0x00030003;
-and.b32 $3, u1, 0x00030003;
-shr.b32 u0, t0, 4;
-shr.b32 u1, t1, 4;
-and.b32 $4, u0, 0x00030003;
-and.b32 $5, u1, 0x00030003;
-shr.b32 u0, t0, 6;
-shr.b32 u1, t1, 6;
-and.b32 $6, u0, 0x00030003;
-and.b32 $7, u1, 0x00030003;
-}
-""")
-# Round to fp16, saturating to +-65504: equal to v1's clamp-then-round for every finite input
-# (the only inputs here: finite fp16 fields times codes <= 31 stay far inside fp32).
-_SATF16_ASM: tl.constexpr = tl.constexpr("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;")
-#: ``2**24``: a raw code's fp16 subnormal is ``code * 2**-24``.
-_RAW_SCALE: tl.constexpr = tl.constexpr(16777216.0)
-
-
-@triton.jit
-def _codes_raw(b0, b1, b2, b3, b4, N: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr):
-    """``[R, N]`` fp32 holding ``code * 2**-24`` (exact), from :func:`_load_codes`'s bytes.
-
-    The same code order as :func:`kvarn_kernels.attention._codes_f16`; ``FAST`` (GPU only)
-    unpacks four bytes per PTX block for 2/4 bits.
-    """
-    if FAST and BITS == 4:
-        lo, hi = tl.inline_asm_elementwise(
-            _RAW4_ASM,
-            "=r,=r,=r,=r,r",
-            [b0],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=4,
-        )
-        f = tl.interleave(lo, hi)
-    elif FAST and BITS == 2:
-        c0, c1, c2, c3 = tl.inline_asm_elementwise(
-            _RAW2_ASM,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r",
-            [b0],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True,
-            pack=4,
-        )
-        f = tl.interleave(tl.interleave(c0, c2), tl.interleave(c1, c3))
-    else:
-        # 5 bits, or the interpreter: v1's fp16 ``1024 + code`` with the exponent bits cleared
-        f = _codes_f16(b0, b1, b2, b3, b4, N, BITS, False)
-        f = (f.to(tl.int16, bitcast=True) & 1023).to(tl.float16, bitcast=True)
-    return f.to(tl.float32)
-
-
-@triton.jit
-def _to_f16_sat(x, FAST: tl.constexpr, RAW: tl.constexpr):
-    """fp32 -> fp16 with v1's saturation at +-65504 (v2 on the GPU: one instruction per pair)."""
-    if FAST and RAW:
-        y = tl.inline_asm_elementwise(
-            _SATF16_ASM, "=r,r,r", [x], dtype=tl.float16, is_pure=True, pack=2
-        )
-    else:
-        y = tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX).to(tl.float16)
-    return y
-
-
-@triton.jit
-def _codes_fp32(
-    b0, b1, b2, b3, b4, N: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr, RAW: tl.constexpr
-):
-    """``[R, N]`` fp32 codes: ``code`` (v1), or ``code * 2**-24`` with ``RAW`` (v2, whose
-    scales carry the ``2**24``)."""
-    if RAW:
-        f = _codes_raw(b0, b1, b2, b3, b4, N, BITS, FAST)
-    else:
-        f = _codes_f16(b0, b1, b2, b3, b4, N, BITS, FAST).to(tl.float32) - 1024.0
-    return f
+            v = tl.minimum(tl.maximum(v, -_FP16_MAX), _FP16_MAX)
+            tl.store(OUT_V + dst, v.to(tl.float16), mask=ok[:, None])
 
 
 #: A FlashAttention-style varlen forward that :func:`kvarn_kernels.prefill_attention` may use
@@ -377,7 +262,6 @@ def prefill_dequant_attention(
     max_workspace_bytes: int,
     sdpa_backend: str,
     varlen_attention: VarlenAttention | None = None,
-    dequant_variant: str = "v1",
 ) -> None:
     """The ``method="dequant"`` path of :func:`kvarn_kernels.prefill_attention` (arguments
     already validated there). Uses host copies of ``seq_lens``/``query_start_loc`` when given,
@@ -455,7 +339,6 @@ def prefill_dequant_attention(
             tokens,
             backend,
             varlen_attention,
-            dequant_variant,
         )
         o16 = res
     if o16 is None:  # no request has query tokens
@@ -493,7 +376,6 @@ def _run_group(
     tokens: int,
     backend: str,
     varlen_attention: VarlenAttention | None = None,
-    dequant_variant: str = "v1",
 ) -> torch.Tensor:
     """Attention of requests ``r0 .. r1 - 1``: into ``o16`` when given, else into a new
     ``[T, Hq, D]`` tensor (only when the group is the whole batch). Returns the output."""
@@ -517,7 +399,6 @@ def _run_group(
             plan_t,
             ws_k,
             ws_v,
-            dequant_variant,
         )
     q_off = [qsl[r] - t0 for r in range(r0, r1 + 1)]
     qg = q16[t0:t1]
@@ -567,16 +448,12 @@ def dequant_context_into(
     plan: torch.Tensor,
     ws_k: torch.Tensor,
     ws_v: torch.Tensor,
-    variant: str = "v1",
 ) -> None:
     """One launch: every block of ``plan`` (:func:`dequant_plan`, on the device) into the
     workspaces ``ws_k``/``ws_v`` ``[rows, Hk, D]`` fp16 as K/2 and V/2 in the rotated frame.
 
-    ``variant`` picks the kernel (:data:`DEQUANT_VARIANTS`); both write the same bits. Also
-    what ``tools/gpu_kernel_check.py`` times alone.
+    Also what ``tools/gpu_kernel_check.py`` times alone.
     """
-    if variant not in DEQUANT_VARIANTS:
-        raise ValueError(f"dequant_variant must be one of {DEQUANT_VARIANTS}, got {variant!r}")
     hk, d, g = int(pool_k.shape[2]), int(pool_k.shape[3]), geo.group
     total = int(plan.shape[1])
     if total == 0:
@@ -602,6 +479,5 @@ def dequant_context_into(
         **geo.offsets(),
         BT=min(bt, g),
         FAST_UNPACK=not triton_interpret(),
-        RAW=variant == "v2",
         num_warps=4,
     )

@@ -41,27 +41,6 @@ row-normalized query in fp16 (its row maximum multiplies the scores in fp32); pr
 in unscaled, as in FlashAttention.
 
 4-bit keys with 2- or 4-bit values only: 5-bit codes straddle bytes (v1 serves them).
-
-``WORDS`` (``decode_attention(..., unpack="words")``, round 5, opt-in until timed). Round 4's
-H200 run showed the time tracking instructions per token, ~60% of them ``PRMT``/``LOP3``: the
-operand layout pairs two rows of the MMA's reduction axis (K: channels ``d, d + 1``; V:
-tokens) in one fp16x2 register, while the record is contiguous along the other axis, so the
-bytes path reads every byte alone from shared memory (``LDS.U8``) and packs four of them per
-register before its unpack. The words path loads the code rows as 32-bit words instead. Word
-``n`` of a chunk row holds tokens ``8n .. 8n + 7`` (K) or the channels of bytes ``4n .. 4n +
-3`` (V); the operand layout gives each thread the words of two adjacent rows, and one PTX
-block turns that pair into the finished fp16x2 registers of 8 (K) or 16 (V) operand columns
-(see ``_PAIR_ASM``). The columns that come out of one word sit on registers and the words on
-the lanes, which is the MMA's own N layout when a chunk's tokens are taken in the order
-``8 * (r % (BN / 8)) + r // (BN / 8)`` (K columns, score columns, probability columns and V
-rows all follow it, so nothing moves between threads; token order within a chunk is free, as
-above), and a V output column ``b * NWV + m`` is byte ``4m + b`` of the row (reordered once
-at the end). The dequantization is v4's (same fp16 operands); the per-chunk K scale vectors
-are no longer masked (a pool chunk's scores are replaced by ``-inf`` anyway), the V vectors
-are masked in their loads instead of by selects, and the row factor of the scores is applied
-inside the exponent's FMA. Static count at k4v2_g128, D = 128 (docs/kernel-notes.md, round 5):
-1,987 SASS instructions per warp and 256-token step instead of 2,687 (31 instead of 42 per
-token), no spills inside the loop.
 """
 
 from __future__ import annotations
@@ -118,133 +97,6 @@ def _fields(b, VB: tl.constexpr, FAST: tl.constexpr):
     return f0, f1, f2, f3
 
 
-# ``unpack="words"`` (round 5): code bytes read as 32-bit words; the MMA operand layout hands
-# each thread the words of two consecutive rows ``k``, ``k + 1`` of the operand's reduction
-# axis (one PTX instance, ``pack=2``). ``_PAIR_ASM`` puts bytes 0-1 (``x``) and 2-3 (``y``)
-# of both words side by side, so each 16-bit half holds two bytes of one row, plus ``x >> 8``
-# and ``y >> 8``; a field is then masked in place and OR-ed into the mantissa of an fp16
-# constant whose unit in the last place equals the field's weight (``_F_*``: bits 0-3
-# under 1024.0, ulp 1; bits 4-7 under 64.0, ulp 1/16; bits 2-3 under 256.0, ulp 1/4; bits 6-7
-# under 16.0, ulp 1/64), giving ``offset + code`` exactly in the fp16x2 register the MMA
-# reads: one ``lop3`` per two codes and two ``prmt`` + two ``shr`` per 16 (4-bit) or 32
-# (2-bit) codes. The fields are separate one-instruction blocks so that the compiler can
-# produce them as they are consumed (one block with all outputs kept them all alive at once:
-# 144 B of spills at k4v4 instead of 16).
-_PAIR_ASM: tl.constexpr = tl.constexpr("""
-{
-prmt.b32 $0, $4, $5, 0x5410;
-prmt.b32 $2, $4, $5, 0x7632;
-shr.b32 $1, $0, 8;
-shr.b32 $3, $2, 8;
-}
-""")
-_F_LO4: tl.constexpr = tl.constexpr("lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;")
-_F_HI4: tl.constexpr = tl.constexpr("lop3.b32 $0, $1, 0x00F000F0, 0x54005400, 0xEA;")
-_F_2B0: tl.constexpr = tl.constexpr("lop3.b32 $0, $1, 0x00030003, 0x64006400, 0xEA;")
-_F_2B1: tl.constexpr = tl.constexpr("lop3.b32 $0, $1, 0x000C000C, 0x5C005C00, 0xEA;")
-_F_2B2: tl.constexpr = tl.constexpr("lop3.b32 $0, $1, 0x00300030, 0x54005400, 0xEA;")
-_F_2B3: tl.constexpr = tl.constexpr("lop3.b32 $0, $1, 0x00C000C0, 0x4C004C00, 0xEA;")
-
-
-@triton.jit
-def _pairs(w):
-    """``x, x >> 8, y, y >> 8`` of each row pair (GPU only; see ``_PAIR_ASM``), as int16
-    pairs (raw bits: some are NaN patterns as fp16, so they are not typed as floats)."""
-    return tl.inline_asm_elementwise(
-        _PAIR_ASM, "=r,=r,=r,=r,r,r", [w], dtype=(tl.int16,) * 4, is_pure=True, pack=2
-    )
-
-
-@triton.jit
-def _field(x, ASM: tl.constexpr, OFFSET: tl.constexpr):
-    """One field of the byte pairs ``x`` as the exact fp16 code (``ASM``'s offset removed)."""
-    f = tl.inline_asm_elementwise(ASM, "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
-    return f - OFFSET
-
-
-@triton.jit
-def _cat4(a, b, c, d):
-    """``[..., R, N]`` x 4 -> ``[..., R, 4N]``, column ``i * N + n`` from input ``i``.
-
-    Register-only when the inputs hold the MMA operand's N columns on the lanes (one per
-    lane group) and the new factor of 4 lands on registers: the join and the permute move no
-    data between threads, and the reshape matches the ``dot_op`` layout (static analysis).
-    """
-    j = tl.join(tl.join(a, b), tl.join(c, d))  # [..., R, N, 2, 2]: input a + 2 * b_
-    j = tl.permute(j, (0, 1, 4, 3, 2))
-    return tl.reshape(j, (j.shape[0], j.shape[1], j.shape[2] * j.shape[3] * j.shape[4]))
-
-
-@triton.jit
-def _words4(w, HALF: tl.constexpr, FAST: tl.constexpr):
-    """4-bit codes of bytes ``2 * HALF`` and ``2 * HALF + 1`` of the 32-bit words ``w`` (LSB
-    first): outputs ``2 * byte + nibble`` as exact fp16 integers.
-
-    ``FAST``: the PTX unpack above; otherwise plain shifts (the Triton interpreter's path).
-    """
-    if FAST:
-        x, xs, y, ys = _pairs(w)
-        if HALF == 1:
-            x = y
-            xs = ys
-        o0 = _field(x, _F_LO4, 1024.0)
-        o1 = _field(x, _F_HI4, 64.0)
-        o2 = _field(xs, _F_LO4, 1024.0)
-        o3 = _field(xs, _F_HI4, 64.0)
-    else:
-        o0 = ((w >> (16 * HALF)) & 15).to(tl.float16)
-        o1 = ((w >> (16 * HALF + 4)) & 15).to(tl.float16)
-        o2 = ((w >> (16 * HALF + 8)) & 15).to(tl.float16)
-        o3 = ((w >> (16 * HALF + 12)) & 15).to(tl.float16)
-    return o0, o1, o2, o3
-
-
-@triton.jit
-def _words2(w, F: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr, FAST: tl.constexpr):
-    """2-bit field ``F`` (bits ``2F, 2F + 1``) of bytes 0..3 of the words ``w``, as exact fp16
-    integers; ``ASM``/``OFFSET``: that field's PTX block and magic offset."""
-    if FAST:
-        x, xs, y, ys = _pairs(w)
-        o0 = _field(x, ASM, OFFSET)
-        o1 = _field(xs, ASM, OFFSET)
-        o2 = _field(y, ASM, OFFSET)
-        o3 = _field(ys, ASM, OFFSET)
-    else:
-        o0 = ((w >> (2 * F)) & 3).to(tl.float16)
-        o1 = ((w >> (2 * F + 8)) & 3).to(tl.float16)
-        o2 = ((w >> (2 * F + 16)) & 3).to(tl.float16)
-        o3 = ((w >> (2 * F + 24)) & 3).to(tl.float16)
-    return o0, o1, o2, o3
-
-
-@triton.jit
-def _vfields(vw, VB: tl.constexpr, FAST: tl.constexpr):
-    """The V operands of words ``vw`` ``[W, rows, NWV]``, one per field, each ``[W, rows, 4 *
-    NWV]`` with column ``b * NWV + m`` = byte ``4m + b`` of the row; for 4-bit values the
-    last two repeat the first two (unused)."""
-    if VB == 4:
-        e0, e1, e2, e3 = _words4(vw, 0, FAST)
-        e4, e5, e6, e7 = _words4(vw, 1, FAST)
-        f0 = _cat4(e0, e2, e4, e6)  # low nibbles
-        f1 = _cat4(e1, e3, e5, e7)
-        f2 = f0
-        f3 = f1
-    else:
-        f0 = _cat4(*_words2(vw, 0, _F_2B0, 1024.0, FAST))
-        f1 = _cat4(*_words2(vw, 1, _F_2B1, 256.0, FAST))
-        f2 = _cat4(*_words2(vw, 2, _F_2B2, 64.0, FAST))
-        f3 = _cat4(*_words2(vw, 3, _F_2B3, 16.0, FAST))
-    return f0, f1, f2, f3
-
-
-@triton.jit
-def _unword(acc, NWV: tl.constexpr):
-    """``[W, R, 4 * NWV]`` with column ``b * NWV + m`` -> column ``4m + b`` (once per program)."""
-    a = tl.reshape(acc, (acc.shape[0], acc.shape[1], 4, NWV))
-    a = tl.permute(a, (0, 1, 3, 2))
-    return tl.reshape(a, (acc.shape[0], acc.shape[1], 4 * NWV))
-
-
 @triton.jit
 def _online(m, l_acc, s_e, s_o, AXIS: tl.constexpr):
     """Online-softmax step over axis ``AXIS`` (the tokens) of the even and odd score halves.
@@ -258,22 +110,6 @@ def _online(m, l_acc, s_e, s_o, AXIS: tl.constexpr):
     p_e = tl.exp2(s_e - tl.expand_dims(m_use, AXIS))
     p_o = tl.exp2(s_o - tl.expand_dims(m_use, AXIS))
     l_acc = l_acc * alpha + tl.sum(p_e, axis=AXIS) + tl.sum(p_o, axis=AXIS)
-    return m_new, alpha, l_acc, p_e.to(tl.float16), p_o.to(tl.float16)
-
-
-@triton.jit
-def _online_rows(m, l_acc, s_e, s_o, qm):
-    """:func:`_online` over axis 2 for scores that still lack a positive per-row factor
-    ``qm`` [BLOCK_Q]: the maximum is tracked without it (it commutes with the maximum) and the
-    exponent applies it in one FMA, ``exp2(s * qm - m * qm)``."""
-    m_new = tl.maximum(m, tl.maximum(tl.max(s_e, axis=2), tl.max(s_o, axis=2)))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2((m - m_use) * qm[None, :])
-    mq = (m_use * qm[None, :])[:, :, None]
-    q3 = qm[None, :, None]
-    p_e = tl.exp2(s_e * q3 - mq)
-    p_o = tl.exp2(s_o * q3 - mq)
-    l_acc = l_acc * alpha + tl.sum(p_e, axis=2) + tl.sum(p_o, axis=2)
     return m_new, alpha, l_acc, p_e.to(tl.float16), p_o.to(tl.float16)
 
 
@@ -313,7 +149,6 @@ def decode_v4_kernel(
     SCAN: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
-    WORDS: tl.constexpr = False,
 ):
     """One program per (request, KV head, split); ``W`` chunks of ``BN`` tokens per step.
 
@@ -365,173 +200,75 @@ def decode_v4_kernel(
     acc2 = tl.zeros([W, BLOCK_Q, DV], dtype=tl.float32)
     acc3 = tl.zeros([W, BLOCK_Q, DV], dtype=tl.float32)
 
-    if WORDS:
-        # Round 5 (``unpack="words"``): word ``n`` of a chunk's K row holds tokens ``8n .. 8n
-        # + 7`` and output ``j`` of the word unpack token ``8n + j``. Outputs 0-3 and 4-7 form
-        # two operands (halves ``a`` and ``b``) whose column ``r`` is token ``8 * (r % NWK) +
-        # r // NWK`` (+ 4 in ``b``): the concatenation puts ``n`` on the lanes (the MMA's N
-        # side) and ``j`` on registers, as the operand layout wants, so it moves no data.
-        # The V rows of each half are loaded in the same token order.
-        tl.static_assert(BN % 8 == 0 and K_ROW % 4 == 0 and V_ROW % 4 == 0)
-        tl.static_assert(OFF_KC % 4 == 0 and OFF_VC % 4 == 0 and STRIDE % 4 == 0)
-        NWK: tl.constexpr = BN // 8  # 32-bit K words per chunk row
-        NWV: tl.constexpr = V_ROW // 4  # 32-bit V words per token row
-        i32p = tl.pointer_type(tl.int32)
-        rr = tl.arange(0, H2)
-        tok_h = 8 * (rr % NWK) + rr // NWK  # [H2] token of column / row r of half a
-        nk = tl.arange(0, NWK)
-        nvw = tl.arange(0, NWV)
-        pc = tl.arange(0, 4 * NWV)
-        vcol = VG * (4 * (pc % NWV) + pc // NWV)  # channel of PV column pc, field 0
-        qm2 = qmax * 2.0  # the halved K operand's factor 2, folded into the row scale
-        kw_off = dd[:, None] * (K_ROW // 4) + nk[None, :]  # [D, NWK] words of a K chunk
-        vw_off = tok_h[:, None] * (V_ROW // 4) + nvw[None, :]  # [H2, NWV] V words, half a
-        for it in range(0, n_it):
-            ci = ch_lo + it * W + ww
-            valid = ci < ch_hi
-            bi = ci // NCH
-            c = ci % NCH
-            blk = tl.load(bt_row + bi, mask=valid, other=0).to(tl.int64)
-            slot = tl.load(BLOCK_TO_SLOT + blk, mask=valid, other=0)
-            packed = valid & (slot < 0)
-            rec = KV + (blk * HK + h) * STRIDE
-            # tokens of half a (half b: + 4) relative to the request's first token
-            tok_a = (bi * G + c * BN)[:, None] + tok_h[None, :]  # [W, H2]
-            live_a = packed[:, None] & (tok_a < seq_len)
-            live_b = packed[:, None] & (tok_a + 4 < seq_len)
+    for it in range(0, n_it):
+        ci = ch_lo + it * W + ww  # [W] chunk of each warp
+        valid = ci < ch_hi
+        bi = ci // NCH
+        c = ci % NCH
+        blk = tl.load(bt_row + bi, mask=valid, other=0).to(tl.int64)
+        slot = tl.load(BLOCK_TO_SLOT + blk, mask=valid, other=0)
+        packed = valid & (slot < 0)  # pool blocks are the second phase's
+        rec = KV + (blk * HK + h) * STRIDE  # [W] record pointers
+        tok_e = c[:, None] * BN + tp[None, :]  # [W, H2]
+        tok_o = tok_e + 1
+        live_e = packed[:, None] & (bi[:, None] * G + tok_e < seq_len)
+        live_o = packed[:, None] & (bi[:, None] * G + tok_o < seq_len)
 
-            # --- scores [W, BLOCK_Q, H2] of the two halves ---
-            # per-warp base plus a constant offset tensor (immediate offsets in the copies)
-            kwb = (rec + OFF_KC).to(i32p) + c * NWK  # [W]
-            kwp = kwb[:, None, None] + kw_off[None, :, :]
-            kw = tl.load(kwp)
-            k0, k1, k2, k3 = _words4(kw, 0, FAST_UNPACK)
-            k4, k5, k6, k7 = _words4(kw, 1, FAST_UNPACK)
-            ksp = (rec[:, None] + OFF_KS).to(f16) + dd[None, :]
-            kzp = (rec[:, None] + OFF_KZ).to(f16) + dd[None, :]
-            # No masks on the K side: a pool block's or an idle warp's scores are replaced
-            # by -inf below whatever its record bytes hold (a select, so NaN cannot leak).
-            ks = (tl.load(ksp) * 0.5)[:, :, None]
-            kz = (tl.load(kzp) * 0.5)[:, :, None]
-            ktp = ((rec + OFF_KT).to(f16) + c * BN)[:, None] + tok_h[None, :]
-            kt_a = tl.load(ktp).to(tl.float32)
-            kt_b = tl.load(ktp + 4).to(tl.float32)
-            s_a = tl.dot(q3, _cat4(k0, k1, k2, k3) * ks + kz)
-            s_b = tl.dot(q3, _cat4(k4, k5, k6, k7) * ks + kz)
-            # scores without the per-row factor qm2 (> 0): it is applied inside the exponent
-            s_a = tl.where(live_a[:, None, :], s_a * kt_a[:, None, :], float("-inf"))
-            s_b = tl.where(live_b[:, None, :], s_b * kt_b[:, None, :], float("-inf"))
-            m, alpha, l_acc, p_a16, p_b16 = _online_rows(m, l_acc, s_a, s_b, qm2)
+        # --- scores [W, BLOCK_Q, H2] of the even and odd tokens ---
+        kbytes = tl.load(
+            rec[:, None, None]
+            + OFF_KC
+            + dd[None, :, None] * K_ROW
+            + c[:, None, None] * H2
+            + nb[None, None, :]
+        )
+        k_lo, k_hi = _nibbles(kbytes, FAST_UNPACK)
+        ksp = (rec[:, None] + OFF_KS).to(f16) + dd[None, :]
+        kzp = (rec[:, None] + OFF_KZ).to(f16) + dd[None, :]
+        ks = (tl.where(packed[:, None], tl.load(ksp), 0.0) * 0.5)[:, :, None]  # [W, D, 1]
+        kz = (tl.where(packed[:, None], tl.load(kzp), 0.0) * 0.5)[:, :, None]
+        ktp = (rec[:, None] + OFF_KT).to(f16)
+        kt_e = tl.where(live_e, tl.load(ktp + tok_e).to(tl.float32), 0.0) * 2.0
+        kt_o = tl.where(live_o, tl.load(ktp + tok_o).to(tl.float32), 0.0) * 2.0
+        s_e = tl.dot(q3, (k_lo - 1024.0) * ks + kz)
+        s_o = tl.dot(q3, (k_hi - 1024.0) * ks + kz)
+        s_e = s_e * kt_e[:, None, :] * qmax[None, :, None]
+        s_o = s_o * kt_o[:, None, :] * qmax[None, :, None]
+        s_e = tl.where(live_e[:, None, :], s_e, float("-inf"))
+        s_o = tl.where(live_o[:, None, :], s_o, float("-inf"))
+        m, alpha, l_acc, p_e16, p_o16 = _online(m, l_acc, s_e, s_o, 2)
 
-            # --- P V [W, BLOCK_Q, DV] per V field, columns in word order ---
-            vwb = (rec + OFF_VC).to(i32p) + c * (BN * (V_ROW // 4))  # [W]
-            vwp = vwb[:, None, None] + vw_off[None, :, :]
-            vsp = ((rec + OFF_VS).to(f16) + c * BN)[:, None] + tok_h[None, :]
-            vzp = ((rec + OFF_VZ).to(f16) + c * BN)[:, None] + tok_h[None, :]
-            # V must be finite where the probabilities are 0: masked loads (zero fill, no
-            # selects) give dead tokens a 0 operand and pool blocks a 0 channel scale.
-            vs_a = tl.load(vsp, mask=live_a, other=0.0)[:, :, None] * 0.5
-            vz_a = tl.load(vzp, mask=live_a, other=0.0)[:, :, None] * 0.5
-            vs_b = tl.load(vsp + 4, mask=live_b, other=0.0)[:, :, None] * 0.5
-            vz_b = tl.load(vzp + 4, mask=live_b, other=0.0)[:, :, None] * 0.5
-            vcp = (rec[:, None] + OFF_VCS).to(f16) + vcol[None, :]
-            a3 = alpha[:, :, None]
-            fa0, fa1, fa2, fa3 = _vfields(tl.load(vwp), VB, FAST_UNPACK)
-            fb0, fb1, fb2, fb3 = _vfields(tl.load(vwp + 4 * (V_ROW // 4)), VB, FAST_UNPACK)
-            pv = tl.dot(p_a16, fa0 * vs_a + vz_a)
-            pv = tl.dot(p_b16, fb0 * vs_b + vz_b, pv)
-            vcs = tl.load(vcp, mask=packed[:, None], other=0.0).to(tl.float32)
-            acc0 = acc0 * a3 + pv * vcs[:, None, :]
-            pv = tl.dot(p_a16, fa1 * vs_a + vz_a)
-            pv = tl.dot(p_b16, fb1 * vs_b + vz_b, pv)
-            vcs = tl.load(vcp + 1, mask=packed[:, None], other=0.0).to(tl.float32)
-            acc1 = acc1 * a3 + pv * vcs[:, None, :]
-            if VG == 4:
-                pv = tl.dot(p_a16, fa2 * vs_a + vz_a)
-                pv = tl.dot(p_b16, fb2 * vs_b + vz_b, pv)
-                vcs = tl.load(vcp + 2, mask=packed[:, None], other=0.0).to(tl.float32)
-                acc2 = acc2 * a3 + pv * vcs[:, None, :]
-                pv = tl.dot(p_a16, fa3 * vs_a + vz_a)
-                pv = tl.dot(p_b16, fb3 * vs_b + vz_b, pv)
-                vcs = tl.load(vcp + 3, mask=packed[:, None], other=0.0).to(tl.float32)
-                acc3 = acc3 * a3 + pv * vcs[:, None, :]
-        m = m * qm2[None, :]  # the running maximum in the units of the other path
-        # back to v4's column order (byte n of a V row): column b * NWV + m is byte 4m + b;
-        # and the halved V operand's factor 2, once here instead of per chunk
-        acc0 = _unword(acc0 * 2.0, NWV)
-        acc1 = _unword(acc1 * 2.0, NWV)
-        acc2 = _unword(acc2 * 2.0, NWV)
-        acc3 = _unword(acc3 * 2.0, NWV)
-    else:
-        for it in range(0, n_it):
-            ci = ch_lo + it * W + ww  # [W] chunk of each warp
-            valid = ci < ch_hi
-            bi = ci // NCH
-            c = ci % NCH
-            blk = tl.load(bt_row + bi, mask=valid, other=0).to(tl.int64)
-            slot = tl.load(BLOCK_TO_SLOT + blk, mask=valid, other=0)
-            packed = valid & (slot < 0)  # pool blocks are the second phase's
-            rec = KV + (blk * HK + h) * STRIDE  # [W] record pointers
-            tok_e = c[:, None] * BN + tp[None, :]  # [W, H2]
-            tok_o = tok_e + 1
-            live_e = packed[:, None] & (bi[:, None] * G + tok_e < seq_len)
-            live_o = packed[:, None] & (bi[:, None] * G + tok_o < seq_len)
-
-            # --- scores [W, BLOCK_Q, H2] of the even and odd tokens ---
-            kbytes = tl.load(
-                rec[:, None, None]
-                + OFF_KC
-                + dd[None, :, None] * K_ROW
-                + c[:, None, None] * H2
-                + nb[None, None, :]
-            )
-            k_lo, k_hi = _nibbles(kbytes, FAST_UNPACK)
-            ksp = (rec[:, None] + OFF_KS).to(f16) + dd[None, :]
-            kzp = (rec[:, None] + OFF_KZ).to(f16) + dd[None, :]
-            ks = (tl.where(packed[:, None], tl.load(ksp), 0.0) * 0.5)[:, :, None]  # [W, D, 1]
-            kz = (tl.where(packed[:, None], tl.load(kzp), 0.0) * 0.5)[:, :, None]
-            ktp = (rec[:, None] + OFF_KT).to(f16)
-            kt_e = tl.where(live_e, tl.load(ktp + tok_e).to(tl.float32), 0.0) * 2.0
-            kt_o = tl.where(live_o, tl.load(ktp + tok_o).to(tl.float32), 0.0) * 2.0
-            s_e = tl.dot(q3, (k_lo - 1024.0) * ks + kz)
-            s_o = tl.dot(q3, (k_hi - 1024.0) * ks + kz)
-            s_e = s_e * kt_e[:, None, :] * qmax[None, :, None]
-            s_o = s_o * kt_o[:, None, :] * qmax[None, :, None]
-            s_e = tl.where(live_e[:, None, :], s_e, float("-inf"))
-            s_o = tl.where(live_o[:, None, :], s_o, float("-inf"))
-            m, alpha, l_acc, p_e16, p_o16 = _online(m, l_acc, s_e, s_o, 2)
-
-            # --- P V [W, BLOCK_Q, DV] per V field ---
-            vrow_e = rec[:, None, None] + OFF_VC + tok_e[:, :, None] * V_ROW + nv[None, None, :]
-            vb_e = tl.load(vrow_e)
-            vb_o = tl.load(vrow_e + V_ROW)
-            vsp = (rec[:, None] + OFF_VS).to(f16)
-            vzp = (rec[:, None] + OFF_VZ).to(f16)
-            vs_e = tl.where(live_e, tl.load(vsp + tok_e), 0.0)[:, :, None] * 0.5
-            vs_o = tl.where(live_o, tl.load(vsp + tok_o), 0.0)[:, :, None] * 0.5
-            vz_e = tl.where(live_e, tl.load(vzp + tok_e), 0.0)[:, :, None] * 0.5
-            vz_o = tl.where(live_o, tl.load(vzp + tok_o), 0.0)[:, :, None] * 0.5
-            vcp = (rec[:, None] + OFF_VCS).to(f16) + nv[None, :] * VG
-            a3 = alpha[:, :, None]
-            e0, e1, e2, e3 = _fields(vb_e, VB, FAST_UNPACK)
-            o0_, o1_, o2_, o3_ = _fields(vb_o, VB, FAST_UNPACK)
-            pv = tl.dot(p_e16, (e0 - 1024.0) * vs_e + vz_e)
-            pv = tl.dot(p_o16, (o0_ - 1024.0) * vs_o + vz_o, pv)
-            vcs = tl.where(packed[:, None], tl.load(vcp).to(tl.float32), 0.0) * 2.0
-            acc0 = acc0 * a3 + pv * vcs[:, None, :]
-            pv = tl.dot(p_e16, (e1 - 1024.0) * vs_e + vz_e)
-            pv = tl.dot(p_o16, (o1_ - 1024.0) * vs_o + vz_o, pv)
-            vcs = tl.where(packed[:, None], tl.load(vcp + 1).to(tl.float32), 0.0) * 2.0
-            acc1 = acc1 * a3 + pv * vcs[:, None, :]
-            if VG == 4:
-                pv = tl.dot(p_e16, (e2 - 1024.0) * vs_e + vz_e)
-                pv = tl.dot(p_o16, (o2_ - 1024.0) * vs_o + vz_o, pv)
-                vcs = tl.where(packed[:, None], tl.load(vcp + 2).to(tl.float32), 0.0) * 2.0
-                acc2 = acc2 * a3 + pv * vcs[:, None, :]
-                pv = tl.dot(p_e16, (e3 - 1024.0) * vs_e + vz_e)
-                pv = tl.dot(p_o16, (o3_ - 1024.0) * vs_o + vz_o, pv)
-                vcs = tl.where(packed[:, None], tl.load(vcp + 3).to(tl.float32), 0.0) * 2.0
-                acc3 = acc3 * a3 + pv * vcs[:, None, :]
+        # --- P V [W, BLOCK_Q, DV] per V field ---
+        vrow_e = rec[:, None, None] + OFF_VC + tok_e[:, :, None] * V_ROW + nv[None, None, :]
+        vb_e = tl.load(vrow_e)
+        vb_o = tl.load(vrow_e + V_ROW)
+        vsp = (rec[:, None] + OFF_VS).to(f16)
+        vzp = (rec[:, None] + OFF_VZ).to(f16)
+        vs_e = tl.where(live_e, tl.load(vsp + tok_e), 0.0)[:, :, None] * 0.5
+        vs_o = tl.where(live_o, tl.load(vsp + tok_o), 0.0)[:, :, None] * 0.5
+        vz_e = tl.where(live_e, tl.load(vzp + tok_e), 0.0)[:, :, None] * 0.5
+        vz_o = tl.where(live_o, tl.load(vzp + tok_o), 0.0)[:, :, None] * 0.5
+        vcp = (rec[:, None] + OFF_VCS).to(f16) + nv[None, :] * VG
+        a3 = alpha[:, :, None]
+        e0, e1, e2, e3 = _fields(vb_e, VB, FAST_UNPACK)
+        o0_, o1_, o2_, o3_ = _fields(vb_o, VB, FAST_UNPACK)
+        pv = tl.dot(p_e16, (e0 - 1024.0) * vs_e + vz_e)
+        pv = tl.dot(p_o16, (o0_ - 1024.0) * vs_o + vz_o, pv)
+        vcs = tl.where(packed[:, None], tl.load(vcp).to(tl.float32), 0.0) * 2.0
+        acc0 = acc0 * a3 + pv * vcs[:, None, :]
+        pv = tl.dot(p_e16, (e1 - 1024.0) * vs_e + vz_e)
+        pv = tl.dot(p_o16, (o1_ - 1024.0) * vs_o + vz_o, pv)
+        vcs = tl.where(packed[:, None], tl.load(vcp + 1).to(tl.float32), 0.0) * 2.0
+        acc1 = acc1 * a3 + pv * vcs[:, None, :]
+        if VG == 4:
+            pv = tl.dot(p_e16, (e2 - 1024.0) * vs_e + vz_e)
+            pv = tl.dot(p_o16, (o2_ - 1024.0) * vs_o + vz_o, pv)
+            vcs = tl.where(packed[:, None], tl.load(vcp + 2).to(tl.float32), 0.0) * 2.0
+            acc2 = acc2 * a3 + pv * vcs[:, None, :]
+            pv = tl.dot(p_e16, (e3 - 1024.0) * vs_e + vz_e)
+            pv = tl.dot(p_o16, (o3_ - 1024.0) * vs_o + vz_o, pv)
+            vcs = tl.where(packed[:, None], tl.load(vcp + 3).to(tl.float32), 0.0) * 2.0
+            acc3 = acc3 * a3 + pv * vcs[:, None, :]
 
     # --- merge the W warps' states ---
     m_all = tl.max(m, axis=0)  # [BLOCK_Q]

@@ -71,7 +71,9 @@ def sign_matrix(head_dim: int, device: torch.device | str, dtype: torch.dtype) -
     return torch.from_numpy(s).to(device=torch.device(device), dtype=dtype).contiguous()
 
 
-@triton.jit
+# n_rows changes every step; Triton would compile a variant per divisibility class of it
+# (a stall of seconds on a serving step), and it only bounds a mask.
+@triton.jit(do_not_specialize=["n_rows"])
 def _rotate_rows_kernel(
     X,
     Y,
