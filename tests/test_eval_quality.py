@@ -365,10 +365,9 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
     the kernels) and ``+attn16`` (the reference codec with torch's attention in fp16). 256
     tokens in 64-token steps (``prefill_attention``; tiles 1 and 2 get flushed), then 3
     one-token steps (``decode_attention``). Tolerances, on logits of order 1:
-    the store row equals the reference row to float32 rounding (under the interpreter the
-    store kernel's tiles decode to exactly the reference codec's, checked first); the
-    serving row, whose attention takes fp16 queries and returns fp16 outputs as in serving,
-    stays within twice the distance of the fp16-attention control (the floor of computing
+    the store kernel's tiles first, whose error against the input is within 2 % of the
+    reference codec's; then the store row and the serving row (whose attention takes fp16
+    queries and returns fp16 outputs as in serving) each stay within twice the distance of the fp16-attention control (the floor of computing
     attention in fp16) and within 5 % of the quantization's own effect on the logits.
     """
     install(tiny)
@@ -381,9 +380,12 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
         v = torch.randn(4, g, 64, generator=gen).to(device)
         ref = make_codec(fmt, 64).quantize_tiles(k, v)
         ker = make_codec(f"{fmt}+store", 64).quantize_tiles(k, v)
-        if device.type == "cpu":  # on a GPU an fp16 scale may land one ulp away
-            assert torch.equal(ref[0], ker[0]) and torch.equal(ref[1], ker[1]), fmt
-        torch.testing.assert_close(ker, ref, rtol=0, atol=5e-3 * float(k.abs().max()))
+        # The serving store (flush_tiles' default, v3) computes its Sinkhorn stds in one
+        # pass: an fp16 scale may land one ulp away from the reference's, so bounded, not
+        # equal (byte identity of the v1 store is tested in kvarn-kernels).
+        for got, want, x in ((ker[0], ref[0], k), (ker[1], ref[1], v)):
+            ratio = float((got - x).pow(2).mean() / (want - x).pow(2).mean()) ** 0.5
+            assert 0.98 < ratio < 1.02, f"{fmt}: store error {ratio:.3f}x the reference codec's"
     name = "kvarn_k4v2_g64"
     codecs = [FP16Cache(), make_codec(name, 64), make_codec(f"{name}+store", 64)]
     codecs += [make_codec(name, 64, backend="kernels"), make_codec(f"{name}+attn16", 64)]
@@ -414,11 +416,12 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
     half = (logits[4] - logits[1]).abs()  # the same codec with torch's attention in fp16
     effect = float(quant[128:].max())
     assert effect > 0.05, "the quantized tiles must change the logits"
-    # Measured on the CPU interpreter: store 2e-7 (same records; the rows differ only by
-    # float32 noise of their batch position in the model's matmuls); serving 1.95e-3 at
-    # worst and 2.3e-4 on average, fp16 attention 1.94e-3 and 2.1e-4 (1.6 % and 1.2 % of
-    # the quantization's effect): the kernels lose nothing beyond computing in fp16.
-    assert float(store.max()) < 1e-5, float(store.max())
+    # Measured on the CPU interpreter: store 1.3e-3 at worst (the v3 store's records are
+    # the reference's up to an ulp in a scale, which can move one tile's Sinkhorn pick);
+    # serving 1.95e-3 at worst and 2.3e-4 on average, fp16 attention 1.94e-3 and 2.1e-4
+    # (1.6 % and 1.2 % of the quantization's effect): the kernels lose nothing beyond
+    # computing in fp16.
+    assert float(store.max()) < min(2 * float(half.max()), 0.05 * effect), float(store.max())
     assert float(kern.max()) < 2 * float(half.max()), (float(kern.max()), float(half.max()))
     assert float(kern.mean()) < 2 * float(half.mean()), (float(kern.mean()), float(half.mean()))
     assert float(kern[-extra:].max()) < 2 * float(half[-extra:].max())  # decode steps
