@@ -7,8 +7,9 @@
    v2, prefill ``method="dequant"`` and store ``variant="v2"``), as pytest subprocesses that
    run (and compile) while this process compiles the timed kernels.
 2. Timings, with the GPU to itself, in one process (``--parts`` picks them): copy bandwidth
-   (the ceiling, same run); decode v1 and v4 at B = 64 and 256, 16K context, k4v2_g128 and
-   k4v4_g128 (plus v4's plain-unpack shape at B = 64, k4v2_g128), and both at B = 64, 16K for
+   (the ceiling, same run); decode v1, v4 and v4 under register caps of 168 and 128 at
+   B = 64 and 256, 16K context, k4v2_g128 and k4v4_g128 (plus v4's plain-unpack shape at
+   B = 64, k4v2_g128), and the same at B = 64, 16K for
    k4v2_g64 and for k4v2_g128 at head dim 256; store v1 vs v2 vs v3 (1024 tiles x 8 KV
    heads, g128 and g64); prefill (2048-token chunk after 14,336 cached tokens) fused vs
    dequant (varlen FlashAttention and per-request SDPA) next to torch SDPA fp16 over the same
@@ -50,6 +51,8 @@ TEST_GROUPS = {
     "store_v3": ["test_kernels_store.py", "-k", "gpu and variant3"],
     # the context dequantization kernel (PTX unpack) against the reference decode.
     "dequant": ["test_kernels_context.py"],
+    # round 6: v4 compiled under register caps (spilling) against the reference.
+    "decode_v4_regcap": ["test_kernels_attention.py", "-k", "register_cap"],
 }
 
 
@@ -143,6 +146,10 @@ DECODE_V4_SHAPES: list[dict[str, Any]] = [
 DECODE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4"},
+    # round 6, the occupancy experiment: 3 and 4 programs of 4 warps per SM instead of 2,
+    # paid in spills (docs/kernel-notes.md)
+    {"variant": "v4", "max_registers": 168},
+    {"variant": "v4", "max_registers": 128},
 ]
 
 
