@@ -19,13 +19,16 @@ import sys
 import torch
 
 from kvarn_kernels import decode_attention, flush_tiles
+from kvarn_kernels.store import STORE_VARIANTS
 from kvarn_kernels.testing import build_case
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", default="kvarn_k4v2_g128")
-    ap.add_argument("--store-variants", default="v1,v2", help="flush_tiles variants to launch")
+    ap.add_argument(
+        "--store-variants", default=",".join(STORE_VARIANTS), help="flush_tiles variants"
+    )
     ap.add_argument("--decode-variants", default="v1,v4", help="decode_attention variants")
     ap.add_argument("--device", default="cuda", help="cpu runs under TRITON_INTERPRET=1")
     args = ap.parse_args()
