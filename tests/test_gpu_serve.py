@@ -68,3 +68,17 @@ def test_unreachable_server_is_an_error() -> None:
 def test_prompt_budget_is_validated() -> None:
     with pytest.raises(SystemExit):
         gpu_serve.main(["--max-prompt", "4000", "--max-tokens", "200", "--max-model-len", "4096"])
+
+
+def test_jit_compiles_are_read_from_the_server_log() -> None:
+    log = (
+        "(EngineCore pid=1) INFO ... Kernel JIT monitor activated\n"
+        "(EngineCore pid=1) WARNING 11-30 06:37:50 [jit_monitor.py:103] Triton kernel JIT "
+        "compilation during inference: _rotate_rows_kernel. This causes a latency spike\n"
+        "(EngineCore pid=1) WARNING 11-30 06:38:02 [jit_monitor.py:103] Triton kernel JIT "
+        "compilation during inference: decode_v4_kernel. This causes a latency spike\n"
+    )
+    assert gpu_serve.jit_compiles(log) == ["_rotate_rows_kernel", "decode_v4_kernel"]
+    assert gpu_serve.jit_compiles("no warnings") == []
+    row = {"kv_cache_dtype": "x", "status": "ok", "jit_compiles_while_serving": []}
+    assert gpu_serve.table([row]).splitlines()[-1].endswith("| none |")

@@ -380,3 +380,33 @@ def test_direct_tiles_rows_come_from_the_slot_mapping(kvarn: None, qwen3_dir: Pa
     # No direct tiles this step: nothing to do.
     rt._direct_host = None
     assert rt.direct_tiles(sm, len(slots) - 2) is None
+
+
+def test_runtime_warms_up_the_prefill_kernels_with_its_geometry(
+    kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the serving runtime compiles the prefill-side kernels at start-up with the
+    layer geometry (per rank) and the model dtype; on a CPU it skips the warm-up."""
+    import kvarn_kernels
+
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+
+    calls: list[dict[str, object]] = []
+
+    def fake_warmup(fmt: object, **kw: object) -> int:
+        calls.append({"fmt": fmt, **kw})
+        return 7
+
+    monkeypatch.setattr(kvarn_kernels, "warmup", fake_warmup)
+    config = _config(qwen3_dir)
+    config.cache_config.num_gpu_blocks = 8
+    layers = _attention_layers(config, 1)
+    spec = layers[0].get_kv_cache_spec(config)
+    builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
+    assert calls == [], "no warm-up on a CPU"
+    builder.runtime._warm_up_kernels(torch.bfloat16)
+    (call,) = calls
+    assert call["fmt"] is builder.runtime.fmt
+    # the fixture's small Qwen3: 4 query heads, 2 KV heads, head_dim 128
+    assert (call["head_dim"], call["num_q_heads"], call["num_kv_heads"]) == (128, 4, 2)
+    assert call["dtype"] == torch.bfloat16 and call["device"] == torch.device("cpu")

@@ -9,7 +9,8 @@ Serving data model (per attention layer):
 
 Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from pool slots),
 :func:`flush_token_tiles` (store straight from a step's rotated K/V rows),
-:func:`decode_attention`, :func:`prefill_attention`, plus :func:`hadamard_matrix`.
+:func:`decode_attention`, :func:`prefill_attention`, plus :func:`hadamard_matrix` and
+:func:`warmup` (compiles the prefill-side kernels before serving).
 Pure-torch references live in :mod:`kvarn_kernels.reference`.
 """
 
@@ -21,6 +22,7 @@ from kvarn_kernels.attention import (
 )
 from kvarn_kernels.rotation import hadamard_matrix, rotate, write_side_pool
 from kvarn_kernels.store import flush_tiles, flush_token_tiles
+from kvarn_kernels.warmup import warmup
 
 __version__ = "0.1.0"
 
@@ -33,5 +35,6 @@ __all__ = [
     "hadamard_matrix",
     "prefill_attention",
     "rotate",
+    "warmup",
     "write_side_pool",
 ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -170,6 +171,31 @@ class KvarnGroupRuntime:
                 "on" if self.prefix_caching else "off",
                 "on" if self.direct_flush else f"off ({limits.direct_flush_off_reason})",
             )
+            model_dtype = vllm_config.model_config.dtype
+            if device.type == "cuda":
+                # the backend serves fp16 and bf16 models only (supported_dtypes)
+                act = model_dtype if model_dtype == torch.bfloat16 else torch.float16
+                self._warm_up_kernels(act)
+
+    def _warm_up_kernels(self, dtype: torch.dtype) -> None:
+        """Compile the prefill-side kernels now: CUDA-graph capture compiles the decode
+        kernels, nothing compiles these before the first prompts, which would otherwise each
+        wait seconds for Triton (vLLM's JIT monitor logs it)."""
+        kk: Any = importlib.import_module("kvarn_kernels")
+        start = time.perf_counter()
+        launches = kk.warmup(
+            self.fmt,
+            head_dim=self.head_size,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            device=self.device,
+            dtype=dtype,
+        )
+        logger.info(
+            "kvarn: prefill kernels compiled (%d scratch launches, %.1f s)",
+            launches,
+            time.perf_counter() - start,
+        )
 
     # ------------------------------------------------------------------ geometry
     @property

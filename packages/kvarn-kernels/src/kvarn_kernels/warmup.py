@@ -1,0 +1,134 @@
+"""Compile the prefill-side kernels before serving starts.
+
+Triton compiles a kernel the first time it meets a new set of compile-time constants, and a
+compile takes seconds. Decode kernels are compiled when a serving engine captures its CUDA
+graphs; the kernels of prefill steps (rotation, side-pool writes, the two store paths, the
+context dequantization) are not, so without a warm-up the first prompts of a server stall
+for several seconds per kernel (vLLM's JIT monitor logs each one). :func:`warmup` launches
+each of them once on small scratch tensors, with the constants a serving step uses, so that
+the compiled kernels are in Triton's cache when the real steps come.
+
+What selects a compile, and how the scratch launches match the serving ones:
+
+* dtypes and constexprs: the model dtype for activations, fp16 pools, the format's geometry,
+  the store paths' flags (pool flush: no head rows, unmasked; direct flush: head rows,
+  masked);
+* the rotation's row tile (16 / 32 / 64 rows, from the row count): one launch per class,
+  for the K/V rows (``T * Hk``) and the query rows (``T * Hq``);
+* integer arguments: the per-step counts are not specialized (``do_not_specialize``), and
+  the strides of contiguous scratch tensors fall in the same divisibility class as vLLM's
+  (multiples of 16 at every supported head dim).
+
+Nothing outside the scratch tensors is read or written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvarn_format import record_layout
+from kvarn_format.registry import KVarNFormat
+from kvarn_kernels._common import resolve_format
+from kvarn_kernels.attention import prefill_attention
+from kvarn_kernels.rotation import rotate, write_side_pool
+from kvarn_kernels.store import flush_tiles, flush_token_tiles
+
+__all__ = ["warmup"]
+
+#: The rotation kernel's row tiles change at these row counts (``rotation._block_r``).
+_ROW_CLASS_EDGES = (16, 4096)
+
+
+def _token_counts(num_q_heads: int, num_kv_heads: int) -> list[int]:
+    """Token counts whose K/V rows and query rows cover every row-tile class of both."""
+    counts = {1}
+    for heads in (num_kv_heads, num_q_heads):
+        for edge in _ROW_CLASS_EDGES:
+            counts.add(max(1, edge // heads))  # at the edge (inside the smaller class)
+            counts.add(edge // heads + 1)  # just past it
+    return sorted(counts)
+
+
+def warmup(
+    fmt: KVarNFormat | str,
+    *,
+    head_dim: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float16,
+) -> int:
+    """Launch every prefill-side kernel once on scratch tensors; returns the launch count.
+
+    Args:
+        fmt: the dense KVarN format served (or its dtype string).
+        head_dim, num_q_heads, num_kv_heads: the attention layer's geometry (per rank).
+        device: the serving device; on a CPU (Triton's interpreter) nothing is compiled and
+            the warm-up only runs the ops.
+        dtype: the model's activation dtype (fp16 or bf16).
+    """
+    dense = resolve_format(fmt)
+    dev = torch.device(device)
+    g, hk, hq, d = dense.group, num_kv_heads, num_q_heads, head_dim
+    tile_bytes = record_layout(dense, d).tile_bytes
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)
+
+    # Two pool slots, two packed blocks; block 1 lives in slot 0.
+    pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=dev)
+    pool_v = torch.zeros_like(pool_k)
+    kv_cache = torch.zeros(2, hk, tile_bytes, dtype=torch.uint8, device=dev)
+    block_to_slot = torch.tensor([-1, 0], dtype=torch.int32, device=dev)
+    one = torch.ones(1, dtype=torch.int32, device=dev)
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    launches = 0
+
+    # Stores: the pool flush (slot 0 -> block 0) and the direct flush of a step's rows
+    # opening with pool rows (the plugin always passes the head tensors).
+    flush_tiles(dense, pool_k, pool_v, zero, kv_cache, zero)
+    rows_k = rotate(randn(g, hk, d))
+    rows_v = rotate(randn(g, hk, d))
+    flush_token_tiles(
+        dense,
+        rows_k,
+        rows_v,
+        zero,
+        kv_cache,
+        zero,
+        pool_k=pool_k,
+        pool_v=pool_v,
+        head_slots=zero,
+        head_lens=one,
+    )
+    launches += 2
+
+    scale = d**-0.5
+    for t in _token_counts(hq, hk):
+        k, v = randn(t, hk, d), randn(t, hk, d)
+        rotate(k)
+        # Every token skipped (slot -1): the scatter kernel compiles and writes nothing.
+        skip = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        write_side_pool(k, v, pool_k, pool_v, skip, block_to_slot, check=False)
+        # A request whose t query tokens follow one packed block; its last block is pooled.
+        seq = g + t
+        blocks = -(-seq // g)
+        table = torch.zeros(1, blocks, dtype=torch.int32, device=dev)
+        table[0, -1] = 1
+        prefill_attention(
+            dense,
+            randn(t, hq, d),
+            kv_cache,
+            pool_k,
+            pool_v,
+            table,
+            torch.tensor([0, t], dtype=torch.int32, device=dev),
+            torch.tensor([seq], dtype=torch.int32, device=dev),
+            block_to_slot,
+            scale,
+            seq_lens_cpu=[seq],
+            query_start_loc_cpu=[0, t],
+        )
+        launches += 3
+    return launches
