@@ -388,7 +388,6 @@ def test_runtime_warms_up_the_prefill_kernels_with_its_geometry(
     """On a GPU the serving runtime compiles the prefill-side kernels at start-up with the
     layer geometry (per rank) and the model dtype; on a CPU it skips the warm-up."""
     import kvarn_kernels
-
     from kvarn_vllm.backend import KvarnMetadataBuilder
 
     calls: list[dict[str, object]] = []

@@ -1163,7 +1163,7 @@ def prefill_attention(
         or varlen_attention is not None
     ):
         raise ValueError(
-            "sdpa_backend, seq_lens_cpu, query_start_loc_cpu, max_workspace_bytes, "
+            "sdpa_backend, seq_lens_cpu, query_start_loc_cpu, max_workspace_bytes and "
             "varlen_attention apply to method='dequant' only"
         )
     workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, num_splits), q.device)

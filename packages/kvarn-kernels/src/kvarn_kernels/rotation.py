@@ -135,8 +135,14 @@ def _rotate_rows_kernel(
             tl.store(y_ptrs, y.to(tl.float16), mask=valid[:, None])
 
 
+#: Row counts at which the rotation kernel's row tile grows (16, 32, then 64 rows); each tile
+#: is its own compile (kvarn_kernels.warmup launches one per class).
+ROW_TILE_EDGES = (16, 4096)
+
+
 def _block_r(n_rows: int) -> int:
-    return 16 if n_rows <= 16 else (32 if n_rows <= 4096 else 64)
+    small, large = ROW_TILE_EDGES
+    return 16 if n_rows <= small else (32 if n_rows <= large else 64)
 
 
 def _launch_rotate(

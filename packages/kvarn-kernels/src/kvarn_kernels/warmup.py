@@ -30,20 +30,17 @@ from kvarn_format import record_layout
 from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import resolve_format
 from kvarn_kernels.attention import prefill_attention
-from kvarn_kernels.rotation import rotate, write_side_pool
+from kvarn_kernels.rotation import ROW_TILE_EDGES, rotate, write_side_pool
 from kvarn_kernels.store import flush_tiles, flush_token_tiles
 
 __all__ = ["warmup"]
-
-#: The rotation kernel's row tiles change at these row counts (``rotation._block_r``).
-_ROW_CLASS_EDGES = (16, 4096)
 
 
 def _token_counts(num_q_heads: int, num_kv_heads: int) -> list[int]:
     """Token counts whose K/V rows and query rows cover every row-tile class of both."""
     counts = {1}
     for heads in (num_kv_heads, num_q_heads):
-        for edge in _ROW_CLASS_EDGES:
+        for edge in ROW_TILE_EDGES:
             counts.add(max(1, edge // heads))  # at the edge (inside the smaller class)
             counts.add(edge // heads + 1)  # just past it
     return sorted(counts)
