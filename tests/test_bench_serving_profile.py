@@ -614,3 +614,48 @@ def test_cli_without_profile_keeps_the_plain_child(
     assert "VLLM_CUSTOM_SCOPES_FOR_PROFILING" not in env
     assert not (out / "profile.md").exists()
     assert "| ok |" in (out / "summary.md").read_text()
+
+
+def test_triton_compiles_in_the_timed_run_are_counted(
+    bench: ModuleType, prof: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiles vLLM's JIT monitor logs after the child's timed-run mark count against the
+    row (they stall the timed run); those of the untimed warm-up do not."""
+    seen: list[tuple[list[str], dict[str, str]]] = []
+    stub = _stub_child(prof, seen, write=False)
+    warn = "WARNING [jit_monitor.py:103] Triton kernel JIT compilation during inference: {}.\n"
+
+    def run_child(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> Any:
+        stub(cmd, env, log, timeout)
+        text = warn.format("_flush_kernel") + bench.TIMED_MARK + "\n"
+        text += warn.format("decode_v4_kernel") + warn.format("_merge_unrotate_kernel")
+        return 0, text
+
+    monkeypatch.setattr(bench.common, "run_child", run_child)
+    out = tmp_path / "jit"
+    assert bench.main(["--dtypes", "kvarn_k4v2_g128", "--out", str(out)]) == 0
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["jit_compiles_timed"] == ["decode_v4_kernel", "_merge_unrotate_kernel"]
+    assert row["jit_compiles_while_serving"][0] == "_flush_kernel"
+    assert "ok; 2 Triton compiles in the timed run |" in (out / "summary.md").read_text()
+
+
+def test_profile_steps_window(
+    bench: ModuleType, prof: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--profile-steps SKIP,COUNT`` reaches the child and vLLM's profiler config; a bad
+    window, or one without --profile, fails before any engine starts."""
+    cfg = prof.profiler_config(tmp_path, 40, 25)
+    assert (cfg["delay_iterations"], cfg["max_iterations"]) == (40, 25)
+    assert prof.profiler_config(tmp_path)["max_iterations"] == 0  # the whole run
+    seen: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(bench.common, "run_child", _stub_child(prof, seen, write=True))
+    out = tmp_path / "win"
+    argv = ["--dtypes", "auto", "--profile", "--profile-steps", "40,25", "--out", str(out)]
+    assert bench.main([*argv, "--profile-dir", str(tmp_path / "t")]) == 0
+    cmd = seen[0][0]
+    assert cmd[cmd.index("--profile-steps") + 1] == "40,25"
+    for bad in (["--profile", "--profile-steps", "40"], ["--profile-steps", "1,2"]):
+        with pytest.raises(SystemExit):
+            bench.main(["--dtypes", "auto", "--out", str(out), *bad])
+    assert len(seen) == 1

@@ -78,7 +78,7 @@ def test_jit_compiles_are_read_from_the_server_log() -> None:
         "(EngineCore pid=1) WARNING 11-30 06:38:02 [jit_monitor.py:103] Triton kernel JIT "
         "compilation during inference: decode_v4_kernel. This causes a latency spike\n"
     )
-    assert gpu_serve.jit_compiles(log) == ["_rotate_rows_kernel", "decode_v4_kernel"]
-    assert gpu_serve.jit_compiles("no warnings") == []
+    assert gpu_serve.common.jit_compiles(log) == ["_rotate_rows_kernel", "decode_v4_kernel"]
+    assert gpu_serve.common.jit_compiles("no warnings") == []
     row = {"kv_cache_dtype": "x", "status": "ok", "jit_compiles_while_serving": []}
     assert gpu_serve.table([row]).splitlines()[-1].endswith("| none |")

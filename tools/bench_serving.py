@@ -27,9 +27,10 @@ with the table (other sections are kept). On the device tool, copy ``results.jso
 
 Profiled burst (``--profile``): where does each dtype's time go? The child engine gets vLLM's
 torch profiler (``profiler_config``: stacks, shapes, memory and FLOPs off) and
-``LLM.start_profile()`` / ``stop_profile()`` around the timed ``generate``; use a smaller
-``--num-prompts`` (a profile of the full burst is slow and large) and keep the prompt and
-output lengths. The child also sets ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`` (vLLM's and
+``LLM.start_profile()`` / ``stop_profile()`` around the timed ``generate``; profile a window
+of engine steps (``--profile-steps SKIP,COUNT``: vLLM's ``delay_iterations`` /
+``max_iterations``) or use a smaller ``--num-prompts`` (a profile of the whole burst is slow
+and large), and keep the prompt and output lengths. The child also sets ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`` (vLLM's and
 kvarn-vllm's host ranges: ``gpu_model_runner: *``, ``schedule: *``, ``kvarn: build``,
 ``kvarn: direct flush``...) and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the engine's own
 IPC: it lets the child send two small functions to its worker with ``collective_rpc``: one
@@ -48,13 +49,13 @@ side by side. Profiled rows are marked in ``summary.md`` and refused by ``--writ
 code (the child's collection, the table parser, ``profile.md``) is in ``serving_profile.py``.
 
     # device: both dtypes in one call, kvarn first (it matters most if time runs out).
-    # Estimate ~330-420 s: per dtype ~15 s imports + engine start ~60 s (fp16) / ~90 s
-    # (kvarn) on a fresh machine + ~30-50 s profiled generate + ~20-40 s to stop the
-    # profiler and build the tables; --timeout 260 per engine caps it at 520 s.
+    # The fourth session's 96-prompt profile of the whole timed run did not finish in 260 s
+    # for kvarn; a window of 60 steps of the standard burst (mixed prefill and decode steps,
+    # after ~40 prefill-heavy ones) bounds the profiler's cost instead.
     source .gpu/env.sh >/dev/null && rm -rf /tmp/prof && python3 tools/bench_serving.py \
-        --dtypes kvarn_k4v2_g128,auto --profile --num-prompts 96 --timeout 260 --out /tmp/prof; \
-        cp /tmp/prof/profile.md /tmp/prof/results.json /tmp/prof/profile_*.txt $OUT/; \
-        tail -n 4 /tmp/prof/log_*.txt
+        --dtypes kvarn_k4v2_g128,auto --profile --profile-steps 40,60 --timeout 290 \
+        --out /tmp/prof; cp /tmp/prof/profile.md /tmp/prof/results.json \
+        /tmp/prof/profile_*.txt $OUT/; tail -n 4 /tmp/prof/log_*.txt
     # here: copy the fetched files to a writable DIR (--report rewrites summary.md there)
     python3 tools/bench_serving.py --report --out DIR
 """
@@ -75,6 +76,8 @@ import gpu_e2e as common
 from serving_profile import collect_profile, profile_env, profiler_config, write_profile_summary
 
 DOCS = common.ROOT / "docs" / "benchmarks.md"
+#: Printed by the child right before the timed ``generate``.
+TIMED_MARK = "kvarn-bench: timed generate starts"
 START = "<!-- serving:start -->"
 END = "<!-- serving:end -->"
 #: What issue 4's table needs in one run: fp16, fp8 (bf16 model: vLLM's FA3 fp8 path needs
@@ -134,7 +137,8 @@ def child_main(args: argparse.Namespace) -> int:
         # A table left by an earlier run must not pass for this one's.
         for stale in prof_dir.glob("profiler_out_*.txt"):
             stale.unlink()
-        kwargs["profiler_config"] = profiler_config(prof_dir)
+        skip, steps = _profile_steps(args.profile_steps)
+        kwargs["profiler_config"] = profiler_config(prof_dir, skip, steps)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
@@ -159,6 +163,7 @@ def child_main(args: argparse.Namespace) -> int:
         torch.cuda.synchronize()
     if args.profile:
         llm.start_profile()
+    print(TIMED_MARK, flush=True)  # the parent counts the Triton compiles logged after it
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     elapsed = time.perf_counter() - t
@@ -191,6 +196,20 @@ def child_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_steps(spec: str) -> tuple[int, int]:
+    """``--profile-steps SKIP,COUNT`` as integers (``""``: the whole run, ``(0, 0)``)."""
+    if not spec:
+        return 0, 0
+    try:
+        skip, count = (int(x) for x in spec.split(","))
+    except ValueError:
+        msg = f"--profile-steps takes SKIP,COUNT (two integers), got {spec!r}"
+        raise SystemExit(msg) from None
+    if skip < 0 or count < 1:
+        raise SystemExit(f"--profile-steps needs SKIP >= 0 and COUNT >= 1, got {spec!r}")
+    return skip, count
+
+
 def table(rows: list[dict[str, Any]], baseline: str) -> str:
     base = next((r for r in rows if r["label"] == baseline and r.get("status") == "ok"), None)
     lines = [
@@ -208,6 +227,9 @@ def table(rows: list[dict[str, Any]], baseline: str) -> str:
             cap = f"{r['kv_tokens'] / base['kv_tokens']:.2f}" if base["kv_tokens"] else ""
             tput = f"{r['total_tok_s'] / base['total_tok_s']:.2f}"
         status = "ok (profiled: not a benchmark number)" if r.get("profiled") else "ok"
+        if r.get("jit_compiles_timed"):
+            # each one stalled the timed run for seconds (vLLM's JIT monitor)
+            status += f"; {len(r['jit_compiles_timed'])} Triton compiles in the timed run"
         lines.append(
             f"| {r['label']} | {r['kv_tokens']:,} | {cap} | {r['total_tok_s']:,.0f} | {tput} "
             f"| {r['output_tok_s']:,.0f} | {r['elapsed_s']} | {status} |"
@@ -333,6 +355,8 @@ def parent_main(args: argparse.Namespace) -> int:
                 ]
                 if args.profile_trace:
                     cmd.append("--profile-trace")
+                if args.profile_steps:
+                    cmd += ["--profile-steps", args.profile_steps]
                 env = profile_env(env)
             print(f"[{i + 1}/{len(specs)}] {label} ...", flush=True)
             t0 = time.perf_counter()
@@ -345,6 +369,9 @@ def parent_main(args: argparse.Namespace) -> int:
             if args.profile:
                 row.update(profiled=True, profile_file=profile_file.name)
             row.update(common.log_facts(text))
+            if TIMED_MARK in text:
+                timed_log = text.split(TIMED_MARK, 1)[1]
+                row["jit_compiles_timed"] = common.jit_compiles(timed_log)
             if rc == 0 and child_out.is_file():
                 row.update(json.loads(child_out.read_text()))
                 row["status"] = "ok"
@@ -420,6 +447,13 @@ def main(argv: list[str] | None = None) -> int:
         help="vLLM's torch_profiler_dir (one folder per dtype below it; outside --out)",
     )
     ap.add_argument(
+        "--profile-steps",
+        default="",
+        metavar="SKIP,COUNT",
+        help="profile only COUNT engine steps of the timed run, after skipping SKIP "
+        "(default: the whole timed run)",
+    )
+    ap.add_argument(
         "--profile-trace",
         action="store_true",
         help="keep vLLM's gzip chrome trace in --profile-dir (slow to write, large)",
@@ -429,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child-dtype", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.profile_steps:
+        if not args.profile:
+            ap.error("--profile-steps needs --profile")
+        _profile_steps(args.profile_steps)  # a bad window fails here, before any engine
     if args.child:
         if not args.max_num_batched_tokens:
             args.max_num_batched_tokens = None

@@ -139,9 +139,18 @@ def run_child(cmd: list[str], env: dict[str, str], log: Path, timeout: float) ->
     return rc, text
 
 
+_JIT_WARNING = re.compile(r"Triton kernel JIT compilation during inference: (\w+)")
+
+
+def jit_compiles(text: str) -> list[str]:
+    """Kernels vLLM's JIT monitor saw compiled after warm-up (each a latency spike), in order."""
+    return _JIT_WARNING.findall(text)
+
+
 def log_facts(text: str) -> dict[str, Any]:
-    """What the engine log says about capacity, CUDA graphs and the KVarN plugin."""
-    facts: dict[str, Any] = {}
+    """What the engine log says about capacity, CUDA graphs, Triton compiles after start-up
+    and the KVarN plugin."""
+    facts: dict[str, Any] = {"jit_compiles_while_serving": jit_compiles(text)}
     m = re.search(r"GPU KV cache size: ([\d,]+) tokens", text)
     if m:
         facts["vllm_kv_tokens_log"] = int(m.group(1).replace(",", ""))

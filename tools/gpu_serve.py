@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -148,14 +147,6 @@ def serve_command(args: argparse.Namespace, model_dir: Path, cache_dtype: str) -
     ]
 
 
-_JIT_WARNING = re.compile(r"Triton kernel JIT compilation during inference: (\w+)")
-
-
-def jit_compiles(log_text: str) -> list[str]:
-    """Kernels vLLM's JIT monitor saw compiled after warm-up (each a latency spike), in order."""
-    return _JIT_WARNING.findall(log_text)
-
-
 def run_dtype(args: argparse.Namespace, model_dir: Path, cache_dtype: str) -> dict[str, Any]:
     out = Path(args.out)
     log = out / f"serve_{cache_dtype}.log"
@@ -201,7 +192,7 @@ def run_dtype(args: argparse.Namespace, model_dir: Path, cache_dtype: str) -> di
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     text = log.read_text(errors="replace")
-    row["jit_compiles_while_serving"] = jit_compiles(text)
+    row["jit_compiles_while_serving"] = common.jit_compiles(text)
     row["log_tail"] = common.error_tail(text)
     return row
 

@@ -51,13 +51,17 @@ class ProfileTableError(ValueError):
     """A profiler table is missing or cannot be read."""
 
 
-def profiler_config(prof_dir: Path) -> dict[str, Any]:
+def profiler_config(prof_dir: Path, skip_steps: int = 0, steps: int = 0) -> dict[str, Any]:
     """vLLM's ``profiler_config`` for ``--profile``: the torch profiler, cheap settings.
 
     Stacks, shapes, memory and FLOPs stay off (each adds per-op overhead and table columns);
-    gzip stays on in case ``--profile-trace`` keeps the chrome trace.
+    gzip stays on in case ``--profile-trace`` keeps the chrome trace. ``skip_steps`` and
+    ``steps`` (``--profile-steps``; 0: all) profile only a window of engine steps of the
+    timed run, so that a full-size burst can be profiled in bounded time.
     """
     return {
+        "delay_iterations": skip_steps,
+        "max_iterations": steps,
         "profiler": "torch",
         "torch_profiler_dir": str(prof_dir),
         "torch_profiler_with_stack": False,
