@@ -1,0 +1,58 @@
+"""One decode-attention case for Nsight Compute: why is decode v4 at a quarter of the bandwidth?
+
+Launches ``decode_attention`` on the benchmark's case (Qwen3-8B layer geometry: 32 query and
+8 KV heads, head_dim 128; ``--batch`` requests of ``--ctx`` tokens) exactly twice: the first
+launch compiles and warms up, the second is the one to profile. On the GPU machine::
+
+    PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src \\
+    ncu --clock-control none --kernel-name regex:decode_v4 --launch-skip 1 --launch-count 1 \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats \\
+        --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \\
+        python3 tools/gpu_ncu_decode.py --max-registers 128 > $OUT/ncu_cap128.txt
+
+(``--clock-control none``: leave the clocks as they are, as the device notes ask.) Without
+ncu it prints the two launches' times, which is a quick check that the case runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_kernels as bk  # tools/ is not a package
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--format", default="kvarn_k4v2_g128")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=16384)
+    ap.add_argument("--variant", default="v4", choices=["v1", "v4"])
+    ap.add_argument("--max-registers", type=int, default=None, help="v4's register cap")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_ncu_decode: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    inp = bk.decode_inputs(args.format, args.batch, args.ctx)
+    kw: dict[str, object] = {"variant": args.variant}
+    if args.max_registers is not None:
+        kw["max_registers"] = args.max_registers
+    for launch in ("compile + warm-up", "profiled"):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        bk.decode_once(inp, **kw)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) * 1e3
+        print(f"{launch}: {ms:.2f} ms (host-timed, includes launch overhead)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
