@@ -138,9 +138,12 @@ def finish_tests(procs: dict[str, tuple[subprocess.Popen[str], float]]) -> dict[
 
 
 #: Extra v4 shapes timed at k4v2_g128, D = 128, B = 64 (round 4's BN 32 rows lost 2.8x and
-#: 4.4x and are gone): the PTX unpack's worth.
+#: 4.4x and are gone): the PTX unpack's worth, and round 6's occupancy shapes.
 DECODE_V4_SHAPES: list[dict[str, Any]] = [
     {"fast_unpack": False},
+    # round 6: 16 warps per SM as 2 programs of 8 warps, and a deeper pipeline under the cap
+    {"num_warps": 8, "max_registers": 128},
+    {"num_stages": 3, "max_registers": 128},
 ]
 #: The decode configurations timed at every case, v1 first.
 DECODE_CONFIGS: list[dict[str, Any]] = [
