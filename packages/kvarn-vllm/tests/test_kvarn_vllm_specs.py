@@ -409,3 +409,26 @@ def test_runtime_warms_up_the_prefill_kernels_with_its_geometry(
     # the fixture's small Qwen3: 4 query heads, 2 KV heads, head_dim 128
     assert (call["head_dim"], call["num_q_heads"], call["num_kv_heads"]) == (128, 4, 2)
     assert call["dtype"] == torch.bfloat16 and call["device"] == torch.device("cpu")
+
+
+def test_a_failing_warmup_is_logged_not_fatal(
+    kvarn: None,
+    qwen3_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import kvarn_kernels
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+
+    def broken_warmup(fmt: object, **kw: object) -> int:
+        raise RuntimeError("scratch launch failed")
+
+    monkeypatch.setattr(kvarn_kernels, "warmup", broken_warmup)
+    config = _config(qwen3_dir)
+    config.cache_config.num_gpu_blocks = 8
+    layers = _attention_layers(config, 1)
+    spec = layers[0].get_kv_cache_spec(config)
+    builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="vllm.kvarn"):
+        builder.runtime._warm_up_kernels(torch.float16)
+    assert "kernel warm-up failed (RuntimeError: scratch launch failed)" in caplog.text

@@ -183,14 +183,23 @@ class KvarnGroupRuntime:
         wait seconds for Triton (vLLM's JIT monitor logs it)."""
         kk: Any = importlib.import_module("kvarn_kernels")
         start = time.perf_counter()
-        launches = kk.warmup(
-            self.fmt,
-            head_dim=self.head_size,
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads,
-            device=self.device,
-            dtype=dtype,
-        )
+        try:
+            launches = kk.warmup(
+                self.fmt,
+                head_dim=self.head_size,
+                num_q_heads=self.num_q_heads,
+                num_kv_heads=self.num_kv_heads,
+                device=self.device,
+                dtype=dtype,
+            )
+        except Exception as exc:  # a warm-up bug must not stop a server that would work
+            logger.warning(
+                "kvarn: kernel warm-up failed (%s: %s); the prefill kernels will compile on "
+                "first use instead. Please report this.",
+                type(exc).__name__,
+                exc,
+            )
+            return
         logger.info(
             "kvarn: prefill kernels compiled (%d scratch launches, %.1f s)",
             launches,
