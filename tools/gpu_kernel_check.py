@@ -47,7 +47,7 @@ _DEC = "gpu and decode and variant4 and "
 # one group as a regression check.
 TEST_GROUPS = {
     "decode_v4_a": ["test_kernels_attention.py", "-k", _DEC + "(k4v2_g128-128 or cuda_graph)"],
-    # store v3 (round 3 of the store, untimed): 8 formats/head dims against the reference.
+    # store v3 (the default since the fourth session): 8 formats/head dims vs the reference.
     "store_v3": ["test_kernels_store.py", "-k", "gpu and variant3"],
     # the context dequantization kernel (PTX unpack) against the reference decode.
     "dequant": ["test_kernels_context.py"],
@@ -294,7 +294,7 @@ def prefill_runs(warm: bool) -> list[dict[str, Any]]:
             lambda: bk.bench_prefill("kvarn_k4v2_g128", ctx, q_len, 1, varlen_attention=_no_attn),
         ),
         # The dequantization kernel alone (CUDA graph, no host work), which is what the byte
-        # floor (~78 MB moved, ~18 us; docs/kernel-notes.md) is about.
+        # floor (88 MB moved, 20.7 us; docs/kernel-notes.md) is about.
         ("dequant kernel", lambda: bench_dequant_kernel(ctx, q_len)),
         ("sdpa fp16 (noncausal)", lambda: bk.bench_sdpa_prefill(ctx, q_len, 1)),
     ):
