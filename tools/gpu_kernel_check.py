@@ -53,6 +53,9 @@ TEST_GROUPS = {
     "dequant": ["test_kernels_context.py"],
     # round 6: v4 compiled under register caps (spilling) against the reference.
     "decode_v4_regcap": ["test_kernels_attention.py", "-k", "register_cap"],
+    # records padded to a hybrid model's stride: decode v1/v4, prefill, store.
+    "padded_attention": ["test_kernels_attention.py", "-k", "padded"],
+    "padded_store": ["test_kernels_store.py", "-k", "padded"],
 }
 
 

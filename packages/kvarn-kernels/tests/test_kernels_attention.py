@@ -433,7 +433,7 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
         device=device,
     )
     kv = torch.zeros(
-        2, hk, tile + (8 if change == "stride" else 0), dtype=torch.uint8, device=device
+        2, hk, tile + (4 if change == "stride" else 0), dtype=torch.uint8, device=device
     )
     bt = torch.zeros(
         1, 2, dtype=torch.int64 if change == "table_dtype" else torch.int32, device=device
@@ -644,3 +644,39 @@ def test_decode_splits_are_few_and_met_by_capture_sizes(
     assert len(served) <= 7
     by_batch = [splits(b) for b in range(1, 257)]
     assert by_batch == sorted(by_batch, reverse=True)  # more requests, fewer splits
+
+
+@pytest.mark.parametrize(
+    ("name", "d", "stride"), [("kvarn_k4v2_g128", 64, 8192), ("kvarn_k4v4_g64", 64, 6400)]
+)
+def test_padded_records_decode_and_prefill(
+    device: torch.device, name: str, d: int, stride: int
+) -> None:
+    """Records padded past the payload (a hybrid model's page unification: 7,296 -> 8,192
+    bytes for k4v2_g128 at head dim 64, or any multiple of 8) are read at their stride by
+    both decode kernels and prefill-with-context."""
+    lens, hq, hk = [300, 129], 4, 2
+    assert stride > record_layout(parse_cache_dtype(name), d).tile_bytes
+    case = build_case(
+        name,
+        d,
+        hk,
+        lens,
+        device=device,
+        seed=8,
+        encoder="reference" if INTERPRET else "kernel",
+        record_stride=stride,
+        pool_from=[lens[0] - 20, lens[1]],
+    )
+    assert case.kv_cache.shape[-1] == stride
+    scale = 1.0 / math.sqrt(d)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(len(lens), hq, d, generator=gen).half().to(device)
+    ref = decode_attention_ref(*case.decode_args(name, q, scale))
+    for variant in VARIANTS:
+        if not _v4_refuses(name, variant, d):
+            _assert_close(decode_attention(*case.decode_args(name, q, scale), variant=variant), ref)
+    qp = torch.randn(21, hq, d, generator=gen).half().to(device)
+    qsl = torch.tensor([0, 20, 21], dtype=torch.int32, device=device)
+    args = case.prefill_args(name, qp, qsl, scale)
+    _assert_close(prefill_attention(*args), prefill_attention_ref(*args))  # type: ignore[arg-type]

@@ -237,7 +237,7 @@ def test_flush_tiles_validation(device: torch.device, change: str, message: str)
     pool = torch.zeros(1, g, 1, 64, dtype=torch.float16, device=device)
     tile = record_layout(parse_cache_dtype("kvarn_k4v2_g64"), 64).tile_bytes
     kv = torch.zeros(
-        1, 1, tile + (8 if change == "stride" else 0), dtype=torch.uint8, device=device
+        1, 1, tile - (8 if change == "stride" else 0), dtype=torch.uint8, device=device
     )
     idx_dtype = torch.int64 if change == "slots_dtype" else torch.int32
     src = torch.zeros(1, dtype=idx_dtype, device=device)
@@ -466,3 +466,22 @@ def test_flush_token_tiles_many_tiles_gpu(device: torch.device, name: str, d: in
         ]
     )
     _check_records(name, tiles_k, tiles_v, idx, kv, idx, "align8", exact=False)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_flush_tiles_padded_stride_zeroes_the_padding(device: torch.device, variant: str) -> None:
+    """A cache padded past the record (hybrid page unification; any multiple of 8 bytes):
+    the payload is the record at its usual offsets and the padding is zeroed."""
+    name, d = "kvarn_k4v2_g128", 64
+    fmt = parse_cache_dtype(name)
+    tile = record_layout(fmt, d).tile_bytes
+    stride = 8192
+    pool_k, pool_v = _pool(128, 2, d, 2, seed=4, device=device)
+    kv = torch.randint(0, 256, (3, 2, stride), dtype=torch.uint8).to(device)
+    src = torch.tensor([1, 0], dtype=torch.int32, device=device)
+    dst = torch.tensor([2, 0], dtype=torch.int32, device=device)
+    flush_tiles(name, pool_k, pool_v, src, kv, dst, variant=variant)
+    assert not bool(kv[dst.long(), :, tile:].any()), "padding not zeroed"
+    unpadded = torch.zeros((3, 2, tile), dtype=torch.uint8, device=device)
+    flush_tiles(name, pool_k, pool_v, src, unpadded, dst, variant=variant)
+    assert torch.equal(kv[dst.long(), :, :tile].cpu(), unpadded[dst.long()].cpu())

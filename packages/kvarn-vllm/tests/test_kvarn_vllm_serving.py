@@ -315,14 +315,30 @@ def llama_dir64(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("llama64"), TINY_LLAMA)
 
 
-@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct", "pool"])
+@pytest.mark.parametrize(
+    ("direct", "padded"),
+    [("1", False), ("0", False), ("1", True)],
+    ids=["direct", "pool", "direct_padded"],
+)
 def test_serving_steps_match_references(
-    kvarn: None, llama_dir64: Path, monkeypatch: pytest.MonkeyPatch, direct: str
+    kvarn: None, llama_dir64: Path, monkeypatch: pytest.MonkeyPatch, direct: str, padded: bool
 ) -> None:
     """Mixed batches, chunked prefill, flushes, prefix hits, finish and preemption, with
-    direct flush (default) and with ``KVARN_DIRECT_FLUSH=0``."""
+    direct flush (default) and with ``KVARN_DIRECT_FLUSH=0``; and with records padded as in
+    a hybrid model whose other layers' pages force a power-of-two stride."""
     monkeypatch.setenv("KVARN_DIRECT_FLUSH", direct)
+    if padded:
+        import kvarn_vllm._patches as patches
+        from kvarn_format import parse_cache_dtype, record_layout
+
+        tile = record_layout(parse_cache_dtype(DTYPE), D).tile_bytes
+        stride = 1 << (tile - 1).bit_length()
+        assert tile < stride < 2 * tile
+        monkeypatch.setattr(patches, "_other_pages", lambda layer, config: [4 * HK * stride])
     h = _Harness(llama_dir64)
+    if padded:
+        assert h.spec.tile_stride == stride
+        assert h.layers[0].kv_cache.shape[-1] == stride
     tr = h.builder.runtime
     gen = torch.Generator().manual_seed(7)
 

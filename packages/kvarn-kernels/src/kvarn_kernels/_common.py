@@ -135,18 +135,20 @@ class DenseGeometry:
 def dense_geometry(fmt: DenseFormat, head_dim: int, record_stride: int) -> DenseGeometry:
     """Geometry for a paged cache whose records are ``record_stride`` bytes apart.
 
-    ``record_stride`` must be the tile size of one of kvarn-format's slot roundings
-    (``align8`` or ``pow2``); the field offsets are the same for both.
+    ``record_stride`` is kvarn-format's record size (``record_layout(fmt, head_dim)``, either
+    slot rounding) or any larger multiple of 8 bytes: a serving engine pads records so that a
+    hybrid model's page sizes divide each other (kvarn-vllm's ``hybrid_tile_stride``). The
+    fields sit at the same offsets; the bytes past the payload are padding (the store zeroes
+    them).
     """
     check_head_dim(head_dim)
     layout = record_layout(fmt, head_dim)
-    allowed = {layout.tile_bytes, record_layout(fmt, head_dim, slot_rounding="pow2").tile_bytes}
-    if record_stride not in allowed:
+    if record_stride < layout.tile_bytes or record_stride % 8:
         raise ValueError(
             f"kv_cache's last dim is {record_stride} bytes, but a {fmt.name} record at head_dim "
-            f"{head_dim} is {' or '.join(map(str, sorted(allowed)))} bytes "
-            "(record_layout(fmt, head_dim).tile_bytes); allocate the cache from kvarn-format's "
-            "geometry"
+            f"{head_dim} needs {layout.tile_bytes} bytes (record_layout(fmt, head_dim)"
+            ".tile_bytes), or a larger multiple of 8 bytes for padded records; allocate the "
+            "cache from kvarn-format's geometry"
         )
     off = layout.offsets()
     return DenseGeometry(

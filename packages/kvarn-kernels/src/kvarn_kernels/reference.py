@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvarn_format.geometry import SlotRounding, record_layout
 from kvarn_format.hadamard import hadamard_matrix as _np_hadamard
 from kvarn_format.reference import encode_rotated_tiles
 from kvarn_format.registry import KVarNFormat
@@ -75,13 +74,14 @@ def flush_tiles_ref(
     n, g, hk, d = pool_k.shape[0], pool_k.shape[1], pool_k.shape[2], pool_k.shape[3]
     del n, g
     stride = kv_cache.shape[2]
-    rounding: SlotRounding = "align8" if stride == record_layout(dense, d).tile_bytes else "pow2"
     slots = src_slots.long().cpu()
     k = pool_k[slots].float().cpu().permute(0, 2, 1, 3).reshape(-1, dense.group, d).numpy()
     v = pool_v[slots].float().cpu().permute(0, 2, 1, 3).reshape(-1, dense.group, d).numpy()
-    rec = encode_rotated_tiles(dense, k, v, sinkhorn_iters=sinkhorn_iters, slot_rounding=rounding)
-    out = torch.from_numpy(rec).reshape(-1, hk, stride).to(kv_cache.device)
-    kv_cache[dst_blocks.long()] = out
+    rec = torch.from_numpy(encode_rotated_tiles(dense, k, v, sinkhorn_iters=sinkhorn_iters))
+    # Records padded to the cache's stride with zeros (what the store writes past the payload).
+    padded = torch.zeros(rec.shape[0], stride, dtype=torch.uint8)
+    padded[:, : rec.shape[1]] = rec
+    kv_cache[dst_blocks.long()] = padded.reshape(-1, hk, stride).to(kv_cache.device)
 
 
 def unpack_codes_torch(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:

@@ -103,6 +103,7 @@ def build_case(
     constant_tile: bool = False,
     key_outliers: bool = True,
     value_scale: float = 1.0,
+    record_stride: int | None = None,
 ) -> PagedCase:
     """Build a paged batch holding ``seq_lens[b]`` random tokens for each request ``b``.
 
@@ -113,6 +114,8 @@ def build_case(
     ``constant_tile`` makes request 0's second block constant (a degenerate tile);
     ``key_outliers`` gives K a few channels 20x larger than the rest; ``value_scale``
     multiplies every token (saturating at the fp16 limit, as activations would).
+    ``record_stride`` pads the cache's records to that many bytes (default: the record size),
+    as a hybrid model's page unification does.
     """
     from kvarn_kernels.reference import flush_tiles_ref, write_side_pool_ref
     from kvarn_kernels.rotation import write_side_pool
@@ -142,9 +145,10 @@ def build_case(
             (pool_blocks if in_pool else record_blocks).append(blk)
 
     layout = record_layout(dense, d)
-    kv_cache = torch.randint(
-        0, 256, (num_blocks, hk, layout.tile_bytes), generator=gen, dtype=torch.uint8
-    ).to(dev)
+    stride = layout.tile_bytes if record_stride is None else record_stride
+    kv_cache = torch.randint(0, 256, (num_blocks, hk, stride), generator=gen, dtype=torch.uint8).to(
+        dev
+    )
     nan = float("nan")
     pool_k = torch.full((len(pool_blocks) + 2, g, hk, d), nan, dtype=torch.float16, device=dev)
     pool_v = torch.full_like(pool_k, nan)
