@@ -30,9 +30,9 @@ torch profiler (``profiler_config``: stacks, shapes, memory and FLOPs off) and
 ``LLM.start_profile()`` / ``stop_profile()`` around the timed ``generate``; profile a window
 of engine steps (``--profile-steps SKIP,COUNT``: vLLM's ``delay_iterations`` /
 ``max_iterations``) or use a smaller ``--num-prompts`` (a profile of the whole burst is slow
-and large), and keep the prompt and output lengths. The child also sets ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`` (vLLM's and
-kvarn-vllm's host ranges: ``gpu_model_runner: *``, ``schedule: *``, ``kvarn: build``,
-``kvarn: direct flush``...) and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the engine's own
+and large), and keep the prompt and output lengths. The child also sets
+``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1`` (vLLM's and kvarn-vllm's host ranges:
+``gpu_model_runner: *``, ``schedule: *``, ``kvarn: build``, ``kvarn: direct flush``...) and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the engine's own
 IPC: it lets the child send two small functions to its worker with ``collective_rpc``: one
 drops the chrome-trace export, which only costs time here as nothing can fetch a trace of
 hundreds of MB, unless ``--profile-trace``; one builds the tables below from the
