@@ -116,3 +116,21 @@ def test_as_dict_is_json_ready() -> None:
     d = record_layout(parse_cache_dtype("kvarn_k4v2_g128"), 128).as_dict()
     assert json.loads(json.dumps(d))["tile_bytes"] == 13_824
     assert {"dtype", "tile_bytes", "bytes_per_token_per_head", "fields"} <= set(d)
+
+
+def test_padded_record_stride() -> None:
+    from kvarn_format.geometry import padded_record_stride
+
+    # Qwen-like D=128, 8 KV heads: a 16-bit sliding page of 65,536 B per head is not a
+    # multiple of the 13,824-byte k4v2_g128 record; 16,384 is the smallest stride that is.
+    assert padded_record_stride(13_824, 8, [8 * 65_536]) == 16_384
+    assert padded_record_stride(13_824, 8, []) == 13_824
+    assert padded_record_stride(13_824, 8, [8 * 13_824, 1000]) == 13_824  # nothing larger
+    # D=256 (Gemma-like): the pow2 layout's 32,768 bytes already divide.
+    assert padded_record_stride(32_768, 4, [4 * 131_072]) == 32_768
+    # Strides stay multiples of 8 bytes even when the record is not.
+    assert padded_record_stride(7_290, 1, [3 * 7_296]) == 7_296
+    with pytest.raises(ValueError, match="no record stride between 13824 and 27648"):
+        padded_record_stride(13_824, 1, [13_825 * 3])
+    with pytest.raises(ValueError, match="positive"):
+        padded_record_stride(0, 1, [])

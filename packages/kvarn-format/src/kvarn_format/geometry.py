@@ -15,6 +15,7 @@ Packing conventions (docs/format.md):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Literal
@@ -32,6 +33,7 @@ __all__ = [
     "RecordLayout",
     "SlotRounding",
     "fp16_bytes_per_token",
+    "padded_record_stride",
     "record_layout",
 ]
 
@@ -266,3 +268,31 @@ def record_layout(
     if head_dim is not None and head_dim != fmt.latent_rank:
         check_mla_geometry(fmt, head_dim, fmt.rope_dim)
     return _mla_layout(fmt)
+
+
+def padded_record_stride(tile_bytes: int, num_kv_heads: int, other_pages: Sequence[int]) -> int:
+    """The smallest record stride >= ``tile_bytes`` whose page divides the other pages.
+
+    A hybrid model keeps some layers unquantized (sliding-window layers, in fp16 or bf16) next
+    to the KVarN layers; a paged allocator that gives every layer the same number of blocks
+    needs each of those layers' page sizes (bytes per ``G``-token block) to be a whole multiple
+    of the KVarN page, ``num_kv_heads * stride``. The stride is a multiple of 8 bytes, padded
+    past the record (kvarn-kernels reads records at any such stride); padding beyond 2x the
+    record would waste more than it saves and raises ``ValueError`` instead. Pages not larger
+    than the KVarN page impose nothing.
+    """
+    if tile_bytes <= 0 or num_kv_heads <= 0:
+        raise ValueError("tile_bytes and num_kv_heads must be positive")
+    larger = sorted({p for p in other_pages if p > num_kv_heads * tile_bytes})
+    if not larger:
+        return tile_bytes
+    stride = tile_bytes
+    while stride <= 2 * tile_bytes:
+        page = num_kv_heads * stride
+        if all(p % page == 0 for p in larger):
+            return stride
+        stride += 8 - stride % 8 if stride % 8 else 8
+    raise ValueError(
+        f"no record stride between {tile_bytes} and {2 * tile_bytes} bytes makes the KVarN "
+        f"page ({num_kv_heads} heads) divide the other layers' pages {larger}"
+    )

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
 from kvarn_format.catalog import ModelGeometry, load_model
-from kvarn_format.geometry import SlotRounding, record_layout
+from kvarn_format.geometry import SlotRounding, padded_record_stride, record_layout
 from kvarn_format.registry import (
     DENSE_DTYPES,
     MLA_DTYPES,
@@ -438,7 +438,10 @@ def layer_caches(
 
     Dense KV heads are split over TP (``max(1, Hk // tp)`` per rank); MLA caches are
     replicated on every rank. KVarN quantizes the full-attention layers only; sliding-window
-    layers stay fp16, sized like full-attention layers (vLLM without the hybrid allocator).
+    layers stay fp16, sized like full-attention layers (conservative: vLLM's hybrid allocator
+    keeps only the window), and the KVarN records are then padded so that their page divides
+    the sliding layers' page (:func:`~kvarn_format.geometry.padded_record_stride`, the rule
+    kvarn-vllm applies for vLLM's hybrid allocator).
     A format the model cannot take raises :class:`UnsupportedGeometryError` naming the valid
     ones.
     """
@@ -498,18 +501,17 @@ def layer_caches(
     block = kv.group
     layout = record_layout(kv, model.head_dim, slot_rounding=slot_rounding)
     pool = SidePool("dense", block, block * hk * model.head_dim * 2 * 2)
-    caches = [
-        LayerCache(f"full attention ({kv.name})", kv.name, n_full, hk * layout.tile_bytes, pool)
-    ]
+    sliding_page = 2 * block * hk * model.head_dim * 2
+    # With sliding-window layers in the same cache, records are padded so that their page
+    # divides the sliding layers' (kvarn-vllm does the same for vLLM's hybrid allocator).
+    stride = layout.tile_bytes
+    if n_sliding:
+        stride = padded_record_stride(layout.tile_bytes, hk, [sliding_page])
+    caches = [LayerCache(f"full attention ({kv.name})", kv.name, n_full, hk * stride, pool)]
     if n_sliding:
         # Sliding-window layers stay in full precision (format-spec §1.1), in blocks of G.
         caches.append(
-            LayerCache(
-                "sliding window (fp16, not quantized)",
-                "auto",
-                n_sliding,
-                2 * block * hk * model.head_dim * 2,
-            )
+            LayerCache("sliding window (fp16, not quantized)", "auto", n_sliding, sliding_page)
         )
     return block, tuple(caches)
 

@@ -21,6 +21,7 @@ from typing import Any, Self
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvarn_format import DenseFormat, parse_cache_dtype, record_layout
+from kvarn_format.geometry import padded_record_stride
 
 __all__ = [
     "KvarnFullAttentionSpec",
@@ -74,32 +75,21 @@ def _dense_layout_bytes(cache_dtype: str, head_size: int) -> int:
 
 
 def hybrid_tile_stride(tile_bytes: int, num_kv_heads: int, other_pages: list[int]) -> int:
-    """The smallest record stride >= ``tile_bytes`` that lets vLLM unify page sizes.
+    """The record stride that lets vLLM's hybrid allocator unify page sizes.
 
-    ``other_pages`` are the page sizes (bytes per ``G``-token block) of the layers that end up
-    in *other* KV-cache groups (sliding-window layers kept in full precision). vLLM's hybrid
-    allocator raises unless every page divides the largest one, and KVarN pages are the
-    smaller ones, so every other page must be a whole multiple of ``Hk * stride``. Strides are
-    multiples of 8 bytes; padding beyond 2x the record would waste more than it saves and
-    raises instead.
+    ``other_pages`` are the page sizes of the layers that end up in *other* KV-cache groups
+    (sliding-window layers kept in full precision): vLLM raises unless every page divides the
+    largest one, and KVarN pages are the smaller ones. The rule is kvarn-format's
+    :func:`~kvarn_format.geometry.padded_record_stride` (the planner sizes hybrid models with
+    it too); when no stride works, the error says what to pass to vLLM instead.
     """
-    if tile_bytes <= 0 or num_kv_heads <= 0:
-        raise ValueError("tile_bytes and num_kv_heads must be positive")
-    larger = sorted({p for p in other_pages if p > num_kv_heads * tile_bytes})
-    if not larger:
-        return tile_bytes
-    stride = tile_bytes
-    while stride <= 2 * tile_bytes:
-        page = num_kv_heads * stride
-        if all(p % page == 0 for p in larger):
-            return stride
-        stride += 8 - stride % 8 if stride % 8 else 8
-    raise ValueError(
-        f"kvarn: no record stride between {tile_bytes} and {2 * tile_bytes} bytes makes the "
-        f"KVarN page ({num_kv_heads} heads) divide the other layers' pages {larger}; vLLM "
-        "cannot put these layers in one KV cache. Add the other layers' indices to "
-        "--kv-cache-dtype-skip-layers or use --kv-cache-dtype auto/fp8."
-    )
+    try:
+        return padded_record_stride(tile_bytes, num_kv_heads, other_pages)
+    except ValueError as exc:
+        raise ValueError(
+            f"kvarn: {exc}; vLLM cannot put these layers in one KV cache. Add the other "
+            "layers' indices to --kv-cache-dtype-skip-layers or use --kv-cache-dtype auto/fp8."
+        ) from None
 
 
 @dataclass(frozen=True, kw_only=True)
