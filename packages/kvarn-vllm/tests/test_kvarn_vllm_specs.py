@@ -382,13 +382,25 @@ def test_direct_tiles_rows_come_from_the_slot_mapping(kvarn: None, qwen3_dir: Pa
     assert rt.direct_tiles(sm, len(slots) - 2) is None
 
 
+def _serving_builder(qwen3_dir: Path) -> Any:
+    """The metadata builder (and its runtime) of one KVarN layer once the KV cache is sized,
+    on the CPU."""
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+
+    config = _config(qwen3_dir)
+    config.cache_config.num_gpu_blocks = 8
+    layers = _attention_layers(config, 1)
+    spec = layers[0].get_kv_cache_spec(config)
+    builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
+    return builder
+
+
 def test_runtime_warms_up_the_prefill_kernels_with_its_geometry(
     kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a GPU the serving runtime compiles the prefill-side kernels at start-up with the
     layer geometry (per rank) and the model dtype; on a CPU it skips the warm-up."""
     import kvarn_kernels
-    from kvarn_vllm.backend import KvarnMetadataBuilder
 
     calls: list[dict[str, object]] = []
 
@@ -397,11 +409,7 @@ def test_runtime_warms_up_the_prefill_kernels_with_its_geometry(
         return 7
 
     monkeypatch.setattr(kvarn_kernels, "warmup", fake_warmup)
-    config = _config(qwen3_dir)
-    config.cache_config.num_gpu_blocks = 8
-    layers = _attention_layers(config, 1)
-    spec = layers[0].get_kv_cache_spec(config)
-    builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
+    builder = _serving_builder(qwen3_dir)
     assert calls == [], "no warm-up on a CPU"
     builder.runtime._warm_up_kernels(torch.bfloat16)
     (call,) = calls
@@ -418,17 +426,12 @@ def test_a_failing_warmup_is_logged_not_fatal(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     import kvarn_kernels
-    from kvarn_vllm.backend import KvarnMetadataBuilder
 
     def broken_warmup(fmt: object, **kw: object) -> int:
         raise RuntimeError("scratch launch failed")
 
     monkeypatch.setattr(kvarn_kernels, "warmup", broken_warmup)
-    config = _config(qwen3_dir)
-    config.cache_config.num_gpu_blocks = 8
-    layers = _attention_layers(config, 1)
-    spec = layers[0].get_kv_cache_spec(config)
-    builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
+    builder = _serving_builder(qwen3_dir)
     with caplog.at_level(logging.WARNING, logger="vllm.kvarn"):
         builder.runtime._warm_up_kernels(torch.float16)
     assert "kernel warm-up failed (RuntimeError: scratch launch failed)" in caplog.text
