@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
 
-from kvarn_kernels.rotation import _block_r
+from kvarn_format import parse_cache_dtype, record_layout
+from kvarn_kernels import prefill_attention, rotate
+from kvarn_kernels.context import _dequant_context_kernel
+from kvarn_kernels.rotation import _block_r, _rotate_rows_kernel
 from kvarn_kernels.warmup import _token_counts, warmup
+
+# The integer arguments of prefill-side kernels that change between steps or between the
+# warm-up's scratch launches and a server's (its block-table width).
+PER_STEP_INTEGERS = {
+    _dequant_context_kernel: {"stride_bt", "n_progs"},
+    _rotate_rows_kernel: {"n_rows"},
+}
 
 
 @pytest.mark.parametrize(("hq", "hk"), [(32, 8), (64, 8), (8, 1), (12, 4), (40, 8), (128, 16)])
@@ -37,3 +48,56 @@ def test_warmup_runs_every_prefill_op(device: torch.device) -> None:
 def test_warmup_refuses_an_unknown_format(device: torch.device) -> None:
     with pytest.raises(ValueError, match="kvarn"):
         warmup("kvarn_k9v9_g128", head_dim=64, num_q_heads=4, num_kv_heads=1, device=device)
+
+
+def test_per_step_integers_are_not_specialized() -> None:
+    """Triton specializes an integer on its value being 1 or a multiple of 16; one that
+    changes per step would select a new compile in the middle of serving."""
+    for kernel, names in PER_STEP_INTEGERS.items():
+        if not isinstance(kernel, JITFunction):  # the interpreter's wrapper keeps the options
+            kernel = JITFunction(kernel.fn, **kernel.kwargs)
+        unspecialized = {p.name for p in kernel.params if p.do_not_specialize}
+        assert names <= unspecialized, (kernel.__name__, names - unspecialized)
+
+
+def _compiled_variants() -> dict[str, int]:
+    return {
+        kernel.__name__: sum(len(caches[0]) for caches in kernel.device_caches.values())
+        for kernel in PER_STEP_INTEGERS
+    }
+
+
+@pytest.mark.gpu
+def test_prefill_after_warmup_compiles_nothing() -> None:
+    """After the warm-up, a prefill step shaped like a server's (a 128-wide block table,
+    ragged requests, a token count the warm-up never used) finds every kernel compiled."""
+    dev = torch.device("cuda")
+    fmt, g, hq, hk, d = "kvarn_k4v2_g128", 128, 32, 8, 128
+    warmup(fmt, head_dim=d, num_q_heads=hq, num_kv_heads=hk, device=dev)
+    before = _compiled_variants()
+    tile_bytes = record_layout(parse_cache_dtype(fmt), d).tile_bytes
+    seq_lens, new_tokens = [3 * g + 5, 2 * g + 77], [301, 76]
+    kv_cache = torch.zeros(8, hk, tile_bytes, dtype=torch.uint8, device=dev)
+    pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=dev)
+    block_table = torch.zeros(2, 128, dtype=torch.int32, device=dev)
+    block_table[0, :4] = torch.tensor([0, 1, 2, 3])
+    block_table[1, :3] = torch.tensor([4, 5, 6])
+    block_to_slot = torch.full((8,), -1, dtype=torch.int32, device=dev)
+    starts = [0, new_tokens[0], sum(new_tokens)]
+    q = rotate(torch.randn(sum(new_tokens), hq, d, device=dev, dtype=torch.float16))
+    prefill_attention(
+        fmt,
+        q,
+        kv_cache,
+        pool_k,
+        torch.zeros_like(pool_k),
+        block_table,
+        torch.tensor(starts, dtype=torch.int32, device=dev),
+        torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        block_to_slot,
+        d**-0.5,
+        seq_lens_cpu=seq_lens,
+        query_start_loc_cpu=starts,
+    )
+    torch.cuda.synchronize()
+    assert _compiled_variants() == before

@@ -57,9 +57,10 @@ SDPA_BACKENDS = ("auto", "varlen", "per_request")
 _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 
 
-# n_progs changes every step; unspecialized, so a new divisibility class of it is not a new
-# compile (seconds) in the middle of serving.
-@triton.jit(do_not_specialize=["n_progs"])
+# n_progs changes every step and stride_bt is the server's block-table width (the warm-up's
+# scratch table has another); unspecialized, so neither is a new compile (seconds) in the
+# middle of serving. Both only address scalar loads, so specializing them bought nothing.
+@triton.jit(do_not_specialize=["stride_bt", "n_progs"])
 def _dequant_context_kernel(
     KV,
     POOL_K,
