@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 
-def test_launches_the_case_twice_with_the_register_cap(
+def test_launches_the_case_twice_with_its_arguments(
     load_tool: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tool = load_tool("gpu_ncu_decode")
@@ -20,8 +20,11 @@ def test_launches_the_case_twice_with_the_register_cap(
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(tool.bk, "decode_inputs", lambda fmt, b, ctx: (fmt, b, ctx))
     monkeypatch.setattr(tool.bk, "decode_once", lambda inp, **kw: calls.append((inp, kw)))
-    assert tool.main(["--max-registers", "128", "--batch", "8", "--ctx", "4096"]) == 0
-    assert calls == [(("kvarn_k4v2_g128", 8, 4096), {"variant": "v4", "max_registers": 128})] * 2
+    assert tool.main(["--format", "kvarn_k4v4_g128", "--batch", "8", "--ctx", "4096"]) == 0
+    assert calls == [(("kvarn_k4v4_g128", 8, 4096), {"variant": "v4"})] * 2
+    calls.clear()
+    assert tool.main(["--variant", "v1"]) == 0
+    assert calls == [(("kvarn_k4v2_g128", 64, 16384), {"variant": "v1"})] * 2
 
 
 def test_without_a_gpu_it_says_so(

@@ -1,20 +1,22 @@
 """One GPU run (about 3-4 min on an H200) that checks and times the kvarn-kernels paths in work.
 
 1. Correctness: some of the kernel package's GPU tests at real sizes (one group of decode
-   v4 as a regression check, store v3, and the context dequantization kernel against the
-   reference; round 5 checked a decode v4 operand construction and a second dequantization
-   kernel, both removed as no faster; round 3 checked v3, since removed; rounds 1-2 checked
-   v2, prefill ``method="dequant"`` and store ``variant="v2"``), as pytest subprocesses that
-   run (and compile) while this process compiles the timed kernels.
+   v4 as a regression check, store v3, the context dequantization kernel against the
+   reference, records padded to a hybrid model's stride, and that a prefill step after the
+   start-up warm-up compiles nothing; round 5 checked a decode v4 operand construction and a
+   second dequantization kernel, both removed as no faster; round 3 checked v3, since
+   removed; rounds 1-2 checked v2, prefill ``method="dequant"`` and store
+   ``variant="v2"``), as pytest subprocesses that run (and compile) while this process
+   compiles the timed kernels.
 2. Timings, with the GPU to itself, in one process (``--parts`` picks them): copy bandwidth
-   (the ceiling, same run); decode v1, v4 and v4 under register caps of 168 and 128 at
-   B = 64 and 256, 16K context, k4v2_g128 and k4v4_g128 (plus v4's plain-unpack shape at
-   B = 64, k4v2_g128), and the same at B = 64, 16K for
-   k4v2_g64 and for k4v2_g128 at head dim 256; store v1 vs v2 vs v3 (1024 tiles x 8 KV
-   heads, g128 and g64); prefill (2048-token chunk after 14,336 cached tokens) fused vs
-   dequant (varlen FlashAttention and per-request SDPA) next to torch SDPA fp16 over the same
-   context, plus the dequantization alone (no-op attention; and the kernel alone, in a CUDA
-   graph).
+   (the ceiling, same run); decode v1 and v4 at B = 64 and 256, 16K context, k4v2_g128 and
+   k4v4_g128 (plus v4's plain-unpack shape at B = 64, k4v2_g128), and the same at B = 64, 16K
+   for k4v2_g64 and for k4v2_g128 at head dim 256 (round 6 also timed v4 under register caps
+   of 168 and 128: slower at every shape, so the option was removed); store v1 vs v2 vs v3
+   (1024 tiles x 8 KV heads, g128 and g64); prefill (2048-token chunk after 14,336 cached
+   tokens) fused vs dequant (varlen FlashAttention and per-request SDPA) next to torch SDPA
+   fp16 over the same context, plus the dequantization alone (no-op attention; and the kernel
+   alone, in a CUDA graph).
 3. A short table last; JSON with everything to ``$OUT/gpu_kernel_check.json`` when ``OUT``
    is set (and to ``--json`` if given).
 
@@ -51,11 +53,12 @@ TEST_GROUPS = {
     "store_v3": ["test_kernels_store.py", "-k", "gpu and variant3"],
     # the context dequantization kernel (PTX unpack) against the reference decode.
     "dequant": ["test_kernels_context.py"],
-    # round 6: v4 compiled under register caps (spilling) against the reference.
-    "decode_v4_regcap": ["test_kernels_attention.py", "-k", "register_cap"],
     # records padded to a hybrid model's stride: decode v1/v4, prefill, store.
     "padded_attention": ["test_kernels_attention.py", "-k", "padded"],
     "padded_store": ["test_kernels_store.py", "-k", "padded"],
+    # the start-up warm-up: its scratch launches compile every prefill-side kernel a step can
+    # select (no compile mid-serving).
+    "warmup": ["test_kernels_warmup.py"],
 }
 
 
@@ -141,21 +144,14 @@ def finish_tests(procs: dict[str, tuple[subprocess.Popen[str], float]]) -> dict[
 
 
 #: Extra v4 shapes timed at k4v2_g128, D = 128, B = 64 (round 4's BN 32 rows lost 2.8x and
-#: 4.4x and are gone): the PTX unpack's worth, and round 6's occupancy shapes.
+#: 4.4x and are gone, as are round 6's register-capped shapes): the PTX unpack's worth.
 DECODE_V4_SHAPES: list[dict[str, Any]] = [
     {"fast_unpack": False},
-    # round 6: 16 warps per SM as 2 programs of 8 warps, and a deeper pipeline under the cap
-    {"num_warps": 8, "max_registers": 128},
-    {"num_stages": 3, "max_registers": 128},
 ]
 #: The decode configurations timed at every case, v1 first.
 DECODE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4"},
-    # round 6, the occupancy experiment: 3 and 4 programs of 4 warps per SM instead of 2,
-    # paid in spills (docs/kernel-notes.md)
-    {"variant": "v4", "max_registers": 168},
-    {"variant": "v4", "max_registers": 128},
 ]
 
 

@@ -8,7 +8,7 @@ launch compiles and warms up, the second is the one to profile. On the GPU machi
     ncu --clock-control none --kernel-name regex:decode_v4 --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \\
-        python3 tools/gpu_ncu_decode.py --max-registers 128 > $OUT/ncu_cap128.txt
+        python3 tools/gpu_ncu_decode.py > $OUT/ncu_v4.txt
 
 (``--clock-control none``: leave the clocks as they are, as the device notes ask.) Without
 ncu it prints the two launches' times, which is a quick check that the case runs.
@@ -32,7 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--variant", default="v4", choices=["v1", "v4"])
-    ap.add_argument("--max-registers", type=int, default=None, help="v4's register cap")
     args = ap.parse_args(argv)
 
     import torch
@@ -42,8 +41,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     inp = bk.decode_inputs(args.format, args.batch, args.ctx)
     kw: dict[str, object] = {"variant": args.variant}
-    if args.max_registers is not None:
-        kw["max_registers"] = args.max_registers
     for launch in ("compile + warm-up", "profiled"):
         torch.cuda.synchronize()
         t = time.perf_counter()

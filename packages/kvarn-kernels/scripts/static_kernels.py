@@ -34,7 +34,6 @@ def compile_kernel(
     consts: dict[str, Any],
     num_warps: int,
     num_stages: int = 3,
-    maxnreg: int | None = None,
 ) -> Any:
     """``fn`` compiled for sm_90a; pointers get the 16-byte divisibility the JIT gives them."""
     full = {}
@@ -50,7 +49,7 @@ def compile_kernel(
     return triton.compile(
         src,
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg},
+        options={"num_warps": num_warps, "num_stages": num_stages},
     )
 
 

@@ -69,7 +69,6 @@ def _decode_v4(
     bn: int = 64,
     warps: int = 4,
     stages: int = 2,
-    maxnreg: int | None = None,
     d: int = 128,
     qpk: int = 4,
     fast: bool = True,
@@ -95,7 +94,7 @@ def _decode_v4(
         NUM_SPLITS=4,
         FAST_UNPACK=fast,
     )
-    return compile_kernel(decode_v4_kernel, DECODE_SIG, consts, warps, stages, maxnreg)
+    return compile_kernel(decode_v4_kernel, DECODE_SIG, consts, warps, stages)
 
 
 def _dequant_context(name: str, d: int = 128, bt: int = 32) -> Any:
@@ -220,7 +219,7 @@ def _decode_v4_default(name: str, d: int, qpk: int) -> Any:
     from kvarn_kernels.decode_v4 import decode_v4_config
 
     cfg = decode_v4_config(d, parse_cache_dtype(name).group)
-    return _decode_v4(name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], None, d, qpk)
+    return _decode_v4(name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], d, qpk)
 
 
 # v4's default shape away from the timed case (D = 128, GQA 4, 128-token tiles): other head

@@ -144,20 +144,6 @@ def test_decode_attention(
     _assert_close(out, ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(INTERPRET, reason="the interpreter ignores register caps")
-@pytest.mark.parametrize("max_registers", [168, 128])
-@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g128"])
-def test_decode_v4_register_cap(device: torch.device, name: str, max_registers: int) -> None:
-    """v4 compiled under a register cap (spilling) computes the same attention."""
-    d, hq, hk, lens = 128, 32, 8, [4100, 129, 2000, 7]
-    case = shared_case(name, d, hk, lens, device=device, seed=5, encoder="kernel")
-    q = (torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(9)) * 2).half()
-    args = case.decode_args(name, q.to(device), 1.0 / math.sqrt(d))
-    out = decode_attention(*args, variant="v4", max_registers=max_registers)
-    _assert_close(out, decode_attention_ref(*args))
-
-
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_decode_bf16_and_default_splits_against_fp16_attention(
     device: torch.device, variant: str
@@ -415,9 +401,7 @@ def test_prefill_validation(device: torch.device, kw: dict[str, object], message
         ("workspace", "workspace must be"),
         ("variant", "variant must be"),
         ("v4_prefetch", "applies to variant='v1' only"),
-        ("v1_stages", "apply to variant='v4' only"),
-        ("v1_registers", "apply to variant='v4' only"),
-        ("registers_range", "max_registers must be in 32..255"),
+        ("v1_stages", "num_stages applies to variant='v4' only"),
         ("v3_removed", "variant must be 'auto', 'v1' or 'v4'"),
     ],
 )
@@ -450,10 +434,6 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
         kw["variant"] = "v3"
     elif change == "v1_stages":
         kw.update(variant="v1", num_stages=4)
-    elif change == "v1_registers":
-        kw.update(variant="v1", max_registers=128)
-    elif change == "registers_range":
-        kw["max_registers"] = 300
     with pytest.raises(ValueError, match=message):
         decode_attention(
             name,
@@ -607,8 +587,8 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
         ("kvarn_k5v5_g64", 128, {}, "v1"),  # v4 cannot read 5-bit codes
         ("kvarn_k4v2_g128", 128, {"prefetch": False}, "v1"),  # a v1-only option
         ("kvarn_k4v4_g64", 512, {"num_stages": 2}, "v4"),  # a v4-only option
-        ("kvarn_k4v4_g64", 512, {"max_registers": 128}, "v4"),  # another
-        ("kvarn_k4v4_g64", 512, {"max_registers": 128, "prefetch": False}, "v1"),
+        # a v1-only option wins over a v4-only one (decode_attention then raises)
+        ("kvarn_k4v4_g64", 512, {"num_stages": 2, "prefetch": False}, "v1"),
     ],
 )
 def test_auto_decode_variant(name: str, d: int, kw: dict[str, object], expected: str) -> None:
@@ -617,8 +597,7 @@ def test_auto_decode_variant(name: str, d: int, kw: dict[str, object], expected:
 
     fmt = parse_cache_dtype(name)
     geo = dense_geometry(fmt, d, record_layout(fmt, d).tile_bytes)  # type: ignore[arg-type]
-    v4_option = "num_stages" in kw or "max_registers" in kw
-    got = default_decode_variant(geo, bool(kw.get("prefetch", True)), v4_option)
+    got = default_decode_variant(geo, bool(kw.get("prefetch", True)), "num_stages" in kw)
     assert got == expected
 
 

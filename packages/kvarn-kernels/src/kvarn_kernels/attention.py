@@ -637,7 +637,6 @@ def _launch_v4(
     block_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
-    max_registers: int | None = None,
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
@@ -677,7 +676,6 @@ def _launch_v4(
         FAST_UNPACK=fast,
         num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
-        maxnreg=max_registers,
     )
 
 
@@ -703,7 +701,6 @@ def _launch(
     block_m: int | None = None,
     variant: str = "v1",
     num_stages: int | None = None,
-    max_registers: int | None = None,
 ) -> None:
     t, hq, d = (int(s) for s in q.shape)
     hk = int(pool_k.shape[2])
@@ -738,7 +735,6 @@ def _launch(
             block_n,
             num_warps,
             num_stages,
-            max_registers,
         )
     else:
         if decode:
@@ -886,7 +882,7 @@ def default_decode_variant(geo: DenseGeometry, prefetch: bool, v4_option: bool) 
     k4v2_g128 906 µs vs v1 1,558; k4v4_g128 995 vs 1,611; k4v2_g64 863 vs 1,543; head dim
     256 5,953 vs 6,366; docs/kernel-notes.md, round 5). v1 for 5-bit codes and head dim 512
     (v4 is correct there but not timed), and whenever a v1-only option (``prefetch=False``)
-    is given; a v4-only option (``num_stages``, ``max_registers``: ``v4_option``) selects v4.
+    is given; a v4-only option (``v4_option``: ``num_stages`` was given) selects v4.
     """
     v4_ok = _v4_supports(geo)
     if v4_ok and prefetch and (v4_option or geo.head_dim <= 256):
@@ -914,7 +910,6 @@ def decode_attention(
     prefetch: bool = True,
     variant: str = "auto",
     num_stages: int | None = None,
-    max_registers: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request over packed records and the side pool.
 
@@ -948,11 +943,6 @@ def decode_attention(
             (1.7x and 1.6x; B = 256 and g64 tiles likewise). See docs/kernel-notes.md.
         num_stages: v4 only: software-pipeline depth of the code-byte loads (default: the
             launch config's, 2).
-        max_registers: v4 only, experimental: cap on registers per thread (ptxas
-            ``.maxnreg``; default: none, v4 then takes 255 and runs 2 programs of 4 warps per
-            SM). A lower cap raises occupancy (128: 4 programs per SM) at the price of spills;
-            for the occupancy experiment of docs/kernel-notes.md (round 6), not yet timed.
-            Ignored by Triton's interpreter.
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -963,17 +953,14 @@ def decode_attention(
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
     if variant not in ("auto", "v1", "v4"):
         raise ValueError(f"variant must be 'auto', 'v1' or 'v4', got {variant!r}")
-    if max_registers is not None and not 32 <= max_registers <= 255:
-        raise ValueError(f"max_registers must be in 32..255, got {max_registers}")
     if variant == "auto":
-        v4_option = num_stages is not None or max_registers is not None
-        variant = default_decode_variant(geo, prefetch, v4_option)
+        variant = default_decode_variant(geo, prefetch, v4_option=num_stages is not None)
     if variant != "v1" and not prefetch:
         raise ValueError(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
-    if variant == "v1" and (num_stages is not None or max_registers is not None):
-        raise ValueError("num_stages and max_registers apply to variant='v4' only")
+    if variant == "v1" and num_stages is not None:
+        raise ValueError("num_stages applies to variant='v4' only")
     if variant == "v4" and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
@@ -1008,7 +995,6 @@ def decode_attention(
         prefetch,
         variant=variant,
         num_stages=num_stages,
-        max_registers=max_registers,
     )
     return out
 
