@@ -12,6 +12,15 @@ launch compiles and warms up, the second is the one to profile. On the GPU machi
 
 (``--clock-control none``: leave the clocks as they are, as the device notes ask.) Without
 ncu it prints the two launches' times, which is a quick check that the case runs.
+
+The sections above say *that* v4 is latency-bound (fifth session: 0.45 instructions issued
+per scheduler cycle, 0.58 eligible of ~2 resident warps); the stall reasons say on *what*.
+The text report does not print WarpStateStats' breakdown, so ask for the per-reason metrics
+(cycles per issued instruction spent in each stall) and the source-level sampling::
+
+    ncu --clock-control none --kernel-name regex:decode_v4 --launch-skip 1 --launch-count 1 \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
+        --section SourceCounters python3 tools/gpu_ncu_decode.py > $OUT/ncu_stalls.txt
 """
 
 from __future__ import annotations
