@@ -34,6 +34,7 @@ __all__ = [
     "SlotRounding",
     "fp16_bytes_per_token",
     "padded_record_stride",
+    "shadow_rows",
     "record_layout",
 ]
 
@@ -296,3 +297,20 @@ def padded_record_stride(tile_bytes: int, num_kv_heads: int, other_pages: Sequen
         f"no record stride between {tile_bytes} and {2 * tile_bytes} bytes makes the KVarN "
         f"page ({num_kv_heads} heads) divide the other layers' pages {larger}"
     )
+
+
+def shadow_rows(group: int, head_dim: int, record_stride: int) -> int:
+    """Rows of an fp16 side-pool tile that live in the record area of the block it shadows.
+
+    While a tile is in the side pool (a sink, an in-progress tile), the block it belongs to
+    holds no packed record yet: its ``record_stride`` bytes per KV head are idle. The first
+    ``R`` rows of the tile, K and V, are kept there instead (per head, at the start of the
+    head's record area: K rows ``0..R-1``, then V rows ``0..R-1``, ``head_dim`` fp16 each), so a
+    pool slot holds only the other ``group - R`` rows. The flush that quantizes the tile reads
+    those rows before it writes the record over them. ``R = record_stride // (4 * head_dim)``,
+    at most ``group - 1``; it is about ``1 / ratio_vs_fp16`` of the tile (27 of 128 rows for
+    kvarn_k4v2_g128 at head dim 128, 35 for kvarn_k4v4_g128).
+    """
+    if group <= 0 or head_dim <= 0 or record_stride <= 0:
+        raise ValueError("group, head_dim and record_stride must be positive")
+    return min(group - 1, record_stride // (4 * head_dim))

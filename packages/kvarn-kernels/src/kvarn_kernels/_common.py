@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_format import DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype, record_layout
+from kvarn_format.geometry import shadow_rows
 from kvarn_format.registry import KVarNFormat
 
 __all__ = [
@@ -27,6 +30,8 @@ __all__ = [
     "check_ndim",
     "debug_checks_enabled",
     "dense_geometry",
+    "pool_row_ptrs",
+    "pool_shadow_rows",
     "resolve_format",
     "triton_interpret",
 ]
@@ -168,3 +173,65 @@ def dense_geometry(fmt: DenseFormat, head_dim: int, record_stride: int) -> Dense
         v_scale=off["v_scale"],
         v_zero=off["v_zero"],
     )
+
+
+def pool_shadow_rows(pool_k: torch.Tensor, group: int, kv_cache: torch.Tensor | None) -> int:
+    """The shadow rows ``R`` of a side pool: ``group`` minus its rows per slot.
+
+    A pool ``[num_slots, G, Hk, D]`` holds whole tiles (``R = 0``). A pool with ``G - R`` rows
+    per slot keeps each tile's first ``R`` rows in the record area of the block the tile
+    belongs to (:func:`kvarn_format.geometry.shadow_rows`), which needs that block's cache
+    ``kv_cache`` and at most ``shadow_rows(G, D, record stride)`` rows.
+    """
+    rows, d = int(pool_k.shape[1]), int(pool_k.shape[3])
+    shadow = group - rows
+    if shadow == 0:
+        return 0
+    if shadow < 0:
+        raise ValueError(f"the side pool has {rows} rows per slot, more than the tile's {group}")
+    if kv_cache is None:
+        raise ValueError(
+            f"the side pool has {rows} rows per slot for {group}-token tiles: its first {shadow} "
+            "rows live in the records of the blocks they belong to, so pass kv_cache"
+        )
+    limit = shadow_rows(group, d, int(kv_cache.shape[-1]))
+    if shadow > limit:
+        raise ValueError(
+            f"the side pool has {rows} rows per slot for {group}-token tiles, so {shadow} rows "
+            f"would live in each block's record area, which holds at most {limit} "
+            f"(kvarn_format.geometry.shadow_rows({group}, {d}, {int(kv_cache.shape[-1])}))"
+        )
+    return shadow
+
+
+@triton.jit
+def pool_row_ptrs(
+    POOL,
+    KV,
+    slot,
+    blk,
+    row,
+    h,
+    IS_V: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    SHADOW: tl.constexpr,
+    STRIDE: tl.constexpr,
+):
+    """fp16 pointers to channel 0 of tile row(s) ``row`` of head ``h`` of a pool-resident
+    block ``blk`` in pool slot ``slot`` (K pool with ``IS_V`` 0, V pool with 1).
+
+    Rows ``>= SHADOW`` are pool rows ``row - SHADOW`` of the slot (``[slots, G - SHADOW, HK,
+    D]``); rows ``< SHADOW`` are in the block's record area of head ``h`` (``KV`` is the paged
+    uint8 cache, ``STRIDE`` bytes per record): K rows first, then V rows, ``D`` fp16 each.
+    Arguments broadcast; pass int64 indices.
+    """
+    if SHADOW == 0:
+        return POOL + ((slot * G + row) * HK + h) * D
+    else:
+        pooled = row >= SHADOW
+        in_pool = POOL + ((slot * (G - SHADOW) + tl.where(pooled, row - SHADOW, 0)) * HK + h) * D
+        record = (KV + (blk * HK + h) * STRIDE).to(tl.pointer_type(tl.float16))
+        in_record = record + (IS_V * SHADOW + tl.where(pooled, 0, row)) * D
+        return tl.where(pooled, in_pool, in_record)

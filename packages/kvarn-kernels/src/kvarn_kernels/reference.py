@@ -15,15 +15,17 @@ import torch
 from kvarn_format.hadamard import hadamard_matrix as _np_hadamard
 from kvarn_format.reference import encode_rotated_tiles
 from kvarn_format.registry import KVarNFormat
-from kvarn_kernels._common import dense_geometry, resolve_format
+from kvarn_kernels._common import dense_geometry, pool_shadow_rows, resolve_format
 
 __all__ = [
     "decode_attention_ref",
     "dequantize_records",
     "flush_tiles_ref",
     "gather_kv",
+    "pool_tile",
     "prefill_attention_ref",
     "rotate_ref",
+    "shadow_view",
     "unpack_codes_torch",
     "write_side_pool_ref",
 ]
@@ -39,6 +41,34 @@ def rotate_ref(x: torch.Tensor) -> torch.Tensor:
     return y.clamp(-65504.0, 65504.0).to(torch.float16)
 
 
+def shadow_view(kv_cache: torch.Tensor, block: int, shadow: int, head_dim: int) -> torch.Tensor:
+    """The shadow rows in block ``block``'s record area, a writable fp16 view ``[Hk, 2, R, D]``
+    (``[:, 0]`` K rows, ``[:, 1]`` V rows; kvarn_format.geometry.shadow_rows)."""
+    hk = kv_cache.shape[1]
+    area = kv_cache[block, :, : 4 * shadow * head_dim]
+    return area.view(torch.float16).view(hk, 2, shadow, head_dim)
+
+
+def pool_tile(
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    slot: int,
+    block: int,
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole fp16 tile ``[G, Hk, D]`` (K, V) of pool-resident block ``block`` in ``slot``:
+    its shadow rows from the block's record area, the rest from the pool slot."""
+    shadow = pool_shadow_rows(pool_k, group, kv_cache)
+    if shadow == 0:
+        return pool_k[slot], pool_v[slot]
+    assert kv_cache is not None  # pool_shadow_rows checked it
+    rows = shadow_view(kv_cache, block, shadow, pool_k.shape[3]).transpose(0, 2)  # [R, 2, Hk, D]
+    k = torch.cat([rows[:, 0].to(pool_k.device), pool_k[slot]])
+    v = torch.cat([rows[:, 1].to(pool_v.device), pool_v[slot]])
+    return k, v
+
+
 def write_side_pool_ref(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -46,17 +76,28 @@ def write_side_pool_ref(
     pool_v: torch.Tensor,
     slot_mapping: torch.Tensor,
     block_to_slot: torch.Tensor,
+    *,
+    kv_cache: torch.Tensor | None = None,
+    group: int | None = None,
 ) -> None:
     """Reference of :func:`kvarn_kernels.write_side_pool` (skips padding and pool-less blocks)."""
-    g = pool_k.shape[1]
+    g = pool_k.shape[1] if group is None else group
+    shadow = pool_shadow_rows(pool_k, g, kv_cache)
     for t, s in enumerate(slot_mapping.tolist()):
         if s < 0:
             continue
-        ps = int(block_to_slot[s // g])
+        blk, row = s // g, s % g
+        ps = int(block_to_slot[blk])
         if ps < 0:
             continue
-        pool_k[ps, s % g] = rotate_ref(k[t])
-        pool_v[ps, s % g] = rotate_ref(v[t])
+        if row < shadow:
+            assert kv_cache is not None
+            view = shadow_view(kv_cache, blk, shadow, pool_k.shape[3])
+            view[:, 0, row] = rotate_ref(k[t]).to(kv_cache.device)
+            view[:, 1, row] = rotate_ref(v[t]).to(kv_cache.device)
+        else:
+            pool_k[ps, row - shadow] = rotate_ref(k[t])
+            pool_v[ps, row - shadow] = rotate_ref(v[t])
 
 
 def flush_tiles_ref(
@@ -71,12 +112,16 @@ def flush_tiles_ref(
 ) -> None:
     """Reference of :func:`kvarn_kernels.flush_tiles`: kvarn-format's NumPy encoder per tile."""
     dense = resolve_format(fmt)
-    n, g, hk, d = pool_k.shape[0], pool_k.shape[1], pool_k.shape[2], pool_k.shape[3]
-    del n, g
+    hk, d = pool_k.shape[2], pool_k.shape[3]
     stride = kv_cache.shape[2]
-    slots = src_slots.long().cpu()
-    k = pool_k[slots].float().cpu().permute(0, 2, 1, 3).reshape(-1, dense.group, d).numpy()
-    v = pool_v[slots].float().cpu().permute(0, 2, 1, 3).reshape(-1, dense.group, d).numpy()
+    tiles = [
+        pool_tile(pool_k, pool_v, kv_cache, s, b, dense.group)
+        for s, b in zip(src_slots.tolist(), dst_blocks.tolist(), strict=True)
+    ]
+    k = torch.stack([t[0] for t in tiles]).float().cpu()
+    v = torch.stack([t[1] for t in tiles]).float().cpu()
+    k = k.permute(0, 2, 1, 3).reshape(-1, dense.group, d).numpy()
+    v = v.permute(0, 2, 1, 3).reshape(-1, dense.group, d).numpy()
     rec = torch.from_numpy(encode_rotated_tiles(dense, k, v, sinkhorn_iters=sinkhorn_iters))
     # Records padded to the cache's stride with zeros (what the store writes past the payload).
     padded = torch.zeros(rec.shape[0], stride, dtype=torch.uint8)
@@ -142,14 +187,15 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated-frame K and V ``[n_tokens, Hk, D]`` fp32 of one request, from pool or records."""
     dense = resolve_format(fmt)
-    g, hk, d = pool_k.shape[1], pool_k.shape[2], pool_k.shape[3]
+    g, hk, d = dense.group, pool_k.shape[2], pool_k.shape[3]
     nb = -(-n_tokens // g)
     ks, vs = [], []
     for blk in blocks[:nb].tolist():
         slot = int(block_to_slot[blk])
         if slot >= 0:
-            ks.append(pool_k[slot].float())
-            vs.append(pool_v[slot].float())
+            k, v = pool_tile(pool_k, pool_v, kv_cache, slot, blk, g)
+            ks.append(k.float())
+            vs.append(v.float())
         else:
             k, v = dequantize_records(dense, kv_cache[blk], d)  # [Hk, G, D]
             ks.append(k.transpose(0, 1))

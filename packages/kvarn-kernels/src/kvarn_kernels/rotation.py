@@ -33,6 +33,8 @@ from kvarn_kernels._common import (
     check_index_tensor,
     check_ndim,
     debug_checks_enabled,
+    pool_row_ptrs,
+    pool_shadow_rows,
     triton_interpret,
 )
 
@@ -80,6 +82,7 @@ def _rotate_rows_kernel(
     S,
     SLOT_MAPPING,
     BLOCK_TO_SLOT,
+    KV,
     n_rows,
     stride_xt,
     stride_xh,
@@ -87,6 +90,9 @@ def _rotate_rows_kernel(
     HK: tl.constexpr,
     D: tl.constexpr,
     G: tl.constexpr,
+    SHADOW: tl.constexpr,
+    STRIDE: tl.constexpr,
+    IS_V: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     OUT_F32: tl.constexpr,
@@ -97,8 +103,10 @@ def _rotate_rows_kernel(
     """Rows ``r = t * HK + h`` of ``X[t, h, :]`` times the sign matrix, over sqrt(D).
 
     Plain mode writes row ``r`` of a contiguous ``Y[n_rows, D]``. Scatter mode writes token
-    ``t``, head ``h`` to the pool row ``(block_to_slot[s // G] * G + s % G) * HK + h`` with
-    ``s = slot_mapping[t]``, and skips tokens with ``s < 0`` (padding) or no pool slot.
+    ``t``, head ``h`` to tile row ``s % G`` of block ``s // G`` in its pool slot
+    ``block_to_slot[s // G]`` (``pool_row_ptrs``: the first ``SHADOW`` rows in the block's
+    record area in ``KV``) with ``s = slot_mapping[t]``, and skips tokens with ``s < 0``
+    (padding) or no pool slot.
     """
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -112,9 +120,9 @@ def _rotate_rows_kernel(
         blk = tl.where(valid, slot // G, 0)
         pool_slot = tl.load(BLOCK_TO_SLOT + blk, mask=valid, other=-1).to(tl.int64)
         valid = valid & (pool_slot >= 0)
-        y_row = ((pool_slot * G + slot % G) * HK + h) * D
+        y_base = pool_row_ptrs(Y, KV, pool_slot, blk, slot % G, h, IS_V, HK, D, G, SHADOW, STRIDE)
     else:
-        y_row = rows.to(tl.int64) * D
+        y_base = Y + rows.to(tl.int64) * D
     cols = tl.arange(0, BLOCK_C)
     for n0 in tl.static_range(0, D, BLOCK_C):
         acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
@@ -123,7 +131,7 @@ def _rotate_rows_kernel(
             s = tl.load(S + (k0 + cols)[:, None] * D + (n0 + cols)[None, :])
             acc = tl.dot(x, s, acc, input_precision="ieee") if IEEE else tl.dot(x, s, acc)
         y = acc * inv_sqrt_d
-        y_ptrs = Y + y_row[:, None] + (n0 + cols)[None, :]
+        y_ptrs = y_base[:, None] + (n0 + cols)[None, :]
         if OUT_F32:
             tl.store(y_ptrs, y, mask=valid[:, None])
         elif OUT_BF16:
@@ -156,6 +164,9 @@ def _launch_rotate(
     block_to_slot: torch.Tensor | None = None,
     group: int = 1,
     scale: float = 1.0,
+    kv_cache: torch.Tensor | None = None,
+    shadow: int = 0,
+    is_v: bool = False,
 ) -> None:
     d = x.shape[-1]
     if n_rows == 0:
@@ -178,6 +189,7 @@ def _launch_rotate(
         s,
         slot_mapping if slot_mapping is not None else dummy,
         block_to_slot if block_to_slot is not None else dummy,
+        kv_cache if kv_cache is not None else dummy,
         n_rows,
         stride_t,
         stride_h,
@@ -185,6 +197,9 @@ def _launch_rotate(
         HK=hk,
         D=d,
         G=group,
+        SHADOW=shadow,
+        STRIDE=int(kv_cache.shape[-1]) if kv_cache is not None else 0,
+        IS_V=is_v and shadow > 0,  # K and V share one compile without shadow rows
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         OUT_F32=out_f32,
@@ -282,25 +297,43 @@ def write_side_pool(
     slot_mapping: torch.Tensor,
     block_to_slot: torch.Tensor,
     *,
+    kv_cache: torch.Tensor | None = None,
+    group: int | None = None,
     check: bool | None = None,
 ) -> None:
     """Rotate incoming K/V tokens and scatter them into the paged fp16 side pool.
 
     Args:
         k, v: ``[T, Hk, D]`` fp16 or bf16, unrotated (last dim contiguous).
-        pool_k, pool_v: ``[num_slots, G, Hk, D]`` fp16, contiguous; written in place.
+        pool_k, pool_v: ``[num_slots, G - R, Hk, D]`` fp16, contiguous; written in place.
+            ``R`` (shadow rows, default 0) is ``group`` minus the pool's rows per slot.
         slot_mapping: ``[T]`` int32/int64, vLLM slot ``block_id * G + offset``; ``-1`` skips
             the token (padding).
         block_to_slot: ``[num_blocks]`` int32, the pool slot of each block or ``-1``.
+        kv_cache: the paged cache ``[num_blocks, Hk, record stride]`` uint8, needed when the
+            pool has shadow rows: a tile's first ``R`` rows go to its block's record area
+            (:func:`kvarn_format.geometry.shadow_rows`).
+        group: the tile size ``G`` (the format's group); default the pool's rows per slot.
         check: when true (default: env ``KVARN_KERNELS_DEBUG=1``), raise ``ValueError`` if a
             token's block has no pool slot. Such tokens are a caller bug; without the check
             they are skipped (never written elsewhere). The check syncs with the host, so keep
             it off under CUDA-graph capture.
 
-    Token ``t`` lands at ``pool[block_to_slot[s // G], s % G]`` with ``s = slot_mapping[t]``,
-    as ``fp16(saturate(x @ H))``.
+    Token ``t`` lands in tile row ``s % G`` of block ``s // G`` with ``s = slot_mapping[t]``,
+    as ``fp16(saturate(x @ H))``: at ``pool[block_to_slot[s // G], s % G - R]``, or in the
+    block's record area for rows ``< R``.
     """
-    _, g, hk, d = _check_pool(pool_k, pool_v)
+    _, rows, hk, d = _check_pool(pool_k, pool_v)
+    g = rows if group is None else group
+    shadow = pool_shadow_rows(pool_k, g, kv_cache)
+    if kv_cache is not None and shadow:
+        check_dtype("kv_cache", kv_cache, (torch.uint8,))
+        if kv_cache.dim() != 3 or int(kv_cache.shape[1]) != hk or kv_cache.stride(-1) != 1:
+            raise ValueError(
+                f"kv_cache must be a [num_blocks, {hk}, record stride] uint8 cache; "
+                f"got shape {tuple(kv_cache.shape)}"
+            )
+        check_device(pool_k.device, kv_cache=kv_cache)
     for name, x in (("k", k), ("v", v)):
         check_ndim(name, x, 3, "[T, Hk, D]")
         check_dtype(name, x, ACT_DTYPES)
@@ -332,7 +365,7 @@ def write_side_pool(
     t = int(k.shape[0])
     if debug_checks_enabled(check) and t:
         _check_slots(slot_mapping, block_to_slot, g)
-    for x, pool in ((k, pool_k), (v, pool_v)):
+    for x, pool, is_v in ((k, pool_k, False), (v, pool_v, True)):
         _launch_rotate(
             x,
             pool,
@@ -342,6 +375,9 @@ def write_side_pool(
             slot_mapping=slot_mapping,
             block_to_slot=block_to_slot,
             group=g,
+            kv_cache=kv_cache if shadow else None,
+            shadow=shadow,
+            is_v=is_v,
         )
 
 

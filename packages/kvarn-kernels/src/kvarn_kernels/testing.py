@@ -104,6 +104,7 @@ def build_case(
     key_outliers: bool = True,
     value_scale: float = 1.0,
     record_stride: int | None = None,
+    shadow_rows: int = 0,
 ) -> PagedCase:
     """Build a paged batch holding ``seq_lens[b]`` random tokens for each request ``b``.
 
@@ -115,7 +116,9 @@ def build_case(
     ``key_outliers`` gives K a few channels 20x larger than the rest; ``value_scale``
     multiplies every token (saturating at the fp16 limit, as activations would).
     ``record_stride`` pads the cache's records to that many bytes (default: the record size),
-    as a hybrid model's page unification does.
+    as a hybrid model's page unification does. ``shadow_rows`` ``R`` gives the pool ``G - R``
+    rows per slot and keeps each pool tile's first ``R`` rows in its block's record area
+    (:func:`kvarn_format.geometry.shadow_rows`); the rest of that area keeps its random bytes.
     """
     from kvarn_kernels.reference import flush_tiles_ref, write_side_pool_ref
     from kvarn_kernels.rotation import write_side_pool
@@ -150,7 +153,10 @@ def build_case(
         dev
     )
     nan = float("nan")
-    pool_k = torch.full((len(pool_blocks) + 2, g, hk, d), nan, dtype=torch.float16, device=dev)
+    pool_rows = g - shadow_rows
+    pool_k = torch.full(
+        (len(pool_blocks) + 2, pool_rows, hk, d), nan, dtype=torch.float16, device=dev
+    )
     pool_v = torch.full_like(pool_k, nan)
     block_to_slot = torch.full((num_blocks,), -1, dtype=torch.int32)
     for s, blk in enumerate(pool_blocks):
@@ -199,7 +205,16 @@ def build_case(
             kv_cache,
             torch.tensor(record_blocks, dtype=torch.int32, device=dev),
         )
-    writer(k_all, v_all, pool_k, pool_v, slot_mapping, block_to_slot.to(dev))
+    writer(
+        k_all,
+        v_all,
+        pool_k,
+        pool_v,
+        slot_mapping,
+        block_to_slot.to(dev),
+        kv_cache=kv_cache,
+        group=g,
+    )
     return PagedCase(
         fmt=dense,
         head_dim=d,
