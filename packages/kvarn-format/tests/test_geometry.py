@@ -134,3 +134,22 @@ def test_padded_record_stride() -> None:
         padded_record_stride(13_824, 1, [13_825 * 3])
     with pytest.raises(ValueError, match="positive"):
         padded_record_stride(0, 1, [])
+
+
+def test_shadow_rows_fill_the_record_area_with_k_and_v_rows() -> None:
+    from kvarn_format.geometry import shadow_rows
+
+    for name in DENSE_DTYPES:
+        fmt = parse_cache_dtype(name)
+        assert isinstance(fmt, DenseFormat)
+        for d in (64, 128, 256):
+            stride = record_layout(fmt, d).tile_bytes
+            r = shadow_rows(fmt.group, d, stride)
+            # R rows of K and of V (fp16) fit in the record; one more row of each does not.
+            assert 4 * d * r <= stride < 4 * d * (r + 1)
+            assert 0 < r < fmt.group
+    assert shadow_rows(128, 128, 13_824) == 27  # kvarn_k4v2_g128
+    assert shadow_rows(128, 128, 16_384) == 32  # the same record padded for a hybrid model
+    assert shadow_rows(4, 8, 10_000) == 3  # never the whole tile: a slot keeps >= 1 row
+    with pytest.raises(ValueError, match="positive"):
+        shadow_rows(128, 0, 13_824)

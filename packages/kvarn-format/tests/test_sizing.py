@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from kvarn_format.catalog import catalog_names, load_model, model_from_config
-from kvarn_format.registry import UnsupportedGeometryError
+from kvarn_format.registry import UnsupportedGeometryError, parse_cache_dtype
 from kvarn_format.sizing import (
     ANCHOR_FIXED_OVERHEAD_BYTES,
     GPUS,
@@ -17,6 +17,7 @@ from kvarn_format.sizing import (
     MLAWorkspace,
     ServingConfig,
     SidePool,
+    dense_pool_rows,
     layer_caches,
     mla_workspace_bytes,
     plan,
@@ -42,7 +43,8 @@ SMALL = ServingConfig(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens
 
 
 def _qwen8_k4v2() -> tuple[int, tuple[LayerCache, ...]]:
-    return layer_caches(load_model("Qwen3-8B"), "kvarn_k4v2_g128")
+    """Whole-tile pool slots (no shadow rows): the solver tests' hand arithmetic."""
+    return layer_caches(load_model("Qwen3-8B"), "kvarn_k4v2_g128", shadow_rows=False)
 
 
 def test_dense_pages_and_pool_match_hand_arithmetic() -> None:
@@ -51,6 +53,11 @@ def test_dense_pages_and_pool_match_hand_arithmetic() -> None:
     (full,) = layers
     assert full.count == 36 and full.page_bytes == 110_592
     assert full.side_pool is not None and full.side_pool.slot_bytes == 524_288
+    # With shadow rows (the default), a tile's first 13,824 // (4 * 128) = 27 rows live in its
+    # block's 13,824-byte record area: 101 rows per slot, 2 * 101 * 8 * 128 * 2 bytes.
+    _, (shadowed,) = layer_caches(load_model("Qwen3-8B"), "kvarn_k4v2_g128")
+    assert shadowed.side_pool is not None and shadowed.side_pool.slot_bytes == 413_696
+    assert dense_pool_rows(parse_cache_dtype("kvarn_k4v4_g128"), 128) == 128 - 35  # 17,920 B
     assert side_pool_slots(full.side_pool, SMALL) == 16
     assert side_pool_slots(full.side_pool, replace(SMALL, direct_flush=False)) == 18
     assert full.workspace is None
@@ -350,23 +357,32 @@ def test_qwen3_8b_standard_burst_kvarn_predictions() -> None:
     """The H200 standard burst (docs/benchmarks.md). vLLM 0.23.0 reported 3,360,128 tokens for
     kvarn_k4v2_g128 with the format-spec pool (648 slots); the same plan without direct flush
     predicts 3,360,512 (3 blocks over). With direct flush the pool is 2*256 + 8 = 520 slots
-    (128 x 36 x 524,288 B = 2.25 GiB less): these are the predictions for the next GPU run."""
+    (128 x 36 x 524,288 B = 2.25 GiB less); vLLM then reported 3,437,824 (k4v2) and 2,652,032
+    (k4v4) tokens, one block under these plans. Shadow rows (the default since) shrink each
+    slot to 101 rows (k4v2) or 93 (k4v4): the predictions for the next GPU run."""
     kw = {"max_model_len": 16384, "max_num_seqs": 256, "max_num_batched_tokens": 16384}
-    old = plan("Qwen3-8B", "kvarn_k4v2_g128", direct_flush=False, **kw)  # type: ignore[arg-type]
+    whole = {**kw, "shadow_rows": False}
+    old = plan("Qwen3-8B", "kvarn_k4v2_g128", direct_flush=False, **whole)  # type: ignore[arg-type]
     assert old.budget.side_pool_slots == 648 and old.kv_tokens == 3_360_512
-    k4v2 = plan("Qwen3-8B", "kvarn_k4v2_g128", **kw)  # type: ignore[arg-type]
+    k4v2 = plan("Qwen3-8B", "kvarn_k4v2_g128", **whole)  # type: ignore[arg-type]
     assert k4v2.budget.side_pool_slots == 520
     assert old.budget.side_pool_bytes - k4v2.budget.side_pool_bytes == 128 * 36 * 524_288
     assert k4v2.kv_tokens == 3_438_080  # 4.342x the planned fp16 791,792
-    k4v4 = plan("Qwen3-8B", "kvarn_k4v4_g128", **kw)  # type: ignore[arg-type]
+    k4v4 = plan("Qwen3-8B", "kvarn_k4v4_g128", **whole)  # type: ignore[arg-type]
     assert k4v4.kv_tokens == 2_652_288  # 3.350x
+    shadow_k4v2 = plan("Qwen3-8B", "kvarn_k4v2_g128", **kw)  # type: ignore[arg-type]
+    assert shadow_k4v2.budget.side_pool_bytes == 520 * 36 * 413_696
+    assert shadow_k4v2.kv_tokens == 3_504_640  # 4.426x
+    shadow_k4v4 = plan("Qwen3-8B", "kvarn_k4v4_g128", **kw)  # type: ignore[arg-type]
+    assert shadow_k4v4.budget.side_pool_bytes == 520 * 36 * 2 * 93 * 8 * 128 * 2
+    assert shadow_k4v4.kv_tokens == 2_718_848  # 3.434x: issue 4's 3.4x
 
 
 def test_qwen3_32b_k4v2_a_bit_above_4x() -> None:
     p = plan("Qwen3-32B", "kvarn_k4v2_g128")
     assert p.ratio_vs_fp16 is not None and 4.0 < p.ratio_vs_fp16 < 4.3
-    # Side pool: 2*128 + 8 = 264 slots * 524,288 B * 64 layers (direct flush).
-    assert p.budget.side_pool_bytes == 264 * 524_288 * 64
+    # Side pool: 2*128 + 8 = 264 slots * 413,696 B (101 rows: shadow rows) * 64 layers.
+    assert p.budget.side_pool_bytes == 264 * 413_696 * 64
     assert p.kv_tokens == p.num_blocks * 128
     # Every byte is accounted for.
     b = p.budget

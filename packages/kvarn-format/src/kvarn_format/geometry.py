@@ -34,8 +34,8 @@ __all__ = [
     "SlotRounding",
     "fp16_bytes_per_token",
     "padded_record_stride",
-    "shadow_rows",
     "record_layout",
+    "shadow_rows",
 ]
 
 SlotRounding = Literal["align8", "pow2"]

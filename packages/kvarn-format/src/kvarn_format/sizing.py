@@ -45,7 +45,12 @@ from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
 from kvarn_format.catalog import ModelGeometry, load_model
-from kvarn_format.geometry import SlotRounding, padded_record_stride, record_layout
+from kvarn_format.geometry import (
+    SlotRounding,
+    padded_record_stride,
+    record_layout,
+    shadow_rows,
+)
 from kvarn_format.registry import (
     DENSE_DTYPES,
     MLA_DTYPES,
@@ -82,6 +87,8 @@ __all__ = [
     "SidePool",
     "WorkerMemory",
     "WorkspaceBreakdown",
+    "dense_pool_rows",
+    "dense_slot_bytes",
     "estimate_overhead",
     "layer_caches",
     "mla_workspace_bytes",
@@ -354,6 +361,25 @@ class LayerCache:
             raise ValueError(f"layer cache {self.role!r}: count and page_bytes must be >= 0")
 
 
+def dense_pool_rows(fmt: DenseFormat, head_dim: int, *, shadow: bool = True) -> int:
+    """Rows per dense side-pool slot: the tile's ``G`` less its shadow rows.
+
+    With ``shadow`` (kvarn-vllm's default; env ``KVARN_SHADOW_ROWS=0`` turns it off) the
+    first :func:`~kvarn_format.geometry.shadow_rows` rows of a pool tile live in the idle
+    record area of its block (of the unpadded record, so padded hybrid strides agree).
+    """
+    if not shadow:
+        return fmt.group
+    return fmt.group - shadow_rows(fmt.group, head_dim, record_layout(fmt, head_dim).tile_bytes)
+
+
+def dense_slot_bytes(
+    fmt: DenseFormat, num_kv_heads: int, head_dim: int, *, shadow: bool = True
+) -> int:
+    """Bytes of one dense side-pool slot of one layer, K and V in fp16."""
+    return 2 * dense_pool_rows(fmt, head_dim, shadow=shadow) * num_kv_heads * head_dim * 2
+
+
 def side_pool_slots(pool: SidePool, serving: ServingConfig) -> int:
     """Slots of one side pool (the same slot index serves every layer).
 
@@ -433,6 +459,7 @@ def layer_caches(
     *,
     tp: int = 1,
     slot_rounding: SlotRounding = "align8",
+    shadow_rows: bool = True,
 ) -> tuple[int, tuple[LayerCache, ...]]:
     """The block size and the per-worker layer caches of ``model`` under ``cache``.
 
@@ -443,7 +470,8 @@ def layer_caches(
     the sliding layers' page (:func:`~kvarn_format.geometry.padded_record_stride`, the rule
     kvarn-vllm applies for vLLM's hybrid allocator).
     A format the model cannot take raises :class:`UnsupportedGeometryError` naming the valid
-    ones.
+    ones. ``shadow_rows`` sizes dense side-pool slots without their shadow rows
+    (:func:`dense_pool_rows`).
     """
     fmt = resolve_cache_format(cache) if isinstance(cache, str) else cache
     if model.count("linear"):
@@ -500,7 +528,7 @@ def layer_caches(
 
     block = kv.group
     layout = record_layout(kv, model.head_dim, slot_rounding=slot_rounding)
-    pool = SidePool("dense", block, block * hk * model.head_dim * 2 * 2)
+    pool = SidePool("dense", block, dense_slot_bytes(kv, hk, model.head_dim, shadow=shadow_rows))
     sliding_page = 2 * block * hk * model.head_dim * 2
     # With sliding-window layers in the same cache, records are padded so that their page
     # divides the sliding layers' (kvarn-vllm does the same for vLLM's hybrid allocator).
@@ -1025,6 +1053,7 @@ def plan(
     max_num_batched_tokens: int = 2048,
     spec_tokens: int = 0,
     direct_flush: bool = True,
+    shadow_rows: bool = True,
     weights: WeightFormat | str | None = None,
     weight_bytes: int | None = None,
     overhead_bytes: int | None = None,
@@ -1039,7 +1068,7 @@ def plan(
     ``weight_bytes`` the per-rank bytes); ``overhead_bytes`` overrides
     :func:`estimate_overhead`; ``memory`` (from :func:`worker_memory`) replaces all of these
     and the GPU. ``direct_flush=False`` sizes the dense side pool for a server run with
-    ``KVARN_DIRECT_FLUSH=0``. Raises :class:`UnsupportedGeometryError` for a format the model
+    ``KVARN_DIRECT_FLUSH=0``, ``shadow_rows=False`` its slots for ``KVARN_SHADOW_ROWS=0``. Raises :class:`UnsupportedGeometryError` for a format the model
     cannot take, :class:`BudgetError` when the configuration does not fit.
     """
     geo = _model(model)
@@ -1051,7 +1080,9 @@ def plan(
         max_model_len, max_num_seqs, max_num_batched_tokens, spec_tokens, direct_flush
     )
     cache = resolve_cache_format(cache_dtype)
-    block, layers = layer_caches(geo, cache, tp=tp, slot_rounding=slot_rounding)
+    block, layers = layer_caches(
+        geo, cache, tp=tp, slot_rounding=slot_rounding, shadow_rows=shadow_rows
+    )
     if memory is None:
         memory = worker_memory(
             geo,
