@@ -155,13 +155,18 @@ def test_routing_fails_closed_for_unsupported_layers(kvarn: None, qwen3_dir: Pat
             get_attn_backend(128, torch.bfloat16, "kvarn_k4v2_g128", has_sink=True)
 
 
-@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct", "pool"])
+@pytest.mark.parametrize(
+    ("direct", "shadow"),
+    [("1", "1"), ("0", "1"), ("1", "0")],
+    ids=["direct", "pool", "whole_tile_slots"],
+)
 def test_get_kv_cache_configs_charges_the_side_pool(
     kvarn: None,
     qwen3_dir: Path,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
     direct: str,
+    shadow: str,
 ) -> None:
     import vllm.v1.engine.core as core
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -169,6 +174,7 @@ def test_get_kv_cache_configs_charges_the_side_pool(
     from kvarn_vllm.budget import reservation_for_worker
 
     monkeypatch.setenv("KVARN_DIRECT_FLUSH", direct)
+    monkeypatch.setenv("KVARN_SHADOW_ROWS", shadow)
     config = _config(qwen3_dir)
     kv = {
         f"model.layers.{i}.self_attn.attn": KvarnFullAttentionSpec.for_layer(
@@ -191,7 +197,10 @@ def test_get_kv_cache_configs_charges_the_side_pool(
     # Direct flush drops format-spec §4.3's ceil(T/G) prefill-chunk term.
     assert slots == 2 * 64 + 8 + (0 if direct == "1" else 2048 // 128)
     assert res.pool_slots == slots
-    assert res.pool_bytes == slots * 2 * 128 * 8 * 128 * 2 * 36
+    # A slot holds 128 tile rows, or 101 with shadow rows (13,824 // (4 * 128) = 27 of them
+    # live in the block's record area).
+    rows = 101 if shadow == "1" else 128
+    assert res.pool_bytes == slots * 2 * rows * 8 * 128 * 2 * 36
     assert res.workspace_bytes > 0 and res.table_bytes > 0
 
     with caplog.at_level(logging.INFO, logger="vllm.kvarn"):
@@ -336,6 +345,30 @@ def test_direct_flush_setting(
     comp.splitting_ops.append("vllm::unified_kv_cache_update")
     comp.splitting_ops.append("vllm::unified_mla_kv_cache_update")
     assert direct_flush_setting(config)[0] is True
+
+
+def test_shadow_rows_setting_sizes_the_pool_slots(
+    kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On by default (a k4v2_g64 slot at head 128 keeps 64 - 7,296 // 512 = 50 rows), off
+    with KVARN_SHADOW_ROWS=0 (whole tiles), and a typo fails closed."""
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+    from kvarn_vllm.budget import serving_limits, shadow_rows_setting
+
+    for env, rows in (("1", 50), ("0", 64)):
+        monkeypatch.setenv("KVARN_SHADOW_ROWS", env)
+        config = _config(qwen3_dir, "kvarn_k4v2_g64")  # a fresh engine: a fresh runtime
+        config.cache_config.num_gpu_blocks = 16
+        layers = _attention_layers(config, 1)
+        spec = layers[0].get_kv_cache_spec(config)
+        assert serving_limits(config).shadow_rows is (env == "1")
+        builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
+        pools = builder.runtime.pools_for(layers[0].layer_name)
+        assert tuple(pools.k.shape[1:]) == (rows, spec.num_kv_heads, 128)
+        assert builder.runtime.slot_bytes == 2 * rows * spec.num_kv_heads * 128 * 2
+    monkeypatch.setenv("KVARN_SHADOW_ROWS", "sometimes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        shadow_rows_setting()
 
 
 def test_direct_tiles_rows_come_from_the_slot_mapping(kvarn: None, qwen3_dir: Path) -> None:

@@ -531,6 +531,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                 pools.v,
                 slot_mapping,
                 meta.block_to_slot,
+                kv_cache=kv_cache,  # each pool tile's shadow rows go to its block's record area
+                group=self.fmt.group,
                 # Direct tiles' tokens have no slot by design: the debug check would flag them.
                 check=False if direct is not None else None,
             )

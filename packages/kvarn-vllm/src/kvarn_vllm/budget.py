@@ -8,8 +8,10 @@ the KV cache is, after profiling), so patch P5 subtracts them from each worker's
 memory before vLLM counts blocks: vLLM then never over-commits, with or without
 ``kv_cache_memory_bytes``.
 
-The slot count is kvarn-format's (:func:`kvarn_format.sizing.side_pool_slots`), the single
-source of truth the offline planner (``kvarn plan``) uses too.
+The slot count and the slot size are kvarn-format's (:func:`kvarn_format.sizing.side_pool_slots`,
+:func:`kvarn_format.sizing.dense_slot_bytes`), the single source of truth the offline planner
+(``kvarn plan``) uses too. A slot holds a tile less its shadow rows, which live in the idle
+record area of the tile's block (:func:`shadow_rows_setting`).
 """
 
 from __future__ import annotations
@@ -20,21 +22,30 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvarn_format import DenseFormat, parse_cache_dtype
-from kvarn_format.sizing import ServingConfig, SidePool, side_pool_slots
+from kvarn_format.sizing import (
+    ServingConfig,
+    SidePool,
+    dense_pool_rows,
+    dense_slot_bytes,
+    side_pool_slots,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = [
     "DIRECT_FLUSH_ENV",
+    "SHADOW_ROWS_ENV",
     "Reservation",
     "ServingLimits",
     "decode_workspace_bytes",
     "direct_flush_setting",
     "log_capacity",
+    "pool_rows_for",
     "pool_slots_for",
     "reservation_for_worker",
     "serving_limits",
+    "shadow_rows_setting",
 ]
 
 logger = logging.getLogger("vllm.kvarn")
@@ -54,6 +65,8 @@ class ServingLimits:
     direct_flush: bool = True
     #: Why direct flush is off ("" when it is on).
     direct_flush_off_reason: str = ""
+    #: Whether pool slots leave each tile's shadow rows in its block's record area.
+    shadow_rows: bool = True
 
     def serving_config(self) -> ServingConfig:
         return ServingConfig(
@@ -112,6 +125,29 @@ def direct_flush_setting(vllm_config: VllmConfig) -> tuple[bool, str]:
     return True, ""
 
 
+#: Set to 0 to give every side-pool slot whole tiles: no tile rows are kept in the record
+#: area of the block a pool tile belongs to (costs ~21-27% more pool memory).
+SHADOW_ROWS_ENV = "KVARN_SHADOW_ROWS"
+
+
+def shadow_rows_setting() -> bool:
+    """Whether side-pool slots leave each tile's first rows in its block's idle record area
+    (:func:`kvarn_format.geometry.shadow_rows`); env ``KVARN_SHADOW_ROWS=0`` turns it off.
+    Read in the engine process (which charges the pool) and in every worker (which allocates
+    it), so both must see the same environment, as with ``KVARN_DIRECT_FLUSH``."""
+    raw = os.environ.get(SHADOW_ROWS_ENV, "1").strip().lower()
+    if raw in ("0", "false", "off", "no"):
+        return False
+    if raw not in ("1", "true", "on", "yes", ""):
+        raise ValueError(f"{SHADOW_ROWS_ENV} must be 0 or 1, got {raw!r}")
+    return True
+
+
+def pool_rows_for(fmt: DenseFormat, head_size: int, limits: ServingLimits) -> int:
+    """Rows per side-pool slot (the tile less its shadow rows, when they are on)."""
+    return dense_pool_rows(fmt, head_size, shadow=limits.shadow_rows)
+
+
 def serving_limits(vllm_config: VllmConfig) -> ServingLimits:
     sched = vllm_config.scheduler_config
     spec_cfg = vllm_config.speculative_config
@@ -126,6 +162,7 @@ def serving_limits(vllm_config: VllmConfig) -> ServingLimits:
         spec_margin=spec_tokens if async_sched else 0,
         direct_flush=direct,
         direct_flush_off_reason=why_not,
+        shadow_rows=shadow_rows_setting(),
     )
 
 
@@ -210,7 +247,10 @@ def reservation_for_worker(
     assert isinstance(fmt, DenseFormat)
     limits = serving_limits(vllm_config)
     slots = pool_slots_for(fmt, limits)
-    pool_bytes = sum(slots * 2 * fmt.group * s.num_kv_heads * s.head_size * 2 for s in kvarn)
+    pool_bytes = sum(
+        slots * dense_slot_bytes(fmt, s.num_kv_heads, s.head_size, shadow=limits.shadow_rows)
+        for s in kvarn
+    )
     head_size = max(s.head_size for s in kvarn)
     num_kv_heads = max(s.num_kv_heads for s in kvarn)
     workspace = decode_workspace_bytes(

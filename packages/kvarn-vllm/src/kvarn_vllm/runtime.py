@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvarn_format import DenseFormat, record_layout
-from kvarn_vllm.budget import pool_slots_for, serving_limits
+from kvarn_vllm.budget import pool_rows_for, pool_slots_for, serving_limits
 from kvarn_vllm.tracker import CachedRequest, NewRequest, SidePoolTracker, StepInput, StepPlan
 
 if TYPE_CHECKING:
@@ -121,6 +121,8 @@ class KvarnGroupRuntime:
         self.profiling = cache.num_gpu_blocks is None
         limits = serving_limits(vllm_config)
         self.num_slots = 1 if self.profiling else pool_slots_for(fmt, limits)
+        # Rows per slot: a tile's first group - pool_rows rows live in its block's record area.
+        self.pool_rows = pool_rows_for(fmt, spec.head_size, limits)
         self.prefix_caching = bool(cache.enable_prefix_caching)
         self.spec_margin = limits.spec_margin
         self.direct_flush = limits.direct_flush
@@ -137,7 +139,7 @@ class KvarnGroupRuntime:
         # Layers sharing another layer's KV cache read (and never write) that layer's pools.
         self.pool_owner: dict[str, str] = {}
         self.pools: dict[str, PoolPair] = {}
-        shape = (self.num_slots, self.group, self.num_kv_heads, self.head_size)
+        shape = (self.num_slots, self.pool_rows, self.num_kv_heads, self.head_size)
         for name in layer_names:
             target = getattr(layers[name], "kv_sharing_target_layer_name", None) or name
             self.pool_owner[name] = target
@@ -162,12 +164,15 @@ class KvarnGroupRuntime:
         if not self.profiling:
             pool_bytes = len(self.pools) * self.num_slots * self.slot_bytes
             logger.info(
-                "kvarn: %s side pool: %d slots x %d layers (%.2f GiB); prefix caching %s; "
+                "kvarn: %s side pool: %d slots x %d layers (%.2f GiB; %d of %d tile rows per "
+                "slot, the rest in the blocks' record areas); prefix caching %s; "
                 "direct flush %s",
                 fmt.name,
                 self.num_slots,
                 len(self.pools),
                 pool_bytes / (1 << 30),
+                self.pool_rows,
+                self.group,
                 "on" if self.prefix_caching else "off",
                 "on" if self.direct_flush else f"off ({limits.direct_flush_off_reason})",
             )
@@ -210,7 +215,7 @@ class KvarnGroupRuntime:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one slot of one layer, K and V."""
-        return 2 * self.group * self.num_kv_heads * self.head_size * 2
+        return 2 * self.pool_rows * self.num_kv_heads * self.head_size * 2
 
     def pools_for(self, layer_name: str) -> PoolPair:
         return self.pools[self.pool_owner[layer_name]]
