@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from kvarn_format import parse_cache_dtype, record_layout
+from kvarn_format.geometry import shadow_rows
 from kvarn_format.hadamard import hadamard_matrix as np_hadamard
 from kvarn_kernels import hadamard_matrix, rotate, write_side_pool
-from kvarn_kernels.reference import rotate_ref, write_side_pool_ref
+from kvarn_kernels.reference import pool_tile, rotate_ref, write_side_pool_ref
 
 
 def _fp16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -135,3 +137,78 @@ def test_write_side_pool_validation(
     b2s = torch.zeros(4, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=message):
         write_side_pool(k, k, pool, pool.clone(), slots, b2s)
+
+
+def test_write_side_pool_shadow_rows(device: torch.device) -> None:
+    """With a pool of G - R rows per slot, tile rows < R land in their block's record area
+    (K rows, then V rows), the rest in the slot at row - R, as the reference puts them;
+    padding tokens and tokens of pool-less blocks are written nowhere."""
+    gen = torch.Generator().manual_seed(11)
+    name, hk, d = "kvarn_k4v2_g64", 2, 64
+    g = parse_cache_dtype(name).group
+    stride = record_layout(parse_cache_dtype(name), d).tile_bytes
+    r = shadow_rows(g, d, stride)
+    t = 200
+    k = torch.randn(t, hk, d, generator=gen).to(torch.bfloat16).to(device)
+    v = torch.randn(t, hk, d, generator=gen).half().to(device)
+    b2s = [3, -1, 0, 2, 1, -1]  # blocks 1 and 5 have no pool slot
+    block_to_slot = torch.tensor(b2s, dtype=torch.int32, device=device)
+    positions = torch.randperm(len(b2s) * g, generator=gen)[:t]
+    positions[::9] = -1  # padding
+    slots = positions.to(device)
+    nan = float("nan")
+    pool_k = torch.full((4, g - r, hk, d), nan, dtype=torch.float16, device=device)
+    pool_v = torch.full_like(pool_k, nan)
+    kv = torch.randint(0, 256, (len(b2s), hk, stride), dtype=torch.uint8).to(device)
+    before = kv.clone()
+    ref_k, ref_v, ref_kv = pool_k.clone(), pool_v.clone(), kv.clone()
+    write_side_pool(k, v, pool_k, pool_v, slots, block_to_slot, kv_cache=kv, group=g)
+    write_side_pool_ref(
+        k, v, ref_k, ref_v, slots.cpu(), block_to_slot.cpu(), kv_cache=ref_kv, group=g
+    )
+    for got, ref in ((pool_k, ref_k), (pool_v, ref_v)):
+        written = ~torch.isnan(ref)
+        assert torch.equal(torch.isnan(got), torch.isnan(ref))  # nothing else touched
+        assert int(_fp16_ulps(got[written], ref[written]).max()) <= 1
+    # The record areas: the shadow rows as the reference writes them (the random bytes where
+    # no token went compare as equal fp16 bit patterns), nothing past them, nothing at all in
+    # the blocks without a slot.
+    area = 4 * r * d
+    head = kv[:, :, :area].contiguous().view(torch.float16)
+    ref_head = ref_kv[:, :, :area].contiguous().view(torch.float16)
+    assert int(_fp16_ulps(head, ref_head).max()) <= 1
+    assert torch.equal(kv[:, :, area:].cpu(), before[:, :, area:].cpu())
+    assert torch.equal(kv[[1, 5]].cpu(), before[[1, 5]].cpu())
+    pos = positions[positions >= 0]
+    in_shadow = pos[((pos % g) < r) & (block_to_slot.cpu()[pos // g] >= 0)]
+    in_pool = pos[((pos % g) >= r) & (block_to_slot.cpu()[pos // g] >= 0)]
+    assert in_shadow.numel() > 0 and in_pool.numel() > 0
+    for blk, slot in enumerate(b2s):
+        if slot < 0:
+            continue
+        tk, tv = pool_tile(pool_k, pool_v, kv, slot, blk, g)
+        rk, rv = pool_tile(ref_k, ref_v, ref_kv, slot, blk, g)
+        assert tk.shape == (g, hk, d)
+        rows = [int(p) % g for p in pos if int(p) // g == blk]
+        for got, ref in ((tk, rk), (tv, rv)):
+            assert int(_fp16_ulps(got[rows], ref[rows]).max()) <= 1, f"block {blk}"
+            assert not bool(torch.isnan(got[rows]).any())
+
+
+def test_write_side_pool_shadow_rows_validation(device: torch.device) -> None:
+    """A pool of fewer than G rows needs the cache its shadow rows live in, and no more
+    shadow rows than a record area holds."""
+    name, hk, d = "kvarn_k4v2_g64", 1, 64
+    g = parse_cache_dtype(name).group
+    stride = record_layout(parse_cache_dtype(name), d).tile_bytes
+    limit = shadow_rows(g, d, stride)
+    k = torch.zeros(2, hk, d, dtype=torch.float16, device=device)
+    slots = torch.tensor([0, 1], dtype=torch.int64, device=device)
+    b2s = torch.zeros(2, dtype=torch.int32, device=device)
+    kv = torch.zeros(2, hk, stride, dtype=torch.uint8, device=device)
+    pool = torch.zeros(1, g - limit, hk, d, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="pass kv_cache"):
+        write_side_pool(k, k, pool, pool.clone(), slots, b2s, group=g)
+    small = torch.zeros(1, g - limit - 1, hk, d, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="holds at most"):
+        write_side_pool(k, k, small, small.clone(), slots, b2s, kv_cache=kv, group=g)

@@ -1,6 +1,7 @@
 """flush_tiles against kvarn-format's reference encoder (bytes) and decoder (values), and
 flush_token_tiles (tiles read from token rows, optionally opening with pool rows) against
-flush_tiles on the same data.
+flush_tiles on the same data. Shadowed pools (each tile's first rows in its block's record
+area) must give exactly the records of the unshadowed pool holding the same tiles.
 
 Under the Triton interpreter the kernel's fp32 sums are NumPy's, so records must be
 byte-identical. On the GPU the sums inside a standard deviation run as a tree across
@@ -20,8 +21,12 @@ import pytest
 import torch
 
 from kvarn_format import parse_cache_dtype, record_layout
+from kvarn_format.geometry import shadow_rows
 from kvarn_format.reference import decode_rotated_tiles, encode_rotated_tiles
 from kvarn_kernels import flush_tiles, flush_token_tiles
+from kvarn_kernels._common import dense_geometry
+from kvarn_kernels.reference import flush_tiles_ref, shadow_view
+from kvarn_kernels.store import _shadow_parts
 from kvarn_kernels.testing import random_kv
 
 INTERPRET = not torch.cuda.is_available()
@@ -485,3 +490,200 @@ def test_flush_tiles_padded_stride_zeroes_the_padding(device: torch.device, vari
     unpadded = torch.zeros((3, 2, tile), dtype=torch.uint8, device=device)
     flush_tiles(name, pool_k, pool_v, src, unpadded, dst, variant=variant)
     assert torch.equal(kv[dst.long(), :, :tile].cpu(), unpadded[dst.long()].cpu())
+
+
+# ----------------------------------------------------------------------------- shadow rows
+
+
+def _shadowed(
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    kv: torch.Tensor,
+    slot_blocks: dict[int, int],
+    shadow: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pools as write_side_pool leaves them with ``shadow`` rows: slot ``s``'s first rows
+    go to the record area of its block ``slot_blocks[s]`` in ``kv`` (in place), the pools keep
+    the other ``G - shadow`` rows."""
+    d = pool_k.shape[3]
+    for slot, block in slot_blocks.items():
+        area = shadow_view(kv, block, shadow, d)  # [Hk, 2, R, D]
+        area[:, 0] = pool_k[slot, :shadow].transpose(0, 1)
+        area[:, 1] = pool_v[slot, :shadow].transpose(0, 1)
+    return pool_k[:, shadow:].contiguous(), pool_v[:, shadow:].contiguous()
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize(
+    ("name", "d", "hk", "stride_factor", "order"),
+    [
+        # unpadded record: the V fields start past the K shadow rows, V's launch runs first
+        ("kvarn_k4v2_g64", 64, 2, 1, (1, 0)),
+        # record padded to twice its size: the shadow rows reach past the K fields, K first
+        ("kvarn_k4v4_g128", 64, 1, 2, (0, 1)),
+    ],
+)
+def test_flush_tiles_shadow_rows(
+    device: torch.device,
+    name: str,
+    d: int,
+    hk: int,
+    stride_factor: int,
+    order: tuple[int, int],
+    variant: str,
+) -> None:
+    """A shadowed pool flushes to the records of the same tiles unshadowed, byte for byte,
+    although each record is written over the rows it was read from; v1 equals the
+    reference (which reads the shadow rows itself) under the interpreter."""
+    fmt = parse_cache_dtype(name)
+    g = fmt.group
+    stride = record_layout(fmt, d).tile_bytes * stride_factor
+    r = shadow_rows(g, d, stride)
+    # The launch order this case exercises (a wrong order fails the byte comparison below
+    # under the interpreter, which runs the programs of a launch one after another).
+    assert _shadow_parts(dense_geometry(fmt, d, stride), r) == order
+    pool_k, pool_v = _pool(g, hk, d, 3, seed=d + hk, device=device)  # with the stress tiles
+    kv = torch.randint(0, 256, (5, hk, stride), dtype=torch.uint8).to(device)
+    # Slots 2 and 0 are flushed into their blocks 4 and 1; slot 1 (block 3) stays pooled.
+    pk, pv = _shadowed(pool_k, pool_v, kv, {2: 4, 0: 1, 1: 3}, r)
+    assert pk.shape[1] == g - r
+    i32 = {"dtype": torch.int32, "device": device}
+    src = torch.tensor([2, 0], **i32)
+    dst = torch.tensor([4, 1], **i32)
+    got = kv.clone()
+    flush_tiles(name, pk, pv, src, got, dst, variant=variant)
+    want = kv.clone()
+    flush_tiles(name, pool_k, pool_v, src, want, dst, variant=variant)
+    assert torch.equal(got.cpu(), want.cpu()), "shadowed and unshadowed records differ"
+    # Blocks 0, 2 and 3 (3 still holding slot 1's shadow rows) are untouched.
+    assert torch.equal(got[[0, 2, 3]].cpu(), kv[[0, 2, 3]].cpu())
+    if variant == "v1" and INTERPRET:
+        ref = kv.clone()
+        flush_tiles_ref(name, pk, pv, src, ref, dst)
+        assert torch.equal(got.cpu(), ref.cpu()), "records differ from flush_tiles_ref"
+
+
+@pytest.mark.parametrize("variant", ["v1", "v3"])
+def test_flush_token_tiles_shadowed_heads(device: torch.device, variant: str) -> None:
+    """Heads of a shadowed pool shorter than, as long as and longer than the shadow rows
+    (read from the destination block's record area, then from the slot): the records of
+    the same heads in an unshadowed pool, and flush_tiles' records of the same tiles."""
+    name, d, hk = "kvarn_k4v2_g64", 64, 2
+    fmt = parse_cache_dtype(name)
+    g = fmt.group
+    tile = record_layout(fmt, d).tile_bytes
+    r = shadow_rows(g, d, tile)
+    k_rows, v_rows = _token_rows(3 * g, hk, d, seed=31, device=device)
+    pool_k, pool_v = _pool(g, hk, d, 4, seed=8, device=device)
+    # heads: < R, == R, > R, none (slot -1), and a skipped tile (negative row) with a head.
+    lens = [5, r, 40, 0, 7]
+    slots = [1, 3, 0, -1, 2]
+    dst = [2, 5, 0, 4, 1]
+    starts = [0, 10, 50, 100, -1]
+    kv = torch.randint(0, 256, (6, hk, tile), dtype=torch.uint8).to(device)
+    # Every pooled slot's shadow rows live in its block (slot 2 -> block 1: the skipped tile).
+    pk, pv = _shadowed(pool_k, pool_v, kv, {1: 2, 3: 5, 0: 0, 2: 1}, r)
+    i32 = {"dtype": torch.int32, "device": device}
+    args = (torch.tensor(starts, **i32),)
+    heads = {"head_slots": torch.tensor(slots, **i32), "head_lens": torch.tensor(lens, **i32)}
+    got = kv.clone()
+    flush_token_tiles(
+        name,
+        k_rows,
+        v_rows,
+        *args,
+        got,
+        torch.tensor(dst, **i32),
+        pool_k=pk,
+        pool_v=pv,
+        **heads,
+        variant=variant,
+        check=True,
+    )
+    want = kv.clone()
+    flush_token_tiles(
+        name,
+        k_rows,
+        v_rows,
+        *args,
+        want,
+        torch.tensor(dst, **i32),
+        pool_k=pool_k,
+        pool_v=pool_v,
+        **heads,
+        variant=variant,
+    )
+    assert torch.equal(got.cpu(), want.cpu()), "shadowed and unshadowed heads differ"
+    assert torch.equal(got[[1, 3]].cpu(), kv[[1, 3]].cpu()), "a skipped or foreign block changed"
+    tiles_k = [
+        torch.cat([pool_k[s, :h], k_rows[b : b + g - h]])
+        for s, h, b in zip(slots[:4], lens[:4], starts[:4], strict=True)
+    ]
+    tiles_v = [
+        torch.cat([pool_v[s, :h], v_rows[b : b + g - h]])
+        for s, h, b in zip(slots[:4], lens[:4], starts[:4], strict=True)
+    ]
+    expected = _expected_records(name, tiles_k, tiles_v, kv, variant)
+    for i, block in enumerate(dst[:4]):
+        assert torch.equal(got[block].cpu(), expected[i].cpu()), f"tile {i} (head {lens[i]})"
+
+
+def test_flush_shadow_rows_head_dim_512_torch_path(device: torch.device) -> None:
+    """The torch path (head dim 512) reads shadow rows too: pool flush and direct flush."""
+    name = "kvarn_k4v4_g64"
+    fmt = parse_cache_dtype(name)
+    g, hk, d = 64, 1, 512
+    tile = record_layout(fmt, d).tile_bytes
+    r = shadow_rows(g, d, tile)
+    pool_k, pool_v = _pool(g, hk, d, 2, seed=6, device=device)
+    kv = torch.randint(0, 256, (3, hk, tile), dtype=torch.uint8).to(device)
+    pk, pv = _shadowed(pool_k, pool_v, kv, {0: 2, 1: 0}, r)
+    i32 = {"dtype": torch.int32, "device": device}
+    src, dst = torch.tensor([1, 0], **i32), torch.tensor([0, 2], **i32)
+    got, want = kv.clone(), kv.clone()
+    flush_tiles(name, pk, pv, src, got, dst)
+    flush_tiles(name, pool_k, pool_v, src, want, dst)
+    assert torch.equal(got.cpu(), want.cpu())
+    # Direct flush: slot 1's head (longer than R) opens the tile written to block 0.
+    k_rows, v_rows = _token_rows(g, hk, d, seed=2, device=device)
+    starts, blocks = torch.tensor([0], **i32), torch.tensor([0], **i32)
+    heads = {"head_slots": torch.tensor([1], **i32), "head_lens": torch.tensor([r + 3], **i32)}
+    got, want = kv.clone(), kv.clone()
+    flush_token_tiles(name, k_rows, v_rows, starts, got, blocks, pool_k=pk, pool_v=pv, **heads)
+    flush_token_tiles(
+        name, k_rows, v_rows, starts, want, blocks, pool_k=pool_k, pool_v=pool_v, **heads
+    )
+    assert torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("op", ["flush_tiles", "flush_token_tiles"])
+def test_shadow_rows_validation(device: torch.device, op: str) -> None:
+    """A pool with more shadow rows than the record area holds is refused, naming the limit;
+    so is a pool with more rows than the tile."""
+    name, d = "kvarn_k4v2_g64", 64
+    fmt = parse_cache_dtype(name)
+    g = fmt.group
+    tile = record_layout(fmt, d).tile_bytes
+    limit = shadow_rows(g, d, tile)
+    kv = torch.zeros(2, 1, tile, dtype=torch.uint8, device=device)
+    i32 = {"dtype": torch.int32, "device": device}
+    zero = torch.zeros(1, **i32)
+    for rows, message in ((g - limit - 1, "holds at most"), (g + 1, "the pool holds")):
+        pool = torch.zeros(2, rows, 1, d, dtype=torch.float16, device=device)
+        with pytest.raises(ValueError, match=message):
+            if op == "flush_tiles":
+                flush_tiles(name, pool, pool.clone(), zero, kv, zero)
+            else:
+                x = torch.zeros(g, 1, d, dtype=torch.float16, device=device)
+                flush_token_tiles(
+                    name,
+                    x,
+                    x.clone(),
+                    zero,
+                    kv,
+                    zero,
+                    pool_k=pool,
+                    pool_v=pool.clone(),
+                    head_slots=zero,
+                    head_lens=torch.ones(1, **i32),
+                )

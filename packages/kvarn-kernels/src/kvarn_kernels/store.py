@@ -14,7 +14,18 @@ writes the record at ``kv_cache[dst_blocks[n], h]``; the whole batch is one laun
   prefill chunk completes, quantized in the step that writes them (kvarn-vllm's direct
   flush), so they never take a pool slot.
 
-Both run the same kernel, so their records are byte-identical on the same data. The arithmetic mirrors the reference codec
+Both run the same kernel, so their records are byte-identical on the same data.
+
+Shadow rows: a side pool may hold ``G - R`` rows per slot, each pool tile's first ``R`` rows
+(K and V) living in the idle record area of the tile's own block
+(:func:`kvarn_format.geometry.shadow_rows`, :func:`kvarn_kernels._common.pool_row_ptrs`). A
+flush reads those rows from the block it writes the record into, so it overwrites its own
+input: every program loads its whole tile before it stores anything (a CTA barrier between
+the two), and the K and V halves of one ``(block, head)`` record, which are separate programs,
+run as two launches ordered so that the first never writes the second's shadow rows
+(:func:`_shadow_parts`). ``R = 0`` is the one-launch kernel with the old addressing.
+
+The arithmetic mirrors the reference codec
 (:mod:`kvarn_format.reference`) operation by operation, in the same order and with
 correctly-rounded fp32 division, square root, exp and log:
 
@@ -38,13 +49,14 @@ the same algorithm written with batched torch ops (:func:`_flush_torch`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from triton.language.extra import libdevice  # type: ignore[import-untyped]
 
-from kvarn_format import DenseFormat
+from kvarn_format import DenseFormat, record_layout
 from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import (
     DenseGeometry,
@@ -55,6 +67,8 @@ from kvarn_kernels._common import (
     check_ndim,
     debug_checks_enabled,
     dense_geometry,
+    pool_row_ptrs,
+    pool_shadow_rows,
     resolve_format,
     triton_interpret,
 )
@@ -412,6 +426,62 @@ def _load_tile(
 
 
 @triton.jit
+def _load_shadowed_tile(
+    SRC,
+    src_base,
+    POOL,
+    KV,
+    slot,
+    blk,
+    h,
+    pool_len,
+    ok,
+    stride_r,
+    stride_c,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    TOK_ROWS: tl.constexpr,
+    HAS_BODY: tl.constexpr,
+    MASKED: tl.constexpr,
+    IS_V: tl.constexpr,
+    HK: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    SHADOW: tl.constexpr,
+    STRIDE: tl.constexpr,
+):
+    """:func:`_load_tile` for a shadowed pool: tokens ``j < pool_len`` are tile rows of pool
+    slot ``slot`` (``POOL [slots, G - SHADOW, HK, D]``), the first ``SHADOW`` of them in
+    block ``blk``'s record area (:func:`pool_row_ptrs`); tokens ``j >= pool_len`` (with
+    ``HAS_BODY``) are at ``SRC + src_base + j * (token stride)`` as in :func:`_load_tile`.
+
+    The row pointers are formed per token (``[R, 1]`` or ``[1, C]``) and the channel offset is
+    added after, so the compiler still sees contiguous channels (vector loads).
+    """
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    if TOK_ROWS:
+        tok = r[:, None].to(tl.int64)
+        chan = c[None, :]
+    else:
+        tok = c[None, :].to(tl.int64)
+        chan = r[:, None]
+    rows = pool_row_ptrs(POOL, KV, slot, blk, tok, h, IS_V, HK, D, G, SHADOW, STRIDE)
+    pooled = rows + chan
+    if HAS_BODY:
+        offs = r[:, None] * stride_r + c[None, :] * stride_c
+        in_pool = tok < pool_len
+        body = tl.load(SRC + src_base + offs, mask=(tok >= pool_len) & ok, other=0.0)
+        head = tl.load(pooled, mask=in_pool & ok, other=0.0)
+        x = tl.where(in_pool, head, body)
+    elif MASKED:
+        x = tl.load(pooled, mask=(tok < pool_len) & ok, other=0.0)
+    else:
+        x = tl.load(pooled)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _quantize_tile(
     x,
     ok,
@@ -555,6 +625,8 @@ def _flush_kernel(
     HAS_HEAD: tl.constexpr,
     MASKED: tl.constexpr,
     V3: tl.constexpr = False,
+    SHADOW: tl.constexpr = 0,
+    PART: tl.constexpr = -1,
 ):
     """Grid ``(N, Hk, 2)``: program ``(n, h, 0)`` quantizes tile n's K, ``(n, h, 1)`` its V.
 
@@ -563,62 +635,141 @@ def _flush_kernel(
     head, its first ``HEAD_LENS[n]`` tokens are pool slot ``HEAD_SLOTS[n]``'s first rows and
     ``SRC_ROWS[n]`` is the row of its token ``HEAD_LENS[n]``. In the masked kernel a tile with
     a negative row is skipped (nothing is read or written).
+
+    ``SHADOW > 0``: the pools hold ``G - SHADOW`` rows per slot and a pool tile's first
+    ``SHADOW`` rows are in the record area of its block, which is the destination block
+    ``DST_BLOCKS[n]`` (:func:`pool_row_ptrs`). Without a head, ``SRC_K``/``SRC_V`` are then the
+    pools themselves and ``SRC_ROWS[n]`` the tile's slot (the pool flush); with a head, the
+    head's rows come through the same addressing. ``PART`` 0 or 1 (grid ``(N, Hk, 1)``) runs
+    only the K or only the V programs: see :func:`_shadow_parts` for why a shadowed store is
+    two launches.
     """
     n = tl.program_id(0)
     h = tl.program_id(1)
-    which = tl.program_id(2)
-    row = tl.load(SRC_ROWS + n).to(tl.int64) * ROW_SCALE
+    which = tl.program_id(2) if PART < 0 else PART
     blk = tl.load(DST_BLOCKS + n).to(tl.int64)
-    ok = row >= 0
-    if HAS_HEAD:
+    if SHADOW == 0:
+        row = tl.load(SRC_ROWS + n).to(tl.int64) * ROW_SCALE
+        ok = row >= 0
+        if HAS_HEAD:
+            head_len = tl.load(HEAD_LENS + n)
+            head_slot = tl.load(HEAD_SLOTS + n).to(tl.int64)
+            # A tile without a head may carry any slot id (e.g. -1): keep the address sane.
+            head_slot = tl.where(head_len > 0, head_slot, 0)
+            head_base = head_slot * (G * HK * D) + h * D
+            src_base = (row - head_len) * (HK * D) + h * D
+        else:
+            head_len = 0
+            head_base = 0
+            src_base = row * (HK * D) + h * D
+    elif HAS_HEAD:
+        row = tl.load(SRC_ROWS + n).to(tl.int64) * ROW_SCALE
+        ok = row >= 0
         head_len = tl.load(HEAD_LENS + n)
         head_slot = tl.load(HEAD_SLOTS + n).to(tl.int64)
-        # A tile without a head may carry any slot id (e.g. -1): keep the address sane.
         head_slot = tl.where(head_len > 0, head_slot, 0)
-        head_base = head_slot * (G * HK * D) + h * D
         src_base = (row - head_len) * (HK * D) + h * D
     else:
-        head_len = 0
-        head_base = 0
-        src_base = row * (HK * D) + h * D
+        # The pool flush of a shadowed pool: the whole tile comes from slot SRC_ROWS[n].
+        head_slot = tl.load(SRC_ROWS + n).to(tl.int64)
+        ok = head_slot >= 0
+        head_len = G
+        src_base = 0
     rec = KV_CACHE + (blk * HK + h) * STRIDE
     if which == 0:
         # K tile [R = D channels, C = G tokens]: rows are channels (per-channel RTN).
-        xk = _load_tile(
-            SRC_K,
-            src_base,
-            HEAD_K,
-            head_base,
-            head_len,
-            ok,
-            1,
-            HK * D,
-            D,
-            G,
-            False,
-            HAS_HEAD,
-            MASKED,
-        )
+        if SHADOW == 0:
+            xk = _load_tile(
+                SRC_K,
+                src_base,
+                HEAD_K,
+                head_base,
+                head_len,
+                ok,
+                1,
+                HK * D,
+                D,
+                G,
+                False,
+                HAS_HEAD,
+                MASKED,
+            )
+        else:
+            xk = _load_shadowed_tile(
+                SRC_K,
+                src_base,
+                HEAD_K if HAS_HEAD else SRC_K,
+                KV_CACHE,
+                head_slot,
+                blk,
+                h,
+                head_len,
+                ok,
+                1,
+                HK * D,
+                D,
+                G,
+                False,
+                HAS_HEAD,
+                MASKED,
+                False,
+                HK,
+                D,
+                G,
+                SHADOW,
+                STRIDE,
+            )
+            # In-place hazard: the record stored below overwrites the shadow rows just read
+            # (this (block, head)'s record area). All of this CTA's loads precede the barrier,
+            # all of its stores follow it; no other program of this launch touches the area.
+            tl.debug_barrier()
         _quantize_tile(
             xk, ok, rec, OFF_KC, OFF_KS, OFF_KZ, OFF_KT, D, G, KB, ITERS, PRECISE, V2, MASKED, V3
         )
     else:
         # V tile [R = G tokens, C = D channels]: rows are tokens (per-token RTN).
-        xv = _load_tile(
-            SRC_V,
-            src_base,
-            HEAD_V,
-            head_base,
-            head_len,
-            ok,
-            HK * D,
-            1,
-            G,
-            D,
-            True,
-            HAS_HEAD,
-            MASKED,
-        )
+        if SHADOW == 0:
+            xv = _load_tile(
+                SRC_V,
+                src_base,
+                HEAD_V,
+                head_base,
+                head_len,
+                ok,
+                HK * D,
+                1,
+                G,
+                D,
+                True,
+                HAS_HEAD,
+                MASKED,
+            )
+        else:
+            xv = _load_shadowed_tile(
+                SRC_V,
+                src_base,
+                HEAD_V if HAS_HEAD else SRC_V,
+                KV_CACHE,
+                head_slot,
+                blk,
+                h,
+                head_len,
+                ok,
+                HK * D,
+                1,
+                G,
+                D,
+                True,
+                HAS_HEAD,
+                MASKED,
+                True,
+                HK,
+                D,
+                G,
+                SHADOW,
+                STRIDE,
+            )
+            tl.debug_barrier()  # the same in-place hazard as K's (see there)
         _quantize_tile(
             xv, ok, rec, OFF_VC, OFF_VS, OFF_VZ, OFF_VCS, G, D, VB, ITERS, PRECISE, V2, MASKED, V3
         )
@@ -658,6 +809,39 @@ class _Heads:
     lens: torch.Tensor
 
 
+@cache  # on every shadowed flush's host path: the layout walk once per geometry
+def _shadow_parts(geo: DenseGeometry, shadow: int) -> tuple[int, int]:
+    """The order of the K (0) and V (1) launches of a store that reads shadow rows.
+
+    A record's K fields and V fields are written by different programs, which may run in any
+    order within a launch, while the K and V shadow rows of the same ``(block, head)`` are
+    read from the record area those fields overwrite (K rows in bytes ``[0, 2RD)``, V rows in
+    ``[2RD, 4RD)``). So the two halves run as two launches (stream-ordered), the first being
+    one whose writes miss the other half's shadow rows: V first when the V fields and the
+    padding (which V's programs zero) start at or past ``2RD`` (every unpadded record), K
+    first when the K fields end at or before ``2RD`` (a cache padded to about twice the
+    record). Each program then only overwrites its own shadow rows, after reading them.
+    """
+    fields = record_layout(geo.fmt, geo.head_dim).fields
+    k_start = min(f.offset for f in fields if f.name.startswith("k_"))
+    k_end = max(f.offset + f.size for f in fields if f.name.startswith("k_"))
+    v_start = min(f.offset for f in fields if f.name.startswith("v_"))
+    half = 2 * shadow * geo.head_dim  # bytes of one side's R fp16 rows
+
+    def hits(lo: int, hi: int, a: int, b: int) -> bool:
+        return lo < b and a < hi
+
+    if not hits(v_start, geo.record_stride, 0, half):
+        return (1, 0)
+    if not hits(k_start, k_end, half, 2 * half):
+        return (0, 1)
+    raise ValueError(  # not reachable with kvarn-format's layouts (K fields precede V's)
+        f"{geo.fmt.name} at head_dim {geo.head_dim} with {shadow} shadow rows in a "
+        f"{geo.record_stride}-byte record: both the K and V fields overlap the other half's "
+        "shadow rows, so no launch order is safe; use fewer shadow rows"
+    )
+
+
 def _launch(
     geo: DenseGeometry,
     src_k: torch.Tensor,
@@ -671,15 +855,31 @@ def _launch(
     sinkhorn_iters: int,
     num_warps: int | None,
     variant: str,
+    shadow: int = 0,
 ) -> None:
-    """The shared store: ``src_k/src_v`` are token rows ``[rows, Hk, D]`` fp16 (contiguous)."""
+    """The shared store: ``src_k/src_v`` are token rows ``[rows, Hk, D]`` fp16 (contiguous).
+
+    With ``shadow`` rows (the pools' first rows in the destination blocks' record areas) and
+    no heads, ``src_k/src_v`` are the pools ``[slots, G - shadow, Hk, D]`` and ``rows`` their
+    slots (the pool flush); with heads, the heads' pools are shadowed.
+    """
     n = int(rows.shape[0])
     if n == 0:
         return
-    hk = int(src_k.shape[1])
+    hk = int(src_k.shape[-2])
     if geo.head_dim > 256:
         _flush_torch(
-            geo, src_k, src_v, rows, row_scale, kv_cache, dst_blocks, sinkhorn_iters, heads, masked
+            geo,
+            src_k,
+            src_v,
+            rows,
+            row_scale,
+            kv_cache,
+            dst_blocks,
+            sinkhorn_iters,
+            heads,
+            masked,
+            shadow,
         )
         return
     pad = geo.record_stride - geo.payload_bytes
@@ -688,16 +888,8 @@ def _launch(
     head_v = heads.pool_v if heads is not None else src_v
     head_slots = heads.slots if heads is not None else rows
     head_lens = heads.lens if heads is not None else rows
-    _flush_kernel[(n, hk, 2)](
-        src_k,
-        src_v,
-        rows,
-        head_k,
-        head_v,
-        head_slots,
-        head_lens,
-        kv_cache,
-        dst_blocks,
+    args = (src_k, src_v, rows, head_k, head_v, head_slots, head_lens, kv_cache, dst_blocks)
+    consts = dict(
         HK=hk,
         D=geo.head_dim,
         G=geo.group,
@@ -716,6 +908,12 @@ def _launch(
         MASKED=masked,
         num_warps=num_warps or _num_warps(geo.head_dim, geo.group),
     )
+    if shadow == 0:
+        _flush_kernel[(n, hk, 2)](*args, **consts)
+        return
+    # Two launches, K and V halves in a hazard-free order (_shadow_parts).
+    for part in _shadow_parts(geo, shadow):
+        _flush_kernel[(n, hk, 1)](*args, **consts, SHADOW=shadow, PART=part)
 
 
 def flush_tiles(
@@ -733,13 +931,19 @@ def flush_tiles(
     """Quantize full side-pool tiles and scatter their records into the paged cache.
 
     Args:
-        fmt: a dense KVarN format (or its dtype string); its group must equal the pool's G.
-        pool_k, pool_v: ``[num_slots, G, Hk, D]`` fp16, rotated (as :func:`write_side_pool`
-            stores them); read only.
+        fmt: a dense KVarN format (or its dtype string); its group ``G`` is the tile size.
+        pool_k, pool_v: ``[num_slots, G - R, Hk, D]`` fp16, rotated (as
+            :func:`write_side_pool` stores them); read only. ``R`` (shadow rows, usually 0)
+            is ``G`` minus the pool's rows per slot: tile ``n``'s first ``R`` rows are then
+            read from the record area of its destination block ``dst_blocks[n]`` (where
+            :func:`write_side_pool` put them), at most
+            :func:`kvarn_format.geometry.shadow_rows` of them.
         src_slots: ``[N]`` int32 pool slots holding full tiles.
         kv_cache: ``uint8 [num_blocks, Hk, tile_bytes]`` (tile_bytes from
-            ``record_layout(fmt, D)``, ``align8`` or ``pow2``); records are written in place.
-        dst_blocks: ``[N]`` int32 block ids receiving the records.
+            ``record_layout(fmt, D)``, ``align8`` or ``pow2``); records are written in place,
+            over the shadow rows they were quantized from.
+        dst_blocks: ``[N]`` int32 block ids receiving the records, distinct (a block with
+            shadow rows must be the one its tile's slot belongs to).
         sinkhorn_iters: Sinkhorn iterations (the dense formats use 8).
         num_warps: tuning override (warps per tile program).
         variant: ``"v3"`` (default: two one-pass tile statistics per Sinkhorn iteration,
@@ -751,20 +955,21 @@ def flush_tiles(
             kept; the tests bound the decoded difference. Head dim 512 runs
             the torch path for all.
 
-    One launch per call for head dims up to 256 (grid ``(N, Hk, 2)``: K and V tiles);
-    head dim 512 runs the same algorithm as batched torch ops. Every tile must be full
-    (``G`` written tokens): the pool's unwritten rows would otherwise enter the statistics.
-    The kernel is :func:`flush_token_tiles`'s: a pool slot ``s`` is token row ``s * G`` of the
-    pool viewed as ``[num_slots * G, Hk, D]``.
+    One launch per call for head dims up to 256 (grid ``(N, Hk, 2)``: K and V tiles; two
+    launches ``(N, Hk, 1)`` with shadow rows, see the module docstring); head dim 512 runs
+    the same algorithm as batched torch ops. Every tile must be full (``G`` written tokens):
+    the pool's unwritten rows would otherwise enter the statistics. The kernel is
+    :func:`flush_token_tiles`'s: without shadow rows a pool slot ``s`` is token row ``s * G``
+    of the pool viewed as ``[num_slots * G, Hk, D]``.
     """
     dense = resolve_format(fmt)
-    geo = _check_flush_args(dense, pool_k, pool_v, src_slots, kv_cache, dst_blocks)
+    geo, shadow = _check_flush_args(dense, pool_k, pool_v, src_slots, kv_cache, dst_blocks)
     _check_iters_variant(sinkhorn_iters, variant)
     _, g, hk, d = (int(s) for s in pool_k.shape)
     _launch(
         geo,
-        pool_k.view(-1, hk, d),
-        pool_v.view(-1, hk, d),
+        pool_k if shadow else pool_k.view(-1, hk, d),
+        pool_v if shadow else pool_v.view(-1, hk, d),
         src_slots,
         g,
         kv_cache,
@@ -774,6 +979,7 @@ def flush_tiles(
         sinkhorn_iters,
         num_warps,
         variant,
+        shadow,
     )
 
 
@@ -807,7 +1013,10 @@ def flush_token_tiles(
     tile ``n``'s tokens ``j < head_lens[n]`` are ``pool[head_slots[n], j]`` and its tokens
     ``j >= head_lens[n]`` are row ``row_starts[n] + j - head_lens[n]`` (so ``row_starts[n]``
     is the row of its first token that is not in the pool). ``head_lens[n] = 0`` means no
-    head; its ``head_slots[n]`` is then ignored.
+    head; its ``head_slots[n]`` is then ignored. With a shadowed pool (``G - R`` rows per
+    slot), head tokens ``j < R`` are read from the record area of ``dst_blocks[n]`` (the
+    block the slot belongs to, which ``kv_cache`` is: the record is written over them) and
+    tokens ``R <= j < head_lens[n]`` are ``pool[head_slots[n], j - R]``.
 
     Args:
         fmt: a dense KVarN format (or its dtype string).
@@ -817,7 +1026,8 @@ def flush_token_tiles(
             device (no host sync) and drop tiles whose tokens are not in this batch.
         kv_cache: ``uint8 [num_blocks, Hk, tile_bytes]``; records are written in place.
         dst_blocks: ``[N]`` int32 block ids receiving the records.
-        pool_k, pool_v: ``[num_slots, G, Hk, D]`` fp16 side pools holding the heads.
+        pool_k, pool_v: ``[num_slots, G - R, Hk, D]`` fp16 side pools holding the heads
+            (``R`` shadow rows, usually 0, as for :func:`flush_tiles`).
         head_slots, head_lens: ``[N]`` int32; ``0 <= head_lens[n] < G``.
         sinkhorn_iters, num_warps, variant: as for :func:`flush_tiles`.
         check: when true (default: env ``KVARN_KERNELS_DEBUG=1``), read the index tensors back
@@ -849,17 +1059,19 @@ def flush_token_tiles(
     check_device(k_rows.device, v_rows=v_rows, row_starts=row_starts, kv_cache=kv_cache)
     check_device(k_rows.device, dst_blocks=dst_blocks)
     heads: _Heads | None = None
+    shadow = 0
     if all(heads_given):
         assert pool_k is not None and pool_v is not None
         assert head_slots is not None and head_lens is not None
         from kvarn_kernels.rotation import _check_pool
 
         _, g, phk, pd = _check_pool(pool_k, pool_v)
-        if (g, phk, pd) != (dense.group, hk, d):
+        if g > dense.group or (phk, pd) != (hk, d):
             raise ValueError(
                 f"the pool holds [*, {g}, {phk}, {pd}] tiles but {dense.name} over k_rows "
-                f"needs [*, {dense.group}, {hk}, {d}]"
+                f"needs [*, {dense.group} - shadow rows, {hk}, {d}]"
             )
+        shadow = pool_shadow_rows(pool_k, dense.group, kv_cache)
         for name, idx in (("head_slots", head_slots), ("head_lens", head_lens)):
             check_index_tensor(name, idx, 1, "[N]")
             if idx.shape != row_starts.shape:
@@ -886,6 +1098,7 @@ def flush_token_tiles(
         sinkhorn_iters,
         num_warps,
         variant,
+        shadow,
     )
 
 
@@ -948,19 +1161,21 @@ def _check_flush_args(
     src_slots: torch.Tensor,
     kv_cache: torch.Tensor,
     dst_blocks: torch.Tensor,
-) -> DenseGeometry:
+) -> tuple[DenseGeometry, int]:
+    """The geometry and the pool's shadow rows ``R`` (``G`` minus its rows per slot)."""
     from kvarn_kernels.rotation import _check_pool
 
     _, g, hk, d = _check_pool(pool_k, pool_v)
-    if g != fmt.group:
+    if g > fmt.group:
         raise ValueError(f"{fmt.name} has {fmt.group}-token tiles but the pool holds G={g}")
     _check_cache(kv_cache, hk, "the pool")
     geo = dense_geometry(fmt, d, int(kv_cache.shape[2]))
+    shadow = pool_shadow_rows(pool_k, fmt.group, kv_cache)
     _check_index_pair("src_slots", src_slots, dst_blocks)
     check_device(
         pool_k.device, pool_v=pool_v, src_slots=src_slots, kv_cache=kv_cache, dst_blocks=dst_blocks
     )
-    return geo
+    return geo, shadow
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1044,6 +1259,27 @@ def _put_field(rec: torch.Tensor, offset: int, data: torch.Tensor) -> None:
     rec[:, offset : offset + raw.shape[1]] = raw
 
 
+def _pool_tiles_torch(
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    blocks: torch.Tensor,
+    shadow: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole tiles ``[m, G, Hk, D]`` of pool slots ``slots``; with ``shadow`` rows, their first
+    rows come from the record areas of ``blocks`` (a copy: read before the records are
+    written over them)."""
+    if shadow == 0:
+        return pool_k[slots], pool_v[slots]
+    hk, d = pool_k.shape[2], pool_k.shape[3]
+    area = kv_cache[blocks][:, :, : 4 * shadow * d].contiguous()
+    rows = area.view(torch.float16).view(-1, hk, 2, shadow, d).transpose(1, 3)  # [m, R, 2, Hk, D]
+    k = torch.cat([rows[:, :, 0], pool_k[slots]], dim=1)
+    v = torch.cat([rows[:, :, 1], pool_v[slots]], dim=1)
+    return k, v
+
+
 def _flush_torch(
     geo: DenseGeometry,
     src_k: torch.Tensor,
@@ -1055,9 +1291,15 @@ def _flush_torch(
     iters: int,
     heads: _Heads | None,
     masked: bool,
+    shadow: int = 0,
 ) -> None:
-    """The store for head dim 512, on token rows like the kernel (no host sync)."""
-    hk = src_k.shape[1]
+    """The store for head dim 512, on token rows like the kernel (no host sync).
+
+    With ``shadow`` rows and no heads, ``src_k/src_v`` are the pools and ``rows`` their slots
+    (:func:`_launch`). Each chunk gathers its tiles (copies) before it writes their records,
+    so records written over shadow rows never feed a tile.
+    """
+    hk = src_k.shape[-2]
     g = geo.group
     last_row = src_k.shape[0] - 1
     j = torch.arange(g, device=src_k.device)
@@ -1066,20 +1308,27 @@ def _flush_torch(
         first = rows[start : start + chunk].long() * row_scale
         blocks = dst_blocks[start : start + chunk].long()
         m = first.shape[0]
-        lens = (
-            heads.lens[start : start + chunk].long()
-            if heads is not None
-            else torch.zeros_like(first)
-        )
-        idx = ((first - lens)[:, None] + j[None, :]).clamp(0, last_row)
-        k = src_k[idx]  # [m, G, Hk, D]
-        v = src_v[idx]
+        if shadow and heads is None:
+            slots = rows[start : start + chunk].long()
+            k, v = _pool_tiles_torch(src_k, src_v, kv_cache, slots, blocks, shadow)
+        else:
+            lens = (
+                heads.lens[start : start + chunk].long()
+                if heads is not None
+                else torch.zeros_like(first)
+            )
+            idx = ((first - lens)[:, None] + j[None, :]).clamp(0, last_row)
+            k = src_k[idx]  # [m, G, Hk, D]
+            v = src_v[idx]
         if heads is not None:
             slots = heads.slots[start : start + chunk].long()
             slots = torch.where(lens > 0, slots, 0).clamp(0, heads.pool_k.shape[0] - 1)
             in_head = (j[None, :] < lens[:, None])[:, :, None, None]
-            k = torch.where(in_head, heads.pool_k[slots], k)
-            v = torch.where(in_head, heads.pool_v[slots], v)
+            head_k, head_v = _pool_tiles_torch(
+                heads.pool_k, heads.pool_v, kv_cache, slots, blocks, shadow
+            )
+            k = torch.where(in_head, head_k, k)
+            v = torch.where(in_head, head_v, v)
         k = k.float().permute(0, 2, 3, 1).reshape(m * hk, geo.head_dim, g)
         v = v.float().permute(0, 2, 1, 3).reshape(m * hk, g, geo.head_dim)
         rec = torch.zeros(m * hk, geo.record_stride, dtype=torch.uint8, device=kv_cache.device)
