@@ -203,6 +203,8 @@ def _store(
         ROW_SCALE=1 if tokens else geo.group,
         HAS_HEAD=tokens,
         MASKED=tokens,
+        SHADOW=0,  # whole-tile pool slots, one launch for K and V
+        PART=-1,
     )
     return compile_kernel(fn, sig, consts, warps, 3)
 

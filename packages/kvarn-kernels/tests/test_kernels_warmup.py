@@ -68,17 +68,19 @@ def _compiled_variants() -> dict[str, int]:
 
 
 @pytest.mark.gpu
-def test_prefill_after_warmup_compiles_nothing() -> None:
+@pytest.mark.parametrize("shadow", [0, 27])
+def test_prefill_after_warmup_compiles_nothing(shadow: int) -> None:
     """After the warm-up, a prefill step shaped like a server's (a 128-wide block table,
-    ragged requests, a token count the warm-up never used) finds every kernel compiled."""
+    ragged requests, a token count the warm-up never used, whole-tile or shadowed pool
+    slots) finds every kernel compiled."""
     dev = torch.device("cuda")
     fmt, g, hq, hk, d = "kvarn_k4v2_g128", 128, 32, 8, 128
-    warmup(fmt, head_dim=d, num_q_heads=hq, num_kv_heads=hk, device=dev)
+    warmup(fmt, head_dim=d, num_q_heads=hq, num_kv_heads=hk, device=dev, shadow_rows=shadow)
     before = _compiled_variants()
     tile_bytes = record_layout(parse_cache_dtype(fmt), d).tile_bytes
     seq_lens, new_tokens = [3 * g + 5, 2 * g + 77], [301, 76]
     kv_cache = torch.zeros(8, hk, tile_bytes, dtype=torch.uint8, device=dev)
-    pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=dev)
+    pool_k = torch.zeros(2, g - shadow, hk, d, dtype=torch.float16, device=dev)
     block_table = torch.zeros(2, 128, dtype=torch.int32, device=dev)
     block_table[0, :4] = torch.tensor([0, 1, 2, 3])
     block_table[1, :3] = torch.tensor([4, 5, 6])

@@ -450,6 +450,10 @@ def test_runtime_warms_up_the_prefill_kernels_with_its_geometry(
     # the fixture's small Qwen3: 4 query heads, 2 KV heads, head_dim 128
     assert (call["head_dim"], call["num_q_heads"], call["num_kv_heads"]) == (128, 4, 2)
     assert call["dtype"] == torch.bfloat16 and call["device"] == torch.device("cpu")
+    # ...and the pool and cache geometry the kernels specialize on: shadow rows and stride.
+    rt = builder.runtime
+    assert call["shadow_rows"] == rt.group - rt.pool_rows > 0
+    assert call["record_stride"] == rt.layout.tile_bytes  # not a hybrid model: unpadded
 
 
 def test_a_failing_warmup_is_logged_not_fatal(

@@ -204,8 +204,8 @@ def pool_shadow_rows(pool_k: torch.Tensor, group: int, kv_cache: torch.Tensor | 
     return shadow
 
 
-@triton.jit
-def pool_row_ptrs(
+@triton.jit  # type: ignore[untyped-decorator]
+def pool_row_ptrs(  # type: ignore[no-untyped-def]  # a Triton JIT helper: tl values, untyped
     POOL,
     KV,
     slot,

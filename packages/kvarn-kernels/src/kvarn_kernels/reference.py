@@ -118,11 +118,11 @@ def flush_tiles_ref(
         pool_tile(pool_k, pool_v, kv_cache, s, b, dense.group)
         for s, b in zip(src_slots.tolist(), dst_blocks.tolist(), strict=True)
     ]
-    k = torch.stack([t[0] for t in tiles]).float().cpu()
-    v = torch.stack([t[1] for t in tiles]).float().cpu()
-    k = k.permute(0, 2, 1, 3).reshape(-1, dense.group, d).numpy()
-    v = v.permute(0, 2, 1, 3).reshape(-1, dense.group, d).numpy()
-    rec = torch.from_numpy(encode_rotated_tiles(dense, k, v, sinkhorn_iters=sinkhorn_iters))
+    k = torch.stack([t[0] for t in tiles]).float().cpu().permute(0, 2, 1, 3)
+    v = torch.stack([t[1] for t in tiles]).float().cpu().permute(0, 2, 1, 3)
+    k_np = k.reshape(-1, dense.group, d).numpy()
+    v_np = v.reshape(-1, dense.group, d).numpy()
+    rec = torch.from_numpy(encode_rotated_tiles(dense, k_np, v_np, sinkhorn_iters=sinkhorn_iters))
     # Records padded to the cache's stride with zeros (what the store writes past the payload).
     padded = torch.zeros(rec.shape[0], stride, dtype=torch.uint8)
     padded[:, : rec.shape[1]] = rec

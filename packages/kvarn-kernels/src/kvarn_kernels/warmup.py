@@ -54,6 +54,8 @@ def warmup(
     num_kv_heads: int,
     device: torch.device | str,
     dtype: torch.dtype = torch.float16,
+    shadow_rows: int = 0,
+    record_stride: int | None = None,
 ) -> int:
     """Launch every prefill-side kernel once on scratch tensors; returns the launch count.
 
@@ -63,18 +65,23 @@ def warmup(
         device: the serving device; on a CPU (Triton's interpreter) nothing is compiled and
             the warm-up only runs the ops.
         dtype: the model's activation dtype (fp16 or bf16).
+        shadow_rows: the server's shadow rows per pool tile (its pools hold ``G -
+            shadow_rows`` rows per slot; :func:`kvarn_format.geometry.shadow_rows`): a
+            compile-time constant of every kernel that touches the pool.
+        record_stride: the server's record stride in bytes (default the record size; a
+            hybrid model pads it), also a compile-time constant.
     """
     dense = resolve_format(fmt)
     dev = torch.device(device)
     g, hk, hq, d = dense.group, num_kv_heads, num_q_heads, head_dim
-    tile_bytes = record_layout(dense, d).tile_bytes
+    tile_bytes = record_layout(dense, d).tile_bytes if record_stride is None else record_stride
     gen = torch.Generator().manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)
 
     # Two pool slots, two packed blocks; block 1 lives in slot 0.
-    pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=dev)
+    pool_k = torch.zeros(2, g - shadow_rows, hk, d, dtype=torch.float16, device=dev)
     pool_v = torch.zeros_like(pool_k)
     kv_cache = torch.zeros(2, hk, tile_bytes, dtype=torch.uint8, device=dev)
     block_to_slot = torch.tensor([-1, 0], dtype=torch.int32, device=dev)
@@ -107,7 +114,9 @@ def warmup(
         rotate(k)
         # Every token skipped (slot -1): the scatter kernel compiles and writes nothing.
         skip = torch.full((t,), -1, dtype=torch.int64, device=dev)
-        write_side_pool(k, v, pool_k, pool_v, skip, block_to_slot, check=False)
+        write_side_pool(
+            k, v, pool_k, pool_v, skip, block_to_slot, kv_cache=kv_cache, group=g, check=False
+        )
         # A request whose t query tokens follow one packed block; its last block is pooled.
         seq = g + t
         blocks = -(-seq // g)

@@ -114,6 +114,7 @@ class KvarnGroupRuntime:
         self.head_size = spec.head_size
         self.num_kv_heads = spec.num_kv_heads
         self.layout = record_layout(fmt, spec.head_size)
+        self.tile_stride = int(spec.tile_stride)  # the cache's record stride (padded: hybrid)
         self.device = device
         self.layer_names = tuple(layer_names)
         self.vllm_config = vllm_config
@@ -196,6 +197,8 @@ class KvarnGroupRuntime:
                 num_kv_heads=self.num_kv_heads,
                 device=self.device,
                 dtype=dtype,
+                shadow_rows=self.group - self.pool_rows,
+                record_stride=self.tile_stride,
             )
         except Exception as exc:  # a warm-up bug must not stop a server that would work
             logger.warning(
