@@ -6,6 +6,11 @@ random bytes in the records of pool-resident blocks, -1 past each request's bloc
 block table, NaN in the output before the call. The kernel runs its MMAs on fp16 operands
 (the query scaled per row, the probabilities as in FlashAttention), so the bar is the fp16
 attention level: relative Frobenius error below 3e-3 over the batch and 2e-2 on any row.
+
+Some cases also run with shadow rows (a pool of ``G - R`` rows per slot, each pool tile's
+first ``R`` rows in its block's record area, the rest of that area random bytes): the result
+must match the reference, and equal bit for bit the same case without shadow rows (the
+logical tiles are identical, and so is the kernels' arithmetic on them).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import pytest
 import torch
 
 from kvarn_format import parse_cache_dtype, record_layout
+from kvarn_format.geometry import shadow_rows
 from kvarn_format.reference import decode_rotated_tiles
 from kvarn_kernels import (
     decode_attention,
@@ -64,6 +70,14 @@ def shared_case(name: str, d: int, hk: int, lens: list[int], **kw: object) -> Pa
     return _cached_case(name, d, hk, tuple(lens), **kw)
 
 
+def _shadow_rows(name: str, d: int, which: int | str) -> int:
+    """Shadow rows of a test case: ``"max"`` (the most a record holds) or the number given."""
+    if which != "max":
+        return int(which)
+    fmt = parse_cache_dtype(name)
+    return shadow_rows(fmt.group, d, record_layout(fmt, d).tile_bytes)
+
+
 def _assert_close(
     out: torch.Tensor, ref: torch.Tensor, *, tot: float = 3e-3, row: float = 3e-2
 ) -> None:
@@ -101,10 +115,16 @@ DECODE_CPU = [
     ("kvarn_k4v2_g128", 64, 8, 1, [383, 129], 2),  # GQA 8, G-1 and 1
     ("kvarn_k4v4_g128", 128, 12, 4, [300], 1),  # GQA 3 (not a power of two)
 ]
+# Shadow rows (last column): every case without, and k4v2 (GQA 8, tiles of G-1 and 1
+# tokens) and k4v4 (GQA 3) with the most rows a record holds (28 and 35: the 1-token tile lies wholly in the record area, the other pool tiles
+# straddle it) and with one row (v4's even/odd token halves split across the boundary).
+DECODE_PARAMS = [(*c, 0) for c in DECODE_CPU] + [
+    (*DECODE_CPU[i], r) for i in (3, 4) for r in ("max", 1)
+]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
-@pytest.mark.parametrize(("name", "d", "hq", "hk", "lens", "splits"), DECODE_CPU)
+@pytest.mark.parametrize(("name", "d", "hq", "hk", "lens", "splits", "shadow"), DECODE_PARAMS)
 def test_decode_attention(
     device: torch.device,
     name: str,
@@ -113,35 +133,59 @@ def test_decode_attention(
     hk: int,
     lens: list[int],
     splits: int,
+    shadow: int | str,
     variant: str,
 ) -> None:
     if _v4_refuses(name, variant, d):
         return
-    case = shared_case(
-        name,
-        d,
-        hk,
-        lens,
-        device=device,
-        seed=len(lens) + d,
-        encoder="reference" if INTERPRET else "kernel",
-        constant_tile=True,
-    )
+    r = _shadow_rows(name, d, shadow)
+
+    def case_with(rows: int) -> PagedCase:
+        return shared_case(
+            name,
+            d,
+            hk,
+            lens,
+            device=device,
+            seed=len(lens) + d,
+            encoder="reference" if INTERPRET else "kernel",
+            constant_tile=True,
+            shadow_rows=rows,
+        )
+
     gen = torch.Generator().manual_seed(d)
     q = (torch.randn(len(lens), hq, d, generator=gen) * 2).half().to(device)
     scale = 1.0 / math.sqrt(d)
-    out = torch.full_like(q, float("nan"))
-    res = decode_attention(
-        *case.decode_args(name, q, scale),
-        out=out,
-        num_splits=splits,
-        # the two-split cases run v1's loop without register prefetch
-        prefetch=variant != "v1" or splits != 2,
-        variant=variant,
-    )
-    assert res is out
+
+    if variant != "v1":
+        prefetch = True
+    elif r:
+        # the shadowed k4v2 case prefetches: its tiles are one chunk (d = 64), so every
+        # prefetched chunk is another block's, and the shadow rows must come from the block
+        # being computed, not the one being loaded; the k4v4 case runs the plain loop
+        prefetch = splits == 2
+    else:
+        prefetch = splits != 2  # the two-split cases run v1's loop without register prefetch
+
+    def run(case: PagedCase) -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        res = decode_attention(
+            *case.decode_args(name, q, scale),
+            out=out,
+            num_splits=splits,
+            prefetch=prefetch,
+            variant=variant,
+        )
+        assert res is out
+        return out
+
+    case = case_with(r)
+    assert case.pool_k.shape[1] == parse_cache_dtype(name).group - r
+    out = run(case)
     ref = decode_attention_ref(*case.decode_args(name, q, scale))
     _assert_close(out, ref)
+    if r:
+        assert torch.equal(out, run(case_with(0))), "shadow rows changed the result"
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
@@ -277,8 +321,19 @@ def test_prefill_external_varlen_attention(device: torch.device, cap: int | None
         prefill_attention(*args, method="fused", varlen_attention=wrong)  # type: ignore[arg-type]
 
 
+# Shadow rows (last column) as in DECODE_PARAMS: the chunked continuation with the most rows
+# a record holds (15: the 8- and 1-token tiles lie wholly in the record area, the unflushed
+# chunk's full tiles straddle it) and the speculative verify with one row.
+PREFILL_PARAMS = [(*c, 0) for c in PREFILL_CPU] + [
+    (*PREFILL_CPU[0], "max"),
+    (*PREFILL_CPU[3], 1),
+]
+
+
 @pytest.mark.parametrize("method", ["dequant", "fused"])
-@pytest.mark.parametrize(("name", "d", "hq", "hk", "lens", "qlens", "splits"), PREFILL_CPU)
+@pytest.mark.parametrize(
+    ("name", "d", "hq", "hk", "lens", "qlens", "splits", "shadow"), PREFILL_PARAMS
+)
 def test_prefill_attention(
     device: torch.device,
     name: str,
@@ -288,40 +343,55 @@ def test_prefill_attention(
     lens: list[int],
     qlens: list[int],
     splits: int,
+    shadow: int | str,
     method: str,
 ) -> None:
-    pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
-    case = build_case(
-        name,
-        d,
-        hk,
-        lens,
-        device=device,
-        seed=sum(qlens),
-        encoder="reference" if INTERPRET else "kernel",
-        pool_from=pool_from,
-    )
+    r = _shadow_rows(name, d, shadow)
+    pool_from = tuple(n - ql for n, ql in zip(lens, qlens, strict=True))
+
+    def case_with(rows: int) -> PagedCase:
+        return shared_case(
+            name,
+            d,
+            hk,
+            lens,
+            device=device,
+            seed=sum(qlens),
+            encoder="reference" if INTERPRET else "kernel",
+            pool_from=pool_from,
+            shadow_rows=rows,
+        )
+
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(sum(qlens), hq, d, generator=gen).half().to(device)
     qsl = torch.tensor(
         [0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=device
     )
     scale = 1.0 / math.sqrt(d)
-    out = torch.full_like(q, float("nan"))
     if method == "fused":
         kw: dict[str, object] = {"num_splits": splits}
     else:
         # host copies once, and a workspace cap that forces one group per request once
         kw = {"seq_lens_cpu": lens} if splits == 1 else {"max_workspace_bytes": 1}
-    res = prefill_attention(
-        *case.prefill_args(name, q, qsl, scale),
-        out=out,
-        method=method,
-        **kw,  # type: ignore[arg-type]
-    )
-    assert res is out
+
+    def run(case: PagedCase) -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        res = prefill_attention(
+            *case.prefill_args(name, q, qsl, scale),
+            out=out,
+            method=method,
+            **kw,  # type: ignore[arg-type]
+        )
+        assert res is out
+        return out
+
+    case = case_with(r)
+    assert case.pool_k.shape[1] == parse_cache_dtype(name).group - r
+    out = run(case)
     ref = prefill_attention_ref(*case.prefill_args(name, q, qsl, scale))
     _assert_close(out, ref)
+    if r:
+        assert torch.equal(out, run(case_with(0))), "shadow rows changed the result"
 
 
 @pytest.mark.parametrize("method", ["dequant", "fused"])
@@ -448,6 +518,49 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
             workspace=ws,
             **kw,  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.parametrize(
+    "entry", ["decode_v1", "decode_v4", "prefill_dequant", "prefill_fused", "dequant_context"]
+)
+@pytest.mark.parametrize("rows", ["too_few", "too_many"])
+def test_pool_rows_validation(device: torch.device, entry: str, rows: str) -> None:
+    """A pool with fewer rows per slot than the record area can shadow (here 48 of 64: 16
+    shadow rows, where a k4v2_g64 record at head dim 64 holds 15), or with more rows than
+    the tile, is refused by every reader of the pool, before any kernel runs."""
+    name, d, hk = "kvarn_k4v2_g64", 64, 1
+    fmt = parse_cache_dtype(name)
+    tile = record_layout(fmt, d).tile_bytes
+    assert shadow_rows(fmt.group, d, tile) == 15
+    n_rows = fmt.group - 16 if rows == "too_few" else fmt.group + 1
+    message = (
+        "would live in each block's record area, which holds at most 15"
+        if rows == "too_few"
+        else "pool holds 65 rows per slot|more than the tile's 64"
+    )
+    pool = torch.zeros(2, n_rows, hk, d, dtype=torch.float16, device=device)
+    kv = torch.zeros(2, hk, tile, dtype=torch.uint8, device=device)
+    bt = torch.zeros(1, 2, dtype=torch.int32, device=device)
+    sl = torch.full((1,), 5, dtype=torch.int32, device=device)
+    b2s = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=message):
+        if entry.startswith("decode"):
+            q = torch.zeros(1, 2, d, dtype=torch.float16, device=device)
+            decode_attention(name, q, kv, pool, pool.clone(), bt, sl, b2s, 0.1, variant=entry[-2:])
+        elif entry.startswith("prefill"):
+            q = torch.zeros(3, 2, d, dtype=torch.float16, device=device)
+            qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
+            method = entry.removeprefix("prefill_")
+            prefill_attention(name, q, kv, pool, pool.clone(), bt, qsl, sl, b2s, 0.1, method=method)
+        else:
+            from kvarn_kernels._common import dense_geometry
+            from kvarn_kernels.context import dequant_context_into, dequant_plan
+
+            plan = torch.from_numpy(dequant_plan([5], fmt.group)[0]).to(device)
+            ws = torch.zeros(5, hk, d, dtype=torch.float16, device=device)
+            dequant_context_into(
+                dense_geometry(fmt, d, tile), kv, pool, pool.clone(), bt, b2s, plan, ws, ws
+            )
 
 
 # ---------------------------------------------------------------------------------------------

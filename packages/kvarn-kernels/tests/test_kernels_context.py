@@ -5,7 +5,8 @@ that products saturate fp16 and codes cover every value; blocks in the side pool
 last blocks and several KV heads are included. On the CPU the kernel runs in Triton's
 interpreter (the plain unpack) and must match the reference's fp32 operations bit for bit; on
 a GPU (the PTX unpack) the compiler may fuse the multiply-add, so a few elements can land one
-fp32 rounding away.
+fp32 rounding away. Two cases also run with shadow rows (the pool's first rows of each tile
+moved into the record area of the tile's block), which must give the same workspace.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import pytest
 import torch
 
 from kvarn_format import parse_cache_dtype, record_layout
+from kvarn_format.geometry import shadow_rows
 from kvarn_kernels._common import dense_geometry
 from kvarn_kernels.context import dequant_context_into, dequant_plan
-from kvarn_kernels.reference import gather_kv
+from kvarn_kernels.reference import gather_kv, shadow_view
 
 # (format, head_dim): every bit width, G = 64 and 128, D = 64, 128 and 256.
 CASES = [
@@ -32,6 +34,12 @@ CASES = [
     ("kvarn_k5v5_g64", 256),
 ]
 HK = 2
+# Shadow rows (last column): none, or for one 128-token and one 64-token format the most a
+# record holds (28) and a single row.
+PARAMS = [(n, d, 0) for n, d in CASES] + [
+    ("kvarn_k4v2_g128", 64, "max"),
+    ("kvarn_k5v5_g64", 128, 1),
+]
 
 
 def _f16_field(rng: np.random.Generator, n: int, lo: float, hi: float) -> np.ndarray:
@@ -84,29 +92,61 @@ def _random_cache(
     }
 
 
-@pytest.mark.parametrize(("name", "d"), CASES)
-def test_dequant_context_matches_reference(device: torch.device, name: str, d: int) -> None:
+def _shadowed(c: dict[str, torch.Tensor], r: int, d: int) -> dict[str, torch.Tensor]:
+    """The same cache with each pool tile's first ``r`` rows in its block's record area (over
+    the random record bytes) and ``G - r`` rows per pool slot."""
+    kv = c["kv"].clone()
+    for blk, slot in enumerate(c["b2s"].tolist()):
+        if slot >= 0:
+            view = shadow_view(kv, blk, r, d)  # [Hk, 2, r, D]
+            view[:, 0] = c["pool_k"][slot, :r].transpose(0, 1)
+            view[:, 1] = c["pool_v"][slot, :r].transpose(0, 1)
+    pool_k = c["pool_k"][:, r:].contiguous()
+    pool_v = c["pool_v"][:, r:].contiguous()
+    return {**c, "kv": kv, "pool_k": pool_k, "pool_v": pool_v}
+
+
+def _dequant(
+    geo: object, c: dict[str, torch.Tensor], plan: np.ndarray, rows: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dev = c["kv"].device
+    ws_k = torch.full((rows, HK, d), float("nan"), dtype=torch.float16, device=dev)
+    ws_v = torch.full_like(ws_k, float("nan"))
+    dequant_context_into(
+        geo,  # type: ignore[arg-type]
+        c["kv"],
+        c["pool_k"],
+        c["pool_v"],
+        c["bt"],
+        c["b2s"],
+        torch.from_numpy(plan).to(dev),
+        ws_k,
+        ws_v,
+    )
+    return ws_k, ws_v
+
+
+@pytest.mark.parametrize(("name", "d", "shadow"), PARAMS)
+def test_dequant_context_matches_reference(
+    device: torch.device, name: str, d: int, shadow: int | str
+) -> None:
     """Every workspace row is K/2 and V/2 of the reference decode, records saturated to the
-    fp16 range, pool blocks copied."""
+    fp16 range, pool blocks copied (with shadow rows: bit for bit what the same tiles give
+    without)."""
     fmt = parse_cache_dtype(name)
     g = fmt.group
     lens = [2 * g + 5, g, 3 * g - 1]  # partial last blocks, a full one, pool blocks
     c = _random_cache(name, d, lens, device, seed=d + g)
     geo = dense_geometry(fmt, d, int(c["kv"].shape[-1]))
     plan, k_off = dequant_plan(lens, g)
-    ws_k = torch.full((k_off[-1], HK, d), float("nan"), dtype=torch.float16, device=device)
-    ws_v = torch.full_like(ws_k, float("nan"))
-    dequant_context_into(
-        geo,
-        c["kv"],
-        c["pool_k"],
-        c["pool_v"],
-        c["bt"],
-        c["b2s"],
-        torch.from_numpy(plan).to(device),
-        ws_k,
-        ws_v,
-    )
+    ws_k, ws_v = _dequant(geo, c, plan, k_off[-1], d)
+    if shadow:
+        r = shadow_rows(g, d, int(c["kv"].shape[-1])) if shadow == "max" else int(shadow)
+        c = _shadowed(c, r, d)
+        sh_k, sh_v = _dequant(geo, c, plan, k_off[-1], d)
+        assert torch.equal(sh_k.view(torch.int16), ws_k.view(torch.int16))
+        assert torch.equal(sh_v.view(torch.int16), ws_v.view(torch.int16))
+        ws_k, ws_v = sh_k, sh_v  # and against the reference, which reads the shadow rows
     for r, n in enumerate(lens):
         k, v = gather_kv(name, c["kv"], c["pool_k"], c["pool_v"], c["bt"][r], n, c["b2s"])
         for what, got, full in (("K", ws_k, k), ("V", ws_v, v)):

@@ -17,7 +17,12 @@ table, ``BN`` tokens at a time:
 * a block whose ``block_to_slot`` entry is a pool slot (the sink, the in-progress tile, a
   prefill chunk not yet flushed) is read from the fp16 pool instead. The record bytes of the
   next chunk are loaded one chunk ahead unconditionally (software prefetch), and a pool block
-  overrides the record result with a branch; its record bytes are unused;
+  overrides the record result with a branch; its record bytes are unused (they are random,
+  or, with shadow rows, the tile's first ``SHADOW`` fp16 rows followed by random bytes: the
+  branch replaces the scores and values computed from them, never scales them by zero, so a
+  NaN among them cannot reach the result). With ``SHADOW > 0`` the pool holds ``G -
+  SHADOW`` rows per slot and a tile's first rows are read from its block's record area
+  (``_common.pool_row_ptrs``, :func:`kvarn_format.geometry.shadow_rows`);
 * online softmax in base 2; split-K partials ``(acc / l, lse)`` go to an fp32 workspace and a
   second kernel merges the splits, un-rotates (``out @ H``, two fp16 MMAs on a hi/lo split of
   the fp32 result against the exact sign matrix) and casts to the query dtype.
@@ -47,6 +52,8 @@ from kvarn_kernels._common import (
     check_index_tensor,
     check_ndim,
     dense_geometry,
+    pool_row_ptrs,
+    pool_shadow_rows,
     resolve_format,
     triton_interpret,
 )
@@ -291,6 +298,7 @@ def _attn_kernel(
     B_P: tl.constexpr,
     D: tl.constexpr,
     G: tl.constexpr,
+    SHADOW: tl.constexpr,
     KB: tl.constexpr,
     VB: tl.constexpr,
     STRIDE: tl.constexpr,
@@ -405,6 +413,7 @@ def _attn_kernel(
             c_vs = vs
             c_vz = vz
             c_slot = slot
+            c_blk = blk
 
             # Issue the next chunk's loads before computing this one.
             nit = it + 1
@@ -433,8 +442,8 @@ def _attn_kernel(
             )
 
         else:
-            blk = tl.load(bt_row + bi).to(tl.int64)
-            c_slot = tl.load(BLOCK_TO_SLOT + blk)
+            c_blk = tl.load(bt_row + bi).to(tl.int64)
+            c_slot = tl.load(BLOCK_TO_SLOT + c_blk)
             (
                 c_k0,
                 c_k1,
@@ -453,7 +462,7 @@ def _attn_kernel(
                 c_vs,
                 c_vz,
             ) = _load_chunk(
-                KV + (blk * HK + h) * STRIDE,
+                KV + (c_blk * HK + h) * STRIDE,
                 c,
                 it < n_it,
                 D,
@@ -481,10 +490,22 @@ def _attn_kernel(
         raw = tl.dot(qk16, kcodes)
         s = (raw * ksn + zt[:, None]) * (c_kt[None, :] * qmax[:, None])
         if c_slot >= 0:
-            # fp16 pool block (sink, in-progress tile, unflushed prefill chunk).
-            prow = ((c_slot.to(tl.int64) * G + c * BN + tn) * HK + h) * D
+            # fp16 pool block (sink, in-progress tile, unflushed prefill chunk). Rows past
+            # kv_len are masked: pool rows hold NaN poison or stale tokens, and the record area
+            # past a shadowed tile's written rows holds random bytes.
+            if SHADOW == 0:
+                # pool_row_ptrs' SHADOW == 0 address as integer offsets, the code that was
+                # timed (the pointer form compiles to different SASS)
+                prow = ((c_slot.to(tl.int64) * G + c * BN + tn) * HK + h) * D
+                kp_ptr = POOL_K + prow[None, :] + dd[:, None]
+            else:
+                ps = c_slot.to(tl.int64)
+                krow = pool_row_ptrs(
+                    POOL_K, KV, ps, c_blk, c * BN + tn, h, 0, HK, D, G, SHADOW, STRIDE
+                )
+                kp_ptr = krow[None, :] + dd[:, None]
             kmask = tpos < kv_len
-            kp = tl.load(POOL_K + prow[None, :] + dd[:, None], mask=kmask[None, :], other=0.0)
+            kp = tl.load(kp_ptr, mask=kmask[None, :], other=0.0)
             s = tl.dot(qn16, kp) * qmax[:, None]
         keep = (tpos[None, :] <= q_pos[:, None]) & (tpos[None, :] < kv_len)
         s = tl.where(keep, s, float("-inf"))
@@ -505,9 +526,17 @@ def _attn_kernel(
         rawv = tl.dot(pw16, vcodes)
         pv = (rawv * vsn + zs[:, None]) * c_vcs[None, :]
         if c_slot >= 0:
-            prow = ((c_slot.to(tl.int64) * G + c * BN + tn) * HK + h) * D
+            if SHADOW == 0:
+                prow = ((c_slot.to(tl.int64) * G + c * BN + tn) * HK + h) * D
+                vp_ptr = POOL_V + prow[:, None] + dd[None, :]
+            else:
+                ps = c_slot.to(tl.int64)
+                vrow = pool_row_ptrs(
+                    POOL_V, KV, ps, c_blk, c * BN + tn, h, 1, HK, D, G, SHADOW, STRIDE
+                )
+                vp_ptr = vrow[:, None] + dd[None, :]
             vmask = tpos < kv_len
-            vp = tl.load(POOL_V + prow[:, None] + dd[None, :], mask=vmask[:, None], other=0.0)
+            vp = tl.load(vp_ptr, mask=vmask[:, None], other=0.0)
             pv = tl.dot(p.to(tl.float16), vp)
         acc = acc * alpha[:, None] + pv
 
@@ -665,6 +694,7 @@ def _launch_v4(
         BLOCK_Q=max(16, triton.next_power_of_2(qpk)),
         D=geo.head_dim,
         G=geo.group,
+        SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
         KB=geo.key_bits,
         VB=geo.value_bits,
         STRIDE=geo.record_stride,
@@ -775,6 +805,7 @@ def _launch(
             B_P=triton.next_power_of_2(b + 1),
             D=d,
             G=geo.group,
+            SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
             KB=geo.key_bits,
             VB=geo.value_bits,
             STRIDE=geo.record_stride,
@@ -816,9 +847,11 @@ def _check_common(
     q_layout: str,
 ) -> tuple[DenseGeometry, torch.Tensor]:
     dense = resolve_format(fmt)
-    _, g, hk, d = _check_pool(pool_k, pool_v)
-    if g != dense.group:
-        raise ValueError(f"{dense.name} has {dense.group}-token tiles but the pool holds G={g}")
+    _, rows, hk, d = _check_pool(pool_k, pool_v)
+    if rows > dense.group:
+        raise ValueError(
+            f"{dense.name} has {dense.group}-token tiles but the pool holds {rows} rows per slot"
+        )
     check_ndim("q", q, 3, q_layout)
     check_dtype("q", q, ACT_DTYPES)
     if q.shape[2] != d:
@@ -834,6 +867,9 @@ def _check_common(
             f"{tuple(kv_cache.shape)}"
         )
     geo = dense_geometry(dense, d, int(kv_cache.shape[2]))
+    # A pool with fewer than G rows per slot keeps each tile's first rows in its block's record
+    # area (shadow rows): refuse more than the record stride holds.
+    pool_shadow_rows(pool_k, dense.group, kv_cache)
     check_ndim("block_table", block_table, 2, "[B, max_blocks]")
     check_dtype("block_table", block_table, (torch.int32,))
     if block_table.stride(1) != 1:
@@ -917,7 +953,11 @@ def decode_attention(
         fmt: dense KVarN format (or its dtype string).
         q: ``[B, Hq, D]`` fp16/bf16, unrotated; ``Hq`` a multiple of ``Hk`` (any GQA ratio).
         kv_cache: ``uint8 [num_blocks, Hk, tile_bytes]`` packed records.
-        pool_k, pool_v: ``[num_slots, G, Hk, D]`` fp16 rotated side pool.
+        pool_k, pool_v: ``[num_slots, G - R, Hk, D]`` fp16 rotated side pool. ``R`` (shadow
+            rows; 0 for whole-tile slots) is the tile size minus the pool's rows per slot: a
+            pool tile's first ``R`` rows are read from its block's record area in
+            ``kv_cache`` (:func:`kvarn_format.geometry.shadow_rows` bounds ``R``; more
+            raises).
         block_table: ``[B, max_blocks]`` int32 block ids of each request.
         seq_lens: ``[B]`` int32 tokens of each request including the current one (whose K/V
             is already in the pool); 0 gives a zero output row.

@@ -37,7 +37,12 @@ import torch.nn.functional as F
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from kvarn_kernels._common import DenseGeometry, triton_interpret
+from kvarn_kernels._common import (
+    DenseGeometry,
+    pool_row_ptrs,
+    pool_shadow_rows,
+    triton_interpret,
+)
 from kvarn_kernels.attention import _codes_f16, _load_codes
 from kvarn_kernels.rotation import rotate_into
 
@@ -75,6 +80,7 @@ def _dequant_context_kernel(
     HK: tl.constexpr,
     D: tl.constexpr,
     G: tl.constexpr,
+    SHADOW: tl.constexpr,
     KB: tl.constexpr,
     VB: tl.constexpr,
     STRIDE: tl.constexpr,
@@ -93,7 +99,9 @@ def _dequant_context_kernel(
 
     ``PLAN`` is int32 ``[4, n_progs]``: request row, block index within the request, first
     workspace row, valid tokens. Writes ``k / 2`` and ``v / 2`` (rotated frame, fp16) to rows
-    ``row0 .. row0 + n - 1`` of ``OUT_K``/``OUT_V`` ``[rows, HK, D]``.
+    ``row0 .. row0 + n - 1`` of ``OUT_K``/``OUT_V`` ``[rows, HK, D]``. A pool block's first
+    ``SHADOW`` rows are read from its record area (``_common.pool_row_ptrs``); only the
+    record branch decodes record bytes, so those rows never pass for a record.
     """
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -112,9 +120,21 @@ def _dequant_context_kernel(
         ok = tok < n
         dst = ((row0 + tok) * HK + h)[:, None] * D + dd[None, :]  # [BT, D]
         if slot >= 0:
-            src = ((slot.to(tl.int64) * G + tok) * HK + h)[:, None] * D + dd[None, :]
-            kp = tl.load(POOL_K + src, mask=ok[:, None], other=0.0)
-            vp = tl.load(POOL_V + src, mask=ok[:, None], other=0.0)
+            # rows past n are masked: NaN/stale pool rows, random bytes past the shadow rows
+            if SHADOW == 0:
+                # pool_row_ptrs' SHADOW == 0 address as integer offsets, as before shadow
+                # rows (the pointer form compiles to different SASS)
+                src = ((slot.to(tl.int64) * G + tok) * HK + h)[:, None] * D + dd[None, :]
+                kp_ptr = POOL_K + src
+                vp_ptr = POOL_V + src
+            else:
+                s64 = slot.to(tl.int64)
+                krow = pool_row_ptrs(POOL_K, KV, s64, blk, tok, h, 0, HK, D, G, SHADOW, STRIDE)
+                vrow = pool_row_ptrs(POOL_V, KV, s64, blk, tok, h, 1, HK, D, G, SHADOW, STRIDE)
+                kp_ptr = krow[:, None] + dd[None, :]
+                vp_ptr = vrow[:, None] + dd[None, :]
+            kp = tl.load(kp_ptr, mask=ok[:, None], other=0.0)
+            vp = tl.load(vp_ptr, mask=ok[:, None], other=0.0)
             tl.store(OUT_K + dst, kp * 0.5, mask=ok[:, None])
             tl.store(OUT_V + dst, vp * 0.5, mask=ok[:, None])
         else:
@@ -452,10 +472,13 @@ def dequant_context_into(
 ) -> None:
     """One launch: every block of ``plan`` (:func:`dequant_plan`, on the device) into the
     workspaces ``ws_k``/``ws_v`` ``[rows, Hk, D]`` fp16 as K/2 and V/2 in the rotated frame.
+    The pool may have shadow rows (``G - R`` rows per slot, a tile's first ``R`` rows in its
+    block's record area of ``kv_cache``; :func:`kvarn_format.geometry.shadow_rows`).
 
     Also what ``tools/gpu_kernel_check.py`` times alone.
     """
     hk, d, g = int(pool_k.shape[2]), int(pool_k.shape[3]), geo.group
+    shadow = pool_shadow_rows(pool_k, g, kv_cache)
     total = int(plan.shape[1])
     if total == 0:
         return
@@ -474,6 +497,7 @@ def dequant_context_into(
         HK=hk,
         D=d,
         G=g,
+        SHADOW=shadow,
         KB=geo.key_bits,
         VB=geo.value_bits,
         STRIDE=geo.record_stride,

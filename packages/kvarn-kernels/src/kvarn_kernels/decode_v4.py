@@ -27,7 +27,10 @@ the static analysis of small Triton kernels (``scripts/static_kernels.py``):
 * **Pool blocks** (the sink and the in-progress tile, fp16) are masked out of the main loop
   (their record bytes are unused: scales zeroed, scores ``-inf``) and attended in a second,
   short phase over the split's pool-resident blocks, found with a vectorized scan of the
-  block table.
+  block table. A pool block's record area holds random bytes, or with shadow rows the
+  tile's first ``SHADOW`` fp16 rows (``_common.pool_row_ptrs``) then random bytes, so every
+  value the main loop reads from it as a float is dropped with ``tl.where`` (never multiplied
+  by zero: ``NaN * 0`` is NaN); the codes are always finite (``1024 + code``).
 
 Numerics. Codes become fp16 as ``1024 + code`` (exact: OR-ed into the mantissa of 1024.0).
 The K operand is ``fp16((code * k_scale[d] + k_zero[d]) / 2)`` and the V operand
@@ -48,6 +51,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
+from kvarn_kernels._common import pool_row_ptrs
 from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM, _split_blocks
 
 __all__ = ["decode_v4_config", "decode_v4_kernel"]
@@ -133,6 +137,7 @@ def decode_v4_kernel(
     BLOCK_Q: tl.constexpr,
     D: tl.constexpr,
     G: tl.constexpr,
+    SHADOW: tl.constexpr,
     KB: tl.constexpr,
     VB: tl.constexpr,
     STRIDE: tl.constexpr,
@@ -153,7 +158,8 @@ def decode_v4_kernel(
     """One program per (request, KV head, split); ``W`` chunks of ``BN`` tokens per step.
 
     Writes the split's normalized partial output (``O_PART``, fp32, rotated frame, natural
-    channel order) and base-2 LSE (``LSE_PART``), like v1's kernel.
+    channel order) and base-2 LSE (``LSE_PART``), like v1's kernel. ``SHADOW``: the pool holds
+    ``G - SHADOW`` rows per slot; a pool tile's first rows are in its block's record area.
     """
     tl.static_assert(KB == 4, "v4 takes 4-bit keys")
     tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
@@ -207,7 +213,9 @@ def decode_v4_kernel(
         c = ci % NCH
         blk = tl.load(bt_row + bi, mask=valid, other=0).to(tl.int64)
         slot = tl.load(BLOCK_TO_SLOT + blk, mask=valid, other=0)
-        packed = valid & (slot < 0)  # pool blocks are the second phase's
+        # Pool blocks are the second phase's: every float read from their record area below
+        # (scales, zero points, token scales) goes through tl.where on packed/live.
+        packed = valid & (slot < 0)
         rec = KV + (blk * HK + h) * STRIDE  # [W] record pointers
         tok_e = c[:, None] * BN + tp[None, :]  # [W, H2]
         tok_o = tok_e + 1
@@ -295,26 +303,50 @@ def decode_v4_kernel(
             sel = is_pool & (rank == k)
             pbi = tl.sum(tl.where(sel, idx, 0), axis=0)
             pslot = tl.sum(tl.where(sel, slots, 0), axis=0).to(tl.int64)
+            if SHADOW > 0:
+                pblk = tl.sum(tl.where(sel, blks, 0), axis=0).to(tl.int64)
             for cc in range(0, NCH):
                 te = cc * BN + tn * 2
+                # Rows past seq_len are masked (other=0): NaN pool poison, stale rows, and
+                # random bytes in a shadowed block's record area.
                 le = pbi * G + te < seq_len
                 lo_ = pbi * G + te + 1 < seq_len
-                prow_e = (pslot * G + te) * HK + h
-                prow_o = prow_e + HK
-                kpe = tl.load(
-                    POOL_K + prow_e[None, :] * D + dd[:, None], mask=le[None, :], other=0.0
-                )
-                kpo = tl.load(
-                    POOL_K + prow_o[None, :] * D + dd[:, None], mask=lo_[None, :], other=0.0
-                )
+                if SHADOW == 0:
+                    # Every row in the pool slot: pool_row_ptrs' SHADOW == 0 addresses, kept
+                    # as the integer offsets v4 was timed with. Built from pool_row_ptrs'
+                    # pointers they compiled to other sm_90a SASS (other register assignment;
+                    # more spills at D = 64 with the odd rows' addresses recomputed).
+                    prow_e = (pslot * G + te) * HK + h
+                    prow_o = prow_e + HK
+                    kpe_p = POOL_K + prow_e[None, :] * D + dd[:, None]
+                    kpo_p = POOL_K + prow_o[None, :] * D + dd[:, None]
+                else:
+                    # rows < SHADOW from the block's record area; an odd row may be a pool
+                    # row while its even row is not, so each parity is addressed on its own
+                    kre = pool_row_ptrs(POOL_K, KV, pslot, pblk, te, h, 0, HK, D, G, SHADOW, STRIDE)
+                    kro = pool_row_ptrs(
+                        POOL_K, KV, pslot, pblk, te + 1, h, 0, HK, D, G, SHADOW, STRIDE
+                    )
+                    kpe_p = kre[None, :] + dd[:, None]
+                    kpo_p = kro[None, :] + dd[:, None]
+                kpe = tl.load(kpe_p, mask=le[None, :], other=0.0)
+                kpo = tl.load(kpo_p, mask=lo_[None, :], other=0.0)
                 pe = tl.dot(q16, kpe) * qmax[:, None]
                 po = tl.dot(q16, kpo) * qmax[:, None]
                 pe = tl.where(le[None, :], pe, float("-inf"))
                 po = tl.where(lo_[None, :], po, float("-inf"))
                 m_run, alpha2, l_tot, pe16, po16 = _online(m_run, l_tot, pe, po, 1)
                 a2 = alpha2[:, None]
-                vpe = POOL_V + prow_e[:, None] * D + nv[None, :] * VG
-                vpo = POOL_V + prow_o[:, None] * D + nv[None, :] * VG
+                if SHADOW == 0:
+                    vpe = POOL_V + prow_e[:, None] * D + nv[None, :] * VG
+                    vpo = POOL_V + prow_o[:, None] * D + nv[None, :] * VG
+                else:
+                    vre = pool_row_ptrs(POOL_V, KV, pslot, pblk, te, h, 1, HK, D, G, SHADOW, STRIDE)
+                    vro = pool_row_ptrs(
+                        POOL_V, KV, pslot, pblk, te + 1, h, 1, HK, D, G, SHADOW, STRIDE
+                    )
+                    vpe = vre[:, None] + nv[None, :] * VG
+                    vpo = vro[:, None] + nv[None, :] * VG
                 o0 = o0 * a2 + tl.dot(pe16, tl.load(vpe, mask=le[:, None], other=0.0))
                 o0 = o0 + tl.dot(po16, tl.load(vpo, mask=lo_[:, None], other=0.0))
                 o1 = o1 * a2 + tl.dot(pe16, tl.load(vpe + 1, mask=le[:, None], other=0.0))
