@@ -38,6 +38,7 @@ def _decode_v1(name: str, bn: int = 64, warps: int = 4, fast: bool = True, pf: b
     geo = _geo(name)
     sig = {**DECODE_SIG, "QSL": "*i32"}
     consts = dict(
+        SHADOW=0,  # whole-tile pool slots (shadow rows: a separate compile)
         HQ=32,
         HK=8,
         QPK=4,
@@ -78,6 +79,7 @@ def _decode_v4(
 
     geo = _geo(name, d)
     consts = dict(
+        SHADOW=0,  # whole-tile pool slots (shadow rows: a separate compile)
         HQ=8 * qpk,
         HK=8,
         QPK=qpk,
@@ -113,6 +115,7 @@ def _dequant_context(name: str, d: int = 128, bt: int = 32) -> Any:
         "OUT_V": "*fp16",
     }
     consts = dict(
+        SHADOW=0,  # whole-tile pool slots (shadow rows: a separate compile)
         HK=8,
         D=d,
         G=geo.group,
@@ -149,6 +152,9 @@ def _rotate(out_kind: str) -> Any:
         "inv_sqrt_d": "fp32",
     }
     consts = dict(
+        SHADOW=0,  # whole-tile pool slots (shadow rows: a separate compile)
+        STRIDE=0,
+        IS_V=False,
         HK=1,
         D=128,
         G=1,
