@@ -59,6 +59,16 @@ TEST_GROUPS = {
     # the start-up warm-up: its scratch launches compile every prefill-side kernel a step can
     # select (no compile mid-serving).
     "warmup": ["test_kernels_warmup.py"],
+    # shadow rows (pool tiles' first rows in their blocks' record areas): the small decode and
+    # prefill cases (shadowed ones must equal their unshadowed twins bit for bit), the store's
+    # two-launch flush and the pool writer. The context kernel's cases are in "dequant".
+    "shadow_attention": [
+        "test_kernels_attention.py",
+        "-k",
+        "test_decode_attention or test_prefill_attention or pool_rows_validation",
+    ],
+    "shadow_store": ["test_kernels_store.py", "-k", "shadow"],
+    "shadow_pool_write": ["test_kernels_rotation.py", "-k", "shadow"],
 }
 
 
