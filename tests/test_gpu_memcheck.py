@@ -29,7 +29,11 @@ def test_memcheck_script_launches_all_variants_on_the_interpreter() -> None:
 
     lines = proc.stdout.splitlines()
     assert lines == [
-        *(f"store {v}: launched" for v in STORE_VARIANTS),
-        "decode v1: launched, output finite: True",
-        "decode v4: launched, output finite: True",
+        line
+        for shadow in (0, 27)  # kvarn_k4v2_g128 at head dim 128: 13,824 // 512
+        for line in (
+            f"decode v1, shadow rows {shadow}: launched, output finite: True",
+            f"decode v4, shadow rows {shadow}: launched, output finite: True",
+            *(f"store {v}, shadow rows {shadow}: launched" for v in STORE_VARIANTS),
+        )
     ]

@@ -7,7 +7,10 @@ Usage (on the GPU machine)::
 
 The case is built by :func:`kvarn_kernels.testing.build_case`, which poisons unused memory
 (NaN pool rows, random record bytes, ``-1`` block-table entries), so an out-of-bounds read
-also shows up as a non-finite output. Exit status 0 only when every output is finite.
+also shows up as a non-finite output. Exit status 0 only when every output is finite. Every
+launch runs twice: with whole-tile pool slots and with the serving default, shadow rows
+(each pool tile's first rows in its block's record area; the store then flushes the tile into
+its own block, as serving does).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import sys
 
 import torch
 
+from kvarn_format import parse_cache_dtype, record_layout
+from kvarn_format.geometry import shadow_rows
 from kvarn_kernels import decode_attention, flush_tiles
 from kvarn_kernels.store import STORE_VARIANTS
 from kvarn_kernels.testing import build_case
@@ -34,27 +39,34 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device(args.device)
     hk, hq, d = 8, 32, 128
-    case = build_case(args.format, d, hk, [1000, 3, 517], device=dev, seed=1)
+    fmt = parse_cache_dtype(args.format)
     q = torch.randn(3, hq, d, device=dev, dtype=torch.float16)
     ok = True
-    for variant in args.store_variants.split(","):
-        # Request 0's sink: a full pool tile (1000 tokens). Its record goes to a spare block.
-        slots = case.block_to_slot[case.block_table[0, :1].long()].to(torch.int32)
-        dst = torch.tensor([case.kv_cache.shape[0] - 1], device=dev, dtype=torch.int32)
-        flush_tiles(
-            args.format, case.pool_k, case.pool_v, slots, case.kv_cache, dst, variant=variant
+    for shadow in (0, shadow_rows(fmt.group, d, record_layout(fmt, d).tile_bytes)):
+        case = build_case(
+            args.format, d, hk, [1000, 3, 517], device=dev, seed=1, shadow_rows=shadow
         )
-        print(f"store {variant}: launched")
-    for variant in args.decode_variants.split(","):
-        out = decode_attention(
-            *case.decode_args(args.format, q, 1.0 / math.sqrt(d)),
-            variant=variant,
-        )
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        finite = bool(torch.isfinite(out).all())
-        ok &= finite
-        print(f"decode {variant}: launched, output finite: {finite}")
+        for variant in args.decode_variants.split(","):
+            out = decode_attention(
+                *case.decode_args(args.format, q, 1.0 / math.sqrt(d)),
+                variant=variant,
+            )
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            finite = bool(torch.isfinite(out).all())
+            ok &= finite
+            print(f"decode {variant}, shadow rows {shadow}: launched, output finite: {finite}")
+        # Request 0's sink: a full pool tile (1000 tokens). Whole-tile slots: its record goes
+        # to a spare block; shadowed: to its own block (which holds its first rows), each
+        # variant on a fresh copy of the cache.
+        sink = case.block_table[0, :1].long()
+        slots = case.block_to_slot[sink].to(torch.int32)
+        spare = torch.tensor([case.kv_cache.shape[0] - 1], device=dev, dtype=torch.int32)
+        dst = sink.to(torch.int32) if shadow else spare
+        for variant in args.store_variants.split(","):
+            cache = case.kv_cache.clone() if shadow else case.kv_cache
+            flush_tiles(args.format, case.pool_k, case.pool_v, slots, cache, dst, variant=variant)
+            print(f"store {variant}, shadow rows {shadow}: launched")
     return 0 if ok else 1
 
 
