@@ -371,6 +371,31 @@ def test_shadow_rows_setting_sizes_the_pool_slots(
         shadow_rows_setting()
 
 
+@pytest.mark.parametrize("shadow", ["1", "0"])
+def test_the_charged_pool_is_the_allocated_pool(
+    kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch, shadow: str
+) -> None:
+    """The engine charges (patch P5) exactly the bytes the worker's runtime allocates for its
+    side pools: more would waste KV capacity, less would over-commit the GPU."""
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+    from kvarn_vllm.budget import reservation_for_worker
+
+    monkeypatch.setenv("KVARN_SHADOW_ROWS", shadow)
+    config = _config(qwen3_dir, "kvarn_k4v4_g128")
+    config.cache_config.num_gpu_blocks = 16
+    layers = _attention_layers(config, 3)
+    specs = {layer.layer_name: layer.get_kv_cache_spec(config) for layer in layers}
+    res = reservation_for_worker(config, specs, 1 << 30)
+    assert res is not None
+    builder = KvarnMetadataBuilder(
+        specs[layers[0].layer_name], list(specs), config, torch.device("cpu")
+    )
+    rt = builder.runtime
+    allocated = sum(p.k.nbytes + p.v.nbytes for p in rt.pools.values())
+    assert res.pool_slots == rt.num_slots
+    assert allocated == res.pool_bytes
+
+
 def test_direct_tiles_rows_come_from_the_slot_mapping(kvarn: None, qwen3_dir: Path) -> None:
     """The device derivation of each direct tile's first new row, without a host sync."""
     from kvarn_vllm.backend import KvarnMetadataBuilder
