@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Where does a short prefill-with-context call spend its time on the host?
+
+``prefill_attention``'s dequantize-then-attend path took ~700 µs per call in the fifth
+session's kernel check when its GPU work was ~33 µs ("dequant only" row), and its Python code
+alone runs in ~90 µs on the CPU machine with the kernels stubbed out. An agent's turn (a short
+chunk after a long cached prefix) pays that per layer, so the rest has to be found before
+anything is changed. This tool runs the plugin's path (``method="dequant"`` with the host
+copies of the lengths, vLLM's FA3 when importable) on one short-chunk case and reports:
+
+* the wall time per call when calls are queued back to back (host-bound: what a serving step
+  pays per layer) and the GPU time per call (CUDA events around one call after a sync);
+* ``torch.profiler``'s host-side table over ``--calls`` calls, sorted by self CPU time: CUDA
+  runtime calls (``cudaHostAlloc``, ``cudaMemcpyAsync``, ``cudaLaunchKernel``, ...), torch
+  ops and the Python-level ranges, which says whether pinned-memory allocation, copies,
+  launches or Python dominate.
+
+On the GPU machine::
+
+    PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:packages/kvarn-vllm/src \\
+        python3 tools/gpu_prefill_host.py --out $OUT/prefill_host.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_kernels as bk  # tools/ is not a package
+
+
+def _case(fmt_name: str, ctx: int, q_len: int, bsz: int) -> dict[str, Any]:
+    """The inputs of one prefill-with-context call, laid out as ``bench_kernels`` does."""
+    import torch
+
+    from kvarn_format import parse_cache_dtype
+
+    g = parse_cache_dtype(fmt_name).group
+    seq = ctx + q_len
+    nb = -(-seq // g)
+    kv = bk.make_records(fmt_name, bsz * nb, bk.HK, bk.D, 1)
+    bt = torch.randperm(bsz * nb, device="cuda").to(torch.int32).view(bsz, nb)
+    pool_k = torch.randn(2 * bsz, g, bk.HK, bk.D, device="cuda").half()
+    b2s = torch.full((bsz * nb,), -1, dtype=torch.int32, device="cuda")
+    for b in range(bsz):  # the sink and the last block are pool-resident
+        b2s[bt[b, 0].long()] = 2 * b
+        b2s[bt[b, -1].long()] = 2 * b + 1
+    return {
+        "args": (
+            fmt_name,
+            torch.randn(bsz * q_len, bk.HQ, bk.D, device="cuda").half(),
+            kv,
+            pool_k,
+            torch.randn_like(pool_k),
+            bt,
+            torch.arange(bsz + 1, dtype=torch.int32, device="cuda") * q_len,
+            torch.full((bsz,), seq, dtype=torch.int32, device="cuda"),
+            b2s,
+            bk.D**-0.5,
+        ),
+        "kw": {
+            "seq_lens_cpu": [seq] * bsz,
+            "query_start_loc_cpu": [q_len * i for i in range(bsz + 1)],
+        },
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options; the default case is ``bench_kernels``' short-chunk prefill shape."""
+    ctx, q_len = bk.PREFILL_SHAPES[1]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--format", default="kvarn_k4v2_g128")
+    ap.add_argument("--ctx", type=int, default=ctx, help="cached tokens")
+    ap.add_argument("--q-len", type=int, default=q_len, help="chunk tokens")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--out", type=Path, help="also write the report here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_prefill_host: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from kvarn_kernels import prefill_attention
+
+    case = _case(args.format, args.ctx, args.q_len, args.batch)
+    kw = dict(case["kw"])
+    try:
+        kw["varlen_attention"] = bk.vllm_fa3()
+        attention = "vLLM FA3"
+    except Exception as exc:  # without vLLM: torch's FlashAttention, as the kernels default
+        attention = f"torch ({type(exc).__name__}: vLLM FA3 not importable)"
+    out = torch.empty_like(case["args"][1])
+
+    def call() -> None:
+        prefill_attention(*case["args"], out=out, **kw)
+
+    for _ in range(5):  # compile and warm up
+        call()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(args.calls):
+        call()
+    torch.cuda.synchronize()
+    queued_us = (time.perf_counter() - t) / args.calls * 1e6
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gpu = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end) * 1e3)
+    gpu_us = sorted(gpu)[len(gpu) // 2]
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.calls):
+            call()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    report = "\n".join(
+        [
+            f"{args.format}: {args.q_len} tokens after {args.ctx} cached, B = {args.batch}, "
+            f"attention: {attention}",
+            f"queued back to back: {queued_us:.1f} us per call (host-bound)",
+            f"one call after a sync, CUDA events: {gpu_us:.1f} us",
+            "",
+            f"torch.profiler over {args.calls} calls, by self CPU time:",
+            table,
+        ]
+    )
+    print(report)
+    if args.out is not None:
+        args.out.write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
