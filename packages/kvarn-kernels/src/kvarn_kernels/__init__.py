@@ -4,7 +4,8 @@ Serving data model (per attention layer):
 
 * paged cache ``kv_cache: uint8 [num_blocks, Hk, tile_bytes]``: one record per (block, KV
   head), laid out by :func:`kvarn_format.record_layout`;
-* side pool ``pool_k, pool_v: fp16 [num_slots, G, Hk, D]``, rotated (``x @ H``);
+* side pool ``pool_k, pool_v: fp16 [num_slots, G - R, Hk, D]``, rotated (``x @ H``); the
+  first ``R`` rows of each pool tile (shadow rows, default 0) live in its block's record area;
 * ``block_to_slot: int32 [num_blocks]``: a block's pool slot, or -1 when it is a packed record.
 
 Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from pool slots),

@@ -275,7 +275,7 @@ def rotate_into(x: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch
 
 
 def _check_pool(pool_k: torch.Tensor, pool_v: torch.Tensor) -> tuple[int, int, int, int]:
-    check_ndim("pool_k", pool_k, 4, "[num_slots, G, Hk, D]")
+    check_ndim("pool_k", pool_k, 4, "[num_slots, G - R, Hk, D]")
     check_dtype("pool_k", pool_k, (torch.float16,))
     check_dtype("pool_v", pool_v, (torch.float16,))
     if pool_v.shape != pool_k.shape:
@@ -283,7 +283,7 @@ def _check_pool(pool_k: torch.Tensor, pool_v: torch.Tensor) -> tuple[int, int, i
             f"pool_v must have pool_k's shape {tuple(pool_k.shape)}; got {tuple(pool_v.shape)}"
         )
     if not (pool_k.is_contiguous() and pool_v.is_contiguous()):
-        raise ValueError("pool_k and pool_v must be contiguous [num_slots, G, Hk, D] tensors")
+        raise ValueError("pool_k and pool_v must be contiguous [num_slots, G - R, Hk, D] tensors")
     n, g, hk, d = (int(s) for s in pool_k.shape)
     check_head_dim(d)
     return n, g, hk, d
