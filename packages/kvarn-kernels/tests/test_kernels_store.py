@@ -687,3 +687,18 @@ def test_shadow_rows_validation(device: torch.device, op: str) -> None:
                     head_slots=zero,
                     head_lens=torch.ones(1, **i32),
                 )
+
+
+def test_flush_token_tiles_refuses_two_tiles_into_one_block(device: torch.device) -> None:
+    """Two tiles written into one record would race (and with shadow rows one would read the
+    other's output); the debug check names it, skipped tiles (row -1) do not count."""
+    name, g, d = "kvarn_k4v2_g64", 64, 64
+    rows = torch.zeros(2 * g, 1, d, dtype=torch.float16, device=device)
+    tile = record_layout(parse_cache_dtype(name), d).tile_bytes
+    kv = torch.zeros(3, 1, tile, dtype=torch.uint8, device=device)
+    starts = torch.tensor([0, g], dtype=torch.int32, device=device)
+    same = torch.tensor([2, 2], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="dst_blocks must be distinct"):
+        flush_token_tiles(name, rows, rows.clone(), starts, kv, same, check=True)
+    skipped = torch.tensor([0, -1], dtype=torch.int32, device=device)
+    flush_token_tiles(name, rows, rows.clone(), skipped, kv, same, check=True)
