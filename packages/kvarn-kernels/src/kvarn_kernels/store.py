@@ -1133,7 +1133,7 @@ def _check_token_tiles(
     blocks = dst_blocks.long().cpu()
     if bool((live & ((blocks < 0) | (blocks >= kv_cache.shape[0]))).any()):
         raise ValueError(f"dst_blocks must lie in [0, {kv_cache.shape[0]})")
-    if blocks[live].unique().numel() != int(live.sum()):
+    if torch.unique(blocks[live]).numel() != int(live.sum()):
         # Two tiles into one block race on its record (and, with shadow rows, read rows the
         # other overwrites).
         raise ValueError("dst_blocks must be distinct: two tiles would write the same record")
