@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -68,6 +69,23 @@ def shared_case(name: str, d: int, hk: int, lens: list[int], **kw: object) -> Pa
     """``build_case`` memoized across the variant parametrizations (the reference encoder is
     the slow part of the CPU tests); callers must not modify the returned tensors."""
     return _cached_case(name, d, hk, tuple(lens), **kw)
+
+
+def _check_reference_and_shadow_twin(
+    name: str,
+    r: int,
+    case_with: Callable[[int], PagedCase],
+    run: Callable[[PagedCase], torch.Tensor],
+    reference: Callable[[PagedCase], torch.Tensor],
+) -> None:
+    """The op on the case built with ``r`` shadow rows matches the reference, and with
+    ``r > 0`` equals bit for bit the same case built without shadow rows."""
+    case = case_with(r)
+    assert case.pool_k.shape[1] == parse_cache_dtype(name).group - r
+    out = run(case)
+    _assert_close(out, reference(case))
+    if r:
+        assert torch.equal(out, run(case_with(0))), "shadow rows changed the result"
 
 
 def _shadow_rows(name: str, d: int, which: int | str) -> int:
@@ -179,13 +197,9 @@ def test_decode_attention(
         assert res is out
         return out
 
-    case = case_with(r)
-    assert case.pool_k.shape[1] == parse_cache_dtype(name).group - r
-    out = run(case)
-    ref = decode_attention_ref(*case.decode_args(name, q, scale))
-    _assert_close(out, ref)
-    if r:
-        assert torch.equal(out, run(case_with(0))), "shadow rows changed the result"
+    _check_reference_and_shadow_twin(
+        name, r, case_with, run, lambda c: decode_attention_ref(*c.decode_args(name, q, scale))
+    )
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
@@ -385,13 +399,13 @@ def test_prefill_attention(
         assert res is out
         return out
 
-    case = case_with(r)
-    assert case.pool_k.shape[1] == parse_cache_dtype(name).group - r
-    out = run(case)
-    ref = prefill_attention_ref(*case.prefill_args(name, q, qsl, scale))
-    _assert_close(out, ref)
-    if r:
-        assert torch.equal(out, run(case_with(0))), "shadow rows changed the result"
+    _check_reference_and_shadow_twin(
+        name,
+        r,
+        case_with,
+        run,
+        lambda c: prefill_attention_ref(*c.prefill_args(name, q, qsl, scale)),
+    )
 
 
 @pytest.mark.parametrize("method", ["dequant", "fused"])
