@@ -140,10 +140,12 @@ def make_records(fmt_name: str, num_blocks: int, hk: int, d: int, seed: int) -> 
 
 
 def decode_inputs(
-    fmt_name: str, bsz: int, ctx: int, seed: int = 0, head_dim: int = D
+    fmt_name: str, bsz: int, ctx: int, seed: int = 0, head_dim: int = D, shadow_rows: int = 0
 ) -> dict[str, Any]:
     """A decode case: ``bsz`` requests of ``ctx - 63`` tokens, ``HQ`` query and ``HK`` KV heads
-    of ``head_dim`` channels, real records, sink and in-progress blocks in the fp16 pool."""
+    of ``head_dim`` channels, real records, sink and in-progress blocks in the fp16 pool
+    (``G - shadow_rows`` rows per slot, the first ``shadow_rows`` of each pool tile in its
+    block's record area, as a server keeps them)."""
     import torch
 
     from kvarn_format import parse_cache_dtype, record_layout
@@ -155,12 +157,16 @@ def decode_inputs(
     num_blocks = bsz * nb
     kv = make_records(fmt_name, num_blocks, HK, head_dim, seed)
     bt = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(bsz, nb)
-    pool_k = torch.randn(2 * bsz, g, HK, head_dim, device="cuda").half()
+    pool_k = torch.randn(2 * bsz, g - shadow_rows, HK, head_dim, device="cuda").half()
     pool_v = torch.randn_like(pool_k)
     b2s = torch.full((num_blocks,), -1, dtype=torch.int32, device="cuda")
     ar = torch.arange(bsz, dtype=torch.int32, device="cuda")
     b2s[bt[:, 0].long()] = 2 * ar
     b2s[bt[:, -1].long()] = 2 * ar + 1
+    if shadow_rows:
+        pooled = torch.cat([bt[:, 0], bt[:, -1]]).long()
+        rows = torch.randn(pooled.numel(), HK, 4 * shadow_rows * head_dim // 2, device="cuda")
+        kv[pooled, :, : 4 * shadow_rows * head_dim] = rows.half().view(torch.uint8)
     tile = record_layout(fmt, head_dim).tile_bytes
     pool_tokens = g + (seq - (nb - 1) * g)
     bytes_read = (

@@ -211,8 +211,39 @@ def decode_runs(
                 )
                 log(f"decode {fmt} D={d} B={bsz} {cfg}: {r.get('us', r.get('error'))}")
             del inp
+            if (fmt, d, bsz) == ("kvarn_k4v2_g128", 128, 64):
+                rows += _shadow_decode_rows(fmt, d, 2 if warm else bsz, splits, warm)
             torch.cuda.empty_cache()
     return rows
+
+
+def _shadow_decode_rows(
+    fmt: str, d: int, bsz: int, splits: int, warm: bool
+) -> list[dict[str, Any]]:
+    """v4 on the same case with the serving default, shadow rows (each pool tile's first
+    rows in its block's record area): what the pool phase's record-area reads cost."""
+    from kvarn_format import parse_cache_dtype, record_layout
+    from kvarn_format.geometry import shadow_rows
+
+    dense = parse_cache_dtype(fmt)
+    r = shadow_rows(dense.group, d, record_layout(dense, d).tile_bytes)
+    inp = bk.decode_inputs(fmt, bsz, 2048 if warm else DECODE_CTX, head_dim=d, shadow_rows=r)
+    cfg = {"variant": "v4"}
+    if warm:
+        bk.decode_once(inp, num_splits=splits, **cfg)
+        return []
+    res = bk.guarded(lambda: bk.bench_kvarn_decode(inp, num_splits=splits, **cfg))
+    log(f"decode {fmt} D={d} B={bsz} v4, {r} shadow rows: {res.get('us', res.get('error'))}")
+    return [
+        {
+            "kernel": fmt,
+            "D": d,
+            "B": bsz,
+            "ctx": DECODE_CTX,
+            "config": {**cfg, "shadow_rows": r},
+            **res,
+        }
+    ]
 
 
 STORE_CONFIGS: list[dict[str, Any]] = [
