@@ -173,9 +173,16 @@ for _k in ("fp16", "bf16", "fp32"):
 
 
 def _store(
-    name: str, d: int = 128, warps: int = 4, kernel: str = "v1", tokens: bool = False
+    name: str,
+    d: int = 128,
+    warps: int = 4,
+    kernel: str = "v1",
+    tokens: bool = False,
+    shadow: int = 0,
+    part: int = -1,
 ) -> Any:
-    """The store kernel as flush_tiles launches it, or (``tokens``) as flush_token_tiles."""
+    """The store kernel as flush_tiles launches it, or (``tokens``) as flush_token_tiles;
+    ``shadow`` rows > 0: one of the two launches (``part`` 0: K, 1: V) of a shadowed pool."""
     from kvarn_kernels import store
 
     geo = _geo(name, d)
@@ -209,8 +216,8 @@ def _store(
         ROW_SCALE=1 if tokens else geo.group,
         HAS_HEAD=tokens,
         MASKED=tokens,
-        SHADOW=0,  # whole-tile pool slots, one launch for K and V
-        PART=-1,
+        SHADOW=shadow,
+        PART=part,
     )
     return compile_kernel(fn, sig, consts, warps, 3)
 
@@ -220,6 +227,12 @@ for _k in ("v1", "v2", "v3"):
         variant(f"store_{_k} {_n} w{_w}")(lambda _n=_n, _w=_w, _k=_k: _store(_n, 128, _w, _k))
 for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 4), ("kvarn_k5v5_g64", 2)):
     variant(f"store_tokens {_n} w{_w}")(lambda _n=_n, _w=_w: _store(_n, 128, _w, "v1", True))
+# Shadowed pools (kvarn_k4v2_g128 at D = 128: 27 shadow rows): each launch runs one half.
+for _tok in (False, True):
+    for _part in (0, 1):
+        variant(f"store_v3 shadow27 {'tokens' if _tok else 'pool'} part{_part}")(
+            lambda _tok=_tok, _part=_part: _store("kvarn_k4v2_g128", 128, 4, "v3", _tok, 27, _part)
+        )
 
 
 def _decode_v4_default(name: str, d: int, qpk: int) -> Any:
