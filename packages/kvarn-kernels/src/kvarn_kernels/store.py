@@ -482,6 +482,84 @@ def _load_shadowed_tile(
 
 
 @triton.jit
+def _load_half(
+    SRC,
+    src_base,
+    HEAD,
+    head_base,
+    KV,
+    head_slot,
+    blk,
+    h,
+    head_len,
+    ok,
+    stride_r,
+    stride_c,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    TOK_ROWS: tl.constexpr,
+    HAS_HEAD: tl.constexpr,
+    MASKED: tl.constexpr,
+    HK: tl.constexpr,
+    SHADOW: tl.constexpr,
+    STRIDE: tl.constexpr,
+):
+    """One half of a record's tile (K: ``TOK_ROWS`` false, V: true): :func:`_load_tile`, or
+    with shadow rows :func:`_load_shadowed_tile` (rows of ``TOK_ROWS``' axis length ``D`` or
+    ``G`` as the tile is laid out) followed by a CTA barrier.
+
+    The barrier is the in-place hazard's: the record this program stores next overwrites the
+    shadow rows just read (this ``(block, head)``'s record area). All of this CTA's loads
+    precede it, all of its stores follow it; no other program of the launch touches the area.
+    """
+    if SHADOW == 0:
+        return _load_tile(
+            SRC,
+            src_base,
+            HEAD,
+            head_base,
+            head_len,
+            ok,
+            stride_r,
+            stride_c,
+            R,
+            C,
+            TOK_ROWS,
+            HAS_HEAD,
+            MASKED,
+        )
+    else:
+        d: tl.constexpr = C if TOK_ROWS else R  # channels
+        g: tl.constexpr = R if TOK_ROWS else C  # tokens
+        x = _load_shadowed_tile(
+            SRC,
+            src_base,
+            HEAD if HAS_HEAD else SRC,
+            KV,
+            head_slot,
+            blk,
+            h,
+            head_len,
+            ok,
+            stride_r,
+            stride_c,
+            R,
+            C,
+            TOK_ROWS,
+            HAS_HEAD,
+            MASKED,
+            TOK_ROWS,
+            HK,
+            d,
+            g,
+            SHADOW,
+            STRIDE,
+        )
+        tl.debug_barrier()
+        return x
+
+
+@triton.jit
 def _quantize_tile(
     x,
     ok,
@@ -648,27 +726,23 @@ def _flush_kernel(
     h = tl.program_id(1)
     which = tl.program_id(2) if PART < 0 else PART
     blk = tl.load(DST_BLOCKS + n).to(tl.int64)
-    if SHADOW == 0:
-        row = tl.load(SRC_ROWS + n).to(tl.int64) * ROW_SCALE
-        ok = row >= 0
-        if HAS_HEAD:
-            head_len = tl.load(HEAD_LENS + n)
-            head_slot = tl.load(HEAD_SLOTS + n).to(tl.int64)
-            # A tile without a head may carry any slot id (e.g. -1): keep the address sane.
-            head_slot = tl.where(head_len > 0, head_slot, 0)
-            head_base = head_slot * (G * HK * D) + h * D
-            src_base = (row - head_len) * (HK * D) + h * D
-        else:
-            head_len = 0
-            head_base = 0
-            src_base = row * (HK * D) + h * D
-    elif HAS_HEAD:
+    head_base = 0  # the head's offset in an unshadowed pool (shadowed ones use pool_row_ptrs)
+    if HAS_HEAD:
         row = tl.load(SRC_ROWS + n).to(tl.int64) * ROW_SCALE
         ok = row >= 0
         head_len = tl.load(HEAD_LENS + n)
         head_slot = tl.load(HEAD_SLOTS + n).to(tl.int64)
+        # A tile without a head may carry any slot id (e.g. -1): keep the address sane.
         head_slot = tl.where(head_len > 0, head_slot, 0)
+        if SHADOW == 0:
+            head_base = head_slot * (G * HK * D) + h * D
         src_base = (row - head_len) * (HK * D) + h * D
+    elif SHADOW == 0:
+        row = tl.load(SRC_ROWS + n).to(tl.int64) * ROW_SCALE
+        ok = row >= 0
+        head_len = 0
+        head_slot = 0
+        src_base = row * (HK * D) + h * D
     else:
         # The pool flush of a shadowed pool: the whole tile comes from slot SRC_ROWS[n].
         head_slot = tl.load(SRC_ROWS + n).to(tl.int64)
@@ -678,98 +752,55 @@ def _flush_kernel(
     rec = KV_CACHE + (blk * HK + h) * STRIDE
     if which == 0:
         # K tile [R = D channels, C = G tokens]: rows are channels (per-channel RTN).
-        if SHADOW == 0:
-            xk = _load_tile(
-                SRC_K,
-                src_base,
-                HEAD_K,
-                head_base,
-                head_len,
-                ok,
-                1,
-                HK * D,
-                D,
-                G,
-                False,
-                HAS_HEAD,
-                MASKED,
-            )
-        else:
-            xk = _load_shadowed_tile(
-                SRC_K,
-                src_base,
-                HEAD_K if HAS_HEAD else SRC_K,
-                KV_CACHE,
-                head_slot,
-                blk,
-                h,
-                head_len,
-                ok,
-                1,
-                HK * D,
-                D,
-                G,
-                False,
-                HAS_HEAD,
-                MASKED,
-                False,
-                HK,
-                D,
-                G,
-                SHADOW,
-                STRIDE,
-            )
-            # In-place hazard: the record stored below overwrites the shadow rows just read
-            # (this (block, head)'s record area). All of this CTA's loads precede the barrier,
-            # all of its stores follow it; no other program of this launch touches the area.
-            tl.debug_barrier()
+        xk = _load_half(
+            SRC_K,
+            src_base,
+            HEAD_K,
+            head_base,
+            KV_CACHE,
+            head_slot,
+            blk,
+            h,
+            head_len,
+            ok,
+            1,
+            HK * D,
+            D,
+            G,
+            False,
+            HAS_HEAD,
+            MASKED,
+            HK,
+            SHADOW,
+            STRIDE,
+        )
         _quantize_tile(
             xk, ok, rec, OFF_KC, OFF_KS, OFF_KZ, OFF_KT, D, G, KB, ITERS, PRECISE, V2, MASKED, V3
         )
     else:
         # V tile [R = G tokens, C = D channels]: rows are tokens (per-token RTN).
-        if SHADOW == 0:
-            xv = _load_tile(
-                SRC_V,
-                src_base,
-                HEAD_V,
-                head_base,
-                head_len,
-                ok,
-                HK * D,
-                1,
-                G,
-                D,
-                True,
-                HAS_HEAD,
-                MASKED,
-            )
-        else:
-            xv = _load_shadowed_tile(
-                SRC_V,
-                src_base,
-                HEAD_V if HAS_HEAD else SRC_V,
-                KV_CACHE,
-                head_slot,
-                blk,
-                h,
-                head_len,
-                ok,
-                HK * D,
-                1,
-                G,
-                D,
-                True,
-                HAS_HEAD,
-                MASKED,
-                True,
-                HK,
-                D,
-                G,
-                SHADOW,
-                STRIDE,
-            )
-            tl.debug_barrier()  # the same in-place hazard as K's (see there)
+        xv = _load_half(
+            SRC_V,
+            src_base,
+            HEAD_V,
+            head_base,
+            KV_CACHE,
+            head_slot,
+            blk,
+            h,
+            head_len,
+            ok,
+            HK * D,
+            1,
+            G,
+            D,
+            True,
+            HAS_HEAD,
+            MASKED,
+            HK,
+            SHADOW,
+            STRIDE,
+        )
         _quantize_tile(
             xv, ok, rec, OFF_VC, OFF_VS, OFF_VZ, OFF_VCS, G, D, VB, ITERS, PRECISE, V2, MASKED, V3
         )
