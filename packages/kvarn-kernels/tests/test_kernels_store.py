@@ -584,45 +584,36 @@ def test_flush_token_tiles_shadowed_heads(device: torch.device, variant: str) ->
     # Every pooled slot's shadow rows live in its block (slot 2 -> block 1: the skipped tile).
     pk, pv = _shadowed(pool_k, pool_v, kv, {1: 2, 3: 5, 0: 0, 2: 1}, r)
     i32 = {"dtype": torch.int32, "device": device}
-    args = (torch.tensor(starts, **i32),)
     heads = {"head_slots": torch.tensor(slots, **i32), "head_lens": torch.tensor(lens, **i32)}
-    got = kv.clone()
-    flush_token_tiles(
-        name,
-        k_rows,
-        v_rows,
-        *args,
-        got,
-        torch.tensor(dst, **i32),
-        pool_k=pk,
-        pool_v=pv,
-        **heads,
-        variant=variant,
-        check=True,
-    )
-    want = kv.clone()
-    flush_token_tiles(
-        name,
-        k_rows,
-        v_rows,
-        *args,
-        want,
-        torch.tensor(dst, **i32),
-        pool_k=pool_k,
-        pool_v=pool_v,
-        **heads,
-        variant=variant,
-    )
+
+    def flush(pools: tuple[torch.Tensor, torch.Tensor], **extra: Any) -> torch.Tensor:
+        out = kv.clone()
+        flush_token_tiles(
+            name,
+            k_rows,
+            v_rows,
+            torch.tensor(starts, **i32),
+            out,
+            torch.tensor(dst, **i32),
+            pool_k=pools[0],
+            pool_v=pools[1],
+            **heads,
+            variant=variant,
+            **extra,
+        )
+        return out
+
+    got = flush((pk, pv), check=True)
+    want = flush((pool_k, pool_v))
     assert torch.equal(got.cpu(), want.cpu()), "shadowed and unshadowed heads differ"
     assert torch.equal(got[[1, 3]].cpu(), kv[[1, 3]].cpu()), "a skipped or foreign block changed"
-    tiles_k = [
-        torch.cat([pool_k[s, :h], k_rows[b : b + g - h]])
-        for s, h, b in zip(slots[:4], lens[:4], starts[:4], strict=True)
-    ]
-    tiles_v = [
-        torch.cat([pool_v[s, :h], v_rows[b : b + g - h]])
-        for s, h, b in zip(slots[:4], lens[:4], starts[:4], strict=True)
-    ]
+    tiles_k, tiles_v = (
+        [
+            torch.cat([pool[s, :h], rows[b : b + g - h]])
+            for s, h, b in zip(slots[:4], lens[:4], starts[:4], strict=True)
+        ]
+        for pool, rows in ((pool_k, k_rows), (pool_v, v_rows))
+    )
     expected = _expected_records(name, tiles_k, tiles_v, kv, variant)
     for i, block in enumerate(dst[:4]):
         assert torch.equal(got[block].cpu(), expected[i].cpu()), f"tile {i} (head {lens[i]})"
