@@ -347,25 +347,36 @@ def test_direct_flush_setting(
     assert direct_flush_setting(config)[0] is True
 
 
+def _serving_builder(
+    qwen3_dir: Path, dtype: str = "kvarn_k4v2_g128", num_blocks: int = 8, num_layers: int = 1
+) -> Any:
+    """The metadata builder (and its runtime) of ``num_layers`` KVarN layers once the KV cache
+    is sized, on the CPU; a fresh engine config each call, so a fresh runtime."""
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+
+    config = _config(qwen3_dir, dtype)
+    config.cache_config.num_gpu_blocks = num_blocks
+    layers = _attention_layers(config, num_layers)
+    spec = layers[0].get_kv_cache_spec(config)
+    names = [layer.layer_name for layer in layers]
+    return KvarnMetadataBuilder(spec, names, config, torch.device("cpu"))
+
+
 def test_shadow_rows_setting_sizes_the_pool_slots(
     kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On by default (a k4v2_g64 slot at head 128 keeps 64 - 7,296 // 512 = 50 rows), off
     with KVARN_SHADOW_ROWS=0 (whole tiles), and a typo fails closed."""
-    from kvarn_vllm.backend import KvarnMetadataBuilder
     from kvarn_vllm.budget import serving_limits, shadow_rows_setting
 
     for env, rows in (("1", 50), ("0", 64)):
         monkeypatch.setenv("KVARN_SHADOW_ROWS", env)
-        config = _config(qwen3_dir, "kvarn_k4v2_g64")  # a fresh engine: a fresh runtime
-        config.cache_config.num_gpu_blocks = 16
-        layers = _attention_layers(config, 1)
-        spec = layers[0].get_kv_cache_spec(config)
-        assert serving_limits(config).shadow_rows is (env == "1")
-        builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
-        pools = builder.runtime.pools_for(layers[0].layer_name)
-        assert tuple(pools.k.shape[1:]) == (rows, spec.num_kv_heads, 128)
-        assert builder.runtime.slot_bytes == 2 * rows * spec.num_kv_heads * 128 * 2
+        builder = _serving_builder(qwen3_dir, "kvarn_k4v2_g64", num_blocks=16)
+        rt = builder.runtime
+        assert serving_limits(rt.vllm_config).shadow_rows is (env == "1")
+        pools = rt.pools_for(rt.layer_names[0])
+        assert tuple(pools.k.shape[1:]) == (rows, rt.num_kv_heads, 128)
+        assert rt.slot_bytes == 2 * rows * rt.num_kv_heads * 128 * 2
     monkeypatch.setenv("KVARN_SHADOW_ROWS", "sometimes")
     with pytest.raises(ValueError, match="must be 0 or 1"):
         shadow_rows_setting()
@@ -377,20 +388,14 @@ def test_the_charged_pool_is_the_allocated_pool(
 ) -> None:
     """The engine charges (patch P5) exactly the bytes the worker's runtime allocates for its
     side pools: more would waste KV capacity, less would over-commit the GPU."""
-    from kvarn_vllm.backend import KvarnMetadataBuilder
     from kvarn_vllm.budget import reservation_for_worker
 
     monkeypatch.setenv("KVARN_SHADOW_ROWS", shadow)
-    config = _config(qwen3_dir, "kvarn_k4v4_g128")
-    config.cache_config.num_gpu_blocks = 16
-    layers = _attention_layers(config, 3)
-    specs = {layer.layer_name: layer.get_kv_cache_spec(config) for layer in layers}
-    res = reservation_for_worker(config, specs, 1 << 30)
-    assert res is not None
-    builder = KvarnMetadataBuilder(
-        specs[layers[0].layer_name], list(specs), config, torch.device("cpu")
-    )
+    builder = _serving_builder(qwen3_dir, "kvarn_k4v4_g128", num_blocks=16, num_layers=3)
     rt = builder.runtime
+    specs = dict.fromkeys(rt.layer_names, builder.kv_cache_spec)
+    res = reservation_for_worker(rt.vllm_config, specs, 1 << 30)
+    assert res is not None
     allocated = sum(p.k.nbytes + p.v.nbytes for p in rt.pools.values())
     assert res.pool_slots == rt.num_slots
     assert allocated == res.pool_bytes
@@ -438,19 +443,6 @@ def test_direct_tiles_rows_come_from_the_slot_mapping(kvarn: None, qwen3_dir: Pa
     # No direct tiles this step: nothing to do.
     rt._direct_host = None
     assert rt.direct_tiles(sm, len(slots) - 2) is None
-
-
-def _serving_builder(qwen3_dir: Path) -> Any:
-    """The metadata builder (and its runtime) of one KVarN layer once the KV cache is sized,
-    on the CPU."""
-    from kvarn_vllm.backend import KvarnMetadataBuilder
-
-    config = _config(qwen3_dir)
-    config.cache_config.num_gpu_blocks = 8
-    layers = _attention_layers(config, 1)
-    spec = layers[0].get_kv_cache_spec(config)
-    builder = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu"))
-    return builder
 
 
 def test_runtime_warms_up_the_prefill_kernels_with_its_geometry(
