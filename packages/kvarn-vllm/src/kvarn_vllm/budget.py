@@ -25,7 +25,6 @@ from kvarn_format import DenseFormat, parse_cache_dtype
 from kvarn_format.sizing import (
     ServingConfig,
     SidePool,
-    dense_pool_rows,
     dense_slot_bytes,
     side_pool_slots,
 )
@@ -41,7 +40,6 @@ __all__ = [
     "decode_workspace_bytes",
     "direct_flush_setting",
     "log_capacity",
-    "pool_rows_for",
     "pool_slots_for",
     "reservation_for_worker",
     "serving_limits",
@@ -141,11 +139,6 @@ def shadow_rows_setting() -> bool:
     if raw not in ("1", "true", "on", "yes", ""):
         raise ValueError(f"{SHADOW_ROWS_ENV} must be 0 or 1, got {raw!r}")
     return True
-
-
-def pool_rows_for(fmt: DenseFormat, head_size: int, limits: ServingLimits) -> int:
-    """Rows per side-pool slot (the tile less its shadow rows, when they are on)."""
-    return dense_pool_rows(fmt, head_size, shadow=limits.shadow_rows)
 
 
 def serving_limits(vllm_config: VllmConfig) -> ServingLimits:

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvarn_format import DenseFormat, record_layout
-from kvarn_vllm.budget import pool_rows_for, pool_slots_for, serving_limits
+from kvarn_format.sizing import dense_pool_rows, dense_slot_bytes
+from kvarn_vllm.budget import pool_slots_for, serving_limits
 from kvarn_vllm.tracker import CachedRequest, NewRequest, SidePoolTracker, StepInput, StepPlan
 
 if TYPE_CHECKING:
@@ -123,7 +124,8 @@ class KvarnGroupRuntime:
         limits = serving_limits(vllm_config)
         self.num_slots = 1 if self.profiling else pool_slots_for(fmt, limits)
         # Rows per slot: a tile's first group - pool_rows rows live in its block's record area.
-        self.pool_rows = pool_rows_for(fmt, spec.head_size, limits)
+        self.shadow_rows = limits.shadow_rows
+        self.pool_rows = dense_pool_rows(fmt, spec.head_size, shadow=self.shadow_rows)
         self.prefix_caching = bool(cache.enable_prefix_caching)
         self.spec_margin = limits.spec_margin
         self.direct_flush = limits.direct_flush
@@ -218,7 +220,9 @@ class KvarnGroupRuntime:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one slot of one layer, K and V."""
-        return 2 * self.pool_rows * self.num_kv_heads * self.head_size * 2
+        return dense_slot_bytes(
+            self.fmt, self.num_kv_heads, self.head_size, shadow=self.shadow_rows
+        )
 
     def pools_for(self, layer_name: str) -> PoolPair:
         return self.pools[self.pool_owner[layer_name]]
