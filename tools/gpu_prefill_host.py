@@ -2,8 +2,9 @@
 """Where does a short prefill-with-context call spend its time on the host?
 
 ``prefill_attention``'s dequantize-then-attend path took ~700 µs per call in the fifth
-session's kernel check when its GPU work was ~33 µs ("dequant only" row), and its Python code
-alone runs in ~90 µs on the CPU machine with the kernels stubbed out. An agent's turn (a short
+session's kernel check when its GPU work was ~33 µs ("dequant only" row), and an ad-hoc
+timing of its Python code with the kernels stubbed out (on the CPU machine, not a tool here)
+put that part well below it. An agent's turn (a short
 chunk after a long cached prefix) pays that per layer, so the rest has to be found before
 anything is changed. This tool runs the plugin's path (``method="dequant"`` with the host
 copies of the lengths, vLLM's FA3 when importable) on one short-chunk case and reports:
