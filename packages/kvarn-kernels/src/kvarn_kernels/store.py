@@ -504,9 +504,8 @@ def _load_half(
     SHADOW: tl.constexpr,
     STRIDE: tl.constexpr,
 ):
-    """One half of a record's tile (K: ``TOK_ROWS`` false, V: true): :func:`_load_tile`, or
-    with shadow rows :func:`_load_shadowed_tile` (rows of ``TOK_ROWS``' axis length ``D`` or
-    ``G`` as the tile is laid out) followed by a CTA barrier.
+    """One half of a record's tile (K: ``TOK_ROWS`` false, ``[D, G]``; V: true, ``[G, D]``):
+    :func:`_load_tile`, or with shadow rows :func:`_load_shadowed_tile` and a CTA barrier.
 
     The barrier is the in-place hazard's: the record this program stores next overwrites the
     shadow rows just read (this ``(block, head)``'s record area). All of this CTA's loads
