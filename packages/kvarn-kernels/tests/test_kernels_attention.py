@@ -50,16 +50,15 @@ VARIANTS = ["v1", "v4"]
 VARIANT_IDS = ["variant1", "variant4"]
 
 
-def _v4_refuses(name: str, variant: str, d: int, device: torch.device | None = None) -> bool:
+def _v4_refuses(name: str, variant: str, d: int, device: torch.device) -> bool:
     """v4 takes k4 formats only: for the others, check that it says so."""
     fmt = parse_cache_dtype(name)
     if variant == "v1" or fmt.key_bits == 4:
         return False
-    dev = device or torch.device("cpu")
-    case = build_case(name, d, 1, [fmt.group + 1], device=dev, seed=0)
+    case = build_case(name, d, 1, [fmt.group + 1], device=device, seed=0)
     with pytest.raises(ValueError, match="variant='v4' takes 4-bit keys"):
         decode_attention(
-            *case.decode_args(name, torch.zeros(1, 1, d, dtype=torch.float16, device=dev), 1.0),
+            *case.decode_args(name, torch.zeros(1, 1, d, dtype=torch.float16, device=device), 1.0),
             variant=variant,
         )
     return True
@@ -154,7 +153,7 @@ def test_decode_attention(
     shadow: int | str,
     variant: str,
 ) -> None:
-    if _v4_refuses(name, variant, d):
+    if _v4_refuses(name, variant, d, device):
         return
     r = _shadow_rows(name, d, shadow)
 
@@ -780,7 +779,7 @@ def test_padded_records_decode_and_prefill(
     q = torch.randn(len(lens), hq, d, generator=gen).half().to(device)
     ref = decode_attention_ref(*case.decode_args(name, q, scale))
     for variant in VARIANTS:
-        if not _v4_refuses(name, variant, d):
+        if not _v4_refuses(name, variant, d, device):
             _assert_close(decode_attention(*case.decode_args(name, q, scale), variant=variant), ref)
     qp = torch.randn(21, hq, d, generator=gen).half().to(device)
     qsl = torch.tensor([0, 20, 21], dtype=torch.int32, device=device)
