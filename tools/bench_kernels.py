@@ -376,8 +376,8 @@ def bench_prefill(
     block_m: int | None = None,
     **kw: Any,
 ) -> dict[str, Any]:
-    """``kw`` goes to ``prefill_attention`` (``method``, ``sdpa_backend``, ...); the host
-    copies of the lengths are passed for ``method="dequant"`` as the plugin would."""
+    """``kw`` goes to ``prefill_attention`` (``method``, ``sdpa_backend``, ...); for
+    ``method="dequant"`` the batch's ``context_plan`` is built once, as the plugin does."""
     import torch
 
     from kvarn_format import parse_cache_dtype
@@ -408,8 +408,21 @@ def bench_prefill(
         kw["block_m"] = block_m
         kw.setdefault("method", "fused")
     if kw.get("method", "dequant") == "dequant":
-        kw.setdefault("seq_lens_cpu", [seq] * bsz)
-        kw.setdefault("query_start_loc_cpu", [q_len * i for i in range(bsz + 1)])
+        from kvarn_kernels import plan_prefill_context
+
+        # One plan per batch, built before the step and shared by its layers, as the plugin
+        # builds it: the timed call is one layer's.
+        kw.setdefault(
+            "context_plan",
+            plan_prefill_context(
+                g,
+                [seq] * bsz,
+                [q_len * i for i in range(bsz + 1)],
+                num_kv_heads=HK,
+                head_dim=D,
+                device="cuda",
+            ),
+        )
     else:
         kw.setdefault("method", "fused")
     us, mode = timed(

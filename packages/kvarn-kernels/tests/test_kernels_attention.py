@@ -26,8 +26,10 @@ from kvarn_format import parse_cache_dtype, record_layout
 from kvarn_format.geometry import shadow_rows
 from kvarn_format.reference import decode_rotated_tiles
 from kvarn_kernels import (
+    ContextPlan,
     decode_attention,
     decode_workspace_numel,
+    plan_prefill_context,
     prefill_attention,
 )
 from kvarn_kernels.reference import (
@@ -324,6 +326,27 @@ def test_prefill_external_varlen_attention(device: torch.device, cap: int | None
     assert calls and all(c == 2.0 for c in calls)
     assert len(calls) == (1 if cap is None else len(lens))
     _assert_close(out, prefill_attention_ref(*args))  # type: ignore[arg-type]
+    # The same batch from a plan built once (as the plugin shares it across layers): the
+    # same groups, the same numbers, twice.
+    plan = plan_prefill_context(
+        parse_cache_dtype(name).group,
+        lens,
+        qsl.tolist(),
+        num_kv_heads=hk,
+        head_dim=d,
+        device=device,
+        **({} if cap is None else {"max_workspace_bytes": cap}),
+    )
+    assert len(plan.groups) == (1 if cap is None else len(lens))
+    for _ in range(2):
+        calls.clear()
+        planned = prefill_attention(
+            *args,  # type: ignore[arg-type]
+            varlen_attention=functools.partial(_torch_varlen, calls),
+            context_plan=plan,
+        )
+        assert len(calls) == len(plan.groups)
+        assert torch.equal(planned, out)
 
     def wrong(q: torch.Tensor, *_: object) -> torch.Tensor:
         return q[:, :1]
@@ -471,6 +494,63 @@ def test_prefill_validation(device: torch.device, kw: dict[str, object], message
             0.1,
             **kw,  # type: ignore[arg-type]
         )
+
+
+def test_prefill_context_plan_validation(device: torch.device) -> None:
+    """A plan that does not describe the call's batch, or is combined with the options it
+    replaces, is refused with a message naming the mismatch; bad lengths fail when planning."""
+    name, d, hk = "kvarn_k4v2_g64", 64, 1
+    tile = record_layout(parse_cache_dtype(name), d).tile_bytes
+    pool = torch.zeros(2, 64, hk, d, dtype=torch.float16, device=device)
+    q = torch.zeros(3, 2, d, dtype=torch.float16, device=device)
+    kv = torch.zeros(2, hk, tile, dtype=torch.uint8, device=device)
+    bt = torch.zeros(1, 2, dtype=torch.int32, device=device)
+    sl = torch.full((1,), 5, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    b2s = torch.zeros(2, dtype=torch.int32, device=device)
+
+    def plan(**kw: object) -> ContextPlan:
+        args: dict[str, object] = {
+            "group": 64,
+            "seq_lens": [5],
+            "query_start_loc": [0, 3],
+            "num_kv_heads": hk,
+            "head_dim": d,
+            "device": device,
+        }
+        args.update(kw)
+        return plan_prefill_context(**args)  # type: ignore[arg-type]
+
+    def call(p: ContextPlan, table: torch.Tensor = bt, **kw: object) -> None:
+        prefill_attention(
+            name, q, kv, pool, pool.clone(), table, qsl, sl, b2s, 0.1, context_plan=p, **kw
+        )  # type: ignore[arg-type]
+
+    call(plan())  # the matching plan runs
+    for bad in (
+        {"query_start_loc": [0, 2]},  # 2 query tokens, the call has 3
+        {"seq_lens": [5, 5], "query_start_loc": [0, 3, 3]},  # 2 requests
+        {"group": 128},
+        {"num_kv_heads": 2},
+        {"head_dim": 128},
+    ):
+        with pytest.raises(ValueError, match="context_plan was built for"):
+            call(plan(**bad))
+    with pytest.raises(ValueError, match="block_table has 1 columns"):
+        call(plan(seq_lens=[70]), bt[:, :1].contiguous())  # 70 tokens need 2 blocks
+    with pytest.raises(ValueError, match="context_plan replaces"):
+        call(plan(), seq_lens_cpu=[5])
+    with pytest.raises(ValueError, match="apply to method='dequant' only"):
+        call(plan(), method="fused")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        plan(seq_lens=[5, 5], query_start_loc=[0, 3, 2])
+    with pytest.raises(ValueError, match="query tokens but seq_lens"):
+        plan(seq_lens=[2])
+    with pytest.raises(ValueError, match="max_workspace_bytes must be positive"):
+        plan(max_workspace_bytes=0)
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="context_plan's tensors are on cpu"):
+            call(plan(device="cpu"))
 
 
 @pytest.mark.parametrize(

@@ -304,6 +304,46 @@ def test_capture_build_applies_no_side_pool_work(kvarn: None, qwen3_dir: Path) -
     assert meta.direct is None
 
 
+def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path) -> None:
+    """The builder plans each continuation run once (kvarn-kernels' ``ContextPlan``, shared by
+    the layers); first chunks attend to their own K/V and carry none."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+
+    config = _config(qwen3_dir)
+    spec = _attention_layers(config, 1)[0].get_kv_cache_spec(config)
+    # rows: one decode, a first chunk of 5, two continuations (3 after 200, 2 after 7)
+    qsl = [0, 1, 6, 9, 11]
+    seq = [40, 5, 203, 9]
+    cam = CommonAttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq, dtype=torch.int32),
+        num_reqs=4,
+        num_actual_tokens=11,
+        max_query_len=5,
+        max_seq_len=203,
+        block_table_tensor=torch.zeros((4, 4), dtype=torch.int32),
+        slot_mapping=torch.zeros(11, dtype=torch.int64),
+    )
+    first, context = KvarnMetadataBuilder._prefill_runs(cam, 1, spec)
+    assert (first.kind, first.req_start, first.req_end, first.context_plan) == ("first", 1, 2, None)
+    assert (context.kind, context.req_start, context.req_end) == ("context", 2, 4)
+    plan = context.context_plan
+    assert plan is not None
+    assert plan.seq_lens == (203, 9) and plan.query_start_loc == (0, 3, 5)
+    assert (plan.group, plan.num_kv_heads, plan.head_dim) == (
+        spec.block_size,
+        spec.num_kv_heads,
+        spec.head_size,
+    )
+    assert plan.max_blocks == 2 and len(plan.groups) == 1
+    grp = plan.groups[0]
+    assert grp.rows == 212 and grp.blocks is not None and grp.cu_seqlens is not None
+    assert grp.cu_seqlens.tolist() == [[0, 3, 5], [0, 203, 212]]
+
+
 def test_profiling_kv_cache_gets_a_one_slot_pool(kvarn: None, qwen3_dir: Path) -> None:
     from kvarn_vllm.backend import KvarnMetadataBuilder
 

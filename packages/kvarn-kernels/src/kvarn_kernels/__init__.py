@@ -10,7 +10,8 @@ Serving data model (per attention layer):
 
 Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from pool slots),
 :func:`flush_token_tiles` (store straight from a step's rotated K/V rows),
-:func:`decode_attention`, :func:`prefill_attention`, plus :func:`hadamard_matrix` and
+:func:`decode_attention`, :func:`prefill_attention` (with :func:`plan_prefill_context`, its
+per-batch schedule shared by a step's layers), plus :func:`hadamard_matrix` and
 :func:`warmup` (compiles the prefill-side kernels before serving).
 Pure-torch references live in :mod:`kvarn_kernels.reference`.
 """
@@ -21,6 +22,7 @@ from kvarn_kernels.attention import (
     decode_workspace_numel,
     prefill_attention,
 )
+from kvarn_kernels.context import ContextPlan, plan_prefill_context
 from kvarn_kernels.rotation import hadamard_matrix, rotate, write_side_pool
 from kvarn_kernels.store import flush_tiles, flush_token_tiles
 from kvarn_kernels.warmup import warmup
@@ -28,12 +30,14 @@ from kvarn_kernels.warmup import warmup
 __version__ = "0.1.0"
 
 __all__ = [
+    "ContextPlan",
     "choose_decode_splits",
     "decode_attention",
     "decode_workspace_numel",
     "flush_tiles",
     "flush_token_tiles",
     "hadamard_matrix",
+    "plan_prefill_context",
     "prefill_attention",
     "rotate",
     "warmup",

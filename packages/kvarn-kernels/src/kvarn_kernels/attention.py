@@ -60,7 +60,7 @@ from kvarn_kernels._common import (
 from kvarn_kernels.rotation import _check_pool, rotate_f32, sign_matrix
 
 if TYPE_CHECKING:
-    from kvarn_kernels.context import VarlenAttention
+    from kvarn_kernels.context import ContextPlan, VarlenAttention
 
 __all__ = [
     "choose_decode_splits",
@@ -1065,6 +1065,7 @@ def prefill_attention(
     query_start_loc_cpu: Sequence[int] | None = None,
     max_workspace_bytes: int | None = None,
     varlen_attention: VarlenAttention | None = None,
+    context_plan: ContextPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per request over cached context.
 
@@ -1110,6 +1111,12 @@ def prefill_attention(
             the dequantized workspace instead of torch's (see
             :data:`kvarn_kernels.context.VarlenAttention`; e.g. vLLM's FlashAttention-3, which
             the plugin passes). Overrides ``sdpa_backend``.
+        context_plan: ``"dequant"`` only: the batch's
+            :func:`~kvarn_kernels.context.plan_prefill_context`, built once and shared by the
+            layers of a step (it replaces ``seq_lens_cpu``, ``query_start_loc_cpu`` and
+            ``max_workspace_bytes``, and saves each call the planning and two host-to-device
+            copies). It must describe this call's batch: shapes are checked, the lengths on
+            the device are not (that would need a host sync).
         other arguments: as :func:`decode_attention`.
 
     Returns ``[T, Hq, D]`` in q's dtype, unrotated.
@@ -1153,14 +1160,38 @@ def prefill_attention(
         from kvarn_kernels.context import (
             DEFAULT_MAX_WORKSPACE_BYTES,
             SDPA_BACKENDS,
+            plan_prefill_context,
             prefill_dequant_attention,
         )
 
         if sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}, got {sdpa_backend!r}")
-        cap = DEFAULT_MAX_WORKSPACE_BYTES if max_workspace_bytes is None else max_workspace_bytes
-        if cap < 1:
-            raise ValueError(f"max_workspace_bytes must be positive, got {cap}")
+        hk = int(pool_k.shape[2])
+        if context_plan is None:
+            context_plan = plan_prefill_context(
+                geo.group,
+                seq_lens.tolist() if seq_lens_cpu is None else seq_lens_cpu,
+                query_start_loc.tolist() if query_start_loc_cpu is None else query_start_loc_cpu,
+                num_kv_heads=hk,
+                head_dim=d,
+                device=q.device,
+                max_workspace_bytes=(
+                    DEFAULT_MAX_WORKSPACE_BYTES
+                    if max_workspace_bytes is None
+                    else max_workspace_bytes
+                ),
+            )
+            if context_plan.num_tokens != t:
+                raise ValueError(
+                    f"query_start_loc must have B + 1 entries from 0 to T = {t}; got "
+                    f"{list(context_plan.query_start_loc)}"
+                )
+        elif (seq_lens_cpu, query_start_loc_cpu, max_workspace_bytes) != (None, None, None):
+            raise ValueError(
+                "context_plan replaces seq_lens_cpu, query_start_loc_cpu and "
+                "max_workspace_bytes: pass them to plan_prefill_context instead"
+            )
+        context_plan.check_call(geo.group, hk, d, q, block_table)
         if t:
             prefill_dequant_attention(
                 geo,
@@ -1169,14 +1200,10 @@ def prefill_attention(
                 pool_k,
                 pool_v,
                 block_table,
-                query_start_loc,
-                seq_lens,
                 block_to_slot,
                 softmax_scale,
                 out,
-                seq_lens_cpu=seq_lens_cpu,
-                query_start_loc_cpu=query_start_loc_cpu,
-                max_workspace_bytes=cap,
+                context_plan,
                 sdpa_backend=sdpa_backend,
                 varlen_attention=varlen_attention,
             )
@@ -1187,10 +1214,11 @@ def prefill_attention(
         or query_start_loc_cpu is not None
         or max_workspace_bytes is not None
         or varlen_attention is not None
+        or context_plan is not None
     ):
         raise ValueError(
-            "sdpa_backend, seq_lens_cpu, query_start_loc_cpu, max_workspace_bytes and "
-            "varlen_attention apply to method='dequant' only"
+            "sdpa_backend, seq_lens_cpu, query_start_loc_cpu, max_workspace_bytes, "
+            "varlen_attention and context_plan apply to method='dequant' only"
         )
     workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, num_splits), q.device)
     _launch(

@@ -29,7 +29,9 @@ extra HBM traffic (writing and reading ~4 bytes per context token and KV head pe
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,9 +51,12 @@ from kvarn_kernels.rotation import rotate_into
 __all__ = [
     "DEFAULT_MAX_WORKSPACE_BYTES",
     "SDPA_BACKENDS",
+    "ContextGroup",
+    "ContextPlan",
     "VarlenAttention",
     "dequant_context_into",
     "dequant_plan",
+    "plan_prefill_context",
     "prefill_dequant_attention",
 ]
 
@@ -265,6 +270,179 @@ def _attend_per_request(
             out[q0 + a : q0 + b] = o[0].transpose(0, 1)
 
 
+@dataclass(frozen=True)
+class ContextGroup:
+    """Requests ``req_start .. req_end - 1`` of a :class:`ContextPlan`, attended together
+    from one dequantized workspace of ``rows`` context tokens."""
+
+    req_start: int
+    req_end: int
+    #: The group's query tokens are ``tok_start .. tok_end - 1`` of the batch.
+    tok_start: int
+    tok_end: int
+    rows: int
+    max_query_len: int
+    max_context_len: int
+    #: Query and workspace offsets of the group's requests, relative to the group.
+    q_off: tuple[int, ...]
+    k_off: tuple[int, ...]
+    #: :func:`dequant_plan` of the group on the device (``[4, blocks]`` int32), and ``q_off``
+    #: / ``k_off`` as one ``[2, n + 1]`` int32 tensor for varlen attention; ``None`` when the
+    #: group has no query tokens.
+    blocks: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """The host-side schedule of one prefill-with-context batch.
+
+    Validated lengths, the request groups under the workspace cap and their small device
+    tensors (built with one non-blocking copy). Build it once per batch with
+    :func:`plan_prefill_context` and pass it to every layer's
+    ``prefill_attention(..., context_plan=plan)``: each layer then skips the planning and
+    the copies, which are most of a short chunk's host time.
+    """
+
+    group: int
+    num_kv_heads: int
+    head_dim: int
+    device: torch.device
+    seq_lens: tuple[int, ...]
+    query_start_loc: tuple[int, ...]
+    #: Block-table columns the longest request needs.
+    max_blocks: int
+    groups: tuple[ContextGroup, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens of the batch (``T``)."""
+        return self.query_start_loc[-1]
+
+    def check_call(
+        self,
+        group: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> None:
+        """Raise ``ValueError`` when a call's tensors do not fit this plan (cheap: shapes only;
+        the lengths on the device cannot be compared without a host sync)."""
+        want = (group, num_kv_heads, head_dim, self.num_tokens, len(self.seq_lens))
+        got = (group, num_kv_heads, head_dim, int(q.shape[0]), int(block_table.shape[0]))
+        if (self.group, self.num_kv_heads, self.head_dim) != want[:3] or got[3:] != want[3:]:
+            raise ValueError(
+                f"context_plan was built for {len(self.seq_lens)} requests, {self.num_tokens} "
+                f"query tokens, {self.group}-token tiles, {self.num_kv_heads} KV heads of "
+                f"head_dim {self.head_dim}; this call has {got[4]} requests, {got[3]} query "
+                f"tokens, {group}-token tiles, {num_kv_heads} KV heads of head_dim {head_dim}"
+            )
+        if q.device != self.device:
+            raise ValueError(f"context_plan's tensors are on {self.device} but q is on {q.device}")
+        if self.max_blocks > int(block_table.shape[1]):
+            raise ValueError(
+                f"seq_lens need up to {self.max_blocks} blocks but block_table has "
+                f"{int(block_table.shape[1])} columns"
+            )
+
+
+def plan_prefill_context(
+    group: int,
+    seq_lens: Sequence[int],
+    query_start_loc: Sequence[int],
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device | str,
+    max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
+) -> ContextPlan:
+    """The :class:`ContextPlan` of a batch whose request ``r`` has ``seq_lens[r]`` tokens in
+    all, the last ``query_start_loc[r + 1] - query_start_loc[r]`` of them queries.
+
+    ``group`` is the format's tile size (``KVarNFormat.group``). Requests are grouped while
+    the group's dequantized K+V workspace (``4 * num_kv_heads * head_dim`` bytes per context
+    token) stays under ``max_workspace_bytes``; a single request above the cap is a group of
+    its own. Raises ``ValueError`` on inconsistent lengths.
+    """
+    if max_workspace_bytes < 1:
+        raise ValueError(f"max_workspace_bytes must be positive, got {max_workspace_bytes}")
+    seq = tuple(int(x) for x in seq_lens)
+    qsl = tuple(int(x) for x in query_start_loc)
+    nreq = len(seq)
+    if len(qsl) != nreq + 1 or qsl[0] != 0 or any(b < a for a, b in itertools.pairwise(qsl)):
+        raise ValueError(
+            f"query_start_loc must have {nreq + 1} non-decreasing entries from 0; got {list(qsl)}"
+        )
+    q_lens = [qsl[r + 1] - qsl[r] for r in range(nreq)]
+    for r in range(nreq):
+        if q_lens[r] > seq[r]:
+            raise ValueError(
+                f"request {r} has {q_lens[r]} query tokens but seq_lens = {seq[r]}: every query "
+                "token must be part of the request's context (0 <= q_len <= seq_len)"
+            )
+    dev = torch.device(device)
+    # Keys of requests without queries are not needed.
+    klen = [seq[r] if q_lens[r] else 0 for r in range(nreq)]
+    per_token = 2 * num_kv_heads * head_dim * 2  # K and V, fp16
+    spans: list[tuple[int, int, int]] = []
+    r = 0
+    while r < nreq:
+        e, tokens = r, 0
+        while e < nreq and (e == r or (tokens + klen[e]) * per_token <= max_workspace_bytes):
+            tokens += klen[e]
+            e += 1
+        spans.append((r, e, tokens))
+        r = e
+    # All groups' device tensors in one copy: each group's [4, blocks] plan and [2, n + 1]
+    # offsets flattened one after the other, then viewed back (contiguous, as the kernel
+    # reads the plan).
+    host: list[np.ndarray] = []
+    metas = []
+    for r0, r1, rows in spans:
+        t0, t1 = qsl[r0], qsl[r1]
+        blocks, k_off = dequant_plan(klen[r0:r1], group, r0)
+        q_off = [qsl[i] - t0 for i in range(r0, r1 + 1)]
+        if t1 > t0:
+            host += [blocks.ravel(), np.asarray([q_off, k_off], dtype=np.int32).ravel()]
+        metas.append((r0, r1, t0, t1, rows, q_off, k_off, int(blocks.shape[1])))
+    flat = _host_to_device(np.concatenate(host), dev) if host else None
+    groups: list[ContextGroup] = []
+    at = 0
+    for r0, r1, t0, t1, rows, q_off, k_off, nblocks in metas:
+        g_blocks = g_cu = None
+        if t1 > t0 and flat is not None:
+            g_blocks = flat[at : at + 4 * nblocks].view(4, nblocks)
+            at += 4 * nblocks
+            g_cu = flat[at : at + 2 * len(q_off)].view(2, len(q_off))
+            at += 2 * len(q_off)
+        groups.append(
+            ContextGroup(
+                req_start=r0,
+                req_end=r1,
+                tok_start=t0,
+                tok_end=t1,
+                rows=rows,
+                max_query_len=max(q_lens[r0:r1], default=0),
+                max_context_len=max(klen[r0:r1], default=0),
+                q_off=tuple(q_off),
+                k_off=tuple(k_off),
+                blocks=g_blocks,
+                cu_seqlens=g_cu,
+            )
+        )
+    return ContextPlan(
+        group=group,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        device=dev,
+        seq_lens=seq,
+        query_start_loc=qsl,
+        max_blocks=max((-(-s // group) for s in seq), default=0),
+        groups=tuple(groups),
+    )
+
+
 def prefill_dequant_attention(
     geo: DenseGeometry,
     q: torch.Tensor,
@@ -272,51 +450,17 @@ def prefill_dequant_attention(
     pool_k: torch.Tensor,
     pool_v: torch.Tensor,
     block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
     block_to_slot: torch.Tensor,
     softmax_scale: float,
     out: torch.Tensor,
+    plan: ContextPlan,
     *,
-    seq_lens_cpu: Sequence[int] | None,
-    query_start_loc_cpu: Sequence[int] | None,
-    max_workspace_bytes: int,
     sdpa_backend: str,
     varlen_attention: VarlenAttention | None = None,
 ) -> None:
     """The ``method="dequant"`` path of :func:`kvarn_kernels.prefill_attention` (arguments
-    already validated there). Uses host copies of ``seq_lens``/``query_start_loc`` when given,
-    else reads them back (one host sync)."""
+    already validated there, ``plan`` checked against them)."""
     t, hq, d = (int(s) for s in q.shape)
-    hk, g = int(pool_k.shape[2]), geo.group
-    seq = [int(x) for x in (seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist())]
-    qsl = [
-        int(x)
-        for x in (
-            query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
-        )
-    ]
-    nreq = len(seq)
-    if len(qsl) != nreq + 1 or qsl[0] != 0 or qsl[-1] != t:
-        raise ValueError(
-            f"query_start_loc must have {nreq + 1} entries from 0 to T = {t}; got {qsl}"
-        )
-    for r in range(nreq):
-        lq = qsl[r + 1] - qsl[r]
-        if lq < 0 or lq > seq[r]:
-            raise ValueError(
-                f"request {r} has {lq} query tokens but seq_lens = {seq[r]}: every query token "
-                "must be part of the request's context (0 <= q_len <= seq_len)"
-            )
-    max_blocks = int(block_table.shape[1])
-    if any(-(-s // g) > max_blocks for s in seq):
-        raise ValueError(
-            f"seq_lens need up to {max(-(-s // g) for s in seq)} blocks but block_table has "
-            f"{max_blocks} columns"
-        )
-    # Keys of requests without queries are not needed.
-    klen = [seq[r] if qsl[r + 1] > qsl[r] else 0 for r in range(nreq)]
-    per_token = 2 * hk * d * 2  # K and V, fp16
     backend = sdpa_backend
     if varlen_attention is not None:
         backend = "external"
@@ -331,20 +475,10 @@ def prefill_dequant_attention(
     # Queries: rotated, softmax scale folded in, fp16 (the workspace dtype).
     q16 = torch.empty((t, hq, d), dtype=torch.float16, device=q.device)
     rotate_into(q.reshape(t * hq, d), q16.view(t * hq, d), float(softmax_scale))
-    # Group requests while the workspace stays under the cap (at least one per group).
-    groups: list[tuple[int, int, int]] = []
-    r = 0
-    while r < nreq:
-        e, tokens = r, 0
-        while e < nreq and (e == r or (tokens + klen[e]) * per_token <= max_workspace_bytes):
-            tokens += klen[e]
-            e += 1
-        groups.append((r, e, tokens))
-        r = e
     # One group: the attention library's output is used as is; several: gathered in o16.
-    o16: torch.Tensor | None = None if len(groups) == 1 else torch.zeros_like(q16)
-    for r0, r1, tokens in groups:
-        res = _run_group(
+    o16: torch.Tensor | None = None if len(plan.groups) == 1 else torch.zeros_like(q16)
+    for grp in plan.groups:
+        o16 = _run_group(
             geo,
             q16,
             o16,
@@ -353,29 +487,25 @@ def prefill_dequant_attention(
             pool_v,
             block_table,
             block_to_slot,
-            r0,
-            r1,
-            qsl,
-            klen,
-            tokens,
+            grp,
             backend,
             varlen_attention,
         )
-        o16 = res
     if o16 is None:  # no request has query tokens
         o16 = torch.zeros_like(q16)
     # out = 2 * (o @ H): the workspace held K/2 and V/2, the scores were rescaled by 2.
     rotate_into(o16.view(t * hq, d), out.view(t * hq, d), 2.0)
 
 
-def _host_to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """Copy a small host tensor to ``dev`` without a host sync.
+def _host_to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """Copy a small host array to ``dev`` without a host sync.
 
     A copy from pageable memory makes the host wait until the GPU has drained the stream, and
-    then the GPU idles while Python launches the next kernels: twice per layer on every
-    prefill step. From pinned memory the copy is queued like a kernel; PyTorch's pinned-memory
-    cache keeps the buffer alive until the copy has run.
+    then the GPU idles while Python launches the next kernels. From pinned memory the copy is
+    queued like a kernel; PyTorch's pinned-memory cache keeps the buffer alive until the copy
+    has run.
     """
+    t = torch.from_numpy(np.ascontiguousarray(a))
     if dev.type != "cuda":
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)
@@ -390,53 +520,43 @@ def _run_group(
     pool_v: torch.Tensor,
     block_table: torch.Tensor,
     block_to_slot: torch.Tensor,
-    r0: int,
-    r1: int,
-    qsl: list[int],
-    klen: list[int],
-    tokens: int,
+    grp: ContextGroup,
     backend: str,
     varlen_attention: VarlenAttention | None = None,
 ) -> torch.Tensor:
-    """Attention of requests ``r0 .. r1 - 1``: into ``o16`` when given, else into a new
-    ``[T, Hq, D]`` tensor (only when the group is the whole batch). Returns the output."""
-    hk, d, g = int(pool_k.shape[2]), int(pool_k.shape[3]), geo.group
-    dev = q16.device
-    t0, t1 = qsl[r0], qsl[r1]
-    if t1 == t0:
+    """Attention of one plan group: into ``o16`` when given, else into a new ``[T, Hq, D]``
+    tensor (only when the group is the whole batch). Returns the output."""
+    hk, d = int(pool_k.shape[2]), int(pool_k.shape[3])
+    t0, t1 = grp.tok_start, grp.tok_end
+    if grp.blocks is None or grp.cu_seqlens is None:  # no query tokens
         return torch.zeros_like(q16) if o16 is None else o16
-    plan, k_off = dequant_plan(klen[r0:r1], g, r0)
-    ws_k = torch.empty((max(tokens, 1), hk, d), dtype=torch.float16, device=dev)
+    ws_k = torch.empty((max(grp.rows, 1), hk, d), dtype=torch.float16, device=q16.device)
     ws_v = torch.empty_like(ws_k)
-    if plan.shape[1]:
-        plan_t = _host_to_device(torch.from_numpy(plan), dev)
-        dequant_context_into(
-            geo,
-            kv_cache,
-            pool_k,
-            pool_v,
-            block_table,
-            block_to_slot,
-            plan_t,
-            ws_k,
-            ws_v,
-        )
-    q_off = [qsl[r] - t0 for r in range(r0, r1 + 1)]
+    dequant_context_into(
+        geo, kv_cache, pool_k, pool_v, block_table, block_to_slot, grp.blocks, ws_k, ws_v
+    )
     qg = q16[t0:t1]
     if backend in ("varlen", "external"):
-        cu = _host_to_device(torch.tensor([q_off, k_off], dtype=torch.int32), dev)
-        lq = [q_off[i + 1] - q_off[i] for i in range(len(q_off) - 1)]
         attend = _attend_varlen
         if varlen_attention is not None:
             attend = functools.partial(_attend_external, varlen_attention)
-        res = attend(qg, ws_k[:tokens], ws_v[:tokens], cu[0], cu[1], max(lq), max(klen[r0:r1]))
+        cu = grp.cu_seqlens
+        res = attend(
+            qg,
+            ws_k[: grp.rows],
+            ws_v[: grp.rows],
+            cu[0],
+            cu[1],
+            grp.max_query_len,
+            grp.max_context_len,
+        )
         if o16 is None:  # the whole batch: the library's output is the result
             return res
         o16[t0:t1] = res
         return o16
     if o16 is None:
         o16 = torch.zeros_like(q16)
-    _attend_per_request(qg, ws_k, ws_v, q_off, k_off, o16[t0:t1])
+    _attend_per_request(qg, ws_k, ws_v, grp.q_off, grp.k_off, o16[t0:t1])
     return o16
 
 

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    from kvarn_kernels.context import VarlenAttention
+    from kvarn_kernels.context import ContextPlan, VarlenAttention
 
 __all__ = [
     "BACKENDS",
@@ -260,6 +260,9 @@ class PrefillRun:
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     cu_host: list[int] = field(default_factory=list)
+    #: ``context`` runs: kvarn-kernels' schedule of the run, built once here and shared by
+    #: every layer's ``prefill_attention`` (saves each layer the planning and two copies).
+    context_plan: ContextPlan | None = None
 
 
 @dataclass(slots=True)
@@ -341,7 +344,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.runtime.ensure_decode_workspace(num_decodes)
         runs: list[PrefillRun] = []
         if num_prefills:
-            runs = self._prefill_runs(cam, num_decodes)
+            runs = self._prefill_runs(cam, num_decodes, self.kv_cache_spec)
         return KvarnMetadata(
             runtime=self.runtime,
             block_to_slot=table,
@@ -358,7 +361,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         )
 
     @staticmethod
-    def _prefill_runs(cam: CommonAttentionMetadata, first_row: int) -> list[PrefillRun]:
+    def _prefill_runs(
+        cam: CommonAttentionMetadata, first_row: int, spec: AttentionSpec
+    ) -> list[PrefillRun]:
         qsl = cam.query_start_loc_cpu.numpy()[: cam.num_reqs + 1]
         seq_cpu = cam.seq_lens_cpu_upper_bound
         if seq_cpu is None:
@@ -380,6 +385,19 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                 end += 1
             t0, t1 = int(qsl[row]), int(qsl[end])
             cu = cam.query_start_loc[row : end + 1] - t0
+            cu_host = [int(x) - t0 for x in qsl[row : end + 1]]
+            seq_host = [int(x) for x in seq[row:end]]
+            plan = None
+            if kind == "context":
+                plan = _kernels().plan_prefill_context(
+                    spec.block_size,
+                    seq_host,
+                    cu_host,
+                    num_kv_heads=spec.num_kv_heads,
+                    head_dim=spec.head_size,
+                    device=cam.query_start_loc.device,
+                    max_workspace_bytes=PREFILL_WORKSPACE_BYTES,
+                )
             runs.append(
                 PrefillRun(
                     kind=kind,
@@ -391,8 +409,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                     max_seq_len=int(seq[row:end].max()),
                     cu_seqlens=cu,
                     query_lens=[int(x) for x in q_lens[row:end]],
-                    seq_lens=[int(x) for x in seq[row:end]],
-                    cu_host=[int(x) - t0 for x in qsl[row : end + 1]],
+                    seq_lens=seq_host,
+                    cu_host=cu_host,
+                    context_plan=plan,
                 )
             )
             row = end
@@ -606,10 +625,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                         meta.block_to_slot,
                         self.scale,
                         out=out[t0:t1],
-                        seq_lens_cpu=run.seq_lens,
-                        query_start_loc_cpu=run.cu_host,
-                        max_workspace_bytes=PREFILL_WORKSPACE_BYTES,
                         varlen_attention=self._varlen_attention(),
+                        context_plan=run.context_plan,
                     )
         return output
 
