@@ -140,12 +140,19 @@ def make_records(fmt_name: str, num_blocks: int, hk: int, d: int, seed: int) -> 
 
 
 def decode_inputs(
-    fmt_name: str, bsz: int, ctx: int, seed: int = 0, head_dim: int = D, shadow_rows: int = 0
+    fmt_name: str,
+    bsz: int,
+    ctx: int,
+    seed: int = 0,
+    head_dim: int = D,
+    shadow_rows: int = 0,
+    pool_blocks: bool = True,
 ) -> dict[str, Any]:
     """A decode case: ``bsz`` requests of ``ctx - 63`` tokens, ``HQ`` query and ``HK`` KV heads
     of ``head_dim`` channels, real records, sink and in-progress blocks in the fp16 pool
     (``G - shadow_rows`` rows per slot, the first ``shadow_rows`` of each pool tile in its
-    block's record area, as a server keeps them)."""
+    block's record area, as a server keeps them). ``pool_blocks=False``: every block is a
+    packed record (no pool phase; what the pool blocks cost, by difference)."""
     import torch
 
     from kvarn_format import parse_cache_dtype, record_layout
@@ -161,17 +168,17 @@ def decode_inputs(
     pool_v = torch.randn_like(pool_k)
     b2s = torch.full((num_blocks,), -1, dtype=torch.int32, device="cuda")
     ar = torch.arange(bsz, dtype=torch.int32, device="cuda")
-    b2s[bt[:, 0].long()] = 2 * ar
-    b2s[bt[:, -1].long()] = 2 * ar + 1
-    if shadow_rows:
+    if pool_blocks:
+        b2s[bt[:, 0].long()] = 2 * ar
+        b2s[bt[:, -1].long()] = 2 * ar + 1
+    if shadow_rows and pool_blocks:
         pooled = torch.cat([bt[:, 0], bt[:, -1]]).long()
         rows = torch.randn(pooled.numel(), HK, 4 * shadow_rows * head_dim // 2, device="cuda")
         kv[pooled, :, : 4 * shadow_rows * head_dim] = rows.half().view(torch.uint8)
     tile = record_layout(fmt, head_dim).tile_bytes
     pool_tokens = g + (seq - (nb - 1) * g)
-    bytes_read = (
-        bsz * HK * ((nb - 2) * tile + pool_tokens * head_dim * 2 * 2) + 2 * bsz * HQ * head_dim * 2
-    )
+    kv_bytes = (nb - 2) * tile + pool_tokens * head_dim * 2 * 2 if pool_blocks else nb * tile
+    bytes_read = bsz * HK * kv_bytes + 2 * bsz * HQ * head_dim * 2
     return {
         "fmt": fmt_name,
         "kv": kv,
@@ -500,7 +507,15 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
     import torch
 
     out: dict[str, Any] = {"decode": [], "store": [], "prefill": []}
-    for bsz, ctx in ((64, 16384), (256, 4096)) if "decode" in parts else ():
+    # (256, 6144): the serving burst's decode shape (256 requests, 6144-6656 tokens)
+    for bsz, ctx in ((64, 16384), (256, 4096), (256, 6144)) if "decode" in parts else ():
+        # What the fp16 sink and in-progress blocks (pool phase + their skipped records) cost:
+        # v4 on the same shape with every block a record (docs/kernel-notes.md, sixth session).
+        twin = decode_inputs("kvarn_k4v2_g128", bsz, ctx, pool_blocks=False)
+        r = guarded(lambda twin=twin: bench_kvarn_decode(twin, variant="v4"))
+        out["decode"].append({"B": bsz, "ctx": ctx, "config": {"variant": "v4"}, "pool": 0, **r})
+        log(f"variant decode B={bsz} ctx={ctx} v4 without pool blocks: {r}")
+        del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
         base = None
         for cfg in ({"variant": "v1"}, {"variant": "v4"}, {"variant": "v1", "prefetch": False}):
