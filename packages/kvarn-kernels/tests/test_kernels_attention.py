@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -457,6 +458,26 @@ def test_prefill_bf16_and_extreme_magnitudes(device: torch.device, method: str) 
     _assert_close(out, prefill_attention_ref(*args), tot=8e-3)  # bf16 output rounding
 
 
+def _tiny_prefill(device: torch.device) -> list[Any]:
+    """``prefill_attention``'s positional arguments for one request of 5 tokens, 3 of them
+    queries (k4v2_g64, head_dim 64, one KV head, two query heads): for validation tests."""
+    name, d, hk = "kvarn_k4v2_g64", 64, 1
+    tile = record_layout(parse_cache_dtype(name), d).tile_bytes
+    pool = torch.zeros(2, 64, hk, d, dtype=torch.float16, device=device)
+    return [
+        name,
+        torch.zeros(3, 2, d, dtype=torch.float16, device=device),  # q
+        torch.zeros(2, hk, tile, dtype=torch.uint8, device=device),  # kv_cache
+        pool,
+        pool.clone(),
+        torch.zeros(1, 2, dtype=torch.int32, device=device),  # block_table
+        torch.tensor([0, 3], dtype=torch.int32, device=device),  # query_start_loc
+        torch.full((1,), 5, dtype=torch.int32, device=device),  # seq_lens
+        torch.zeros(2, dtype=torch.int32, device=device),  # block_to_slot
+        0.1,
+    ]
+
+
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
@@ -471,60 +492,30 @@ def test_prefill_bf16_and_extreme_magnitudes(device: torch.device, method: str) 
     ],
 )
 def test_prefill_validation(device: torch.device, kw: dict[str, object], message: str) -> None:
-    name, d, hk = "kvarn_k4v2_g64", 64, 1
-    tile = record_layout(parse_cache_dtype(name), d).tile_bytes
-    pool = torch.zeros(2, 64, hk, d, dtype=torch.float16, device=device)
-    q = torch.zeros(3, 2, d, dtype=torch.float16, device=device)
-    kv = torch.zeros(2, hk, tile, dtype=torch.uint8, device=device)
-    bt = torch.zeros(1, 2, dtype=torch.int32, device=device)
-    sl = torch.full((1,), 5, dtype=torch.int32, device=device)
-    qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
-    b2s = torch.zeros(2, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=message):
-        prefill_attention(
-            name,
-            q,
-            kv,
-            pool,
-            pool.clone(),
-            bt,
-            qsl,
-            sl,
-            b2s,
-            0.1,
-            **kw,  # type: ignore[arg-type]
-        )
+        prefill_attention(*_tiny_prefill(device), **kw)
 
 
 def test_prefill_context_plan_validation(device: torch.device) -> None:
     """A plan that does not describe the call's batch, or is combined with the options it
     replaces, is refused with a message naming the mismatch; bad lengths fail when planning."""
-    name, d, hk = "kvarn_k4v2_g64", 64, 1
-    tile = record_layout(parse_cache_dtype(name), d).tile_bytes
-    pool = torch.zeros(2, 64, hk, d, dtype=torch.float16, device=device)
-    q = torch.zeros(3, 2, d, dtype=torch.float16, device=device)
-    kv = torch.zeros(2, hk, tile, dtype=torch.uint8, device=device)
-    bt = torch.zeros(1, 2, dtype=torch.int32, device=device)
-    sl = torch.full((1,), 5, dtype=torch.int32, device=device)
-    qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
-    b2s = torch.zeros(2, dtype=torch.int32, device=device)
+    args = _tiny_prefill(device)
+    bt, d = args[5], 64
 
     def plan(**kw: object) -> ContextPlan:
-        args: dict[str, object] = {
+        plan_args: dict[str, object] = {
             "group": 64,
             "seq_lens": [5],
             "query_start_loc": [0, 3],
-            "num_kv_heads": hk,
+            "num_kv_heads": 1,
             "head_dim": d,
             "device": device,
         }
-        args.update(kw)
-        return plan_prefill_context(**args)  # type: ignore[arg-type]
+        plan_args.update(kw)
+        return plan_prefill_context(**plan_args)  # type: ignore[arg-type]
 
     def call(p: ContextPlan, table: torch.Tensor = bt, **kw: object) -> None:
-        prefill_attention(
-            name, q, kv, pool, pool.clone(), table, qsl, sl, b2s, 0.1, context_plan=p, **kw
-        )  # type: ignore[arg-type]
+        prefill_attention(*args[:5], table, *args[6:], context_plan=p, **kw)
 
     call(plan())  # the matching plan runs
     for bad in (
