@@ -25,6 +25,7 @@ def test_memcheck_script_launches_all_variants_on_the_interpreter() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    from kvarn_kernels.attention import DECODE_VARIANTS
     from kvarn_kernels.store import STORE_VARIANTS
 
     lines = proc.stdout.splitlines()
@@ -32,8 +33,10 @@ def test_memcheck_script_launches_all_variants_on_the_interpreter() -> None:
         line
         for shadow in (0, 27)  # kvarn_k4v2_g128 at head dim 128: 13,824 // 512
         for line in (
-            f"decode v1, shadow rows {shadow}: launched, output finite: True",
-            f"decode v4, shadow rows {shadow}: launched, output finite: True",
+            *(
+                f"decode {v}, shadow rows {shadow}: launched, output finite: True"
+                for v in DECODE_VARIANTS
+            ),
             *(f"store {v}, shadow rows {shadow}: launched" for v in STORE_VARIANTS),
         )
     ]

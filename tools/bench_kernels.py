@@ -518,7 +518,7 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
         base = None
-        for cfg in ({"variant": "v1"}, {"variant": "v4"}, {"variant": "v1", "prefetch": False}):
+        for cfg in ({"variant": "v1"}, {"variant": "v4"}, {"variant": "v4b"}):
             r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))
             o = decode_once(inp, **cfg).float()
             if base is None:

@@ -68,6 +68,8 @@ TEST_GROUPS = {
         "test_decode_attention or test_prefill_attention or pool_rows_validation",
     ],
     "shadow_store": ["test_kernels_store.py", "-k", "shadow"],
+    # round 7's v4b (the pool phase one block per step across the warps): every decode test.
+    "decode_v4b": ["test_kernels_attention.py", "-k", "variant4b"],
     "shadow_pool_write": ["test_kernels_rotation.py", "-k", "shadow"],
 }
 
@@ -158,10 +160,12 @@ def finish_tests(procs: dict[str, tuple[subprocess.Popen[str], float]]) -> dict[
 DECODE_V4_SHAPES: list[dict[str, Any]] = [
     {"fast_unpack": False},
 ]
-#: The decode configurations timed at every case, v1 first.
+#: The decode configurations timed at every case, v1 first (v4b: round 7, the pool phase one
+#: block per step across the warps).
 DECODE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4"},
+    {"variant": "v4b"},
 ]
 
 

@@ -24,6 +24,7 @@ import torch
 from kvarn_format import parse_cache_dtype, record_layout
 from kvarn_format.geometry import shadow_rows
 from kvarn_kernels import decode_attention, flush_tiles
+from kvarn_kernels.attention import DECODE_VARIANTS
 from kvarn_kernels.store import STORE_VARIANTS
 from kvarn_kernels.testing import build_case
 
@@ -34,7 +35,9 @@ def main() -> int:
     ap.add_argument(
         "--store-variants", default=",".join(STORE_VARIANTS), help="flush_tiles variants"
     )
-    ap.add_argument("--decode-variants", default="v1,v4", help="decode_attention variants")
+    ap.add_argument(
+        "--decode-variants", default=",".join(DECODE_VARIANTS), help="decode_attention variants"
+    )
     ap.add_argument("--device", default="cuda", help="cpu runs under TRITON_INTERPRET=1")
     args = ap.parse_args()
     dev = torch.device(args.device)

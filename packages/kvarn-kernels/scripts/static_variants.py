@@ -73,8 +73,10 @@ def _decode_v4(
     d: int = 128,
     qpk: int = 4,
     fast: bool = True,
+    pool_batched: bool = False,
 ) -> Any:
-    """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head."""
+    """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``pool_batched``:
+    ``variant="v4b"``'s pool phase)."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
@@ -95,6 +97,7 @@ def _decode_v4(
         SCAN=64,
         NUM_SPLITS=4,
         FAST_UNPACK=fast,
+        POOL_BATCHED=pool_batched,
     )
     return compile_kernel(decode_v4_kernel, DECODE_SIG, consts, warps, stages)
 
@@ -235,12 +238,20 @@ for _tok in (False, True):
         )
 
 
-def _decode_v4_default(name: str, d: int, qpk: int) -> Any:
-    """v4 with ``decode_v4_config``'s shape, as ``decode_attention`` launches it."""
+def _decode_v4_default(name: str, d: int, qpk: int, pool_batched: bool = False) -> Any:
+    """v4 (or v4b) with ``decode_v4_config``'s shape, as ``decode_attention`` launches it."""
     from kvarn_kernels.decode_v4 import decode_v4_config
 
     cfg = decode_v4_config(d, parse_cache_dtype(name).group)
-    return _decode_v4(name, cfg["block_n"], cfg["num_warps"], cfg["num_stages"], d, qpk)
+    return _decode_v4(
+        name,
+        cfg["block_n"],
+        cfg["num_warps"],
+        cfg["num_stages"],
+        d,
+        qpk,
+        pool_batched=pool_batched,
+    )
 
 
 # v4's default shape away from the timed case (D = 128, GQA 4, 128-token tiles): other head
@@ -254,6 +265,19 @@ for _n, _d, _qpk in (
 ):
     variant(f"decode_v4 default {_n} d{_d} qpk{_qpk}")(
         lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v4_default(_n, _d, _qpk)
+    )
+
+# v4b (round 7: the pool phase one block per step across the warps) at the timed shape and
+# the other head dims and tile sizes; its main loop must compile as v4's.
+for _n, _d, _qpk in (
+    ("kvarn_k4v2_g128", 128, 4),
+    ("kvarn_k4v4_g128", 128, 4),
+    ("kvarn_k4v2_g128", 64, 1),
+    ("kvarn_k4v4_g64", 256, 8),
+    ("kvarn_k4v2_g64", 128, 16),
+):
+    variant(f"decode_v4b default {_n} d{_d} qpk{_qpk}")(
+        lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v4_default(_n, _d, _qpk, pool_batched=True)
     )
 
 

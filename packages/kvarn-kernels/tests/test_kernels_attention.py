@@ -49,17 +49,17 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v4"]
-VARIANT_IDS = ["variant1", "variant4"]
+VARIANTS = ["v1", "v4", "v4b"]
+VARIANT_IDS = ["variant1", "variant4", "variant4b"]
 
 
 def _v4_refuses(name: str, variant: str, d: int, device: torch.device) -> bool:
-    """v4 takes k4 formats only: for the others, check that it says so."""
+    """v4 and v4b take k4 formats only: for the others, check that they say so."""
     fmt = parse_cache_dtype(name)
     if variant == "v1" or fmt.key_bits == 4:
         return False
     case = build_case(name, d, 1, [fmt.group + 1], device=device, seed=0)
-    with pytest.raises(ValueError, match="variant='v4' takes 4-bit keys"):
+    with pytest.raises(ValueError, match=f"variant='{variant}' takes 4-bit keys"):
         decode_attention(
             *case.decode_args(name, torch.zeros(1, 1, d, dtype=torch.float16, device=device), 1.0),
             variant=variant,
@@ -556,7 +556,7 @@ def test_prefill_context_plan_validation(device: torch.device) -> None:
         ("variant", "variant must be"),
         ("v4_prefetch", "applies to variant='v1' only"),
         ("v1_stages", "num_stages applies to variant='v4' only"),
-        ("v3_removed", "variant must be 'auto', 'v1' or 'v4'"),
+        ("v3_removed", "variant must be 'auto', 'v1', 'v4' or 'v4b'"),
     ],
 )
 def test_decode_validation(device: torch.device, change: str, message: str) -> None:

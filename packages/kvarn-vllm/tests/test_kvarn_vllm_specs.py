@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ import torch
 from kvarn_format import DENSE_DTYPES, DenseFormat, parse_cache_dtype, record_layout
 from kvarn_format.sizing import ServingConfig, SidePool, side_pool_slots
 from kvarn_vllm.specs import KvarnFullAttentionSpec, hybrid_tile_stride
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
 
 
 def _config(model: Path, dtype: str = "kvarn_k4v2_g128", **kw: Any) -> Any:
@@ -262,9 +266,26 @@ def test_hybrid_sliding_window_model_gets_unifiable_pages(kvarn: None, tmp_path:
     assert len(sizes) == 1, "vLLM could not unify the page sizes"
 
 
-def test_capture_build_applies_no_side_pool_work(kvarn: None, qwen3_dir: Path) -> None:
+def _batch(qsl: list[int], seq: list[int], max_blocks: int) -> CommonAttentionMetadata:
+    """vLLM's metadata of a CPU batch with query offsets ``qsl`` and lengths ``seq`` (zeroed
+    block table and slot mapping)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
+    n = qsl[-1]
+    return CommonAttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq, dtype=torch.int32),
+        num_reqs=len(seq),
+        num_actual_tokens=n,
+        max_query_len=max(b - a for a, b in itertools.pairwise(qsl)),
+        max_seq_len=max(seq),
+        block_table_tensor=torch.zeros((len(seq), max_blocks), dtype=torch.int32),
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+    )
+
+
+def test_capture_build_applies_no_side_pool_work(kvarn: None, qwen3_dir: Path) -> None:
     from kvarn_vllm.backend import KvarnMetadataBuilder
     from kvarn_vllm.tracker import NewRequest, StepInput
 
@@ -281,17 +302,7 @@ def test_capture_build_applies_no_side_pool_work(kvarn: None, qwen3_dir: Path) -
     rt.tracker = SidePoolTracker(rt.num_slots, 128)
     rt.group_id = 0
     rt.tracker.step(StepInput(new=[NewRequest("a", [1], 0)], num_scheduled={"a": 3}))
-    cam = CommonAttentionMetadata(
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-        query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32),
-        seq_lens=torch.tensor([1], dtype=torch.int32),
-        num_reqs=1,
-        num_actual_tokens=1,
-        max_query_len=1,
-        max_seq_len=1,
-        block_table_tensor=torch.zeros((1, 32), dtype=torch.int32),
-        slot_mapping=torch.zeros(1, dtype=torch.int64),
-    )
+    cam = _batch([0, 1], [1], 32)
     # Direct tiles pending for this step never reach a capture build nor a batch of single
     # tokens (the batches FULL CUDA graphs replay).
     rt._direct_host = ([2], [-1], [0])
@@ -307,8 +318,6 @@ def test_capture_build_applies_no_side_pool_work(kvarn: None, qwen3_dir: Path) -
 def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path) -> None:
     """The builder plans each continuation run once (kvarn-kernels' ``ContextPlan``, shared by
     the layers); first chunks attend to their own K/V and carry none."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
     from kvarn_vllm.backend import KvarnMetadataBuilder
 
     config = _config(qwen3_dir)
@@ -316,17 +325,7 @@ def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path
     # rows: one decode, a first chunk of 5, two continuations (3 after 200, 2 after 7)
     qsl = [0, 1, 6, 9, 11]
     seq = [40, 5, 203, 9]
-    cam = CommonAttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq, dtype=torch.int32),
-        num_reqs=4,
-        num_actual_tokens=11,
-        max_query_len=5,
-        max_seq_len=203,
-        block_table_tensor=torch.zeros((4, 4), dtype=torch.int32),
-        slot_mapping=torch.zeros(11, dtype=torch.int64),
-    )
+    cam = _batch(qsl, seq, 4)
     first, context = KvarnMetadataBuilder._prefill_runs(cam, 1, spec)
     assert (first.kind, first.req_start, first.req_end, first.context_plan) == ("first", 1, 2, None)
     assert (context.kind, context.req_start, context.req_end) == ("context", 2, 4)

@@ -63,11 +63,15 @@ if TYPE_CHECKING:
     from kvarn_kernels.context import ContextPlan, VarlenAttention
 
 __all__ = [
+    "DECODE_VARIANTS",
     "choose_decode_splits",
     "decode_attention",
     "decode_workspace_numel",
     "prefill_attention",
 ]
+
+#: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
+DECODE_VARIANTS = ("v1", "v4", "v4b")
 
 _LOG2E = 1.4426950408889634
 _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
@@ -666,8 +670,10 @@ def _launch_v4(
     block_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
+    pool_batched: bool = False,
 ) -> None:
-    """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace."""
+    """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
+    ``pool_batched``: its pool phase one block at a time across the warps (``variant="v4b"``)."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
 
     t = int(block_table.shape[0])
@@ -704,6 +710,7 @@ def _launch_v4(
         SCAN=cfg["scan"],
         NUM_SPLITS=num_splits,
         FAST_UNPACK=fast,
+        POOL_BATCHED=pool_batched,
         num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
     )
@@ -746,7 +753,7 @@ def _launch(
     ]
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
-    if variant == "v4":
+    if variant in ("v4", "v4b"):
         _launch_v4(
             geo,
             q_rot,
@@ -765,6 +772,7 @@ def _launch(
             block_n,
             num_warps,
             num_stages,
+            pool_batched=variant == "v4b",
         )
     else:
         if decode:
@@ -981,6 +989,8 @@ def decode_attention(
             values only). Both compute the same attention. On the H200 at B = 64, 16K, v4
             takes 906 µs for k4v2_g128 and 995 µs for k4v4_g128, v1 1,558 and 1,611 µs
             (1.7x and 1.6x; B = 256 and g64 tiles likewise). See docs/kernel-notes.md.
+            ``"v4b"``: v4 whose pool phase (the fp16 sink and in-progress tiles) takes one
+            block per step across the warps (round 7; not yet timed on a GPU).
         num_stages: v4 only: software-pipeline depth of the code-byte loads (default: the
             launch config's, 2).
 
@@ -991,8 +1001,8 @@ def decode_attention(
     )
     if q.shape[0] != block_table.shape[0]:
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
-    if variant not in ("auto", "v1", "v4"):
-        raise ValueError(f"variant must be 'auto', 'v1' or 'v4', got {variant!r}")
+    if variant != "auto" and variant not in DECODE_VARIANTS:
+        raise ValueError(f"variant must be 'auto', 'v1', 'v4' or 'v4b', got {variant!r}")
     if variant == "auto":
         variant = default_decode_variant(geo, prefetch, v4_option=num_stages is not None)
     if variant != "v1" and not prefetch:
@@ -1001,7 +1011,7 @@ def decode_attention(
         )
     if variant == "v1" and num_stages is not None:
         raise ValueError("num_stages applies to variant='v4' only")
-    if variant == "v4" and not _v4_supports(geo):
+    if variant in ("v4", "v4b") and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
             f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"

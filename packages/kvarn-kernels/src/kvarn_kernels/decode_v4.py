@@ -27,7 +27,8 @@ the static analysis of small Triton kernels (``scripts/static_kernels.py``):
 * **Pool blocks** (the sink and the in-progress tile, fp16) are masked out of the main loop
   (their record bytes are unused: scales zeroed, scores ``-inf``) and attended in a second,
   short phase over the split's pool-resident blocks, found with a vectorized scan of the
-  block table. A pool block's record area holds random bytes, or with shadow rows the
+  block table: one 64-token chunk at a time across the warps, or (``POOL_BATCHED``, round 7)
+  one block at a time, each warp on its own ``G / W`` rows. A pool block's record area holds random bytes, or with shadow rows the
   tile's first ``SHADOW`` fp16 rows (``_common.pool_row_ptrs``) then random bytes, so every
   value the main loop reads from it as a float is dropped with ``tl.where`` (never multiplied
   by zero: ``NaN * 0`` is NaN); the codes are always finite (``1024 + code``).
@@ -154,12 +155,16 @@ def decode_v4_kernel(
     SCAN: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
+    POOL_BATCHED: tl.constexpr = False,
 ):
     """One program per (request, KV head, split); ``W`` chunks of ``BN`` tokens per step.
 
     Writes the split's normalized partial output (``O_PART``, fp32, rotated frame, natural
     channel order) and base-2 LSE (``LSE_PART``), like v1's kernel. ``SHADOW``: the pool holds
     ``G - SHADOW`` rows per slot; a pool tile's first rows are in its block's record area.
+    ``POOL_BATCHED`` (``variant="v4b"``): the pool phase takes one pool block per step, ``G /
+    W`` rows per warp with per-warp softmax states (merged at the end, like the main loop's),
+    instead of 64-token chunks one at a time across the warps.
     """
     tl.static_assert(KB == 4, "v4 takes 4-bit keys")
     tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
@@ -289,73 +294,144 @@ def decode_v4_kernel(
     o3 = tl.sum(acc3 * wscale[:, :, None], axis=0)
     m_run = m_all
 
-    # --- phase 2: the split's pool-resident blocks (fp16 sink / in-progress tiles) ---
-    sc = tl.arange(0, SCAN)
-    tn = tl.arange(0, H2)
-    for g0 in range(blk_lo, blk_hi, SCAN):
-        idx = g0 + sc
-        ok = idx < blk_hi
-        blks = tl.load(bt_row + idx, mask=ok, other=0)
-        slots = tl.load(BLOCK_TO_SLOT + blks, mask=ok, other=-1)
-        is_pool = ok & (slots >= 0)
-        rank = tl.cumsum(is_pool.to(tl.int32), axis=0) - 1
-        for k in range(0, tl.sum(is_pool.to(tl.int32), axis=0)):
-            sel = is_pool & (rank == k)
-            pbi = tl.sum(tl.where(sel, idx, 0), axis=0)
-            pslot = tl.sum(tl.where(sel, slots, 0), axis=0).to(tl.int64)
-            if SHADOW > 0:
+    if POOL_BATCHED:
+        # --- phase 2, one pool block per step: warp w attends to its G / W rows of the block
+        # (fp16, no parity split), with its own online softmax; merged into the totals after.
+        # The main loop's states are merged above, which frees their registers.
+        TB: tl.constexpr = G // W
+        m = tl.full([W, BLOCK_Q], float("-inf"), dtype=tl.float32)
+        l_acc = tl.zeros([W, BLOCK_Q], dtype=tl.float32)
+        acc0 = tl.zeros([W, BLOCK_Q, DV], dtype=tl.float32)
+        acc1 = tl.zeros([W, BLOCK_Q, DV], dtype=tl.float32)
+        acc2 = tl.zeros([W, BLOCK_Q, DV], dtype=tl.float32)
+        acc3 = tl.zeros([W, BLOCK_Q, DV], dtype=tl.float32)
+        sc = tl.arange(0, SCAN)
+        trow = (ww[:, None] * TB + tl.arange(0, TB)[None, :]).to(tl.int64)  # [W, TB]
+        for g0 in range(blk_lo, blk_hi, SCAN):
+            idx = g0 + sc
+            ok = idx < blk_hi
+            blks = tl.load(bt_row + idx, mask=ok, other=0)
+            slots = tl.load(BLOCK_TO_SLOT + blks, mask=ok, other=-1)
+            is_pool = ok & (slots >= 0)
+            rank = tl.cumsum(is_pool.to(tl.int32), axis=0) - 1
+            for k in tl.range(0, tl.sum(is_pool.to(tl.int32), axis=0), num_stages=1):
+                sel = is_pool & (rank == k)
+                pbi = tl.sum(tl.where(sel, idx, 0), axis=0)
+                pslot = tl.sum(tl.where(sel, slots, 0), axis=0).to(tl.int64)
                 pblk = tl.sum(tl.where(sel, blks, 0), axis=0).to(tl.int64)
-            for cc in range(0, NCH):
-                te = cc * BN + tn * 2
                 # Rows past seq_len are masked (other=0): NaN pool poison, stale rows, and
                 # random bytes in a shadowed block's record area.
-                le = pbi * G + te < seq_len
-                lo_ = pbi * G + te + 1 < seq_len
-                if SHADOW == 0:
-                    # Every row in the pool slot: pool_row_ptrs' SHADOW == 0 addresses, kept
-                    # as the integer offsets v4 was timed with. Built from pool_row_ptrs'
-                    # pointers they compiled to other sm_90a SASS (other register assignment;
-                    # more spills at D = 64 with the odd rows' addresses recomputed).
-                    prow_e = (pslot * G + te) * HK + h
-                    prow_o = prow_e + HK
-                    kpe_p = POOL_K + prow_e[None, :] * D + dd[:, None]
-                    kpo_p = POOL_K + prow_o[None, :] * D + dd[:, None]
-                else:
-                    # rows < SHADOW from the block's record area; an odd row may be a pool
-                    # row while its even row is not, so each parity is addressed on its own
-                    kre = pool_row_ptrs(POOL_K, KV, pslot, pblk, te, h, 0, HK, D, G, SHADOW, STRIDE)
-                    kro = pool_row_ptrs(
-                        POOL_K, KV, pslot, pblk, te + 1, h, 0, HK, D, G, SHADOW, STRIDE
-                    )
-                    kpe_p = kre[None, :] + dd[:, None]
-                    kpo_p = kro[None, :] + dd[:, None]
-                kpe = tl.load(kpe_p, mask=le[None, :], other=0.0)
-                kpo = tl.load(kpo_p, mask=lo_[None, :], other=0.0)
-                pe = tl.dot(q16, kpe) * qmax[:, None]
-                po = tl.dot(q16, kpo) * qmax[:, None]
-                pe = tl.where(le[None, :], pe, float("-inf"))
-                po = tl.where(lo_[None, :], po, float("-inf"))
-                m_run, alpha2, l_tot, pe16, po16 = _online(m_run, l_tot, pe, po, 1)
-                a2 = alpha2[:, None]
-                if SHADOW == 0:
-                    vpe = POOL_V + prow_e[:, None] * D + nv[None, :] * VG
-                    vpo = POOL_V + prow_o[:, None] * D + nv[None, :] * VG
-                else:
-                    vre = pool_row_ptrs(POOL_V, KV, pslot, pblk, te, h, 1, HK, D, G, SHADOW, STRIDE)
-                    vro = pool_row_ptrs(
-                        POOL_V, KV, pslot, pblk, te + 1, h, 1, HK, D, G, SHADOW, STRIDE
-                    )
-                    vpe = vre[:, None] + nv[None, :] * VG
-                    vpo = vro[:, None] + nv[None, :] * VG
-                o0 = o0 * a2 + tl.dot(pe16, tl.load(vpe, mask=le[:, None], other=0.0))
-                o0 = o0 + tl.dot(po16, tl.load(vpo, mask=lo_[:, None], other=0.0))
-                o1 = o1 * a2 + tl.dot(pe16, tl.load(vpe + 1, mask=le[:, None], other=0.0))
-                o1 = o1 + tl.dot(po16, tl.load(vpo + 1, mask=lo_[:, None], other=0.0))
+                live = pbi * G + trow < seq_len  # [W, TB]
+                kr = pool_row_ptrs(POOL_K, KV, pslot, pblk, trow, h, 0, HK, D, G, SHADOW, STRIDE)
+                vr = pool_row_ptrs(POOL_V, KV, pslot, pblk, trow, h, 1, HK, D, G, SHADOW, STRIDE)
+                kt = tl.load(kr[:, :, None] + dd[None, None, :], mask=live[:, :, None], other=0.0)
+                sp = tl.dot(q3, tl.permute(kt, (0, 2, 1))) * qmax[None, :, None]  # [W, Q, TB]
+                sp = tl.where(live[:, None, :], sp, float("-inf"))
+                m_new = tl.maximum(m, tl.max(sp, axis=2))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_use)
+                p = tl.exp2(sp - m_use[:, :, None])
+                l_acc = l_acc * alpha + tl.sum(p, axis=2)
+                m = m_new
+                p16 = p.to(tl.float16)
+                a3 = alpha[:, :, None]
+                vt = tl.load(vr[:, :, None] + dd[None, None, :], mask=live[:, :, None], other=0.0)
+                # the VG channel fields of the rows (channel VG * n + f), in registers
                 if VG == 4:
-                    o2 = o2 * a2 + tl.dot(pe16, tl.load(vpe + 2, mask=le[:, None], other=0.0))
-                    o2 = o2 + tl.dot(po16, tl.load(vpo + 2, mask=lo_[:, None], other=0.0))
-                    o3 = o3 * a2 + tl.dot(pe16, tl.load(vpe + 3, mask=le[:, None], other=0.0))
-                    o3 = o3 + tl.dot(po16, tl.load(vpo + 3, mask=lo_[:, None], other=0.0))
+                    va, vb = tl.split(tl.reshape(vt, (W, TB, DV, 2, 2)))
+                    f0, f2 = tl.split(va)
+                    f1, f3 = tl.split(vb)
+                else:
+                    f0, f1 = tl.split(tl.reshape(vt, (W, TB, DV, 2)))
+                acc0 = acc0 * a3 + tl.dot(p16, f0)
+                acc1 = acc1 * a3 + tl.dot(p16, f1)
+                if VG == 4:
+                    acc2 = acc2 * a3 + tl.dot(p16, f2)
+                    acc3 = acc3 * a3 + tl.dot(p16, f3)
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))  # [BLOCK_Q]
+        m_safe2 = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_main = tl.exp2(m_run - m_safe2)
+        ws2 = tl.exp2(m - m_safe2[None, :])  # [W, BLOCK_Q]; 0 for warps without pool rows
+        l_tot = l_tot * s_main + tl.sum(l_acc * ws2, axis=0)
+        o0 = o0 * s_main[:, None] + tl.sum(acc0 * ws2[:, :, None], axis=0)
+        o1 = o1 * s_main[:, None] + tl.sum(acc1 * ws2[:, :, None], axis=0)
+        o2 = o2 * s_main[:, None] + tl.sum(acc2 * ws2[:, :, None], axis=0)
+        o3 = o3 * s_main[:, None] + tl.sum(acc3 * ws2[:, :, None], axis=0)
+        m_run = m_new
+
+    # --- phase 2: the split's pool-resident blocks (fp16 sink / in-progress tiles), one
+    # chunk at a time across the warps ---
+    if not POOL_BATCHED:
+        sc = tl.arange(0, SCAN)
+        tn = tl.arange(0, H2)
+        for g0 in range(blk_lo, blk_hi, SCAN):
+            idx = g0 + sc
+            ok = idx < blk_hi
+            blks = tl.load(bt_row + idx, mask=ok, other=0)
+            slots = tl.load(BLOCK_TO_SLOT + blks, mask=ok, other=-1)
+            is_pool = ok & (slots >= 0)
+            rank = tl.cumsum(is_pool.to(tl.int32), axis=0) - 1
+            for k in range(0, tl.sum(is_pool.to(tl.int32), axis=0)):
+                sel = is_pool & (rank == k)
+                pbi = tl.sum(tl.where(sel, idx, 0), axis=0)
+                pslot = tl.sum(tl.where(sel, slots, 0), axis=0).to(tl.int64)
+                if SHADOW > 0:
+                    pblk = tl.sum(tl.where(sel, blks, 0), axis=0).to(tl.int64)
+                for cc in range(0, NCH):
+                    te = cc * BN + tn * 2
+                    # Rows past seq_len are masked (other=0): NaN pool poison, stale rows, and
+                    # random bytes in a shadowed block's record area.
+                    le = pbi * G + te < seq_len
+                    lo_ = pbi * G + te + 1 < seq_len
+                    if SHADOW == 0:
+                        # Every row in the pool slot: pool_row_ptrs' SHADOW == 0 addresses, kept
+                        # as the integer offsets v4 was timed with. Built from pool_row_ptrs'
+                        # pointers they compiled to other sm_90a SASS (other register assignment;
+                        # more spills at D = 64 with the odd rows' addresses recomputed).
+                        prow_e = (pslot * G + te) * HK + h
+                        prow_o = prow_e + HK
+                        kpe_p = POOL_K + prow_e[None, :] * D + dd[:, None]
+                        kpo_p = POOL_K + prow_o[None, :] * D + dd[:, None]
+                    else:
+                        # rows < SHADOW from the block's record area; an odd row may be a pool
+                        # row while its even row is not, so each parity is addressed on its own
+                        kre = pool_row_ptrs(
+                            POOL_K, KV, pslot, pblk, te, h, 0, HK, D, G, SHADOW, STRIDE
+                        )
+                        kro = pool_row_ptrs(
+                            POOL_K, KV, pslot, pblk, te + 1, h, 0, HK, D, G, SHADOW, STRIDE
+                        )
+                        kpe_p = kre[None, :] + dd[:, None]
+                        kpo_p = kro[None, :] + dd[:, None]
+                    kpe = tl.load(kpe_p, mask=le[None, :], other=0.0)
+                    kpo = tl.load(kpo_p, mask=lo_[None, :], other=0.0)
+                    pe = tl.dot(q16, kpe) * qmax[:, None]
+                    po = tl.dot(q16, kpo) * qmax[:, None]
+                    pe = tl.where(le[None, :], pe, float("-inf"))
+                    po = tl.where(lo_[None, :], po, float("-inf"))
+                    m_run, alpha2, l_tot, pe16, po16 = _online(m_run, l_tot, pe, po, 1)
+                    a2 = alpha2[:, None]
+                    if SHADOW == 0:
+                        vpe = POOL_V + prow_e[:, None] * D + nv[None, :] * VG
+                        vpo = POOL_V + prow_o[:, None] * D + nv[None, :] * VG
+                    else:
+                        vre = pool_row_ptrs(
+                            POOL_V, KV, pslot, pblk, te, h, 1, HK, D, G, SHADOW, STRIDE
+                        )
+                        vro = pool_row_ptrs(
+                            POOL_V, KV, pslot, pblk, te + 1, h, 1, HK, D, G, SHADOW, STRIDE
+                        )
+                        vpe = vre[:, None] + nv[None, :] * VG
+                        vpo = vro[:, None] + nv[None, :] * VG
+                    o0 = o0 * a2 + tl.dot(pe16, tl.load(vpe, mask=le[:, None], other=0.0))
+                    o0 = o0 + tl.dot(po16, tl.load(vpo, mask=lo_[:, None], other=0.0))
+                    o1 = o1 * a2 + tl.dot(pe16, tl.load(vpe + 1, mask=le[:, None], other=0.0))
+                    o1 = o1 + tl.dot(po16, tl.load(vpo + 1, mask=lo_[:, None], other=0.0))
+                    if VG == 4:
+                        o2 = o2 * a2 + tl.dot(pe16, tl.load(vpe + 2, mask=le[:, None], other=0.0))
+                        o2 = o2 + tl.dot(po16, tl.load(vpo + 2, mask=lo_[:, None], other=0.0))
+                        o3 = o3 * a2 + tl.dot(pe16, tl.load(vpe + 3, mask=le[:, None], other=0.0))
+                        o3 = o3 + tl.dot(po16, tl.load(vpo + 3, mask=lo_[:, None], other=0.0))
 
     l_safe = tl.where(l_tot > 0, l_tot, 1.0)
     lse = tl.where(l_tot > 0, m_run + tl.log2(l_safe), float("-inf"))
