@@ -103,6 +103,20 @@ def _fields(b, VB: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _f16_halves(words, SHIFT: tl.constexpr):
+    """The fp16 in bits ``SHIFT .. SHIFT + 15`` of integer ``words`` (little-endian fp16
+    fields read with one wider load)."""
+    return (words >> SHIFT).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _paired_v_scale(packed, vcw, F: tl.constexpr):
+    """(v4b) ``2 * s_col_V`` of field ``F`` of each V byte from the one wide load ``vcw`` of
+    the byte's channel scales; fp32, zero for pool blocks."""
+    return tl.where(packed[:, None], _f16_halves(vcw, 16 * F).to(tl.float32), 0.0) * 2.0
+
+
+@triton.jit
 def _online(m, l_acc, s_e, s_o, AXIS: tl.constexpr):
     """Online-softmax step over axis ``AXIS`` (the tokens) of the even and odd score halves.
 
@@ -162,9 +176,11 @@ def decode_v4_kernel(
     Writes the split's normalized partial output (``O_PART``, fp32, rotated frame, natural
     channel order) and base-2 LSE (``LSE_PART``), like v1's kernel. ``SHADOW``: the pool holds
     ``G - SHADOW`` rows per slot; a pool tile's first rows are in its block's record area.
-    ``POOL_BATCHED`` (``variant="v4b"``): the pool phase takes one pool block per step, ``G /
-    W`` rows per warp with per-warp softmax states (merged at the end, like the main loop's),
-    instead of 64-token chunks one at a time across the warps.
+    ``POOL_BATCHED`` (``variant="v4b"``, round 7): the pool phase takes one pool block per
+    step, ``G / W`` rows per warp with per-warp softmax states (merged at the end, like the
+    main loop's), instead of 64-token chunks one at a time across the warps; and the main
+    loop reads each token pair's scale fields, and each V byte's channel scales, with one
+    wide load instead of 2-byte loads.
     """
     tl.static_assert(KB == 4, "v4 takes 4-bit keys")
     tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
@@ -172,6 +188,7 @@ def decode_v4_kernel(
     h = tl.program_id(1)
     split = tl.program_id(2)
     f16 = tl.pointer_type(tl.float16)
+    i32p = tl.pointer_type(tl.int32)
 
     H2: tl.constexpr = BN // 2  # tokens per parity in a chunk
     VG: tl.constexpr = 8 // VB  # V fields per byte
@@ -240,9 +257,19 @@ def decode_v4_kernel(
         kzp = (rec[:, None] + OFF_KZ).to(f16) + dd[None, :]
         ks = (tl.where(packed[:, None], tl.load(ksp), 0.0) * 0.5)[:, :, None]  # [W, D, 1]
         kz = (tl.where(packed[:, None], tl.load(kzp), 0.0) * 0.5)[:, :, None]
-        ktp = (rec[:, None] + OFF_KT).to(f16)
-        kt_e = tl.where(live_e, tl.load(ktp + tok_e).to(tl.float32), 0.0) * 2.0
-        kt_o = tl.where(live_o, tl.load(ktp + tok_o).to(tl.float32), 0.0) * 2.0
+        if POOL_BATCHED:
+            # (v4b) The per-token fields of an even/odd token pair share one 32-bit word: one
+            # load for both. v4's 2-byte loads at stride 2 are neither vectorized nor
+            # pipelined (cp.async moves 4 bytes or more): ten per step, each a global-memory
+            # wait in the middle of the step, plus a shared-memory layout change each.
+            pair = c[:, None] * H2 + nb[None, :]  # [W, H2] token-pair index in the tile
+            ktw = tl.load((rec[:, None] + OFF_KT).to(i32p) + pair)
+            kt_e = tl.where(live_e, _f16_halves(ktw, 0).to(tl.float32), 0.0) * 2.0
+            kt_o = tl.where(live_o, _f16_halves(ktw, 16).to(tl.float32), 0.0) * 2.0
+        else:
+            ktp = (rec[:, None] + OFF_KT).to(f16)
+            kt_e = tl.where(live_e, tl.load(ktp + tok_e).to(tl.float32), 0.0) * 2.0
+            kt_o = tl.where(live_o, tl.load(ktp + tok_o).to(tl.float32), 0.0) * 2.0
         s_e = tl.dot(q3, (k_lo - 1024.0) * ks + kz)
         s_o = tl.dot(q3, (k_hi - 1024.0) * ks + kz)
         s_e = s_e * kt_e[:, None, :] * qmax[None, :, None]
@@ -255,32 +282,61 @@ def decode_v4_kernel(
         vrow_e = rec[:, None, None] + OFF_VC + tok_e[:, :, None] * V_ROW + nv[None, None, :]
         vb_e = tl.load(vrow_e)
         vb_o = tl.load(vrow_e + V_ROW)
-        vsp = (rec[:, None] + OFF_VS).to(f16)
-        vzp = (rec[:, None] + OFF_VZ).to(f16)
-        vs_e = tl.where(live_e, tl.load(vsp + tok_e), 0.0)[:, :, None] * 0.5
-        vs_o = tl.where(live_o, tl.load(vsp + tok_o), 0.0)[:, :, None] * 0.5
-        vz_e = tl.where(live_e, tl.load(vzp + tok_e), 0.0)[:, :, None] * 0.5
-        vz_o = tl.where(live_o, tl.load(vzp + tok_o), 0.0)[:, :, None] * 0.5
-        vcp = (rec[:, None] + OFF_VCS).to(f16) + nv[None, :] * VG
+        if POOL_BATCHED:
+            vsw = tl.load((rec[:, None] + OFF_VS).to(i32p) + pair)
+            vzw = tl.load((rec[:, None] + OFF_VZ).to(i32p) + pair)
+            vs_e = tl.where(live_e, _f16_halves(vsw, 0), 0.0)[:, :, None] * 0.5
+            vs_o = tl.where(live_o, _f16_halves(vsw, 16), 0.0)[:, :, None] * 0.5
+            vz_e = tl.where(live_e, _f16_halves(vzw, 0), 0.0)[:, :, None] * 0.5
+            vz_o = tl.where(live_o, _f16_halves(vzw, 16), 0.0)[:, :, None] * 0.5
+            # the VG channel scales of V byte n (channels VG * n ..): one load
+            if VG == 4:
+                vcw = tl.load((rec[:, None] + OFF_VCS).to(tl.pointer_type(tl.int64)) + nv[None, :])
+            else:
+                vcw = tl.load((rec[:, None] + OFF_VCS).to(i32p) + nv[None, :])
+        else:
+            vsp = (rec[:, None] + OFF_VS).to(f16)
+            vzp = (rec[:, None] + OFF_VZ).to(f16)
+            vs_e = tl.where(live_e, tl.load(vsp + tok_e), 0.0)[:, :, None] * 0.5
+            vs_o = tl.where(live_o, tl.load(vsp + tok_o), 0.0)[:, :, None] * 0.5
+            vz_e = tl.where(live_e, tl.load(vzp + tok_e), 0.0)[:, :, None] * 0.5
+            vz_o = tl.where(live_o, tl.load(vzp + tok_o), 0.0)[:, :, None] * 0.5
+            vcp = (rec[:, None] + OFF_VCS).to(f16) + nv[None, :] * VG
         a3 = alpha[:, :, None]
         e0, e1, e2, e3 = _fields(vb_e, VB, FAST_UNPACK)
         o0_, o1_, o2_, o3_ = _fields(vb_o, VB, FAST_UNPACK)
         pv = tl.dot(p_e16, (e0 - 1024.0) * vs_e + vz_e)
         pv = tl.dot(p_o16, (o0_ - 1024.0) * vs_o + vz_o, pv)
-        vcs = tl.where(packed[:, None], tl.load(vcp).to(tl.float32), 0.0) * 2.0
+        vcs = (
+            _paired_v_scale(packed, vcw, 0)
+            if POOL_BATCHED
+            else tl.where(packed[:, None], tl.load(vcp).to(tl.float32), 0.0) * 2.0
+        )
         acc0 = acc0 * a3 + pv * vcs[:, None, :]
         pv = tl.dot(p_e16, (e1 - 1024.0) * vs_e + vz_e)
         pv = tl.dot(p_o16, (o1_ - 1024.0) * vs_o + vz_o, pv)
-        vcs = tl.where(packed[:, None], tl.load(vcp + 1).to(tl.float32), 0.0) * 2.0
+        vcs = (
+            _paired_v_scale(packed, vcw, 1)
+            if POOL_BATCHED
+            else tl.where(packed[:, None], tl.load(vcp + 1).to(tl.float32), 0.0) * 2.0
+        )
         acc1 = acc1 * a3 + pv * vcs[:, None, :]
         if VG == 4:
             pv = tl.dot(p_e16, (e2 - 1024.0) * vs_e + vz_e)
             pv = tl.dot(p_o16, (o2_ - 1024.0) * vs_o + vz_o, pv)
-            vcs = tl.where(packed[:, None], tl.load(vcp + 2).to(tl.float32), 0.0) * 2.0
+            vcs = (
+                _paired_v_scale(packed, vcw, 2)
+                if POOL_BATCHED
+                else tl.where(packed[:, None], tl.load(vcp + 2).to(tl.float32), 0.0) * 2.0
+            )
             acc2 = acc2 * a3 + pv * vcs[:, None, :]
             pv = tl.dot(p_e16, (e3 - 1024.0) * vs_e + vz_e)
             pv = tl.dot(p_o16, (o3_ - 1024.0) * vs_o + vz_o, pv)
-            vcs = tl.where(packed[:, None], tl.load(vcp + 3).to(tl.float32), 0.0) * 2.0
+            vcs = (
+                _paired_v_scale(packed, vcw, 3)
+                if POOL_BATCHED
+                else tl.where(packed[:, None], tl.load(vcp + 3).to(tl.float32), 0.0) * 2.0
+            )
             acc3 = acc3 * a3 + pv * vcs[:, None, :]
 
     # --- merge the W warps' states ---
