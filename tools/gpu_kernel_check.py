@@ -161,7 +161,7 @@ DECODE_V4_SHAPES: list[dict[str, Any]] = [
     {"fast_unpack": False},
 ]
 #: The decode configurations timed at every case, v1 first (v4b: round 7, the pool phase one
-#: block per step across the warps).
+#: block per step across the warps, wide scale loads).
 DECODE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4"},

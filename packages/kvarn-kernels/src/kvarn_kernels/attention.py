@@ -990,7 +990,8 @@ def decode_attention(
             takes 906 µs for k4v2_g128 and 995 µs for k4v4_g128, v1 1,558 and 1,611 µs
             (1.7x and 1.6x; B = 256 and g64 tiles likewise). See docs/kernel-notes.md.
             ``"v4b"``: v4 whose pool phase (the fp16 sink and in-progress tiles) takes one
-            block per step across the warps (round 7; not yet timed on a GPU).
+            block per step across the warps and whose main loop reads the per-token and
+            V channel scales with wide loads (round 7; not yet timed on a GPU).
         num_stages: v4 only: software-pipeline depth of the code-byte loads (default: the
             launch config's, 2).
 
