@@ -555,7 +555,7 @@ def test_prefill_context_plan_validation(device: torch.device) -> None:
         ("workspace", "workspace must be"),
         ("variant", "variant must be"),
         ("v4_prefetch", "applies to variant='v1' only"),
-        ("v1_stages", "num_stages applies to variant='v4' only"),
+        ("v1_stages", "num_stages applies to variant='v4' or 'v4b' only"),
         ("v3_removed", "variant must be 'auto', 'v1', 'v4' or 'v4b'"),
     ],
 )

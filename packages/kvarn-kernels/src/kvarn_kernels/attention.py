@@ -1011,7 +1011,7 @@ def decode_attention(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
     if variant == "v1" and num_stages is not None:
-        raise ValueError("num_stages applies to variant='v4' only")
+        raise ValueError("num_stages applies to variant='v4' or 'v4b' only")
     if variant in ("v4", "v4b") and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
