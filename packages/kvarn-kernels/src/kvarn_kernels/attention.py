@@ -992,7 +992,7 @@ def decode_attention(
             ``"v4b"``: v4 whose pool phase (the fp16 sink and in-progress tiles) takes one
             block per step across the warps and whose main loop reads the per-token and
             V channel scales with wide loads (round 7; not yet timed on a GPU).
-        num_stages: v4 only: software-pipeline depth of the code-byte loads (default: the
+        num_stages: v4 and v4b only: software-pipeline depth of the code-byte loads (default: the
             launch config's, 2).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
