@@ -329,14 +329,22 @@ class ContextPlan:
     ) -> None:
         """Raise ``ValueError`` when a call's tensors do not fit this plan (cheap: shapes only;
         the lengths on the device cannot be compared without a host sync)."""
-        want = (group, num_kv_heads, head_dim, self.num_tokens, len(self.seq_lens))
-        got = (group, num_kv_heads, head_dim, int(q.shape[0]), int(block_table.shape[0]))
-        if (self.group, self.num_kv_heads, self.head_dim) != want[:3] or got[3:] != want[3:]:
+        planned = (
+            len(self.seq_lens),
+            self.num_tokens,
+            self.group,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        called = (int(block_table.shape[0]), int(q.shape[0]), group, num_kv_heads, head_dim)
+        if planned != called:
+
+            def describe(b: int, t: int, g: int, hk: int, d: int) -> str:
+                return f"{b} requests, {t} query tokens, {g}-token tiles, {hk} KV heads of {d}"
+
             raise ValueError(
-                f"context_plan was built for {len(self.seq_lens)} requests, {self.num_tokens} "
-                f"query tokens, {self.group}-token tiles, {self.num_kv_heads} KV heads of "
-                f"head_dim {self.head_dim}; this call has {got[4]} requests, {got[3]} query "
-                f"tokens, {group}-token tiles, {num_kv_heads} KV heads of head_dim {head_dim}"
+                f"context_plan was built for {describe(*planned)} channels; this call has "
+                f"{describe(*called)} channels"
             )
         if q.device != self.device:
             raise ValueError(f"context_plan's tensors are on {self.device} but q is on {q.device}")
