@@ -52,6 +52,10 @@ class _Step:
     preempted: list[str] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
     new_blocks: dict[str, list[int]] = field(default_factory=dict)
+    #: Verify rows under async scheduling with drafts: vLLM's host length of the row exceeds
+    #: the true one by this many tokens (drafts assumed accepted), and the row is not
+    #: prefilling. The device lengths stay exact.
+    optimistic: dict[str, int] = field(default_factory=dict)
 
 
 class _Harness:
@@ -215,7 +219,11 @@ class _Harness:
             max_seq_len=max(seq),
             block_table_tensor=table,
             slot_mapping=slot_mapping,
-            seq_lens_cpu_upper_bound=torch.tensor(seq, dtype=torch.int32),
+            seq_lens_cpu_upper_bound=torch.tensor(
+                [n + step.optimistic.get(r.rid, 0) for (r, _), n in zip(rows, seq, strict=True)],
+                dtype=torch.int32,
+            ),
+            is_prefilling=torch.tensor([r.rid not in step.optimistic for r, _ in rows]),
         )
         meta = self.builder.build(0, cam)
         rt = self.builder.runtime
@@ -380,6 +388,27 @@ def test_serving_steps_match_references(
         assert (tr.tracker.total_flushed, tr.tracker.total_direct) == (0, 1)
     else:
         assert (tr.tracker.total_flushed, tr.tracker.total_direct) == (1, 0)
+
+
+def test_async_spec_verify_rows_attend_on_device_lengths(kvarn: None, llama_dir64: Path) -> None:
+    """Under async scheduling with drafts (the runtime's spec margin), a verify row's host
+    length overshoots by the drafts the previous step rejected; its attention must still be
+    the exact one (the fused kernel on the device lengths), next to a prompt continuation
+    planned on the host lengths and a decode row."""
+    h = _Harness(llama_dir64)
+    h.builder.runtime.spec_margin = 3
+    gen = torch.Generator().manual_seed(6)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+
+    h.add("A", toks(160), [3, 7, 9])
+    h.add("B", toks(120), [5, 11])
+    h.add("C", toks(80), [13, 15])
+    h.run(_Step(rows=[("A", 150), ("B", 70), ("C", 70)], new=["A", "B", "C"]))
+    # A verifies 4 tokens with a host length 3 too long; B continues its prompt; C decodes.
+    h.run(_Step(rows=[("C", 1), ("B", 30), ("A", 4)], optimistic={"A": 3}))
+    assert h.checked_rows == 6 * len(h.layers)
 
 
 def _chunked_scenario(h: _Harness) -> tuple[list[list[torch.Tensor]], dict[str, Any]]:

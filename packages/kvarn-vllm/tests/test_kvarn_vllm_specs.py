@@ -343,6 +343,33 @@ def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path
     assert grp.cu_seqlens.tolist() == [[0, 3, 5], [0, 203, 212]]
 
 
+def test_async_spec_verify_rows_use_the_device_lengths(kvarn: None, qwen3_dir: Path) -> None:
+    """Under async scheduling with drafts, vLLM's host lengths of verify rows assume every
+    draft was accepted: those rows become ``verify`` runs (fused kernel, device lengths) and
+    carry no host plan; rows still in their prompt stay ``context`` runs."""
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+
+    config = _config(qwen3_dir)
+    spec = _attention_layers(config, 1)[0].get_kv_cache_spec(config)
+    # rows: a decode, a prompt continuation (3 after 200), two verify rows (4 tokens each)
+    cam = _batch([0, 1, 4, 8, 12], [40, 203, 60, 90], 4)
+    cam.is_prefilling = torch.tensor([False, True, False, False])
+    runs = KvarnMetadataBuilder._prefill_runs(cam, 1, spec, exact_host_lens=False)
+    assert [(r.kind, r.req_start, r.req_end) for r in runs] == [
+        ("context", 1, 2),
+        ("verify", 2, 4),
+    ]
+    assert runs[0].context_plan is not None and runs[1].context_plan is None
+    # exact host lengths (no async drafts): one continuation run, planned
+    (run,) = KvarnMetadataBuilder._prefill_runs(cam, 1, spec)
+    assert (run.kind, run.req_start, run.req_end) == ("context", 1, 4)
+    assert run.context_plan is not None
+    # without is_prefilling, every continuation row is attended on the device lengths
+    cam.is_prefilling = None
+    (run,) = KvarnMetadataBuilder._prefill_runs(cam, 1, spec, exact_host_lens=False)
+    assert (run.kind, run.context_plan) == ("verify", None)
+
+
 def test_profiling_kv_cache_gets_a_one_slot_pool(kvarn: None, qwen3_dir: Path) -> None:
     from kvarn_vllm.backend import KvarnMetadataBuilder
 

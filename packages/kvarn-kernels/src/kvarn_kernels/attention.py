@@ -1125,8 +1125,8 @@ def prefill_attention(
         context_plan: ``"dequant"`` only: the batch's
             :func:`~kvarn_kernels.context.plan_prefill_context`, built once and shared by the
             layers of a step (it replaces ``seq_lens_cpu``, ``query_start_loc_cpu`` and
-            ``max_workspace_bytes``, and saves each call the planning and two host-to-device
-            copies). It must describe this call's batch: shapes are checked, the lengths on
+            ``max_workspace_bytes``, and saves each call the planning and its host-to-device
+            copy). It must describe this call's batch: shapes are checked, the lengths on
             the device are not (that would need a host sync).
         other arguments: as :func:`decode_attention`.
 

@@ -244,7 +244,9 @@ def _shared_runtime(
 
 @dataclass(slots=True)
 class PrefillRun:
-    """Consecutive prefill rows of one kind: ``first`` chunks or ``context`` continuations."""
+    """Consecutive prefill rows of one kind: ``first`` chunks, ``context`` continuations or
+    ``verify`` rows (speculative verification under async scheduling:
+    :meth:`KvarnMetadataBuilder._prefill_runs`)."""
 
     kind: str
     req_start: int
@@ -261,7 +263,7 @@ class PrefillRun:
     seq_lens: list[int] = field(default_factory=list)
     cu_host: list[int] = field(default_factory=list)
     #: ``context`` runs: kvarn-kernels' schedule of the run, built once here and shared by
-    #: every layer's ``prefill_attention`` (saves each layer the planning and two copies).
+    #: every layer's ``prefill_attention`` (saves each layer the planning and its copy).
     context_plan: ContextPlan | None = None
 
 
@@ -344,7 +346,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.runtime.ensure_decode_workspace(num_decodes)
         runs: list[PrefillRun] = []
         if num_prefills:
-            runs = self._prefill_runs(cam, num_decodes, self.kv_cache_spec)
+            runs = self._prefill_runs(
+                cam, num_decodes, self.kv_cache_spec, exact_host_lens=not self.runtime.spec_margin
+            )
         return KvarnMetadata(
             runtime=self.runtime,
             block_to_slot=table,
@@ -362,26 +366,43 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
 
     @staticmethod
     def _prefill_runs(
-        cam: CommonAttentionMetadata, first_row: int, spec: AttentionSpec
+        cam: CommonAttentionMetadata,
+        first_row: int,
+        spec: AttentionSpec,
+        exact_host_lens: bool = True,
     ) -> list[PrefillRun]:
+        """The batch's rows from ``first_row`` on, in runs of one kind: ``first`` chunks,
+        ``context`` continuations (planned on the host lengths) and ``verify`` rows.
+
+        ``exact_host_lens`` is False under async scheduling with speculative decoding: vLLM's
+        host lengths then assume every draft of the previous step was accepted, which holds
+        for prefill rows but not for verify rows (``is_prefilling`` False). Those rows become
+        ``verify`` runs, attended by the fused kernel on the device lengths (a plan on the
+        host lengths would put their queries past the true end of the context)."""
         qsl = cam.query_start_loc_cpu.numpy()[: cam.num_reqs + 1]
         seq_cpu = cam.seq_lens_cpu_upper_bound
         if seq_cpu is None:
             seq_cpu = cam.seq_lens.to("cpu")
         seq = seq_cpu.numpy()[: cam.num_reqs].astype(np.int64)
         q_lens = np.diff(qsl).astype(np.int64)
+        prefilling = None if cam.is_prefilling is None else cam.is_prefilling.cpu().numpy()
+
+        def kind_of(r: int) -> str:
+            if seq[r] == q_lens[r]:
+                return "first"
+            if exact_host_lens or (prefilling is not None and bool(prefilling[r])):
+                return "context"
+            return "verify"
+
         runs: list[PrefillRun] = []
         row = first_row
         while row < cam.num_reqs:
             if q_lens[row] == 0:
                 row += 1
                 continue
-            kind = "first" if seq[row] == q_lens[row] else "context"
+            kind = kind_of(row)
             end = row + 1
-            while end < cam.num_reqs and q_lens[end] > 0:
-                end_kind = "first" if seq[end] == q_lens[end] else "context"
-                if end_kind != kind:
-                    break
+            while end < cam.num_reqs and q_lens[end] > 0 and kind_of(end) == kind:
                 end += 1
             t0, t1 = int(qsl[row]), int(qsl[end])
             cu = cam.query_start_loc[row : end + 1] - t0
@@ -611,6 +632,23 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                 if run.kind == "first":
                     with _prof_range("kvarn: first chunk"):
                         self._first_chunk(q[t0:t1], k[t0:t1], v[t0:t1], out[t0:t1], run)
+                    continue
+                if run.kind == "verify":
+                    with _prof_range("kvarn: verify"):
+                        kk.prefill_attention(
+                            self.fmt,
+                            q[t0:t1],
+                            kv_cache,
+                            pools.k,
+                            pools.v,
+                            meta.block_table[run.req_start : run.req_end],
+                            run.cu_seqlens,
+                            meta.seq_lens[run.req_start : run.req_end],
+                            meta.block_to_slot,
+                            self.scale,
+                            out=out[t0:t1],
+                            method="fused",
+                        )
                     continue
                 with _prof_range("kvarn: context chunk"):
                     kk.prefill_attention(
