@@ -633,24 +633,17 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                     with _prof_range("kvarn: first chunk"):
                         self._first_chunk(q[t0:t1], k[t0:t1], v[t0:t1], out[t0:t1], run)
                     continue
-                if run.kind == "verify":
-                    with _prof_range("kvarn: verify"):
-                        kk.prefill_attention(
-                            self.fmt,
-                            q[t0:t1],
-                            kv_cache,
-                            pools.k,
-                            pools.v,
-                            meta.block_table[run.req_start : run.req_end],
-                            run.cu_seqlens,
-                            meta.seq_lens[run.req_start : run.req_end],
-                            meta.block_to_slot,
-                            self.scale,
-                            out=out[t0:t1],
-                            method="fused",
-                        )
-                    continue
-                with _prof_range("kvarn: context chunk"):
+                # verify rows: the fused kernel on the device lengths (their host lengths
+                # may be optimistic); continuations: the step's plan and vLLM's FA3
+                how: dict[str, Any] = (
+                    {"method": "fused"}
+                    if run.kind == "verify"
+                    else {
+                        "varlen_attention": self._varlen_attention(),
+                        "context_plan": run.context_plan,
+                    }
+                )
+                with _prof_range(f"kvarn: {run.kind} rows"):
                     kk.prefill_attention(
                         self.fmt,
                         q[t0:t1],
@@ -663,8 +656,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                         meta.block_to_slot,
                         self.scale,
                         out=out[t0:t1],
-                        varlen_attention=self._varlen_attention(),
-                        context_plan=run.context_plan,
+                        **how,
                     )
         return output
 
