@@ -345,14 +345,15 @@ def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path
 
 def test_async_spec_verify_rows_use_the_device_lengths(kvarn: None, qwen3_dir: Path) -> None:
     """Under async scheduling with drafts, vLLM's host lengths of verify rows assume every
-    draft was accepted: those rows become ``verify`` runs (fused kernel, device lengths) and
-    carry no host plan; rows still in their prompt stay ``context`` runs."""
+    draft was accepted: those rows become ``verify`` runs (decode rows on the device lengths)
+    and carry no host plan; rows still in their prompt stay ``context`` runs."""
     from kvarn_vllm.backend import KvarnMetadataBuilder
 
     config = _config(qwen3_dir)
     spec = _attention_layers(config, 1)[0].get_kv_cache_spec(config)
     # rows: a decode, a prompt continuation (3 after 200), two verify rows (4 tokens each)
     cam = _batch([0, 1, 4, 8, 12], [40, 203, 60, 90], 4)
+    cam.block_table_tensor = torch.arange(16, dtype=torch.int32).view(4, 4)
     cam.is_prefilling = torch.tensor([False, True, False, False])
     runs = KvarnMetadataBuilder._prefill_runs(cam, 1, spec, exact_host_lens=False)
     assert [(r.kind, r.req_start, r.req_end) for r in runs] == [
@@ -360,6 +361,11 @@ def test_async_spec_verify_rows_use_the_device_lengths(kvarn: None, qwen3_dir: P
         ("verify", 2, 4),
     ]
     assert runs[0].context_plan is not None and runs[1].context_plan is None
+    # the verify rows as decode rows: one per query token, seeing up to and including itself
+    verify = runs[1]
+    assert verify.verify_seq_lens is not None and verify.verify_block_table is not None
+    assert verify.verify_seq_lens.tolist() == [57, 58, 59, 60, 87, 88, 89, 90]
+    assert torch.equal(verify.verify_block_table, cam.block_table_tensor[[2, 2, 2, 2, 3, 3, 3, 3]])
     # exact host lengths (no async drafts): one continuation run, planned
     (run,) = KvarnMetadataBuilder._prefill_runs(cam, 1, spec)
     assert (run.kind, run.req_start, run.req_end) == ("context", 1, 4)

@@ -50,7 +50,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.utils import record_function_or_nullcontext as _prof_range
 
 from kvarn_format import DENSE_DTYPES, DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype
-from kvarn_vllm.runtime import DirectTiles, KvarnGroupRuntime
+from kvarn_vllm.runtime import DirectTiles, KvarnGroupRuntime, host_ints_to
 from kvarn_vllm.specs import KvarnFullAttentionSpec, lookup_tile_stride
 
 if TYPE_CHECKING:
@@ -265,6 +265,10 @@ class PrefillRun:
     #: ``context`` runs: kvarn-kernels' schedule of the run, built once here and shared by
     #: every layer's ``prefill_attention`` (saves each layer the planning and its copy).
     context_plan: ContextPlan | None = None
+    #: ``verify`` runs, attended as decode rows: one row per query token, with its request's
+    #: block-table row and the device length up to and including that token.
+    verify_block_table: torch.Tensor | None = None
+    verify_seq_lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -377,8 +381,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         ``exact_host_lens`` is False under async scheduling with speculative decoding: vLLM's
         host lengths then assume every draft of the previous step was accepted, which holds
         for prefill rows but not for verify rows (``is_prefilling`` False). Those rows become
-        ``verify`` runs, attended by the fused kernel on the device lengths (a plan on the
-        host lengths would put their queries past the true end of the context)."""
+        ``verify`` runs (a plan on the host lengths would put their queries past the true end
+        of the context): each query token is attended as a decode row, on the device length
+        up to and including it, by the decode kernel."""
         qsl = cam.query_start_loc_cpu.numpy()[: cam.num_reqs + 1]
         seq_cpu = cam.seq_lens_cpu_upper_bound
         if seq_cpu is None:
@@ -408,7 +413,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             cu = cam.query_start_loc[row : end + 1] - t0
             cu_host = [int(x) - t0 for x in qsl[row : end + 1]]
             seq_host = [int(x) for x in seq[row:end]]
-            plan = None
+            plan = verify_table = verify_lens = None
+            if kind == "verify":
+                verify_table, verify_lens = _verify_rows(cam, row, end, q_lens)
             if kind == "context":
                 plan = _kernels().plan_prefill_context(
                     spec.block_size,
@@ -433,10 +440,28 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                     seq_lens=seq_host,
                     cu_host=cu_host,
                     context_plan=plan,
+                    verify_block_table=verify_table,
+                    verify_seq_lens=verify_lens,
                 )
             )
             row = end
         return runs
+
+
+def _verify_rows(
+    cam: CommonAttentionMetadata, row: int, end: int, q_lens: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``row .. end - 1`` as decode rows, one per query token: the request's block-table
+    row, and the device length minus the request's later query tokens (token ``i`` of ``n``
+    sees the context up to itself). One host-to-device copy; no host sync."""
+    n = q_lens[row:end]
+    owner = np.repeat(np.arange(row, end), n)
+    later = np.concatenate([np.arange(k - 1, -1, -1) for k in n])
+    idx = host_ints_to(np.stack([owner, later]).ravel().tolist(), cam.seq_lens.device, torch.int64)
+    owner_dev, later_dev = idx.view(2, -1)
+    table = cam.block_table_tensor.index_select(0, owner_dev)
+    lens = (cam.seq_lens.index_select(0, owner_dev) - later_dev).to(torch.int32)
+    return table, lens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,17 +658,25 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                     with _prof_range("kvarn: first chunk"):
                         self._first_chunk(q[t0:t1], k[t0:t1], v[t0:t1], out[t0:t1], run)
                     continue
-                # verify rows: the fused kernel on the device lengths (their host lengths
-                # may be optimistic); continuations: the step's plan and vLLM's FA3
-                how: dict[str, Any] = (
-                    {"method": "fused"}
-                    if run.kind == "verify"
-                    else {
-                        "varlen_attention": self._varlen_attention(),
-                        "context_plan": run.context_plan,
-                    }
-                )
-                with _prof_range(f"kvarn: {run.kind} rows"):
+                if run.kind == "verify":
+                    # one decode row per query token, on the device lengths (the host ones
+                    # may be optimistic)
+                    assert run.verify_block_table is not None and run.verify_seq_lens is not None
+                    with _prof_range("kvarn: verify rows"):
+                        kk.decode_attention(
+                            self.fmt,
+                            q[t0:t1],
+                            kv_cache,
+                            pools.k,
+                            pools.v,
+                            run.verify_block_table,
+                            run.verify_seq_lens,
+                            meta.block_to_slot,
+                            self.scale,
+                            out=out[t0:t1],
+                        )
+                    continue
+                with _prof_range("kvarn: context rows"):
                     kk.prefill_attention(
                         self.fmt,
                         q[t0:t1],
@@ -656,7 +689,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                         meta.block_to_slot,
                         self.scale,
                         out=out[t0:t1],
-                        **how,
+                        varlen_attention=self._varlen_attention(),
+                        context_plan=run.context_plan,
                     )
         return output
 
