@@ -396,7 +396,8 @@ def test_async_spec_verify_rows_attend_on_device_lengths(kvarn: None, llama_dir6
     the exact one (decode rows on the device lengths), next to a prompt continuation planned
     on the host lengths and a decode row."""
     h = _Harness(llama_dir64)
-    h.builder.runtime.spec_margin = 3
+    h.builder.runtime.spec_margin = 3  # async scheduling with 3 drafts
+    h.builder.runtime.verify_width = 4
     gen = torch.Generator().manual_seed(6)
 
     def toks(n: int) -> list[int]:

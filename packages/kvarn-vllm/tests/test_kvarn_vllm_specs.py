@@ -343,10 +343,12 @@ def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path
     assert grp.cu_seqlens.tolist() == [[0, 3, 5], [0, 203, 212]]
 
 
-def test_async_spec_verify_rows_use_the_device_lengths(kvarn: None, qwen3_dir: Path) -> None:
-    """Under async scheduling with drafts, vLLM's host lengths of verify rows assume every
-    draft was accepted: those rows become ``verify`` runs (decode rows on the device lengths)
-    and carry no host plan; rows still in their prompt stay ``context`` runs."""
+def test_verify_rows_attend_as_decode_rows(kvarn: None, qwen3_dir: Path) -> None:
+    """Speculative verify rows (past the prompt, at most 1 + drafts tokens) become ``verify``
+    runs, one decode row per query token on the device lengths, with no host plan; rows still
+    in their prompt stay planned ``context`` runs. Under async scheduling vLLM's host lengths
+    of verify rows are optimistic, so without ``is_prefilling`` every short continuation is
+    a verify run there, and none is when the host lengths are exact."""
     from kvarn_vllm.backend import KvarnMetadataBuilder
 
     config = _config(qwen3_dir)
@@ -355,25 +357,58 @@ def test_async_spec_verify_rows_use_the_device_lengths(kvarn: None, qwen3_dir: P
     cam = _batch([0, 1, 4, 8, 12], [40, 203, 60, 90], 4)
     cam.block_table_tensor = torch.arange(16, dtype=torch.int32).view(4, 4)
     cam.is_prefilling = torch.tensor([False, True, False, False])
-    runs = KvarnMetadataBuilder._prefill_runs(cam, 1, spec, exact_host_lens=False)
-    assert [(r.kind, r.req_start, r.req_end) for r in runs] == [
-        ("context", 1, 2),
-        ("verify", 2, 4),
-    ]
-    assert runs[0].context_plan is not None and runs[1].context_plan is None
-    # the verify rows as decode rows: one per query token, seeing up to and including itself
-    verify = runs[1]
-    assert verify.verify_seq_lens is not None and verify.verify_block_table is not None
-    assert verify.verify_seq_lens.tolist() == [57, 58, 59, 60, 87, 88, 89, 90]
-    assert torch.equal(verify.verify_block_table, cam.block_table_tensor[[2, 2, 2, 2, 3, 3, 3, 3]])
-    # exact host lengths (no async drafts): one continuation run, planned
-    (run,) = KvarnMetadataBuilder._prefill_runs(cam, 1, spec)
-    assert (run.kind, run.req_start, run.req_end) == ("context", 1, 4)
-    assert run.context_plan is not None
-    # without is_prefilling, every continuation row is attended on the device lengths
+
+    def runs(**kw: Any) -> list[Any]:
+        return KvarnMetadataBuilder._prefill_runs(cam, 1, spec, **kw)
+
+    for exact in (True, False):
+        context, verify = runs(verify_width=4, exact_host_lens=exact)
+        assert [(r.kind, r.req_start, r.req_end) for r in (context, verify)] == [
+            ("context", 1, 2),
+            ("verify", 2, 4),
+        ]
+        assert context.context_plan is not None and verify.context_plan is None
+        # one decode row per query token, seeing up to and including itself
+        assert verify.verify_seq_lens is not None and verify.verify_block_table is not None
+        assert verify.verify_seq_lens.tolist() == [57, 58, 59, 60, 87, 88, 89, 90]
+        assert torch.equal(
+            verify.verify_block_table, cam.block_table_tensor[[2, 2, 2, 2, 3, 3, 3, 3]]
+        )
+    # no drafts (verify width 0), or rows wider than a verify: planned continuations
+    for width in (0, 3):
+        (run,) = runs(verify_width=width)
+        assert (run.kind, run.req_start, run.req_end) == ("context", 1, 4)
+        assert run.context_plan is not None
+    # without is_prefilling: short continuations are verify runs only when the host lengths
+    # may be optimistic
     cam.is_prefilling = None
-    (run,) = KvarnMetadataBuilder._prefill_runs(cam, 1, spec, exact_host_lens=False)
+    (run,) = runs(verify_width=4, exact_host_lens=False)
     assert (run.kind, run.context_plan) == ("verify", None)
+    (run,) = runs(verify_width=4)
+    assert run.kind == "context"
+
+
+@pytest.mark.parametrize("async_drafts", [False, True])
+def test_runtime_knows_the_verify_width_and_async_drafts(
+    kvarn: None, qwen3_dir: Path, async_drafts: bool
+) -> None:
+    """The builder's verify rows are 1 + drafts tokens wide, and the runtime knows when
+    vLLM schedules asynchronously with drafts (host lengths of verify rows then optimistic).
+    The CPU platform turns async scheduling off; on a GPU vLLM keeps it on by default for
+    EAGLE and GPU n-gram drafts, set here by hand."""
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+
+    config = _config(
+        qwen3_dir,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    )
+    config.scheduler_config.async_scheduling = async_drafts
+    config.cache_config.num_gpu_blocks = 8
+    layers = _attention_layers(config, 1)
+    spec = layers[0].get_kv_cache_spec(config)
+    rt = KvarnMetadataBuilder(spec, [layers[0].layer_name], config, torch.device("cpu")).runtime
+    assert rt.verify_width == 4
+    assert rt.spec_margin == (3 if async_drafts else 0)
 
 
 def test_profiling_kv_cache_gets_a_one_slot_pool(kvarn: None, qwen3_dir: Path) -> None:

@@ -350,8 +350,13 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self.runtime.ensure_decode_workspace(num_decodes)
         runs: list[PrefillRun] = []
         if num_prefills:
+            rt = self.runtime
             runs = self._prefill_runs(
-                cam, num_decodes, self.kv_cache_spec, exact_host_lens=not self.runtime.spec_margin
+                cam,
+                num_decodes,
+                self.kv_cache_spec,
+                verify_width=rt.verify_width,
+                exact_host_lens=not rt.spec_margin,
             )
         return KvarnMetadata(
             runtime=self.runtime,
@@ -373,17 +378,22 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         cam: CommonAttentionMetadata,
         first_row: int,
         spec: AttentionSpec,
+        verify_width: int = 0,
         exact_host_lens: bool = True,
     ) -> list[PrefillRun]:
         """The batch's rows from ``first_row`` on, in runs of one kind: ``first`` chunks,
         ``context`` continuations (planned on the host lengths) and ``verify`` rows.
 
-        ``exact_host_lens`` is False under async scheduling with speculative decoding: vLLM's
-        host lengths then assume every draft of the previous step was accepted, which holds
-        for prefill rows but not for verify rows (``is_prefilling`` False). Those rows become
-        ``verify`` runs (a plan on the host lengths would put their queries past the true end
-        of the context): each query token is attended as a decode row, on the device length
-        up to and including it, by the decode kernel."""
+        A verify row is a speculative verification: a request past its prompt
+        (``is_prefilling`` False) scheduling at most ``verify_width`` (1 + drafts) tokens.
+        Each of its query tokens is attended as a decode row, on the device length up to and
+        including it, by the decode kernel: a few decode rows beat the planned path's host
+        time, and under async scheduling (``exact_host_lens`` False) they are also the only
+        correct path, because vLLM's host lengths of verify rows then assume every draft of
+        the previous step was accepted and a plan on them would put the queries past the true
+        end of the context. Without ``is_prefilling`` in the metadata, continuation rows of at
+        most ``verify_width`` tokens count as verify rows when the host lengths are not exact
+        (on the device lengths, any row is attended correctly)."""
         qsl = cam.query_start_loc_cpu.numpy()[: cam.num_reqs + 1]
         seq_cpu = cam.seq_lens_cpu_upper_bound
         if seq_cpu is None:
@@ -395,9 +405,11 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         def kind_of(r: int) -> str:
             if seq[r] == q_lens[r]:
                 return "first"
-            if exact_host_lens or (prefilling is not None and bool(prefilling[r])):
-                return "context"
-            return "verify"
+            if q_lens[r] <= verify_width and (
+                not bool(prefilling[r]) if prefilling is not None else not exact_host_lens
+            ):
+                return "verify"
+            return "context"
 
         runs: list[PrefillRun] = []
         row = first_row

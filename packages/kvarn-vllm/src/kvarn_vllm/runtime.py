@@ -129,6 +129,8 @@ class KvarnGroupRuntime:
         self.pool_rows = dense_pool_rows(fmt, spec.head_size, shadow=self.shadow_rows)
         self.prefix_caching = bool(cache.enable_prefix_caching)
         self.spec_margin = limits.spec_margin
+        #: Query tokens of a speculative verify row (1 + drafts); 0 without drafts.
+        self.verify_width = limits.spec_tokens + 1 if limits.spec_tokens else 0
         self.direct_flush = limits.direct_flush
         # The current step's direct tiles (host lists from the tracker), uploaded once per
         # step by the first build that needs them.
