@@ -73,10 +73,10 @@ def _decode_v4(
     d: int = 128,
     qpk: int = 4,
     fast: bool = True,
-    pool_batched: bool = False,
+    round7: bool = False,
 ) -> Any:
-    """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``pool_batched``:
-    ``variant="v4b"``'s pool phase)."""
+    """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``round7``:
+    ``variant="v4b"``)."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
@@ -97,7 +97,8 @@ def _decode_v4(
         SCAN=64,
         NUM_SPLITS=4,
         FAST_UNPACK=fast,
-        POOL_BATCHED=pool_batched,
+        POOL_BATCHED=round7,
+        WIDE_SCALES=round7,
     )
     return compile_kernel(decode_v4_kernel, DECODE_SIG, consts, warps, stages)
 
@@ -238,7 +239,7 @@ for _tok in (False, True):
         )
 
 
-def _decode_v4_default(name: str, d: int, qpk: int, pool_batched: bool = False) -> Any:
+def _decode_v4_default(name: str, d: int, qpk: int, round7: bool = False) -> Any:
     """v4 (or v4b) with ``decode_v4_config``'s shape, as ``decode_attention`` launches it."""
     from kvarn_kernels.decode_v4 import decode_v4_config
 
@@ -250,7 +251,7 @@ def _decode_v4_default(name: str, d: int, qpk: int, pool_batched: bool = False) 
         cfg["num_stages"],
         d,
         qpk,
-        pool_batched=pool_batched,
+        round7=round7,
     )
 
 
@@ -277,7 +278,7 @@ for _n, _d, _qpk in (
     ("kvarn_k4v2_g64", 128, 16),
 ):
     variant(f"decode_v4b default {_n} d{_d} qpk{_qpk}")(
-        lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v4_default(_n, _d, _qpk, pool_batched=True)
+        lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v4_default(_n, _d, _qpk, round7=True)
     )
 
 

@@ -670,10 +670,10 @@ def _launch_v4(
     block_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
-    pool_batched: bool = False,
+    round7: bool = False,
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
-    ``pool_batched``: its pool phase one block at a time across the warps (``variant="v4b"``)."""
+    ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``)."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
 
     t = int(block_table.shape[0])
@@ -710,7 +710,8 @@ def _launch_v4(
         SCAN=cfg["scan"],
         NUM_SPLITS=num_splits,
         FAST_UNPACK=fast,
-        POOL_BATCHED=pool_batched,
+        POOL_BATCHED=round7,
+        WIDE_SCALES=round7,
         num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
     )
@@ -772,7 +773,7 @@ def _launch(
             block_n,
             num_warps,
             num_stages,
-            pool_batched=variant == "v4b",
+            round7=variant == "v4b",
         )
     else:
         if decode:

@@ -27,9 +27,9 @@ the static analysis of small Triton kernels (``scripts/static_kernels.py``):
 * **Pool blocks** (the sink and the in-progress tile, fp16) are masked out of the main loop
   (their record bytes are unused: scales zeroed, scores ``-inf``) and attended in a second,
   short phase over the split's pool-resident blocks, found with a vectorized scan of the
-  block table: one 64-token chunk at a time across the warps, or (``POOL_BATCHED``, round 7)
-  one block at a time, each warp on its own ``G / W`` rows. A pool block's record area holds random bytes, or with shadow rows the
-  tile's first ``SHADOW`` fp16 rows (``_common.pool_row_ptrs``) then random bytes, so every
+  block table: one 64-token chunk at a time across the warps, or (``POOL_BATCHED``, round
+  7) one block at a time, each warp on its own ``G / W`` rows. A pool block's record area
+  holds random bytes, or with shadow rows the tile's first ``SHADOW`` fp16 rows (``_common.pool_row_ptrs``) then random bytes, so every
   value the main loop reads from it as a float is dropped with ``tl.where`` (never multiplied
   by zero: ``NaN * 0`` is NaN); the codes are always finite (``1024 + code``).
 
@@ -111,8 +111,8 @@ def _f16_halves(words, SHIFT: tl.constexpr):
 
 @triton.jit
 def _paired_v_scale(packed, vcw, F: tl.constexpr):
-    """(v4b) ``2 * s_col_V`` of field ``F`` of each V byte from the one wide load ``vcw`` of
-    the byte's channel scales; fp32, zero for pool blocks."""
+    """(``WIDE_SCALES``) ``2 * s_col_V`` of field ``F`` of each V byte from the one wide load
+    ``vcw`` of the byte's channel scales; fp32, zero for pool blocks."""
     return tl.where(packed[:, None], _f16_halves(vcw, 16 * F).to(tl.float32), 0.0) * 2.0
 
 
@@ -170,17 +170,18 @@ def decode_v4_kernel(
     NUM_SPLITS: tl.constexpr,
     FAST_UNPACK: tl.constexpr,
     POOL_BATCHED: tl.constexpr = False,
+    WIDE_SCALES: tl.constexpr = False,
 ):
     """One program per (request, KV head, split); ``W`` chunks of ``BN`` tokens per step.
 
     Writes the split's normalized partial output (``O_PART``, fp32, rotated frame, natural
     channel order) and base-2 LSE (``LSE_PART``), like v1's kernel. ``SHADOW``: the pool holds
     ``G - SHADOW`` rows per slot; a pool tile's first rows are in its block's record area.
-    ``POOL_BATCHED`` (``variant="v4b"``, round 7): the pool phase takes one pool block per
-    step, ``G / W`` rows per warp with per-warp softmax states (merged at the end, like the
-    main loop's), instead of 64-token chunks one at a time across the warps; and the main
-    loop reads each token pair's scale fields, and each V byte's channel scales, with one
-    wide load instead of 2-byte loads.
+    Round 7 (``variant="v4b"`` sets both): ``POOL_BATCHED``, the pool phase takes one pool
+    block per step, ``G / W`` rows per warp with per-warp softmax states (merged at the end,
+    like the main loop's), instead of 64-token chunks one at a time across the warps;
+    ``WIDE_SCALES``, the main loop reads each token pair's scale fields, and each V byte's
+    channel scales, with one wide load instead of 2-byte loads.
     """
     tl.static_assert(KB == 4, "v4 takes 4-bit keys")
     tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
@@ -257,7 +258,7 @@ def decode_v4_kernel(
         kzp = (rec[:, None] + OFF_KZ).to(f16) + dd[None, :]
         ks = (tl.where(packed[:, None], tl.load(ksp), 0.0) * 0.5)[:, :, None]  # [W, D, 1]
         kz = (tl.where(packed[:, None], tl.load(kzp), 0.0) * 0.5)[:, :, None]
-        if POOL_BATCHED:
+        if WIDE_SCALES:
             # (v4b) The per-token fields of an even/odd token pair share one 32-bit word: one
             # load for both. v4's 2-byte loads at stride 2 are neither vectorized nor
             # pipelined (cp.async moves 4 bytes or more): ten per step, each a global-memory
@@ -282,7 +283,7 @@ def decode_v4_kernel(
         vrow_e = rec[:, None, None] + OFF_VC + tok_e[:, :, None] * V_ROW + nv[None, None, :]
         vb_e = tl.load(vrow_e)
         vb_o = tl.load(vrow_e + V_ROW)
-        if POOL_BATCHED:
+        if WIDE_SCALES:
             vsw = tl.load((rec[:, None] + OFF_VS).to(i32p) + pair)
             vzw = tl.load((rec[:, None] + OFF_VZ).to(i32p) + pair)
             vs_e = tl.where(live_e, _f16_halves(vsw, 0), 0.0)[:, :, None] * 0.5
@@ -309,7 +310,7 @@ def decode_v4_kernel(
         pv = tl.dot(p_o16, (o0_ - 1024.0) * vs_o + vz_o, pv)
         vcs = (
             _paired_v_scale(packed, vcw, 0)
-            if POOL_BATCHED
+            if WIDE_SCALES
             else tl.where(packed[:, None], tl.load(vcp).to(tl.float32), 0.0) * 2.0
         )
         acc0 = acc0 * a3 + pv * vcs[:, None, :]
@@ -317,7 +318,7 @@ def decode_v4_kernel(
         pv = tl.dot(p_o16, (o1_ - 1024.0) * vs_o + vz_o, pv)
         vcs = (
             _paired_v_scale(packed, vcw, 1)
-            if POOL_BATCHED
+            if WIDE_SCALES
             else tl.where(packed[:, None], tl.load(vcp + 1).to(tl.float32), 0.0) * 2.0
         )
         acc1 = acc1 * a3 + pv * vcs[:, None, :]
@@ -326,7 +327,7 @@ def decode_v4_kernel(
             pv = tl.dot(p_o16, (o2_ - 1024.0) * vs_o + vz_o, pv)
             vcs = (
                 _paired_v_scale(packed, vcw, 2)
-                if POOL_BATCHED
+                if WIDE_SCALES
                 else tl.where(packed[:, None], tl.load(vcp + 2).to(tl.float32), 0.0) * 2.0
             )
             acc2 = acc2 * a3 + pv * vcs[:, None, :]
@@ -334,7 +335,7 @@ def decode_v4_kernel(
             pv = tl.dot(p_o16, (o3_ - 1024.0) * vs_o + vz_o, pv)
             vcs = (
                 _paired_v_scale(packed, vcw, 3)
-                if POOL_BATCHED
+                if WIDE_SCALES
                 else tl.where(packed[:, None], tl.load(vcp + 3).to(tl.float32), 0.0) * 2.0
             )
             acc3 = acc3 * a3 + pv * vcs[:, None, :]
