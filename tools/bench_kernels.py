@@ -375,23 +375,15 @@ def bench_store(
 PREFILL_SHAPES = ((14336, 2048), (16320, 64))
 
 
-def bench_prefill(
-    fmt_name: str,
-    ctx_before: int,
-    q_len: int,
-    bsz: int,
-    block_m: int | None = None,
-    **kw: Any,
-) -> dict[str, Any]:
-    """``kw`` goes to ``prefill_attention`` (``method``, ``sdpa_backend``, ...); for
-    ``method="dequant"`` the batch's ``context_plan`` is built once, as the plugin does."""
+def prefill_case(fmt_name: str, ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
+    """``bsz`` requests of ``q_len`` query tokens after ``ctx_before`` cached ones: packed
+    records, the sink and the tiles from the chunk's first on in the fp16 pool (as a server
+    keeps an unflushed chunk), queries, lengths and host copies."""
     import torch
 
     from kvarn_format import parse_cache_dtype
-    from kvarn_kernels import prefill_attention
 
-    fmt = parse_cache_dtype(fmt_name)
-    g = fmt.group
+    g = parse_cache_dtype(fmt_name).group
     seq = ctx_before + q_len
     nb = -(-seq // g)
     num_blocks = bsz * nb
@@ -407,24 +399,49 @@ def bench_prefill(
         b2s[blocks] = torch.arange(
             b * n_pool, b * n_pool + blocks.numel(), dtype=torch.int32, device="cuda"
         )
-    q = torch.randn(bsz * q_len, HQ, D, device="cuda").half()
-    qsl = torch.arange(0, bsz + 1, dtype=torch.int32, device="cuda") * q_len
-    seqs = torch.full((bsz,), seq, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q)
+    return {
+        "kv": kv,
+        "bt": bt,
+        "pool_k": pool_k,
+        "pool_v": pool_v,
+        "b2s": b2s,
+        "q": torch.randn(bsz * q_len, HQ, D, device="cuda").half(),
+        "qsl": torch.arange(0, bsz + 1, dtype=torch.int32, device="cuda") * q_len,
+        "seqs": torch.full((bsz,), seq, dtype=torch.int32, device="cuda"),
+        "seq_host": [seq] * bsz,
+        "qsl_host": [q_len * i for i in range(bsz + 1)],
+        "group": g,
+    }
+
+
+def bench_prefill(
+    fmt_name: str,
+    ctx_before: int,
+    q_len: int,
+    bsz: int,
+    block_m: int | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """``kw`` goes to ``prefill_attention`` (``method``, ``sdpa_backend``, ...); for
+    ``method="dequant"`` the batch's ``context_plan`` is built once, as the plugin does."""
+    import torch
+
+    from kvarn_kernels import plan_prefill_context, prefill_attention
+
+    c = prefill_case(fmt_name, ctx_before, q_len, bsz)
+    out = torch.empty_like(c["q"])
     if block_m is not None:
         kw["block_m"] = block_m
         kw.setdefault("method", "fused")
     if kw.get("method", "dequant") == "dequant":
-        from kvarn_kernels import plan_prefill_context
-
         # One plan per batch, built before the step and shared by its layers, as the plugin
         # builds it: the timed call is one layer's.
         kw.setdefault(
             "context_plan",
             plan_prefill_context(
-                g,
-                [seq] * bsz,
-                [q_len * i for i in range(bsz + 1)],
+                c["group"],
+                c["seq_host"],
+                c["qsl_host"],
                 num_kv_heads=HK,
                 head_dim=D,
                 device="cuda",
@@ -432,14 +449,88 @@ def bench_prefill(
         )
     else:
         kw.setdefault("method", "fused")
+    args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
     us, mode = timed(
-        lambda: prefill_attention(
-            fmt, q, kv, pool_k, pool_v, bt, qsl, seqs, b2s, D**-0.5, out=out, **kw
-        ),
-        graph=False,
+        lambda: prefill_attention(fmt_name, c["q"], *args, D**-0.5, out=out, **kw), graph=False
     )
     flops = bsz * 4 * HQ * D * (q_len * ctx_before + q_len * q_len / 2)
     return {"us": us, "mode": mode, "tflops": flops / (us * 1e-6) / 1e12}
+
+
+def bench_verify(fmt_name: str, ctx_before: int, width: int, bsz: int) -> list[dict[str, Any]]:
+    """Speculative verify rows (``width`` = 1 + drafts query tokens after ``ctx_before``), one
+    layer, eager as a server runs them: as decode rows (one per query token on its own
+    length: what the plugin does), planned dequantize-then-attention (vLLM's FA3 when
+    importable), and the fused prefill kernel. Outputs are cross-checked against the first."""
+    import torch
+
+    from kvarn_kernels import decode_attention, plan_prefill_context, prefill_attention
+
+    c = prefill_case(fmt_name, ctx_before, width, bsz)
+    seq = ctx_before + width
+    # the decode rows, built once per step by the plugin's builder
+    owner = torch.arange(bsz, device="cuda").repeat_interleave(width)
+    later = torch.arange(width - 1, -1, -1, device="cuda").repeat(bsz)
+    rows_bt = c["bt"].index_select(0, owner)
+    rows_len = (seq - later).to(torch.int32)
+    plan = plan_prefill_context(
+        c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=HK, head_dim=D, device="cuda"
+    )
+    try:
+        fa: Any = {"varlen_attention": vllm_fa3()}
+    except Exception:  # without vLLM: torch's FlashAttention
+        fa = {}
+    out = torch.empty_like(c["q"])
+    common = (c["pool_k"], c["pool_v"])
+    paths: dict[str, Callable[[], Any]] = {
+        "decode rows": lambda: decode_attention(
+            fmt_name, c["q"], c["kv"], *common, rows_bt, rows_len, c["b2s"], D**-0.5, out=out
+        ),
+        "planned": lambda: prefill_attention(
+            fmt_name,
+            c["q"],
+            c["kv"],
+            *common,
+            c["bt"],
+            c["qsl"],
+            c["seqs"],
+            c["b2s"],
+            D**-0.5,
+            out=out,
+            context_plan=plan,
+            **fa,
+        ),
+        "fused": lambda: prefill_attention(
+            fmt_name,
+            c["q"],
+            c["kv"],
+            *common,
+            c["bt"],
+            c["qsl"],
+            c["seqs"],
+            c["b2s"],
+            D**-0.5,
+            out=out,
+            method="fused",
+        ),
+    }
+
+    def timed_with_output(fn: Callable[[], Any]) -> dict[str, Any]:
+        us, mode = timed(fn, graph=False)
+        fn()
+        return {"us": us, "mode": mode, "out": out.float().clone()}
+
+    rows: list[dict[str, Any]] = []
+    base = None
+    for name, fn in paths.items():
+        r = guarded(lambda fn=fn: timed_with_output(fn))
+        o = r.pop("out", None)
+        if o is not None:
+            base = o if base is None else base
+            r["rel_diff_vs_first"] = float((o - base).norm() / base.norm())
+        rows.append({"B": bsz, "ctx": ctx_before, "width": width, "path": name, **r})
+        log(f"verify B={bsz} ctx={ctx_before} width={width} {name}: {r}")
+    return rows
 
 
 def bench_sdpa_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
@@ -506,7 +597,11 @@ def bench_fa3_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
 def run_variants(parts: set[str]) -> dict[str, Any]:
     import torch
 
-    out: dict[str, Any] = {"decode": [], "store": [], "prefill": []}
+    out: dict[str, Any] = {"decode": [], "store": [], "prefill": [], "verify": []}
+    # Speculative verify rows (3 drafts): which path the plugin should take (it takes decode
+    # rows; chosen without a GPU timing, docs/kernel-notes.md).
+    for bsz, ctx in ((1, 16384), (8, 4096), (64, 6144)) if "verify" in parts else ():
+        out["verify"] += bench_verify("kvarn_k4v2_g128", ctx, 4, bsz)
     # (256, 6144): the serving burst's decode shape (256 requests, 6144-6656 tokens)
     for bsz, ctx in ((64, 16384), (256, 4096), (256, 6144)) if "decode" in parts else ():
         # What the fp16 sink and in-progress blocks (pool phase + their skipped records) cost:
@@ -978,7 +1073,7 @@ def main() -> None:
     ap.add_argument("--formats", help="comma-separated subset of the dense formats")
     ap.add_argument(
         "--variants",
-        help="only compare code paths: comma-separated subset of decode,store,prefill",
+        help="only compare code paths: comma-separated subset of decode,store,prefill,verify",
     )
     args = ap.parse_args()
     command = "python3 tools/bench_kernels.py " + " ".join(
