@@ -481,37 +481,17 @@ def bench_verify(fmt_name: str, ctx_before: int, width: int, bsz: int) -> list[d
     except Exception:  # without vLLM: torch's FlashAttention
         fa = {}
     out = torch.empty_like(c["q"])
-    common = (c["pool_k"], c["pool_v"])
+    cache = (c["kv"], c["pool_k"], c["pool_v"])
+    request_args = (*cache, c["bt"], c["qsl"], c["seqs"], c["b2s"], D**-0.5)
     paths: dict[str, Callable[[], Any]] = {
         "decode rows": lambda: decode_attention(
-            fmt_name, c["q"], c["kv"], *common, rows_bt, rows_len, c["b2s"], D**-0.5, out=out
+            fmt_name, c["q"], *cache, rows_bt, rows_len, c["b2s"], D**-0.5, out=out
         ),
         "planned": lambda: prefill_attention(
-            fmt_name,
-            c["q"],
-            c["kv"],
-            *common,
-            c["bt"],
-            c["qsl"],
-            c["seqs"],
-            c["b2s"],
-            D**-0.5,
-            out=out,
-            context_plan=plan,
-            **fa,
+            fmt_name, c["q"], *request_args, out=out, context_plan=plan, **fa
         ),
         "fused": lambda: prefill_attention(
-            fmt_name,
-            c["q"],
-            c["kv"],
-            *common,
-            c["bt"],
-            c["qsl"],
-            c["seqs"],
-            c["b2s"],
-            D**-0.5,
-            out=out,
-            method="fused",
+            fmt_name, c["q"], *request_args, out=out, method="fused"
         ),
     }
 
