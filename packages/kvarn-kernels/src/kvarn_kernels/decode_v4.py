@@ -117,6 +117,18 @@ def _paired_v_scale(packed, vcw, F: tl.constexpr):
 
 
 @triton.jit
+def _pool_window(bt_row, BLOCK_TO_SLOT, idx, blk_hi):
+    """A window ``idx`` of a request's block-table row (entries ``>= blk_hi`` masked): the
+    block ids, their pool slots, which are pool-resident, and each one's rank among those."""
+    ok = idx < blk_hi
+    blks = tl.load(bt_row + idx, mask=ok, other=0)
+    slots = tl.load(BLOCK_TO_SLOT + blks, mask=ok, other=-1)
+    is_pool = ok & (slots >= 0)
+    rank = tl.cumsum(is_pool.to(tl.int32), axis=0) - 1
+    return idx, blks, slots, is_pool, rank
+
+
+@triton.jit
 def _online(m, l_acc, s_e, s_o, AXIS: tl.constexpr):
     """Online-softmax step over axis ``AXIS`` (the tokens) of the even and odd score halves.
 
@@ -365,12 +377,7 @@ def decode_v4_kernel(
         sc = tl.arange(0, SCAN)
         trow = (ww[:, None] * TB + tl.arange(0, TB)[None, :]).to(tl.int64)  # [W, TB]
         for g0 in range(blk_lo, blk_hi, SCAN):
-            idx = g0 + sc
-            ok = idx < blk_hi
-            blks = tl.load(bt_row + idx, mask=ok, other=0)
-            slots = tl.load(BLOCK_TO_SLOT + blks, mask=ok, other=-1)
-            is_pool = ok & (slots >= 0)
-            rank = tl.cumsum(is_pool.to(tl.int32), axis=0) - 1
+            idx, blks, slots, is_pool, rank = _pool_window(bt_row, BLOCK_TO_SLOT, g0 + sc, blk_hi)
             for k in tl.range(0, tl.sum(is_pool.to(tl.int32), axis=0), num_stages=1):
                 sel = is_pool & (rank == k)
                 pbi = tl.sum(tl.where(sel, idx, 0), axis=0)
@@ -422,12 +429,7 @@ def decode_v4_kernel(
         sc = tl.arange(0, SCAN)
         tn = tl.arange(0, H2)
         for g0 in range(blk_lo, blk_hi, SCAN):
-            idx = g0 + sc
-            ok = idx < blk_hi
-            blks = tl.load(bt_row + idx, mask=ok, other=0)
-            slots = tl.load(BLOCK_TO_SLOT + blks, mask=ok, other=-1)
-            is_pool = ok & (slots >= 0)
-            rank = tl.cumsum(is_pool.to(tl.int32), axis=0) - 1
+            idx, blks, slots, is_pool, rank = _pool_window(bt_row, BLOCK_TO_SLOT, g0 + sc, blk_hi)
             for k in range(0, tl.sum(is_pool.to(tl.int32), axis=0)):
                 sel = is_pool & (rank == k)
                 pbi = tl.sum(tl.where(sel, idx, 0), axis=0)
