@@ -98,11 +98,8 @@ def direct_flush_setting(vllm_config: VllmConfig) -> tuple[bool, str]:
       dummy batch and replay it without the step's direct tiles. By default vLLM 0.23 splits
       the graph at that op, so the update runs eagerly and may depend on the step.
     """
-    raw = os.environ.get(DIRECT_FLUSH_ENV, "1").strip().lower()
-    if raw in ("0", "false", "off", "no"):
-        return False, f"{DIRECT_FLUSH_ENV}={raw}"
-    if raw not in ("1", "true", "on", "yes", ""):
-        raise ValueError(f"{DIRECT_FLUSH_ENV} must be 0 or 1, got {raw!r}")
+    if not _env_flag(DIRECT_FLUSH_ENV):
+        return False, f"{DIRECT_FLUSH_ENV}={os.environ[DIRECT_FLUSH_ENV].strip().lower()}"
     parallel = vllm_config.parallel_config
     if (
         bool(getattr(parallel, "enable_dbo", False))
@@ -133,11 +130,17 @@ def shadow_rows_setting() -> bool:
     (:func:`kvarn_format.geometry.shadow_rows`); env ``KVARN_SHADOW_ROWS=0`` turns it off.
     Read in the engine process (which charges the pool) and in every worker (which allocates
     it), so both must see the same environment, as with ``KVARN_DIRECT_FLUSH``."""
-    raw = os.environ.get(SHADOW_ROWS_ENV, "1").strip().lower()
+    return _env_flag(SHADOW_ROWS_ENV)
+
+
+def _env_flag(name: str) -> bool:
+    """An on/off environment switch, on when unset; anything but 0/1 (or false/true, off/on,
+    no/yes) raises."""
+    raw = os.environ.get(name, "1").strip().lower()
     if raw in ("0", "false", "off", "no"):
         return False
     if raw not in ("1", "true", "on", "yes", ""):
-        raise ValueError(f"{SHADOW_ROWS_ENV} must be 0 or 1, got {raw!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
     return True
 
 
