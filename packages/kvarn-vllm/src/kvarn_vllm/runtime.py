@@ -124,9 +124,10 @@ class KvarnGroupRuntime:
         self.profiling = cache.num_gpu_blocks is None
         limits = serving_limits(vllm_config)
         self.num_slots = 1 if self.profiling else pool_slots_for(fmt, limits)
-        # Rows per slot: a tile's first group - pool_rows rows live in its block's record area.
-        self.shadow_rows = limits.shadow_rows
-        self.pool_rows = dense_pool_rows(fmt, spec.head_size, shadow=self.shadow_rows)
+        # Rows per slot: with shadow rows on (the default), a tile's first group - pool_rows
+        # rows live in its block's record area.
+        self.shadow_on = limits.shadow_rows
+        self.pool_rows = dense_pool_rows(fmt, spec.head_size, shadow=self.shadow_on)
         self.prefix_caching = bool(cache.enable_prefix_caching)
         self.spec_margin = limits.spec_margin
         #: Query tokens of a speculative verify row (1 + drafts); 0 without drafts.
@@ -223,9 +224,7 @@ class KvarnGroupRuntime:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one slot of one layer, K and V."""
-        return dense_slot_bytes(
-            self.fmt, self.num_kv_heads, self.head_size, shadow=self.shadow_rows
-        )
+        return dense_slot_bytes(self.fmt, self.num_kv_heads, self.head_size, shadow=self.shadow_on)
 
     def pools_for(self, layer_name: str) -> PoolPair:
         return self.pools[self.pool_owner[layer_name]]
