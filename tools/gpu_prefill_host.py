@@ -38,42 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # tools/ is not a package
 
 
-def _case(fmt_name: str, ctx: int, q_len: int, bsz: int) -> dict[str, Any]:
-    """The inputs of one prefill-with-context call, laid out as ``bench_kernels`` does."""
-    import torch
-
-    from kvarn_format import parse_cache_dtype
-
-    g = parse_cache_dtype(fmt_name).group
-    seq = ctx + q_len
-    nb = -(-seq // g)
-    kv = bk.make_records(fmt_name, bsz * nb, bk.HK, bk.D, 1)
-    bt = torch.randperm(bsz * nb, device="cuda").to(torch.int32).view(bsz, nb)
-    pool_k = torch.randn(2 * bsz, g, bk.HK, bk.D, device="cuda").half()
-    b2s = torch.full((bsz * nb,), -1, dtype=torch.int32, device="cuda")
-    for b in range(bsz):  # the sink and the last block are pool-resident
-        b2s[bt[b, 0].long()] = 2 * b
-        b2s[bt[b, -1].long()] = 2 * b + 1
-    return {
-        "args": (
-            fmt_name,
-            torch.randn(bsz * q_len, bk.HQ, bk.D, device="cuda").half(),
-            kv,
-            pool_k,
-            torch.randn_like(pool_k),
-            bt,
-            torch.arange(bsz + 1, dtype=torch.int32, device="cuda") * q_len,
-            torch.full((bsz,), seq, dtype=torch.int32, device="cuda"),
-            b2s,
-            bk.D**-0.5,
-        ),
-        "kw": {
-            "seq_lens_cpu": [seq] * bsz,
-            "query_start_loc_cpu": [q_len * i for i in range(bsz + 1)],
-        },
-    }
-
-
 def parser() -> argparse.ArgumentParser:
     """The options; the default case is ``bench_kernels``' short-chunk prefill shape."""
     ctx, q_len = bk.PREFILL_SHAPES[1]
@@ -95,33 +59,31 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_prefill_host: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from kvarn_format import parse_cache_dtype
     from kvarn_kernels import plan_prefill_context, prefill_attention
 
-    case = _case(args.format, args.ctx, args.q_len, args.batch)
-    kw = dict(case["kw"])
+    # bench_kernels' prefill case: the sink and the chunk's tiles in the pool, records before
+    c = bk.prefill_case(args.format, args.ctx, args.q_len, args.batch)
+    cache = (c["kv"], c["pool_k"], c["pool_v"])
+    call_args = (args.format, c["q"], *cache, c["bt"], c["qsl"], c["seqs"], c["b2s"], bk.D**-0.5)
+    kw: dict[str, Any] = {"seq_lens_cpu": c["seq_host"], "query_start_loc_cpu": c["qsl_host"]}
+    shared: dict[str, Any] = {}
     try:
-        kw["varlen_attention"] = bk.vllm_fa3()
+        shared["varlen_attention"] = bk.vllm_fa3()
         attention = "vLLM FA3"
     except Exception as exc:  # without vLLM: torch's FlashAttention, as the kernels default
         attention = f"torch ({type(exc).__name__}: vLLM FA3 not importable)"
-    out = torch.empty_like(case["args"][1])
+    kw.update(shared)
+    out = torch.empty_like(c["q"])
     # The plugin's path: the batch's plan built once per step, shared by the layers.
-    shared = {k: v for k, v in kw.items() if k not in ("seq_lens_cpu", "query_start_loc_cpu")}
     shared["context_plan"] = plan_prefill_context(
-        parse_cache_dtype(args.format).group,
-        kw["seq_lens_cpu"],
-        kw["query_start_loc_cpu"],
-        num_kv_heads=bk.HK,
-        head_dim=bk.D,
-        device="cuda",
+        c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=bk.HK, head_dim=bk.D, device="cuda"
     )
 
     def call() -> None:
-        prefill_attention(*case["args"], out=out, **shared)
+        prefill_attention(*call_args, out=out, **shared)
 
     def call_planning() -> None:  # each call plans and copies for itself (before the plan)
-        prefill_attention(*case["args"], out=out, **kw)
+        prefill_attention(*call_args, out=out, **kw)
 
     def queued(fn: Callable[[], None]) -> float:
         for _ in range(5):  # compile and warm up
