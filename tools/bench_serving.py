@@ -210,6 +210,26 @@ def _profile_steps(spec: str) -> tuple[int, int]:
     return skip, count
 
 
+def child_outcome(rc: int, child_out: Path, log_text: str) -> dict[str, Any]:
+    """A row's result fields from its engine process's exit code and result file.
+
+    The child writes ``child_out`` right after its timed ``generate``, so a timeout after that
+    (vLLM's engine teardown: the seventh session's fp16 run finished its measurement and was
+    killed at the limit while shutting down) loses no measurement: the row is ok and says it
+    was killed. Without the file, a timeout or a failure is the row's status.
+    """
+    if child_out.is_file() and rc in (0, 124):
+        fields: dict[str, Any] = json.loads(child_out.read_text())
+        fields["status"] = "ok"
+        if rc == 124:
+            fields["killed_after_timed_run"] = True
+        return fields
+    return {
+        "status": "timeout" if rc == 124 else f"error rc={rc}",
+        "error": common.error_tail(log_text),
+    }
+
+
 def table(rows: list[dict[str, Any]], baseline: str) -> str:
     base = next((r for r in rows if r["label"] == baseline and r.get("status") == "ok"), None)
     lines = [
@@ -227,6 +247,8 @@ def table(rows: list[dict[str, Any]], baseline: str) -> str:
             cap = f"{r['kv_tokens'] / base['kv_tokens']:.2f}" if base["kv_tokens"] else ""
             tput = f"{r['total_tok_s'] / base['total_tok_s']:.2f}"
         status = "ok (profiled: not a benchmark number)" if r.get("profiled") else "ok"
+        if r.get("killed_after_timed_run"):
+            status += "; killed at --timeout in engine teardown, after its timed run"
         if r.get("jit_compiles_timed"):
             # each one stalled the timed run for seconds (vLLM's JIT monitor)
             status += f"; {len(r['jit_compiles_timed'])} Triton compiles in the timed run"
@@ -372,12 +394,8 @@ def parent_main(args: argparse.Namespace) -> int:
             if TIMED_MARK in text:
                 timed_log = text.split(TIMED_MARK, 1)[1]
                 row["jit_compiles_timed"] = common.jit_compiles(timed_log)
-            if rc == 0 and child_out.is_file():
-                row.update(json.loads(child_out.read_text()))
-                row["status"] = "ok"
-            else:
-                row["status"] = "timeout" if rc == 124 else f"error rc={rc}"
-                row["error"] = common.error_tail(text)
+            row.update(child_outcome(rc, child_out, text))
+            if row["status"] != "ok":
                 print(row["error"], flush=True)
             (out / f"row_{safe}.json").write_text(json.dumps(row))
             print(

@@ -922,15 +922,21 @@ def _v4_supports(geo: DenseGeometry) -> bool:
 def default_decode_variant(geo: DenseGeometry, prefetch: bool, v4_option: bool) -> str:
     """The decode kernel ``variant="auto"`` runs.
 
-    v4 wherever it can read the codes (4-bit keys with 2/4-bit values) at head dims up to
-    256: the H200 measured it faster at every such shape timed (B = 64, 16K, same run:
-    k4v2_g128 906 µs vs v1 1,558; k4v4_g128 995 vs 1,611; k4v2_g64 863 vs 1,543; head dim
-    256 5,953 vs 6,366; docs/kernel-notes.md, round 5). v1 for 5-bit codes and head dim 512
-    (v4 is correct there but not timed), and whenever a v1-only option (``prefetch=False``)
-    is given; a v4-only option (``v4_option``: ``num_stages`` was given) selects v4.
+    v4b at head dims up to 128 and v4 at 256, wherever they can read the codes (4-bit keys
+    with 2/4-bit values). The H200 (seventh session, one run, 16K context) measured v4b no
+    slower than v4 at every head-dim-128 shape timed and faster at B = 256 (k4v2_g128: B = 64
+    908 vs 913 µs, B = 256 3,449 vs 3,709; k4v4_g128: 970 vs 1,004 and 3,394 vs 4,181;
+    k4v2_g64 870 vs 872), and v4 in turn faster than v1 everywhere (k4v2_g128 B = 64: v1
+    1,560). At head dim 256 v4b was 2% slower (5,922 vs 5,801 µs). v1 for 5-bit codes and
+    head dim 512 (v4 is correct there but not timed), and whenever a v1-only option
+    (``prefetch=False``) is given; a v4-only option (``v4_option``: ``num_stages`` was given)
+    selects v4 or v4b.
     """
-    v4_ok = _v4_supports(geo)
-    if v4_ok and prefetch and (v4_option or geo.head_dim <= 256):
+    if not _v4_supports(geo) or not prefetch:
+        return "v1"
+    if geo.head_dim <= 128:
+        return "v4b"
+    if v4_option or geo.head_dim <= 256:
         return "v4"
     return "v1"
 

@@ -389,7 +389,7 @@ def plan_prefill_context(
                 f"request {r} has {q_lens[r]} query tokens but seq_lens = {seq[r]}: every query "
                 "token must be part of the request's context (0 <= q_len <= seq_len)"
             )
-    dev = torch.device(device)
+    dev = _concrete_device(torch.device(device))
     # Keys of requests without queries are not needed.
     klen = [seq[r] if q_lens[r] else 0 for r in range(nreq)]
     per_token = 2 * num_kv_heads * head_dim * 2  # K and V, fp16
@@ -503,6 +503,17 @@ def prefill_dequant_attention(
         o16 = torch.zeros_like(q16)
     # out = 2 * (o @ H): the workspace held K/2 and V/2, the scores were rescaled by 2.
     rotate_into(o16.view(t * hq, d), out.view(t * hq, d), 2.0)
+
+
+def _concrete_device(dev: torch.device) -> torch.device:
+    """``dev`` with its index: a plain ``cuda`` is the current CUDA device.
+
+    Tensors report ``cuda:0``, never ``cuda``, so a plan built for ``"cuda"`` must name the
+    index to compare equal with the tensors of the calls it serves.
+    """
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _host_to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
