@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_kernels as bk  # noqa: E402  (tools/ is not a package)
 
-TEST_BUDGET_S = 200.0  # the groups compile in parallel with the timed kernels
+TEST_BUDGET_S = 300.0  # the groups compile in parallel with the timed kernels (200 s cut
+# the decode_v4b group short in the seventh session, two of its 19 tests left)
 _DEC = "gpu and decode and variant4 and "
 # pytest selections, one subprocess each: the host's cores compile them in parallel; the full
 # GPU suite runs without -k. Round 4's v4 (unchanged code, all groups passed in round 4) keeps
