@@ -74,9 +74,11 @@ def _decode_v4(
     qpk: int = 4,
     fast: bool = True,
     round7: bool = False,
+    verify_tokens: int = 0,
 ) -> Any:
     """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``round7``:
-    ``variant="v4b"``)."""
+    ``variant="v4b"``; ``verify_tokens``: ``verify_attention``'s kernel with that many query
+    tokens per request)."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
@@ -100,7 +102,10 @@ def _decode_v4(
         POOL_BATCHED=round7,
         WIDE_SCALES=round7,
     )
-    return compile_kernel(decode_v4_kernel, DECODE_SIG, consts, warps, stages)
+    tpp = max(1, consts["BLOCK_Q"] // qpk) if verify_tokens else 1
+    consts.update(MULTI=bool(verify_tokens), TPP=tpp, NTG=-(-max(verify_tokens, 1) // tpp))
+    sig = {**DECODE_SIG, "QSL": "*i32"}
+    return compile_kernel(decode_v4_kernel, sig, consts, warps, stages)
 
 
 def _dequant_context(name: str, d: int = 128, bt: int = 32) -> Any:
@@ -239,8 +244,11 @@ for _tok in (False, True):
         )
 
 
-def _decode_v4_default(name: str, d: int, qpk: int, round7: bool = False) -> Any:
-    """v4 (or v4b) with ``decode_v4_config``'s shape, as ``decode_attention`` launches it."""
+def _decode_v4_default(
+    name: str, d: int, qpk: int, round7: bool = False, verify_tokens: int = 0
+) -> Any:
+    """v4 (or v4b) with ``decode_v4_config``'s shape, as ``decode_attention`` launches it
+    (``verify_tokens``: as ``verify_attention`` launches it)."""
     from kvarn_kernels.decode_v4 import decode_v4_config
 
     cfg = decode_v4_config(d, parse_cache_dtype(name).group)
@@ -252,6 +260,7 @@ def _decode_v4_default(name: str, d: int, qpk: int, round7: bool = False) -> Any
         d,
         qpk,
         round7=round7,
+        verify_tokens=verify_tokens,
     )
 
 
@@ -292,3 +301,15 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
         variant(f"decode_v4 {_n} bn{_bn} w{_w} s{_st}{'' if _f else ' plain'}")(
             lambda _n=_n, _bn=_bn, _w=_w, _st=_st, _f=_f: _decode_v4(_n, _bn, _w, _st, fast=_f)
         )
+
+# verify_attention's kernel (speculative verify, 1 + 3 drafts): GQA 4 fills the 16 MMA rows
+# with one request's 4 tokens, GQA 8 takes two programs of 2 tokens.
+for _n, _qpk, _r7 in (
+    ("kvarn_k4v2_g128", 4, True),
+    ("kvarn_k4v4_g128", 4, True),
+    ("kvarn_k4v2_g128", 8, True),
+    ("kvarn_k4v2_g128", 4, False),
+):
+    variant(f"decode_v4{'b' if _r7 else ''} verify4 {_n} d128 qpk{_qpk}")(
+        lambda _n=_n, _qpk=_qpk, _r7=_r7: _decode_v4_default(_n, 128, _qpk, _r7, verify_tokens=4)
+    )

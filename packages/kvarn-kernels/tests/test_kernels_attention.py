@@ -32,7 +32,9 @@ from kvarn_kernels import (
     decode_workspace_numel,
     plan_prefill_context,
     prefill_attention,
+    verify_attention,
 )
+from kvarn_kernels.attention import verify_rows, verify_token_groups
 from kvarn_kernels.reference import (
     decode_attention_ref,
     dequantize_records,
@@ -748,6 +750,144 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
         )
         ref = prefill_attention_ref(*case.prefill_args(name, q, qsl, scale))
         _assert_close(out, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# speculative verify (small sizes, CPU interpreter or GPU)
+
+# (format, head dim, q heads, KV heads, context lengths, query tokens, max_query_len, shadow)
+VERIFY_CPU = [
+    # GQA 4: a request's 4 tokens fill one program's 16 rows; one request has a single token,
+    # one's query tokens start in one tile and end in the next
+    ("kvarn_k4v2_g64", 64, 8, 2, [200, 70, 129, 5], [4, 1, 3, 2], 4, 0),
+    # GQA 8: 2 tokens per program, two token groups; a request without query tokens
+    ("kvarn_k4v4_g64", 64, 8, 1, [300, 64, 66], [3, 0, 2], 3, 0),
+    # GQA 1: up to 16 tokens per program; shadow rows
+    ("kvarn_k4v2_g64", 64, 2, 2, [150, 9], [5, 2], 5, "max"),
+    # GQA 16: one token per program (no spare rows)
+    ("kvarn_k4v2_g128", 64, 16, 1, [140, 33], [2, 1], 2, 0),
+    # 5-bit codes: v4 cannot read them; "auto" attends each token as a decode row (v1)
+    ("kvarn_k5v5_g64", 64, 4, 1, [100, 20], [3, 1], 4, 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "d", "hq", "hk", "lens", "qlens", "max_q", "shadow"),
+    VERIFY_CPU,
+    ids=["gqa4", "gqa8_groups", "gqa1_shadow", "gqa16", "k5v5_v1"],
+)
+@pytest.mark.parametrize("variant", ["auto", *VARIANTS], ids=["auto", *VARIANT_IDS])
+def test_verify_attention(
+    device: torch.device,
+    name: str,
+    d: int,
+    hq: int,
+    hk: int,
+    lens: list[int],
+    qlens: list[int],
+    max_q: int,
+    shadow: int | str,
+    variant: str,
+) -> None:
+    """Every query token of a verify batch sees the context up to itself: the fused pass
+    matches the float64 reference and the same batch attended as one decode row per token."""
+    if variant != "auto" and _v4_refuses(name, variant, d, device):
+        return
+    pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
+    case = shared_case(
+        name,
+        d,
+        hk,
+        lens,
+        device=device,
+        pool_from=tuple(pool_from),  # hashable: the case is memoized
+        shadow_rows=_shadow_rows(name, d, shadow),
+    )
+    t = sum(qlens)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(t, hq, d, generator=gen).half().to(device)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    qsl = qsl.to(device)
+    scale = 1.0 / math.sqrt(d)
+    paged = (case.kv_cache, case.pool_k, case.pool_v, case.block_table)
+    for splits in (None, 3):
+        out = torch.full_like(q, float("nan"))
+        verify_attention(
+            name,
+            q,
+            *paged,
+            qsl,
+            case.seq_lens,
+            case.block_to_slot,
+            scale,
+            max_query_len=max_q,
+            out=out,
+            num_splits=splits,
+            variant=variant,
+        )
+        _assert_close(out, prefill_attention_ref(*case.prefill_args(name, q, qsl, scale)))
+        table, row_lens = verify_rows(case.block_table, qsl, case.seq_lens, t)
+        rows = decode_attention(
+            *case.decode_args(name, q, scale, seq_lens=row_lens)[:5],
+            table,
+            row_lens,
+            case.block_to_slot,
+            scale,
+            num_splits=splits or 1,
+            variant="v1" if variant == "auto" and name.startswith("kvarn_k5") else variant,
+        )
+        # the same attention; the fused pass may round a few fp16 outputs the other way
+        _assert_close(out, rows.double(), tot=1e-3, row=1e-2)
+
+
+def test_verify_rows_and_token_groups(device: torch.device) -> None:
+    """The decode-row view of a verify batch (owner row, length up to each token), and how
+    many programs share a request's tokens."""
+    table = torch.arange(12, dtype=torch.int32, device=device).view(3, 4)
+    qsl = torch.tensor([0, 3, 3, 5], dtype=torch.int32, device=device)
+    seq = torch.tensor([10, 7, 130], dtype=torch.int32, device=device)
+    rows, lens = verify_rows(table, qsl, seq, 5)
+    assert lens.tolist() == [8, 9, 10, 129, 130]
+    assert rows[:, 0].tolist() == [0, 0, 0, 8, 8]
+    assert lens.dtype == torch.int32
+    # 16 MMA rows: GQA 4 takes 4 tokens, GQA 8 two, GQA 16 and 32 one; GQA 3 pads to 4
+    assert [verify_token_groups(hq, 8, 4) for hq in (32, 64, 128, 256, 24)] == [1, 2, 4, 4, 1]
+    assert verify_token_groups(8, 8, 5) == 1  # GQA 1: 16 tokens per program
+    assert verify_token_groups(32, 8, 5) == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("qsl_len", "query_start_loc must have B \\+ 1 = 2 entries"),
+        ("qsl_dtype", "query_start_loc must have dtype"),
+        ("max_q", "max_query_len must be >= 1"),
+        ("variant", "variant must be"),
+        ("v4_k5", "variant='v4' takes 4-bit keys"),
+        ("splits", "num_splits must be >= 1"),
+    ],
+)
+def test_verify_attention_rejects(device: torch.device, change: str, message: str) -> None:
+    name = "kvarn_k5v5_g64" if change == "v4_k5" else "kvarn_k4v2_g64"
+    case = build_case(name, 64, 1, [70], device=device, seed=0, pool_from=[68])
+    q = torch.zeros(2, 4, 64, dtype=torch.float16, device=device)
+    qsl = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    kw: dict[str, Any] = {"max_query_len": 2}
+    if change == "qsl_len":
+        qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    elif change == "qsl_dtype":
+        qsl = qsl.long()
+    elif change == "max_q":
+        kw["max_query_len"] = 0
+    elif change == "variant":
+        kw["variant"] = "v3"
+    elif change == "v4_k5":
+        kw["variant"] = "v4"
+    elif change == "splits":
+        kw["num_splits"] = -1
+    paged = (case.kv_cache, case.pool_k, case.pool_v, case.block_table)
+    with pytest.raises(ValueError, match=message):
+        verify_attention(name, q, *paged, qsl, case.seq_lens, case.block_to_slot, 1.0, **kw)
 
 
 @pytest.mark.gpu

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
 
 from kvarn_format import parse_cache_dtype, record_layout
-from kvarn_kernels import prefill_attention, rotate
+from kvarn_kernels import prefill_attention, rotate, verify_attention
 from kvarn_kernels.context import _dequant_context_kernel
 from kvarn_kernels.rotation import _block_r, _rotate_rows_kernel
 from kvarn_kernels.warmup import _token_counts, warmup
@@ -43,6 +45,19 @@ def test_warmup_runs_every_prefill_op(device: torch.device) -> None:
         dtype=torch.bfloat16,
     )
     assert n == 2 + 3 * len(_token_counts(16, 8))
+
+
+def test_warmup_compiles_verify_for_every_split_count(device: torch.device) -> None:
+    """With drafts, verify_attention runs once per split count a batch can take (two row
+    counts each), through its argument checks."""
+    from kvarn_kernels.attention import choose_decode_splits, verify_token_groups
+
+    kw: dict[str, Any] = dict(head_dim=64, num_q_heads=8, num_kv_heads=2, device=device)
+    base = warmup("kvarn_k4v2_g64", **kw)
+    n = warmup("kvarn_k4v2_g64", **kw, verify_width=4, max_num_seqs=64, block_table_width=128)
+    groups = verify_token_groups(8, 2, 4)
+    splits = {choose_decode_splits(b * groups, 2, 128, torch.device(device)) for b in range(1, 65)}
+    assert n == base + 2 * len(splits)
 
 
 def test_warmup_refuses_an_unknown_format(device: torch.device) -> None:
@@ -103,3 +118,53 @@ def test_prefill_after_warmup_compiles_nothing(shadow: int) -> None:
     )
     torch.cuda.synchronize()
     assert _compiled_variants() == before
+
+
+@pytest.mark.gpu
+def test_verify_after_warmup_compiles_nothing() -> None:
+    """After a warm-up with drafts, verify batches of several sizes on a server-shaped block
+    table (128 wide; row slices copied as the plugin does) find their kernels compiled."""
+    from kvarn_kernels.attention import _merge_unrotate_kernel
+    from kvarn_kernels.decode_v4 import decode_v4_kernel
+
+    dev = torch.device("cuda")
+    fmt, g, hq, hk, d, width = "kvarn_k4v2_g128", 128, 32, 8, 128, 4
+    warmup(
+        fmt,
+        head_dim=d,
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        device=dev,
+        verify_width=width,
+        max_num_seqs=256,
+        block_table_width=128,
+    )
+
+    def compiled() -> int:
+        kernels = (decode_v4_kernel, _merge_unrotate_kernel)
+        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+
+    before = compiled()
+    tile_bytes = record_layout(parse_cache_dtype(fmt), d).tile_bytes
+    kv_cache = torch.zeros(8, hk, tile_bytes, dtype=torch.uint8, device=dev)
+    pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=dev)
+    block_to_slot = torch.full((8,), -1, dtype=torch.int32, device=dev)
+    for reqs in (1, 3, 37, 200):
+        qlens = [1 + r % width for r in range(reqs)]
+        t = sum(qlens)
+        qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+        verify_attention(
+            fmt,
+            torch.randn(t, hq, d, device=dev, dtype=torch.float16),
+            kv_cache,
+            pool_k,
+            torch.zeros_like(pool_k),
+            torch.zeros(reqs, 128, dtype=torch.int32, device=dev),
+            qsl.to(dev),
+            torch.full((reqs,), 3 * g + 7, dtype=torch.int32, device=dev),
+            block_to_slot,
+            d**-0.5,
+            max_query_len=width,
+        )
+    torch.cuda.synchronize()
+    assert compiled() == before

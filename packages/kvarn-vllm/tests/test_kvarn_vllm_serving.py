@@ -393,8 +393,8 @@ def test_serving_steps_match_references(
 def test_async_spec_verify_rows_attend_on_device_lengths(kvarn: None, llama_dir64: Path) -> None:
     """Under async scheduling with drafts (the runtime's spec margin), a verify row's host
     length overshoots by the drafts the previous step rejected; its attention must still be
-    the exact one (decode rows on the device lengths), next to a prompt continuation planned
-    on the host lengths and a decode row."""
+    the exact one (kvarn_kernels.verify_attention on the device lengths), next to a prompt
+    continuation planned on the host lengths and a decode row."""
     h = _Harness(llama_dir64)
     h.builder.runtime.spec_margin = 3  # async scheduling with 3 drafts
     h.builder.runtime.verify_width = 4

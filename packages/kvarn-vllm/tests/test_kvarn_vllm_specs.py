@@ -343,9 +343,9 @@ def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path
     assert grp.cu_seqlens.tolist() == [[0, 3, 5], [0, 203, 212]]
 
 
-def test_verify_rows_attend_as_decode_rows(kvarn: None, qwen3_dir: Path) -> None:
+def test_verify_rows_are_verify_runs(kvarn: None, qwen3_dir: Path) -> None:
     """Speculative verify rows (past the prompt, at most 1 + drafts tokens) become ``verify``
-    runs, one decode row per query token on the device lengths, with no host plan; rows still
+    runs, carrying their own block-table rows and device lengths, with no host plan; rows still
     in their prompt stay planned ``context`` runs. Under async scheduling vLLM's host lengths
     of verify rows are optimistic, so without ``is_prefilling`` every short continuation is
     a verify run there, and none is when the host lengths are exact."""
@@ -368,12 +368,13 @@ def test_verify_rows_attend_as_decode_rows(kvarn: None, qwen3_dir: Path) -> None
             ("verify", 2, 4),
         ]
         assert context.context_plan is not None and verify.context_plan is None
-        # one decode row per query token, seeing up to and including itself
+        # the run's rows (device lengths: vLLM's, not the host upper bounds), in fresh
+        # tensors (a slice from row 2 would start 8 bytes past an aligned address)
         assert verify.verify_seq_lens is not None and verify.verify_block_table is not None
-        assert verify.verify_seq_lens.tolist() == [57, 58, 59, 60, 87, 88, 89, 90]
-        assert torch.equal(
-            verify.verify_block_table, cam.block_table_tensor[[2, 2, 2, 2, 3, 3, 3, 3]]
-        )
+        assert verify.verify_seq_lens.tolist() == [60, 90]
+        assert torch.equal(verify.verify_block_table, cam.block_table_tensor[2:4])
+        assert verify.verify_seq_lens.data_ptr() != cam.seq_lens[2:].data_ptr()
+        assert verify.cu_seqlens.tolist() == [0, 4, 8]
     # no drafts (verify width 0), or rows wider than a verify: planned continuations
     for width in (0, 3):
         (run,) = runs(verify_width=width)

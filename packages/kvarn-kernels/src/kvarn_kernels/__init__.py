@@ -10,7 +10,8 @@ Serving data model (per attention layer):
 
 Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from pool slots),
 :func:`flush_token_tiles` (store straight from a step's rotated K/V rows),
-:func:`decode_attention`, :func:`prefill_attention` (with :func:`plan_prefill_context`, its
+:func:`decode_attention`, :func:`verify_attention` (speculative verify: a few query
+tokens per request in one decode-kernel pass), :func:`prefill_attention` (with :func:`plan_prefill_context`, its
 per-batch schedule shared by a step's layers), plus :func:`hadamard_matrix` and
 :func:`warmup` (compiles the prefill-side kernels before serving).
 Pure-torch references live in :mod:`kvarn_kernels.reference`.
@@ -21,6 +22,7 @@ from kvarn_kernels.attention import (
     decode_attention,
     decode_workspace_numel,
     prefill_attention,
+    verify_attention,
 )
 from kvarn_kernels.context import ContextPlan, plan_prefill_context
 from kvarn_kernels.rotation import hadamard_matrix, rotate, write_side_pool
@@ -40,6 +42,7 @@ __all__ = [
     "plan_prefill_context",
     "prefill_attention",
     "rotate",
+    "verify_attention",
     "warmup",
     "write_side_pool",
 ]

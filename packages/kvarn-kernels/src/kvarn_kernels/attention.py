@@ -671,17 +671,28 @@ def _launch_v4(
     num_warps: int | None,
     num_stages: int | None,
     round7: bool = False,
+    hq: int = 0,
+    query_start_loc: torch.Tensor | None = None,
+    max_query_len: int = 1,
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
-    ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``)."""
+    ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``).
+    With ``query_start_loc`` (``[B + 1]``, speculative verify) request ``b`` has the query rows
+    ``query_start_loc[b] ..`` (at most ``max_query_len``) and ``hq`` query heads."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
 
     t = int(block_table.shape[0])
     hk = int(pool_k.shape[2])
-    qpk = n_rows // t // hk
+    hq = hq or n_rows // t
+    qpk = hq // hk
+    block_q = max(16, triton.next_power_of_2(qpk))
+    multi = query_start_loc is not None
+    # verify: as many of a request's query tokens per program as fill the MMA's rows
+    tpp = max(1, block_q // qpk) if multi else 1
+    ntg = triton.cdiv(max_query_len, tpp) if multi else 1
     cfg = decode_v4_config(geo.head_dim, geo.group)
     warps = num_warps or cfg["num_warps"]
-    decode_v4_kernel[(t, hk, num_splits)](
+    decode_v4_kernel[(t * ntg, hk, num_splits)](
         q_rot,
         kv_cache,
         pool_k,
@@ -691,13 +702,14 @@ def _launch_v4(
         block_to_slot,
         o_part,
         lse_part,
+        query_start_loc if multi else seq_lens,
         float(softmax_scale) * _LOG2E,
         block_table.stride(0),
         n_rows,
-        HQ=n_rows // t,
+        HQ=hq,
         HK=hk,
         QPK=qpk,
-        BLOCK_Q=max(16, triton.next_power_of_2(qpk)),
+        BLOCK_Q=block_q,
         D=geo.head_dim,
         G=geo.group,
         SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
@@ -712,6 +724,9 @@ def _launch_v4(
         FAST_UNPACK=fast,
         POOL_BATCHED=round7,
         WIDE_SCALES=round7,
+        MULTI=multi,
+        TPP=tpp,
+        NTG=ntg,
         num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
     )
@@ -739,7 +754,11 @@ def _launch(
     block_m: int | None = None,
     variant: str = "v1",
     num_stages: int | None = None,
+    max_query_len: int = 1,
 ) -> None:
+    """Rotate the queries, run the attention kernel into the split workspace, merge and
+    un-rotate. ``decode`` with a ``query_start_loc`` (v4 / v4b only): speculative verify rows,
+    at most ``max_query_len`` per request."""
     t, hq, d = (int(s) for s in q.shape)
     hk = int(pool_k.shape[2])
     qpk = hq // hk
@@ -774,6 +793,9 @@ def _launch(
             num_warps,
             num_stages,
             round7=variant == "v4b",
+            hq=hq,
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
         )
     else:
         if decode:
@@ -1053,6 +1075,146 @@ def decode_attention(
         prefetch,
         variant=variant,
         num_stages=num_stages,
+    )
+    return out
+
+
+def verify_token_groups(num_q_heads: int, num_kv_heads: int, max_query_len: int) -> int:
+    """Programs per (request, KV head, split) of :func:`verify_attention`'s v4 kernels: as
+    many of a request's query tokens share one program as fill the 16 MMA rows that decode
+    pads its ``Hq / Hk`` query heads to (4 tokens at GQA 4, 2 at GQA 8, 1 from GQA 16)."""
+    qpk = num_q_heads // num_kv_heads
+    tokens = max(1, max(16, triton.next_power_of_2(qpk)) // qpk)
+    return -(-max_query_len // tokens)
+
+
+def verify_rows(
+    block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify batch as decode rows, one per query token: the block-table row of the token's
+    request and the length up to and including the token (token ``i`` of ``n`` of a request
+    of ``L`` tokens sees ``L - n + i + 1``). Device ops only, no host sync."""
+    dev = query_start_loc.device
+    tok = torch.arange(num_tokens, dtype=torch.int32, device=dev)
+    ends = query_start_loc[1:]
+    owner = torch.searchsorted(ends, tok, right=True)
+    later = ends.index_select(0, owner) - 1 - tok  # the request's query tokens after this one
+    lens = (seq_lens.index_select(0, owner) - later).to(torch.int32)
+    return block_table.index_select(0, owner), lens
+
+
+def verify_attention(
+    fmt: KVarNFormat | str,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    softmax_scale: float,
+    *,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    variant: str = "auto",
+) -> torch.Tensor:
+    """Speculative verify: a few query tokens per request (1 + drafts), causal, in one pass.
+
+    The same attention as :func:`prefill_attention` (query ``i`` of a request's ``n`` sits at
+    position ``seq_lens[r] - n + i`` and sees every position up to its own; their K/V already
+    in the side pool), for batches of at most ``max_query_len`` query tokens per request,
+    computed by the decode kernel with each request's query tokens in the MMA rows that
+    decode pads with zeros: the context is read once per request (and per
+    :func:`verify_token_groups` group of its tokens), not once per token. No host sync, no
+    data-dependent host logic; ``seq_lens`` may be device-only (vLLM's host lengths of verify
+    rows can be optimistic under async scheduling).
+
+    Args:
+        q: ``[T, Hq, D]`` fp16/bf16, unrotated; request ``r``'s tokens are rows
+            ``query_start_loc[r] .. query_start_loc[r + 1] - 1``.
+        query_start_loc: ``[B + 1]`` int32 cumulative query counts (``qsl[B] == T``).
+        seq_lens: ``[B]`` int32 tokens of each request including its query tokens.
+        max_query_len: the most query tokens any request has (a compile-time bound: pass the
+            server's fixed 1 + drafts). Not checked against ``query_start_loc`` (that would
+            read it on the host); the rows of a request's tokens past it are left unwritten.
+        workspace: optional fp32, ``decode_workspace_numel(T, Hq, D, num_splits)`` elements.
+        variant: as :func:`decode_attention`; with ``"v1"`` (the formats and head dims v4
+            does not read) every query token is attended as its own decode row
+            (:func:`verify_rows`), which reads the context once per token.
+        fmt, kv_cache, pool_k, pool_v, block_table, block_to_slot, softmax_scale, out,
+            num_splits: as :func:`decode_attention`.
+
+    Returns ``[T, Hq, D]`` in q's dtype, unrotated.
+    """
+    geo, out = _check_common(
+        fmt, q, kv_cache, pool_k, pool_v, block_table, seq_lens, block_to_slot, out, "[T, Hq, D]"
+    )
+    check_index_tensor("query_start_loc", query_start_loc, 1, "[B + 1]")
+    if query_start_loc.shape[0] != block_table.shape[0] + 1:
+        raise ValueError(
+            f"query_start_loc must have B + 1 = {block_table.shape[0] + 1} entries; got "
+            f"{query_start_loc.shape[0]}"
+        )
+    check_device(q.device, query_start_loc=query_start_loc)
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+    if variant != "auto" and variant not in DECODE_VARIANTS:
+        raise ValueError(f"variant must be 'auto', 'v1', 'v4' or 'v4b', got {variant!r}")
+    if variant == "auto":
+        variant = default_decode_variant(geo, True, v4_option=False)
+    if variant != "v1" and not _v4_supports(geo):
+        raise ValueError(
+            f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
+            f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
+        )
+    t, hq, d = (int(s) for s in q.shape)
+    if variant == "v1":
+        table, lens = verify_rows(block_table, query_start_loc, seq_lens, t)
+        return decode_attention(
+            geo.fmt,
+            q,
+            kv_cache,
+            pool_k,
+            pool_v,
+            table,
+            lens,
+            block_to_slot,
+            softmax_scale,
+            out=out,
+            workspace=workspace,
+            num_splits=num_splits,
+            variant="v1",
+        )
+    hk = int(pool_k.shape[2])
+    bsz = int(block_table.shape[0])
+    splits = num_splits or choose_decode_splits(
+        bsz * verify_token_groups(hq, hk, max_query_len), hk, int(block_table.shape[1]), q.device
+    )
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
+    workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, splits), q.device)
+    _launch(
+        geo,
+        _q_for_kernel(q),
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        query_start_loc,
+        softmax_scale,
+        out,
+        workspace,
+        splits,
+        True,
+        None,
+        None,
+        variant=variant,
+        max_query_len=max_query_len,
     )
     return out
 

@@ -155,6 +155,7 @@ def decode_v4_kernel(
     BLOCK_TO_SLOT,
     O_PART,
     LSE_PART,
+    QSL,
     qk_scale,
     stride_bt,
     n_rows_total,
@@ -183,6 +184,9 @@ def decode_v4_kernel(
     FAST_UNPACK: tl.constexpr,
     POOL_BATCHED: tl.constexpr = False,
     WIDE_SCALES: tl.constexpr = False,
+    MULTI: tl.constexpr = False,
+    TPP: tl.constexpr = 1,
+    NTG: tl.constexpr = 1,
 ):
     """One program per (request, KV head, split); ``W`` chunks of ``BN`` tokens per step.
 
@@ -194,10 +198,21 @@ def decode_v4_kernel(
     like the main loop's), instead of 64-token chunks one at a time across the warps;
     ``WIDE_SCALES``, the main loop reads each token pair's scale fields, and each V byte's
     channel scales, with one wide load instead of 2-byte loads.
+
+    ``MULTI`` (speculative verify, :func:`kvarn_kernels.verify_attention`): request ``b`` has
+    the query tokens ``QSL[b] .. QSL[b + 1] - 1`` (at most ``NTG * TPP``), the last at
+    position ``seq_len - 1``; a program takes ``TPP`` of them (``TPP * QPK <= BLOCK_Q`` rows
+    of the MMA that decode pads with zeros), program axis 0 is ``b * NTG + token group``, and
+    each row sees the positions up to its own token. Without it (decode) none of that code
+    is compiled.
     """
     tl.static_assert(KB == 4, "v4 takes 4-bit keys")
     tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
-    b = tl.program_id(0)
+    if MULTI:
+        b = tl.program_id(0) // NTG
+        tg = tl.program_id(0) % NTG
+    else:
+        b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
     f16 = tl.pointer_type(tl.float16)
@@ -211,10 +226,19 @@ def decode_v4_kernel(
     NCH: tl.constexpr = G // BN
 
     qi = tl.arange(0, BLOCK_Q)
-    q_ok = qi < QPK
     seq_len = tl.load(SEQ_LENS + b)
     dd = tl.arange(0, D)
-    rows = b.to(tl.int64) * HQ + h * QPK + qi
+    if MULTI:
+        q_first = tl.load(QSL + b)
+        q_len = tl.load(QSL + b + 1) - q_first
+        tq = tg * TPP + qi // QPK  # the row's query token within its request
+        q_ok = (qi < TPP * QPK) & (tq < q_len)
+        rows = (q_first + tq).to(tl.int64) * HQ + h * QPK + qi % QPK
+        # token tq sits at position seq_len - q_len + tq and sees the positions up to its own
+        row_end = seq_len - q_len + 1 + tq  # [BLOCK_Q]
+    else:
+        q_ok = qi < QPK
+        rows = b.to(tl.int64) * HQ + h * QPK + qi
     q = tl.load(Q + rows[:, None] * D + dd[None, :], mask=q_ok[:, None], other=0.0) * qk_scale
     qmax = tl.max(tl.abs(q), axis=1)
     qmax = tl.where(qmax > 0, qmax, 1.0)
@@ -224,6 +248,9 @@ def decode_v4_kernel(
 
     n_blocks = tl.cdiv(seq_len, G)
     blk_lo, blk_hi = _split_blocks(n_blocks, split, NUM_SPLITS)
+    if MULTI:
+        # a token group past the request's query tokens has no rows: nothing to read
+        blk_hi = tl.where(tg * TPP < q_len, blk_hi, blk_lo)
     ch_lo = blk_lo * NCH
     ch_hi = tl.maximum(blk_hi, blk_lo) * NCH
     n_it = tl.cdiv(ch_hi - ch_lo, W)
@@ -287,8 +314,14 @@ def decode_v4_kernel(
         s_o = tl.dot(q3, (k_hi - 1024.0) * ks + kz)
         s_e = s_e * kt_e[:, None, :] * qmax[None, :, None]
         s_o = s_o * kt_o[:, None, :] * qmax[None, :, None]
-        s_e = tl.where(live_e[:, None, :], s_e, float("-inf"))
-        s_o = tl.where(live_o[:, None, :], s_o, float("-inf"))
+        if MULTI:
+            pos_e = (bi[:, None] * G + tok_e)[:, None, :]  # [W, 1, H2]
+            re3 = row_end[None, :, None]
+            s_e = tl.where(live_e[:, None, :] & (pos_e < re3), s_e, float("-inf"))
+            s_o = tl.where(live_o[:, None, :] & (pos_e + 1 < re3), s_o, float("-inf"))
+        else:
+            s_e = tl.where(live_e[:, None, :], s_e, float("-inf"))
+            s_o = tl.where(live_o[:, None, :], s_o, float("-inf"))
         m, alpha, l_acc, p_e16, p_o16 = _online(m, l_acc, s_e, s_o, 2)
 
         # --- P V [W, BLOCK_Q, DV] per V field ---
@@ -390,7 +423,12 @@ def decode_v4_kernel(
                 vr = pool_row_ptrs(POOL_V, KV, pslot, pblk, trow, h, 1, HK, D, G, SHADOW, STRIDE)
                 kt = tl.load(kr[:, :, None] + dd[None, None, :], mask=live[:, :, None], other=0.0)
                 sp = tl.dot(q3, tl.permute(kt, (0, 2, 1))) * qmax[None, :, None]  # [W, Q, TB]
-                sp = tl.where(live[:, None, :], sp, float("-inf"))
+                if MULTI:
+                    pos = (pbi * G + trow)[:, None, :]  # [W, 1, TB]
+                    seen = live[:, None, :] & (pos < row_end[None, :, None])
+                    sp = tl.where(seen, sp, float("-inf"))
+                else:
+                    sp = tl.where(live[:, None, :], sp, float("-inf"))
                 m_new = tl.maximum(m, tl.max(sp, axis=2))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m - m_use)
@@ -466,8 +504,15 @@ def decode_v4_kernel(
                     kpo = tl.load(kpo_p, mask=lo_[None, :], other=0.0)
                     pe = tl.dot(q16, kpe) * qmax[:, None]
                     po = tl.dot(q16, kpo) * qmax[:, None]
-                    pe = tl.where(le[None, :], pe, float("-inf"))
-                    po = tl.where(lo_[None, :], po, float("-inf"))
+                    if MULTI:
+                        pos_e = (pbi * G + te)[None, :]  # [1, H2]
+                        pe = tl.where(le[None, :] & (pos_e < row_end[:, None]), pe, float("-inf"))
+                        po = tl.where(
+                            lo_[None, :] & (pos_e + 1 < row_end[:, None]), po, float("-inf")
+                        )
+                    else:
+                        pe = tl.where(le[None, :], pe, float("-inf"))
+                        po = tl.where(lo_[None, :], po, float("-inf"))
                     m_run, alpha2, l_tot, pe16, po16 = _online(m_run, l_tot, pe, po, 1)
                     a2 = alpha2[:, None]
                     if SHADOW == 0:

@@ -29,7 +29,12 @@ import torch
 from kvarn_format import record_layout
 from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import resolve_format
-from kvarn_kernels.attention import prefill_attention
+from kvarn_kernels.attention import (
+    choose_decode_splits,
+    prefill_attention,
+    verify_attention,
+    verify_token_groups,
+)
 from kvarn_kernels.rotation import ROW_TILE_EDGES, rotate, write_side_pool
 from kvarn_kernels.store import flush_tiles, flush_token_tiles
 
@@ -56,6 +61,9 @@ def warmup(
     dtype: torch.dtype = torch.float16,
     shadow_rows: int = 0,
     record_stride: int | None = None,
+    verify_width: int = 0,
+    max_num_seqs: int = 1,
+    block_table_width: int = 1,
 ) -> int:
     """Launch every prefill-side kernel once on scratch tensors; returns the launch count.
 
@@ -70,6 +78,11 @@ def warmup(
             compile-time constant of every kernel that touches the pool.
         record_stride: the server's record stride in bytes (default the record size; a
             hybrid model pads it), also a compile-time constant.
+        verify_width: with speculative decoding, 1 + drafts (0: none). Then
+            :func:`verify_attention`'s kernel is compiled for every split count that a batch
+            of 1 to ``max_num_seqs`` requests takes on a ``block_table_width``-wide block table
+            (the server's: the split count and the table's row stride are compile-time
+            constants), for query-row counts in both of Triton's divisibility classes.
     """
     dense = resolve_format(fmt)
     dev = torch.device(device)
@@ -137,4 +150,34 @@ def warmup(
             query_start_loc_cpu=[0, t],
         )
         launches += 3
+
+    if verify_width > 0:
+        groups = verify_token_groups(hq, hk, verify_width)
+        splits = {
+            choose_decode_splits(b * groups, hk, block_table_width, dev)
+            for b in range(1, max(max_num_seqs, 1) + 1)
+        }
+        # Requests of verify_width tokens in block 1 (pool slot 0), as many as make the
+        # query-row count a multiple of 16 and, first, one request (which may not).
+        table = torch.ones(16, max(block_table_width, 1), dtype=torch.int32, device=dev)
+        for reqs in (1, 16):
+            t = reqs * verify_width
+            qsl = torch.arange(0, t + 1, verify_width, dtype=torch.int32, device=dev)
+            seq = torch.full((reqs,), verify_width, dtype=torch.int32, device=dev)
+            for n in sorted(splits):
+                verify_attention(
+                    dense,
+                    randn(t, hq, d),
+                    kv_cache,
+                    pool_k,
+                    pool_v,
+                    table[:reqs],
+                    qsl,
+                    seq,
+                    block_to_slot,
+                    scale,
+                    max_query_len=verify_width,
+                    num_splits=n,
+                )
+                launches += 1
     return launches

@@ -50,7 +50,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.utils import record_function_or_nullcontext as _prof_range
 
 from kvarn_format import DENSE_DTYPES, DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype
-from kvarn_vllm.runtime import DirectTiles, KvarnGroupRuntime, host_ints_to
+from kvarn_vllm.runtime import DirectTiles, KvarnGroupRuntime
 from kvarn_vllm.specs import KvarnFullAttentionSpec, lookup_tile_stride
 
 if TYPE_CHECKING:
@@ -265,8 +265,9 @@ class PrefillRun:
     #: ``context`` runs: kvarn-kernels' schedule of the run, built once here and shared by
     #: every layer's ``prefill_attention`` (saves each layer the planning and its copy).
     context_plan: ContextPlan | None = None
-    #: ``verify`` runs, attended as decode rows: one row per query token, with its request's
-    #: block-table row and the device length up to and including that token.
+    #: ``verify`` runs: the run's block-table rows and device lengths, copied once per step
+    #: into fresh tensors (16-byte aligned: Triton compiles a kernel again for a pointer
+    #: that is not, and a slice from a run's first row need not be).
     verify_block_table: torch.Tensor | None = None
     verify_seq_lens: torch.Tensor | None = None
 
@@ -386,12 +387,12 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
 
         A verify row is a speculative verification: a request past its prompt
         (``is_prefilling`` False) scheduling at most ``verify_width`` (1 + drafts) tokens.
-        Each of its query tokens is attended as a decode row, on the device length up to and
-        including it, by the decode kernel: a few decode rows beat the planned path's host
-        time, and under async scheduling (``exact_host_lens`` False) they are also the only
-        correct path, because vLLM's host lengths of verify rows then assume every draft of
-        the previous step was accepted and a plan on them would put the queries past the true
-        end of the context. Without ``is_prefilling`` in the metadata, continuation rows of at
+        Its query tokens are attended by the decode kernel in one pass per request
+        (:func:`kvarn_kernels.verify_attention`), each up to itself on the device lengths:
+        faster than the planned path, whose host time dominates a few tokens, and under
+        async scheduling (``exact_host_lens`` False) also the only correct path, because
+        vLLM's host lengths of verify rows then assume every draft of the previous step was
+        accepted and a plan on them would put the queries past the true end of the context. Without ``is_prefilling`` in the metadata, continuation rows of at
         most ``verify_width`` tokens count as verify rows when the host lengths are not exact
         (on the device lengths, any row is attended correctly)."""
         qsl = cam.query_start_loc_cpu.numpy()[: cam.num_reqs + 1]
@@ -427,7 +428,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             seq_host = [int(x) for x in seq[row:end]]
             plan = verify_table = verify_lens = None
             if kind == "verify":
-                verify_table, verify_lens = _verify_rows(cam, row, end, q_lens)
+                verify_table = cam.block_table_tensor[row:end].clone()
+                verify_lens = cam.seq_lens[row:end].clone()
             if kind == "context":
                 plan = _kernels().plan_prefill_context(
                     spec.block_size,
@@ -458,22 +460,6 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             )
             row = end
         return runs
-
-
-def _verify_rows(
-    cam: CommonAttentionMetadata, row: int, end: int, q_lens: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``row .. end - 1`` as decode rows, one per query token: the request's block-table
-    row, and the device length minus the request's later query tokens (token ``i`` of ``n``
-    sees the context up to itself). One host-to-device copy; no host sync."""
-    n = q_lens[row:end]
-    owner = np.repeat(np.arange(row, end), n)
-    later = np.concatenate([np.arange(k - 1, -1, -1) for k in n])
-    idx = host_ints_to(np.stack([owner, later]).ravel().tolist(), cam.seq_lens.device, torch.int64)
-    owner_dev, later_dev = idx.view(2, -1)
-    table = cam.block_table_tensor.index_select(0, owner_dev)
-    lens = (cam.seq_lens.index_select(0, owner_dev) - later_dev).to(torch.int32)
-    return table, lens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -671,20 +657,23 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                         self._first_chunk(q[t0:t1], k[t0:t1], v[t0:t1], out[t0:t1], run)
                     continue
                 if run.kind == "verify":
-                    # one decode row per query token, on the device lengths (the host ones
-                    # may be optimistic)
+                    # each query token up to itself, on the device lengths (the host ones may
+                    # be optimistic); the context read once per request
                     assert run.verify_block_table is not None and run.verify_seq_lens is not None
-                    with _prof_range("kvarn: verify rows"):
-                        kk.decode_attention(
+                    with _prof_range("kvarn: verify"):
+                        kk.verify_attention(
                             self.fmt,
                             q[t0:t1],
                             kv_cache,
                             pools.k,
                             pools.v,
                             run.verify_block_table,
+                            run.cu_seqlens,
                             run.verify_seq_lens,
                             meta.block_to_slot,
                             self.scale,
+                            # fixed per server (1 + drafts): one compile, not one per length
+                            max_query_len=max(meta.runtime.verify_width, run.max_query_len),
                             out=out[t0:t1],
                         )
                     continue

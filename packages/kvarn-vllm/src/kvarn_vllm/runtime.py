@@ -205,6 +205,10 @@ class KvarnGroupRuntime:
                 dtype=dtype,
                 shadow_rows=self.group - self.pool_rows,
                 record_stride=self.tile_stride,
+                # speculative verify batches run eagerly: their kernels too
+                verify_width=self.verify_width,
+                max_num_seqs=self.max_num_seqs,
+                block_table_width=self.max_blocks,
             )
         except Exception as exc:  # a warm-up bug must not stop a server that would work
             logger.warning(
