@@ -459,12 +459,19 @@ def bench_prefill(
 
 def bench_verify(fmt_name: str, ctx_before: int, width: int, bsz: int) -> list[dict[str, Any]]:
     """Speculative verify rows (``width`` = 1 + drafts query tokens after ``ctx_before``), one
-    layer, eager as a server runs them: as decode rows (one per query token on its own
-    length: what the plugin does), planned dequantize-then-attention (vLLM's FA3 when
-    importable), and the fused prefill kernel. Outputs are cross-checked against the first."""
+    layer, eager as a server runs them: ``verify_attention`` (one decode-kernel pass per
+    request: what the plugin does since the seventh session), as decode rows (one per query
+    token on its own length: the sixth session's path), planned dequantize-then-attention
+    (vLLM's FA3 when importable), and the fused prefill kernel; then FA3 on an fp16 cache of
+    the same shape (vLLM's fp16 verify). Outputs are cross-checked against the first."""
     import torch
 
-    from kvarn_kernels import decode_attention, plan_prefill_context, prefill_attention
+    from kvarn_kernels import (
+        decode_attention,
+        plan_prefill_context,
+        prefill_attention,
+        verify_attention,
+    )
 
     c = prefill_case(fmt_name, ctx_before, width, bsz)
     seq = ctx_before + width
@@ -484,6 +491,9 @@ def bench_verify(fmt_name: str, ctx_before: int, width: int, bsz: int) -> list[d
     cache = (c["kv"], c["pool_k"], c["pool_v"])
     request_args = (*cache, c["bt"], c["qsl"], c["seqs"], c["b2s"], D**-0.5)
     paths: dict[str, Callable[[], Any]] = {
+        "verify pass": lambda: verify_attention(
+            fmt_name, c["q"], *request_args, max_query_len=width, out=out
+        ),
         "decode rows": lambda: decode_attention(
             fmt_name, c["q"], *cache, rows_bt, rows_len, c["b2s"], D**-0.5, out=out
         ),
@@ -510,6 +520,9 @@ def bench_verify(fmt_name: str, ctx_before: int, width: int, bsz: int) -> list[d
             r["rel_diff_vs_first"] = float((o - base).norm() / base.norm())
         rows.append({"B": bsz, "ctx": ctx_before, "width": width, "path": name, **r})
         log(f"verify B={bsz} ctx={ctx_before} width={width} {name}: {r}")
+    r = guarded(lambda: bench_fa3_prefill(ctx_before, width, bsz))
+    rows.append({"B": bsz, "ctx": ctx_before, "width": width, "path": "FA3 fp16 cache", **r})
+    log(f"verify B={bsz} ctx={ctx_before} width={width} FA3 fp16: {r}")
     return rows
 
 
@@ -578,9 +591,10 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
     import torch
 
     out: dict[str, Any] = {"decode": [], "store": [], "prefill": [], "verify": []}
-    # Speculative verify rows (3 drafts): which path the plugin should take (it takes decode
-    # rows; chosen without a GPU timing, docs/kernel-notes.md).
-    for bsz, ctx in ((1, 16384), (8, 4096), (64, 6144)) if "verify" in parts else ():
+    # Speculative verify rows (3 drafts): the plugin's verify pass against the other paths
+    # and FA3 on fp16 (docs/kernel-notes.md); (256, 6144) is the burst's decode shape.
+    shapes = ((1, 16384), (8, 4096), (64, 6144), (256, 6144))
+    for bsz, ctx in shapes if "verify" in parts else ():
         out["verify"] += bench_verify("kvarn_k4v2_g128", ctx, 4, bsz)
     # (256, 6144): the serving burst's decode shape (256 requests, 6144-6656 tokens)
     for bsz, ctx in ((64, 16384), (256, 4096), (256, 6144)) if "decode" in parts else ():

@@ -72,6 +72,9 @@ TEST_GROUPS = {
     # round 7's v4b (the pool phase one block per step across the warps): every decode test.
     "decode_v4b": ["test_kernels_attention.py", "-k", "variant4b"],
     "shadow_pool_write": ["test_kernels_rotation.py", "-k", "shadow"],
+    # verify_attention (seventh session): the fused verify pass against the reference and
+    # against one decode row per token, every variant.
+    "verify": ["test_kernels_attention.py", "-k", "verify"],
 }
 
 

@@ -685,11 +685,10 @@ def _launch_v4(
     hk = int(pool_k.shape[2])
     hq = hq or n_rows // t
     qpk = hq // hk
-    block_q = max(16, triton.next_power_of_2(qpk))
     multi = query_start_loc is not None
     # verify: as many of a request's query tokens per program as fill the MMA's rows
-    tpp = max(1, block_q // qpk) if multi else 1
-    ntg = triton.cdiv(max_query_len, tpp) if multi else 1
+    tpp = _verify_tokens_per_program(qpk) if multi else 1
+    ntg = verify_token_groups(hq, hk, max_query_len) if multi else 1
     cfg = decode_v4_config(geo.head_dim, geo.group)
     warps = num_warps or cfg["num_warps"]
     decode_v4_kernel[(t * ntg, hk, num_splits)](
@@ -709,7 +708,7 @@ def _launch_v4(
         HQ=hq,
         HK=hk,
         QPK=qpk,
-        BLOCK_Q=block_q,
+        BLOCK_Q=_mma_rows(qpk),
         D=geo.head_dim,
         G=geo.group,
         SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
@@ -1083,13 +1082,23 @@ def verify_token_groups(num_q_heads: int, num_kv_heads: int, max_query_len: int)
     """Programs per (request, KV head, split) of :func:`verify_attention`'s v4 kernels: as
     many of a request's query tokens share one program as fill the 16 MMA rows that decode
     pads its ``Hq / Hk`` query heads to (4 tokens at GQA 4, 2 at GQA 8, 1 from GQA 16)."""
-    qpk = num_q_heads // num_kv_heads
-    tokens = max(1, max(16, triton.next_power_of_2(qpk)) // qpk)
-    return -(-max_query_len // tokens)
+    return -(-max_query_len // _verify_tokens_per_program(num_q_heads // num_kv_heads))
+
+
+def _mma_rows(qpk: int) -> int:
+    """Query rows of a decode program: its ``qpk`` heads padded to the MMA's 16 or more."""
+    return max(16, int(triton.next_power_of_2(qpk)))
+
+
+def _verify_tokens_per_program(qpk: int) -> int:
+    return max(1, _mma_rows(qpk) // qpk)
 
 
 def verify_rows(
-    block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A verify batch as decode rows, one per query token: the block-table row of the token's
     request and the length up to and including the token (token ``i`` of ``n`` of a request

@@ -163,7 +163,7 @@ def warmup(
         for reqs in (1, 16):
             t = reqs * verify_width
             qsl = torch.arange(0, t + 1, verify_width, dtype=torch.int32, device=dev)
-            seq = torch.full((reqs,), verify_width, dtype=torch.int32, device=dev)
+            lens = torch.full((reqs,), verify_width, dtype=torch.int32, device=dev)
             for n in sorted(splits):
                 verify_attention(
                     dense,
@@ -173,7 +173,7 @@ def warmup(
                     pool_v,
                     table[:reqs],
                     qsl,
-                    seq,
+                    lens,
                     block_to_slot,
                     scale,
                     max_query_len=verify_width,
