@@ -840,6 +840,54 @@ def test_verify_attention(
         _assert_close(out, rows.double(), tot=1e-3, row=1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("name", "hq", "hk"),
+    [("kvarn_k4v2_g128", 32, 8), ("kvarn_k4v4_g128", 32, 8), ("kvarn_k4v2_g64", 64, 8)],
+)
+@pytest.mark.parametrize("variant", ["auto", "v4"])
+def test_verify_attention_gpu(
+    device: torch.device, name: str, hq: int, hk: int, variant: str
+) -> None:
+    """Real sizes (head dim 128; GQA 4, and GQA 8 with two token groups): 3 drafts, ragged
+    query counts, contexts from a few tokens to 4K, against the reference and decode rows."""
+    d = 128
+    lens = [4096, 5, 3000, 129, 1500, 777, 2 * parse_cache_dtype(name).group + 3]
+    qlens = [4, 2, 4, 1, 3, 4, 4]
+    case = build_case(
+        name,
+        d,
+        hk,
+        lens,
+        device=device,
+        seed=11,
+        pool_from=[n - ql for n, ql in zip(lens, qlens, strict=True)],
+    )
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(sum(qlens), hq, d, device=device, generator=gen).half()
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    qsl = qsl.to(device)
+    scale = 1.0 / math.sqrt(d)
+    paged = (case.kv_cache, case.pool_k, case.pool_v, case.block_table)
+    out = verify_attention(
+        name,
+        q,
+        *paged,
+        qsl,
+        case.seq_lens,
+        case.block_to_slot,
+        scale,
+        max_query_len=4,
+        variant=variant,
+    )
+    _assert_close(out, prefill_attention_ref(*case.prefill_args(name, q, qsl, scale)))
+    table, row_lens = verify_rows(case.block_table, qsl, case.seq_lens, int(q.shape[0]))
+    rows = decode_attention(
+        name, q, *paged[:3], table, row_lens, case.block_to_slot, scale, variant=variant
+    )
+    _assert_close(out, rows.double(), tot=1e-3, row=1e-2)
+
+
 def test_verify_rows_and_token_groups(device: torch.device) -> None:
     """The decode-row view of a verify batch (owner row, length up to each token), and how
     many programs share a request's tokens."""
