@@ -47,11 +47,13 @@ from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import (
     ACT_DTYPES,
     DenseGeometry,
+    cdiv,
     check_device,
     check_dtype,
     check_index_tensor,
     check_ndim,
     dense_geometry,
+    next_pow2,
     pool_row_ptrs,
     pool_shadow_rows,
     resolve_format,
@@ -640,8 +642,8 @@ def choose_decode_splits(
     powers of two (at most 7) are all met by vLLM's CUDA-graph capture sizes at start-up.
     """
     progs = max(1, batch * num_kv_heads)
-    want = triton.cdiv(4 * _num_sms(device), progs)
-    cap = max(1, triton.cdiv(max_blocks, 4))
+    want = cdiv(4 * _num_sms(device), progs)
+    cap = max(1, cdiv(max_blocks, 4))
     splits = int(max(1, min(want, cap, 64)))
     return 1 << (splits.bit_length() - 1)
 
@@ -761,7 +763,7 @@ def _launch(
     t, hq, d = (int(s) for s in q.shape)
     hk = int(pool_k.shape[2])
     qpk = hq // hk
-    qpk_p = triton.next_power_of_2(qpk)
+    qpk_p = next_pow2(qpk)
     n_rows = t * hq
     if n_rows == 0:
         return
@@ -807,7 +809,7 @@ def _launch(
             block_m = max(block_m or (64 if d <= 128 else 32), qpk_p)
             bq = block_m // qpk_p
             b = int(query_start_loc.shape[0]) - 1
-            grid_x = triton.cdiv(t, bq) + b
+            grid_x = cdiv(t, bq) + b
         bn = block_n or _chunk_tokens(d, geo.group)
         warps = num_warps or (4 if d <= 128 and decode else 8)
         _attn_kernel[(grid_x, hk, num_splits)](
@@ -832,7 +834,7 @@ def _launch(
             QPK_P=qpk_p,
             BQ=bq,
             BLOCK_M=block_m,
-            B_P=triton.next_power_of_2(b + 1),
+            B_P=next_pow2(b + 1),
             D=d,
             G=geo.group,
             SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
@@ -848,7 +850,7 @@ def _launch(
             num_warps=warps,
         )
     block_r = 16
-    _merge_unrotate_kernel[(triton.cdiv(n_rows, block_r),)](
+    _merge_unrotate_kernel[(cdiv(n_rows, block_r),)](
         o_part,
         lse_part,
         out,
@@ -1087,7 +1089,7 @@ def verify_token_groups(num_q_heads: int, num_kv_heads: int, max_query_len: int)
 
 def _mma_rows(qpk: int) -> int:
     """Query rows of a decode program: its ``qpk`` heads padded to the MMA's 16 or more."""
-    return max(16, int(triton.next_power_of_2(qpk)))
+    return max(16, next_pow2(qpk))
 
 
 def _verify_tokens_per_program(qpk: int) -> int:

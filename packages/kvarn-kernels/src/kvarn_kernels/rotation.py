@@ -27,6 +27,7 @@ import triton.language as tl  # type: ignore[import-untyped]
 from kvarn_format.hadamard import hadamard_matrix as _np_hadamard
 from kvarn_kernels._common import (
     ACT_DTYPES,
+    cdiv,
     check_device,
     check_dtype,
     check_head_dim,
@@ -182,7 +183,7 @@ def _launch_rotate(
     block_c = min(d, 128)
     scatter = slot_mapping is not None
     dummy = s  # any tensor: the scatter-only pointers are not read in plain mode
-    grid = (triton.cdiv(n_rows, block_r),)
+    grid = (cdiv(n_rows, block_r),)
     _rotate_rows_kernel[grid](
         x,
         y,
