@@ -92,6 +92,12 @@ def _check_reference_and_shadow_twin(
         assert torch.equal(out, run(case_with(0))), "shadow rows changed the result"
 
 
+def _qsl(qlens: list[int], device: torch.device) -> torch.Tensor:
+    """``query_start_loc`` of requests with ``qlens`` query tokens."""
+    starts = torch.tensor(qlens).cumsum(0).tolist()
+    return torch.tensor([0, *starts], dtype=torch.int32, device=device)
+
+
 def _shadow_rows(name: str, d: int, which: int | str) -> int:
     """Shadow rows of a test case: ``"max"`` (the most a record holds) or the number given."""
     if which != "max":
@@ -318,8 +324,7 @@ def test_prefill_external_varlen_attention(device: torch.device, cap: int | None
     case = build_case(name, d, hk, lens, device=device, seed=3, pool_from=pool_from)
     q = torch.randn(sum(qlens), hq, d, generator=torch.Generator().manual_seed(1)).half()
     q = q.to(device)
-    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
-    qsl = qsl.to(device)
+    qsl = _qsl(qlens, device)
     args = case.prefill_args(name, q, qsl, 1.0 / math.sqrt(d))
     calls: list[float] = []
     out = prefill_attention(
@@ -404,9 +409,7 @@ def test_prefill_attention(
 
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(sum(qlens), hq, d, generator=gen).half().to(device)
-    qsl = torch.tensor(
-        [0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=device
-    )
+    qsl = _qsl(qlens, device)
     scale = 1.0 / math.sqrt(d)
     if method == "fused":
         kw: dict[str, object] = {"num_splits": splits}
@@ -724,9 +727,7 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
     pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
     case = build_case(name, d, hk, lens, device=device, seed=1, pool_from=pool_from)
     q = torch.randn(sum(qlens), hq, d, device=device).half()
-    qsl = torch.tensor(
-        [0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=device
-    )
+    qsl = _qsl(qlens, device)
     scale = 1.0 / math.sqrt(d)
     if method == "fused":
         configs: list[dict[str, object]] = [
@@ -806,8 +807,7 @@ def test_verify_attention(
     t = sum(qlens)
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(t, hq, d, generator=gen).half().to(device)
-    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
-    qsl = qsl.to(device)
+    qsl = _qsl(qlens, device)
     scale = 1.0 / math.sqrt(d)
     paged = (case.kv_cache, case.pool_k, case.pool_v, case.block_table)
     for splits in (None, 3):
@@ -865,8 +865,7 @@ def test_verify_attention_gpu(
     )
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(sum(qlens), hq, d, device=device, generator=gen).half()
-    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
-    qsl = qsl.to(device)
+    qsl = _qsl(qlens, device)
     scale = 1.0 / math.sqrt(d)
     paged = (case.kv_cache, case.pool_k, case.pool_v, case.block_table)
     out = verify_attention(

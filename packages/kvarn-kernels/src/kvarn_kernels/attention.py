@@ -1032,21 +1032,7 @@ def decode_attention(
     )
     if q.shape[0] != block_table.shape[0]:
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
-    if variant != "auto" and variant not in DECODE_VARIANTS:
-        raise ValueError(f"variant must be 'auto', 'v1', 'v4' or 'v4b', got {variant!r}")
-    if variant == "auto":
-        variant = default_decode_variant(geo, prefetch, v4_option=num_stages is not None)
-    if variant != "v1" and not prefetch:
-        raise ValueError(
-            f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
-        )
-    if variant == "v1" and num_stages is not None:
-        raise ValueError("num_stages applies to variant='v4' or 'v4b' only")
-    if variant in ("v4", "v4b") and not _v4_supports(geo):
-        raise ValueError(
-            f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
-            f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
-        )
+    variant = _resolve_decode_variant(geo, variant, prefetch, num_stages)
     bsz, hq, d = (int(s) for s in q.shape)
     splits = num_splits or choose_decode_splits(
         bsz, int(pool_k.shape[2]), int(block_table.shape[1]), q.device
@@ -1078,6 +1064,55 @@ def decode_attention(
         num_stages=num_stages,
     )
     return out
+
+
+def _resolve_decode_variant(
+    geo: DenseGeometry, variant: str, prefetch: bool = True, num_stages: int | None = None
+) -> str:
+    """The decode kernel a call runs: ``variant`` checked against the format and the
+    variant-only options, ``"auto"`` resolved by :func:`default_decode_variant`."""
+    if variant != "auto" and variant not in DECODE_VARIANTS:
+        raise ValueError(f"variant must be 'auto', 'v1', 'v4' or 'v4b', got {variant!r}")
+    if variant == "auto":
+        variant = default_decode_variant(geo, prefetch, v4_option=num_stages is not None)
+    if variant != "v1" and not prefetch:
+        raise ValueError(
+            f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
+        )
+    if variant == "v1" and num_stages is not None:
+        raise ValueError("num_stages applies to variant='v4' or 'v4b' only")
+    if variant in ("v4", "v4b") and not _v4_supports(geo):
+        raise ValueError(
+            f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
+            f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
+        )
+    return variant
+
+
+def _check_varlen(
+    fmt: KVarNFormat | str,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    out: torch.Tensor | None,
+) -> tuple[DenseGeometry, torch.Tensor]:
+    """:func:`_check_common` for ``[T, Hq, D]`` queries grouped by ``query_start_loc``."""
+    geo, out = _check_common(
+        fmt, q, kv_cache, pool_k, pool_v, block_table, seq_lens, block_to_slot, out, "[T, Hq, D]"
+    )
+    check_index_tensor("query_start_loc", query_start_loc, 1, "[B + 1]")
+    if query_start_loc.shape[0] != block_table.shape[0] + 1:
+        raise ValueError(
+            f"query_start_loc must have B + 1 = {block_table.shape[0] + 1} entries; got "
+            f"{query_start_loc.shape[0]}"
+        )
+    check_device(q.device, query_start_loc=query_start_loc)
+    return geo, out
 
 
 def verify_token_groups(num_q_heads: int, num_kv_heads: int, max_query_len: int) -> int:
@@ -1160,27 +1195,12 @@ def verify_attention(
 
     Returns ``[T, Hq, D]`` in q's dtype, unrotated.
     """
-    geo, out = _check_common(
-        fmt, q, kv_cache, pool_k, pool_v, block_table, seq_lens, block_to_slot, out, "[T, Hq, D]"
+    geo, out = _check_varlen(
+        fmt, q, kv_cache, pool_k, pool_v, block_table, query_start_loc, seq_lens, block_to_slot, out
     )
-    check_index_tensor("query_start_loc", query_start_loc, 1, "[B + 1]")
-    if query_start_loc.shape[0] != block_table.shape[0] + 1:
-        raise ValueError(
-            f"query_start_loc must have B + 1 = {block_table.shape[0] + 1} entries; got "
-            f"{query_start_loc.shape[0]}"
-        )
-    check_device(q.device, query_start_loc=query_start_loc)
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
-    if variant != "auto" and variant not in DECODE_VARIANTS:
-        raise ValueError(f"variant must be 'auto', 'v1', 'v4' or 'v4b', got {variant!r}")
-    if variant == "auto":
-        variant = default_decode_variant(geo, True, v4_option=False)
-    if variant != "v1" and not _v4_supports(geo):
-        raise ValueError(
-            f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
-            f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
-        )
+    variant = _resolve_decode_variant(geo, variant)
     t, hq, d = (int(s) for s in q.shape)
     if variant == "v1":
         table, lens = verify_rows(block_table, query_start_loc, seq_lens, t)
@@ -1312,16 +1332,9 @@ def prefill_attention(
 
     Returns ``[T, Hq, D]`` in q's dtype, unrotated.
     """
-    geo, out = _check_common(
-        fmt, q, kv_cache, pool_k, pool_v, block_table, seq_lens, block_to_slot, out, "[T, Hq, D]"
+    geo, out = _check_varlen(
+        fmt, q, kv_cache, pool_k, pool_v, block_table, query_start_loc, seq_lens, block_to_slot, out
     )
-    check_index_tensor("query_start_loc", query_start_loc, 1, "[B + 1]")
-    if query_start_loc.shape[0] != block_table.shape[0] + 1:
-        raise ValueError(
-            f"query_start_loc must have B + 1 = {block_table.shape[0] + 1} entries; got "
-            f"{query_start_loc.shape[0]}"
-        )
-    check_device(q.device, query_start_loc=query_start_loc)
     if block_m is not None and (
         block_m not in (16, 32, 64, 128) or (block_m > 64 and q.shape[2] > 128)
     ):
