@@ -1202,6 +1202,16 @@ def verify_attention(
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     variant = _resolve_decode_variant(geo, variant)
     t, hq, d = (int(s) for s in q.shape)
+    hk = int(pool_k.shape[2])
+    # one split rule for both paths (the warm-up compiles what it selects)
+    splits = num_splits or choose_decode_splits(
+        int(block_table.shape[0]) * verify_token_groups(hq, hk, max_query_len),
+        hk,
+        int(block_table.shape[1]),
+        q.device,
+    )
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
     if variant == "v1":
         table, lens = verify_rows(block_table, query_start_loc, seq_lens, t)
         return decode_attention(
@@ -1216,16 +1226,9 @@ def verify_attention(
             softmax_scale,
             out=out,
             workspace=workspace,
-            num_splits=num_splits,
+            num_splits=splits,
             variant="v1",
         )
-    hk = int(pool_k.shape[2])
-    bsz = int(block_table.shape[0])
-    splits = num_splits or choose_decode_splits(
-        bsz * verify_token_groups(hq, hk, max_query_len), hk, int(block_table.shape[1]), q.device
-    )
-    if splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {splits}")
     workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, splits), q.device)
     _launch(
         geo,
