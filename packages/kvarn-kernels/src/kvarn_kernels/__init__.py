@@ -10,10 +10,10 @@ Serving data model (per attention layer):
 
 Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from pool slots),
 :func:`flush_token_tiles` (store straight from a step's rotated K/V rows),
-:func:`decode_attention`, :func:`verify_attention` (speculative verify: a few query
-tokens per request in one decode-kernel pass), :func:`prefill_attention` (with :func:`plan_prefill_context`, its
-per-batch schedule shared by a step's layers), plus :func:`hadamard_matrix` and
-:func:`warmup` (compiles the prefill-side kernels before serving).
+:func:`decode_attention`, :func:`verify_attention` (speculative verify: a few query tokens
+per request in one decode-kernel pass), :func:`prefill_attention` (with
+:func:`plan_prefill_context`, its per-batch schedule shared by a step's layers), plus
+:func:`hadamard_matrix` and :func:`warmup` (compiles the prefill-side kernels before serving).
 Pure-torch references live in :mod:`kvarn_kernels.reference`.
 """
 

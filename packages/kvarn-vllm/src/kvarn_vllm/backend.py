@@ -392,9 +392,10 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         faster than the planned path, whose host time dominates a few tokens, and under
         async scheduling (``exact_host_lens`` False) also the only correct path, because
         vLLM's host lengths of verify rows then assume every draft of the previous step was
-        accepted and a plan on them would put the queries past the true end of the context. Without ``is_prefilling`` in the metadata, continuation rows of at
-        most ``verify_width`` tokens count as verify rows when the host lengths are not exact
-        (on the device lengths, any row is attended correctly)."""
+        accepted and a plan on them would put the queries past the true end of the context.
+        Without ``is_prefilling`` in the metadata, continuation rows of at most
+        ``verify_width`` tokens count as verify rows when the host lengths are not exact (on
+        the device lengths, any row is attended correctly)."""
         qsl = cam.query_start_loc_cpu.numpy()[: cam.num_reqs + 1]
         seq_cpu = cam.seq_lens_cpu_upper_bound
         if seq_cpu is None:
