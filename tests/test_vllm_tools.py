@@ -32,6 +32,16 @@ def test_dtype_specs_and_labels(e2e: ModuleType) -> None:
     assert e2e.parse_dtype("kvarn_k4v2_g128", "float16") == ("kvarn_k4v2_g128", "float16")
     assert e2e.row_label("fp8", "bfloat16", "default", "float16") == "fp8:bfloat16"
     assert e2e.row_label("kvarn_k4v2_g128", "float16", "v1", "float16") == "kvarn_k4v2_g128@v1"
+    assert e2e.row_label("auto", "float16", "default", "float16", 3) == "auto+ngram3"
+
+
+def test_speculative_config_is_a_valid_vllm_ngram_gpu_config(e2e: ModuleType) -> None:
+    """The drafter settings gpu_e2e passes to LLM(...) build vLLM's own SpeculativeConfig."""
+    from vllm.config import SpeculativeConfig
+
+    assert e2e.speculative_config(0) is None
+    cfg = SpeculativeConfig(**e2e.speculative_config(3))
+    assert cfg.method == "ngram_gpu" and cfg.num_speculative_tokens == 3
 
 
 def test_log_facts(e2e: ModuleType) -> None:

@@ -103,12 +103,37 @@ def parse_dtype(spec: str, default_model_dtype: str) -> tuple[str, str]:
     return name.strip(), (model.strip() or default_model_dtype)
 
 
-def row_label(cache_dtype: str, model_dtype: str, runner: str, default_model_dtype: str) -> str:
+def speculative_config(num_drafts: int) -> dict[str, Any] | None:
+    """vLLM's GPU n-gram drafter with ``num_drafts`` tokens (None: no speculative decoding).
+
+    GPU n-gram drafts keep vLLM's async scheduling on, whose host lengths of verify rows are
+    optimistic: the case the plugin's verify path exists for. Dummy weights make greedy
+    outputs repetitive, so n-gram lookups find drafts and verify rows do occur.
+    """
+    if num_drafts <= 0:
+        return None
+    return {
+        "method": "ngram_gpu",
+        "num_speculative_tokens": num_drafts,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    }
+
+
+def row_label(
+    cache_dtype: str,
+    model_dtype: str,
+    runner: str,
+    default_model_dtype: str,
+    spec_ngram: int = 0,
+) -> str:
     label = cache_dtype
     if model_dtype != default_model_dtype:
         label += f":{model_dtype}"
     if runner != "default":
         label += f"@{runner}"
+    if spec_ngram:
+        label += f"+ngram{spec_ngram}"
     return label
 
 
@@ -254,6 +279,9 @@ def child_main(args: argparse.Namespace) -> int:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if not args.compile:
         kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    spec = speculative_config(args.spec_ngram)
+    if spec:
+        kwargs["speculative_config"] = spec
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
@@ -288,6 +316,7 @@ def child_main(args: argparse.Namespace) -> int:
         "model_dtype": model_dtype,
         "runner": args.runner,
         "tp": args.tp,
+        "spec_ngram": args.spec_ngram,
         "num_gpu_blocks": cache.num_gpu_blocks,
         "block_size": cache.block_size,
         "kv_tokens": (cache.num_gpu_blocks or 0) * cache.block_size,
@@ -413,7 +442,7 @@ def parent_main(args: argparse.Namespace) -> int:
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     order0 = len(list(out.glob("row_*.json")))
     for i, (cache_dtype, model_dtype, runner) in enumerate(jobs):
-        label = row_label(cache_dtype, model_dtype, runner, args.model_dtype)
+        label = row_label(cache_dtype, model_dtype, runner, args.model_dtype, args.spec_ngram)
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", label)
         child_out = out / f"child_{safe}.json"
         log = out / f"log_{safe}.txt"
@@ -448,6 +477,8 @@ def parent_main(args: argparse.Namespace) -> int:
             str(args.gpu_mem_util),
             "--max-num-batched-tokens",
             str(args.max_num_batched_tokens or 0),
+            "--spec-ngram",
+            str(args.spec_ngram),
         ]
         if args.model_dir:
             cmd += ["--model-dir", args.model_dir]
@@ -497,6 +528,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dtype", default="float16")
     ap.add_argument("--baseline", default="auto", help="row label the others are compared with")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2 on nvidia-h200-x2)")
+    ap.add_argument(
+        "--spec-ngram",
+        type=int,
+        default=0,
+        help="speculative decoding with this many GPU n-gram drafts (rows labelled +ngramN; "
+        "compare them with the baseline run without drafts: greedy drafts are lossless)",
+    )
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument(
         "--prompt-lens",
