@@ -60,3 +60,75 @@ def test_no_result_file_is_a_failed_row(
 def test_a_crash_after_writing_the_result_is_not_ok(bs: ModuleType, tmp_path: Path) -> None:
     """A non-zero exit other than the timeout (e.g. a crash at exit) is not trusted."""
     assert _row(bs, tmp_path, 1, with_result=True)["status"] == "error rc=1"
+
+
+# ---------------------------------------------------------------------------------------------
+# the agent workload
+
+
+def test_agent_turns_grow_each_conversation_and_count_cache_hits(bs: ModuleType) -> None:
+    """Every turn's prompt is the previous turn's prompt plus its output plus a new tool
+    result; token counts and the hit share come from what ``generate`` reports."""
+    import random
+
+    seen: list[list[list[int]]] = []
+
+    def generate(batch: list[list[int]]) -> list[tuple[list[int], int]]:
+        seen.append(batch)
+        # a perfect prefix cache: everything but this turn's tool tokens was cached
+        previous = seen[-2] if len(seen) > 1 else None
+        hits = [len(p) + 3 if previous else 0 for p in (previous or batch)]
+        return [([7, 8, 9], h) for h in hits]
+
+    prefixes = [[1] * 10, [2] * 20]
+    got = bs.run_agent_turns(generate, prefixes, 3, 5, random.Random(0), 1000)
+    assert [len(p) for p in seen[0]] == [15, 25]
+    for before, after in zip(seen, seen[1:], strict=False):
+        for p, q in zip(before, after, strict=True):
+            assert q[: len(p) + 3] == p + [7, 8, 9] and len(q) == len(p) + 3 + 5
+    assert got["prompt_tokens"] == (15 + 25) + (23 + 33) + (31 + 41)
+    assert got["generated_tokens"] == 3 * 2 * 3
+    assert got["cached_tokens"] == (18 + 28) + (26 + 36)
+    assert got["prefix_cache_hit"] == round(got["cached_tokens"] / got["prompt_tokens"], 4)
+    assert len(got["turn_s"]) == 3 and prefixes == [[1] * 10, [2] * 20]  # inputs untouched
+
+
+def test_agent_rows_go_to_their_own_docs_section(
+    bs: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n<!-- serving:start -->\nburst table\n<!-- serving:end -->\n")
+    monkeypatch.setattr(bs, "DOCS", docs)
+    row = {
+        "label": "kvarn_k4v2_g128",
+        "status": "ok",
+        **RESULT,
+        "prefix_cache_hit": 0.8123,
+        "workload": "agents",
+    }
+    meta = {"workload": "agents", "num_prompts": 256, "prompt_len": 4096, "turns": 4}
+    text = bs.section([row], meta, "auto")
+    assert text.startswith("<!-- agents:start -->") and "agent workload" in text
+    assert "prefix-cache hits 81%" in text
+    bs.write_docs(text, "agents")
+    bs.write_docs(text.replace("81%", "82%"), "agents")  # replaced, not appended twice
+    new = docs.read_text()
+    assert "burst table" in new and new.count("<!-- agents:start -->") == 1 and "82%" in new
+
+
+def test_length_defaults_follow_the_workload(
+    bs: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    got: dict[str, object] = {}
+
+    def fake_parent(args: object) -> int:
+        got.update(vars(args))
+        return 0
+
+    monkeypatch.setattr(bs, "parent_main", fake_parent)
+    bs.main(["--workload", "agents"])
+    assert (got["prompt_len"], got["output_len"], got["turns"]) == (4096, 128, 4)
+    bs.main([])
+    assert (got["prompt_len"], got["output_len"]) == (6144, 512)
+    bs.main(["--workload", "agents", "--prompt-len", "1000"])
+    assert got["prompt_len"] == 1000

@@ -25,6 +25,22 @@ with the table (other sections are kept). On the device tool, copy ``results.jso
     # a smaller workload
     python3 tools/bench_serving.py --num-prompts 64 --prompt-len 2048 --output-len 128 --out /tmp/small
 
+Agent workload (``--workload agents``): what KV capacity buys when it is the limit. Each of
+``--num-prompts`` conversations starts from its own ``--prompt-len``-token prefix (system
+prompt and task); ``--turns`` times, a ``--tool-len``-token tool result is appended and
+``--output-len`` tokens are generated, all conversations' turns in one ``generate`` call, the
+next turn's prompt being the whole conversation so far. Prefix caching is on (vLLM's
+default), so a turn recomputes only what the cache lost since the previous turn: with more
+conversations than an fp16 cache holds, fp16 evicts and recomputes, a cache with 4x the
+tokens does not. Reported per dtype: total tok/s over all turns ((prompt + generated) / time,
+prompt tokens counting cached ones, as the burst does), the prefix-cache hit share (vLLM's
+``num_cached_tokens`` over prompt tokens) and each turn's time. Defaults: 256 conversations,
+4096-token prefixes, 4 turns of 512 + 128 tokens (6,656 tokens per conversation at the end:
+1.7M tokens in all, more than fp16's and fp8's capacity on the H200, less than
+``kvarn_k4v2_g128``'s), written to the docs' agent section.
+
+    python3 tools/bench_serving.py --workload agents --dtypes auto,kvarn_k4v2_g128 --out /tmp/ag
+
 Profiled burst (``--profile``): where does each dtype's time go? The child engine gets vLLM's
 torch profiler (``profiler_config``: stacks, shapes, memory and FLOPs off) and
 ``LLM.start_profile()`` / ``stop_profile()`` around the timed ``generate``; profile a window
@@ -64,10 +80,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +98,13 @@ DOCS = common.ROOT / "docs" / "benchmarks.md"
 TIMED_MARK = "kvarn-bench: timed generate starts"
 START = "<!-- serving:start -->"
 END = "<!-- serving:end -->"
+#: docs/benchmarks.md markers of each workload's section
+MARKERS = {"burst": (START, END), "agents": ("<!-- agents:start -->", "<!-- agents:end -->")}
+#: Per-workload defaults of the length options (``None`` on the command line).
+WORKLOAD_DEFAULTS = {
+    "burst": {"prompt_len": 6144, "output_len": 512},
+    "agents": {"prompt_len": 4096, "output_len": 128},
+}
 #: What issue 4's table needs in one run: fp16, fp8 (bf16 model: vLLM's FA3 fp8 path needs
 #: it), TurboQuant's k3v4_nc preset and every dense KVarN format. About 40 minutes of H200
 #: time in all (TurboQuant's timed run alone ~4 min): split it over device calls with
@@ -99,8 +124,6 @@ DEFAULT_DTYPES = ",".join(
 
 
 def child_main(args: argparse.Namespace) -> int:
-    import random
-
     cache_dtype, model_dtype = args.child_dtype, args.model_dtype
     if cache_dtype.startswith("kvarn"):
         import kvarn_vllm
@@ -164,16 +187,30 @@ def child_main(args: argparse.Namespace) -> int:
     if args.profile:
         llm.start_profile()
     print(TIMED_MARK, flush=True)  # the parent counts the Triton compiles logged after it
-    t = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    elapsed = time.perf_counter() - t
+    workload: dict[str, Any] = {}
+    if args.workload == "agents":
+
+        def generate(batch: list[list[int]]) -> list[tuple[list[int], int]]:
+            outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+            return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outs]
+
+        prefixes = [list(p["prompt_token_ids"]) for p in prompts]
+        workload = run_agent_turns(generate, prefixes, args.turns, args.tool_len, rng, vocab)
+        elapsed = sum(workload["turn_s"])
+        generated, prompt_tokens = workload["generated_tokens"], workload["prompt_tokens"]
+        num_requests = len(prompts) * args.turns
+    else:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outs)
+        num_requests = len(outs)
     profile_info: dict[str, Any] = {}
     if args.profile:
         profile_info = collect_profile(
             llm, prof_dir, Path(args.child_profile_out), keep_trace=args.profile_trace
         )
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outs)
     result = {
         "cache_dtype": cache_dtype,
         "model_dtype": model_dtype,
@@ -188,12 +225,49 @@ def child_main(args: argparse.Namespace) -> int:
         "generated_tokens": generated,
         "total_tok_s": round((prompt_tokens + generated) / elapsed, 1),
         "output_tok_s": round(generated / elapsed, 1),
-        "requests": len(outs),
+        "requests": num_requests,
+        "workload": args.workload,
+        **workload,
     }
     result.update(profile_info)
     Path(args.child_out).write_text(json.dumps(result))
     print(f"kvarn-bench child done: {cache_dtype} {result['total_tok_s']} tok/s", flush=True)
     return 0
+
+
+def run_agent_turns(
+    generate: Callable[[list[list[int]]], list[tuple[list[int], int]]],
+    prefixes: list[list[int]],
+    turns: int,
+    tool_len: int,
+    rng: random.Random,
+    vocab: int,
+) -> dict[str, Any]:
+    """The agent workload's turns (module docstring): ``generate`` takes every conversation's
+    prompt and returns each one's generated tokens and prefix-cache hit count."""
+    history = [list(p) for p in prefixes]
+    prompt_tokens = generated = cached = 0
+    turn_s: list[float] = []
+    for _ in range(turns):
+        for h in history:
+            h.extend(rng.randrange(100, vocab - 100) for _ in range(tool_len))
+        t = time.perf_counter()
+        outs = generate([list(h) for h in history])
+        turn_s.append(time.perf_counter() - t)
+        for h, (tokens, hits) in zip(history, outs, strict=True):
+            prompt_tokens += len(h)
+            cached += hits
+            generated += len(tokens)
+            h.extend(tokens)
+    return {
+        "turns": turns,
+        "tool_len": tool_len,
+        "turn_s": [round(x, 2) for x in turn_s],
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated,
+        "cached_tokens": cached,
+        "prefix_cache_hit": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
+    }
 
 
 def _profile_steps(spec: str) -> tuple[int, int]:
@@ -247,6 +321,8 @@ def table(rows: list[dict[str, Any]], baseline: str) -> str:
             cap = f"{r['kv_tokens'] / base['kv_tokens']:.2f}" if base["kv_tokens"] else ""
             tput = f"{r['total_tok_s'] / base['total_tok_s']:.2f}"
         status = "ok (profiled: not a benchmark number)" if r.get("profiled") else "ok"
+        if "prefix_cache_hit" in r:
+            status += f"; prefix-cache hits {100 * r['prefix_cache_hit']:.0f}%"
         if r.get("killed_after_timed_run"):
             status += "; killed at --timeout in engine teardown, after its timed run"
         if r.get("jit_compiles_timed"):
@@ -262,19 +338,42 @@ def table(rows: list[dict[str, Any]], baseline: str) -> str:
 def section(rows: list[dict[str, Any]], meta: dict[str, Any], baseline: str) -> str:
     cmds = sorted({m for m in meta.get("commands", [])})
     first = rows[0] if rows else {}
+    workload = meta.get("workload", "burst")
+    start, end = MARKERS[workload]
+    engine = (
+        f"Qwen3-8B architecture with dummy weights, max_model_len {meta.get('max_model_len')}, "
+        f"max_num_seqs {meta.get('max_num_seqs')}, gpu_memory_utilization "
+        f"{meta.get('gpu_mem_util')}, TP {meta.get('tp')}, one engine per process."
+    )
+    if workload == "agents":
+        title = (
+            "## Serving: agent workload (vLLM 0.23.0, `tools/bench_serving.py --workload agents`)"
+        )
+        what = (
+            f"{meta.get('num_prompts')} conversations, each a {meta.get('prompt_len')}-token "
+            f"prefix then {meta.get('turns')} turns of {meta.get('tool_len')} tool-result "
+            f"tokens + {meta.get('output_len')} generated tokens (ignore_eos), every turn's "
+            "prompt the whole conversation so far, prefix caching on; "
+            + engine
+            + " Total tok/s = (prompt + generated tokens of all turns) / their time; prompt "
+            "tokens count the prefix-cache hits, whose share is in the status column."
+        )
+    else:
+        title = "## Serving: burst workload (vLLM 0.23.0, `tools/bench_serving.py`)"
+        what = (
+            f"{first.get('requests', meta.get('num_prompts'))} requests x "
+            f"{meta.get('prompt_len')} prompt tokens + {meta.get('output_len')} generated "
+            "tokens (ignore_eos), "
+            + engine
+            + " Total tok/s = (prompt + generated tokens) / time of the timed `generate` call."
+        )
     body = [
-        START,
-        "## Serving: burst workload (vLLM 0.23.0, `tools/bench_serving.py`)",
+        start,
+        title,
         "",
-        f"GPU: {meta.get('gpu', 'unknown')}; measured {meta.get('date', '')}. Workload: "
-        f"{first.get('requests', meta.get('num_prompts'))} requests x "
-        f"{meta.get('prompt_len')} prompt tokens + {meta.get('output_len')} generated tokens "
-        f"(ignore_eos), Qwen3-8B architecture with dummy weights, max_model_len "
-        f"{meta.get('max_model_len')}, max_num_seqs {meta.get('max_num_seqs')}, "
-        f"gpu_memory_utilization {meta.get('gpu_mem_util')}, TP {meta.get('tp')}, one engine "
-        "per process. Total tok/s = (prompt + generated tokens) / time of the timed `generate` "
-        "call. `NAME:bfloat16` rows run the model in bf16 (vLLM's FA3 fp8 path needs it); "
-        "the others in fp16.",
+        f"GPU: {meta.get('gpu', 'unknown')}; measured {meta.get('date', '')}. Workload: {what} "
+        "`NAME:bfloat16` rows run the model in bf16 (vLLM's FA3 fp8 path needs it); the "
+        "others in fp16.",
         "",
         table(rows, baseline),
         "",
@@ -283,16 +382,17 @@ def section(rows: list[dict[str, Any]], meta: dict[str, Any], baseline: str) -> 
         "```",
         *cmds,
         "```",
-        END,
+        end,
     ]
     return "\n".join(body)
 
 
-def write_docs(text: str) -> None:
+def write_docs(text: str, workload: str = "burst") -> None:
+    start, end = MARKERS[workload]
     DOCS.parent.mkdir(parents=True, exist_ok=True)
     old = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    if START in old and END in old:
-        new = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _m: text, old, flags=re.S)
+    if start in old and end in old:
+        new = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _m: text, old, flags=re.S)
     else:
         new = old.rstrip("\n") + "\n\n" + text + "\n"
     DOCS.write_text(new)
@@ -318,6 +418,12 @@ def parent_main(args: argparse.Namespace) -> int:
             gpu_mem_util=args.gpu_mem_util,
             tp=args.tp,
             profile=bool(args.profile),
+            workload=args.workload,
+            **(
+                {"turns": args.turns, "tool_len": args.tool_len}
+                if args.workload == "agents"
+                else {}
+            ),
         )
         command = "python3 tools/bench_serving.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         meta.setdefault("commands", [])
@@ -361,6 +467,12 @@ def parent_main(args: argparse.Namespace) -> int:
                 str(args.seed),
                 "--max-num-batched-tokens",
                 str(args.max_num_batched_tokens or 0),
+                "--workload",
+                args.workload,
+                "--turns",
+                str(args.turns),
+                "--tool-len",
+                str(args.tool_len),
             ]
             if args.model_dir:
                 cmd += ["--model-dir", args.model_dir]
@@ -421,8 +533,9 @@ def parent_main(args: argparse.Namespace) -> int:
                 flush=True,
             )
             return 1
-        write_docs(section(rows, meta, args.baseline))
-        print(f"wrote the serving section of {DOCS}")
+        workload = meta.get("workload", "burst")
+        write_docs(section(rows, meta, args.baseline), workload)
+        print(f"wrote the {workload} section of {DOCS}")
     ok = all(r.get("status") == "ok" for r in rows) and not profile_errors
     return 0 if ok else 1
 
@@ -435,9 +548,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dtype", default="float16")
     ap.add_argument("--runner", default="default", choices=["default", "v1", "v2"])
     ap.add_argument("--baseline", default="auto")
-    ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--prompt-len", type=int, default=6144)
-    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument(
+        "--workload",
+        choices=sorted(WORKLOAD_DEFAULTS),
+        default="burst",
+        help="burst: the standard burst; agents: multi-turn conversations (module docstring)",
+    )
+    ap.add_argument("--num-prompts", type=int, default=256, help="requests or conversations")
+    ap.add_argument("--prompt-len", type=int, default=None, help="6144 (burst), 4096 (agents)")
+    ap.add_argument("--output-len", type=int, default=None, help="512 (burst), 128 (agents)")
+    ap.add_argument("--turns", type=int, default=4, help="agents: turns per conversation")
+    ap.add_argument("--tool-len", type=int, default=512, help="agents: tokens added per turn")
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
@@ -481,6 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child-dtype", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for name, value in WORKLOAD_DEFAULTS[args.workload].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.profile_steps:
         if not args.profile:
             ap.error("--profile-steps needs --profile")
