@@ -912,6 +912,8 @@ def test_verify_rows_and_token_groups(device: torch.device) -> None:
         ("variant", "variant must be"),
         ("v4_k5", "variant='v4' takes 4-bit keys"),
         ("splits", "num_splits must be >= 1"),
+        ("too_long", "a request has 2 query tokens but max_query_len = 1"),
+        ("qsl_order", "query_start_loc must be non-decreasing from 0 to T = 2"),
     ],
 )
 def test_verify_attention_rejects(device: torch.device, change: str, message: str) -> None:
@@ -932,6 +934,11 @@ def test_verify_attention_rejects(device: torch.device, change: str, message: st
         kw["variant"] = "v4"
     elif change == "splits":
         kw["num_splits"] = -1
+    elif change == "too_long":  # caught by the debug check (a host read of query_start_loc)
+        kw.update(max_query_len=1, check=True)
+    elif change == "qsl_order":
+        qsl = torch.tensor([0, 3], dtype=torch.int32, device=device)
+        kw["check"] = True
     paged = (case.kv_cache, case.pool_k, case.pool_v, case.block_table)
     with pytest.raises(ValueError, match=message):
         verify_attention(name, q, *paged, qsl, case.seq_lens, case.block_to_slot, 1.0, **kw)

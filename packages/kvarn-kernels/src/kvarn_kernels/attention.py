@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from functools import cache
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +53,7 @@ from kvarn_kernels._common import (
     check_dtype,
     check_index_tensor,
     check_ndim,
+    debug_checks_enabled,
     dense_geometry,
     next_pow2,
     pool_row_ptrs,
@@ -1166,6 +1168,7 @@ def verify_attention(
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
     variant: str = "auto",
+    check: bool | None = None,
 ) -> torch.Tensor:
     """Speculative verify: a few query tokens per request (1 + drafts), causal, in one pass.
 
@@ -1184,12 +1187,16 @@ def verify_attention(
         query_start_loc: ``[B + 1]`` int32 cumulative query counts (``qsl[B] == T``).
         seq_lens: ``[B]`` int32 tokens of each request including its query tokens.
         max_query_len: the most query tokens any request has (a compile-time bound: pass the
-            server's fixed 1 + drafts). Not checked against ``query_start_loc`` (that would
-            read it on the host); the rows of a request's tokens past it are left unwritten.
+            server's fixed 1 + drafts). Checked against ``query_start_loc`` only with
+            ``check`` (that reads it on the host); the rows of a request's tokens past it
+            would hold garbage.
         workspace: optional fp32, ``decode_workspace_numel(T, Hq, D, num_splits)`` elements.
         variant: as :func:`decode_attention`; with ``"v1"`` (the formats and head dims v4
             does not read) every query token is attended as its own decode row
             (:func:`verify_rows`), which reads the context once per token.
+        check: ``True`` (or env ``KVARN_KERNELS_DEBUG=1``) reads ``query_start_loc`` on the
+            host and raises if it is not non-decreasing from 0 to ``T`` or a request has more
+            than ``max_query_len`` tokens (a host sync: keep it off under CUDA-graph capture).
         fmt, kv_cache, pool_k, pool_v, block_table, block_to_slot, softmax_scale, out,
             num_splits: as :func:`decode_attention`.
 
@@ -1202,6 +1209,17 @@ def verify_attention(
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     variant = _resolve_decode_variant(geo, variant)
     t, hq, d = (int(s) for s in q.shape)
+    if debug_checks_enabled(check):
+        starts = query_start_loc.tolist()
+        lens = [b - a for a, b in pairwise(starts)]
+        if starts[0] != 0 or starts[-1] != t or min(lens, default=0) < 0:
+            raise ValueError(
+                f"query_start_loc must be non-decreasing from 0 to T = {t}; got {starts}"
+            )
+        if max(lens, default=0) > max_query_len:
+            raise ValueError(
+                f"a request has {max(lens)} query tokens but max_query_len = {max_query_len}"
+            )
     hk = int(pool_k.shape[2])
     # one split rule for both paths (the warm-up compiles what it selects)
     splits = num_splits or choose_decode_splits(
