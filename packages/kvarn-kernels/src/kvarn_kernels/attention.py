@@ -1211,14 +1211,14 @@ def verify_attention(
     t, hq, d = (int(s) for s in q.shape)
     if debug_checks_enabled(check):
         starts = query_start_loc.tolist()
-        lens = [b - a for a, b in pairwise(starts)]
-        if starts[0] != 0 or starts[-1] != t or min(lens, default=0) < 0:
+        counts = [b - a for a, b in pairwise(starts)]
+        if starts[0] != 0 or starts[-1] != t or min(counts, default=0) < 0:
             raise ValueError(
                 f"query_start_loc must be non-decreasing from 0 to T = {t}; got {starts}"
             )
-        if max(lens, default=0) > max_query_len:
+        if max(counts, default=0) > max_query_len:
             raise ValueError(
-                f"a request has {max(lens)} query tokens but max_query_len = {max_query_len}"
+                f"a request has {max(counts)} query tokens but max_query_len = {max_query_len}"
             )
     hk = int(pool_k.shape[2])
     # one split rule for both paths (the warm-up compiles what it selects)
