@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -83,9 +84,9 @@ def test_agent_turns_grow_each_conversation_and_count_cache_hits(bs: ModuleType)
     prefixes = [[1] * 10, [2] * 20]
     got = bs.run_agent_turns(generate, prefixes, 3, 5, random.Random(0), 1000)
     assert [len(p) for p in seen[0]] == [15, 25]
-    for before, after in zip(seen, seen[1:], strict=False):
+    for before, after in itertools.pairwise(seen):
         for p, q in zip(before, after, strict=True):
-            assert q[: len(p) + 3] == p + [7, 8, 9] and len(q) == len(p) + 3 + 5
+            assert q[: len(p) + 3] == [*p, 7, 8, 9] and len(q) == len(p) + 3 + 5
     assert got["prompt_tokens"] == (15 + 25) + (23 + 33) + (31 + 41)
     assert got["generated_tokens"] == 3 * 2 * 3
     assert got["cached_tokens"] == (18 + 28) + (26 + 36)
