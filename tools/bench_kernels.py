@@ -472,14 +472,11 @@ def bench_verify(fmt_name: str, ctx_before: int, width: int, bsz: int) -> list[d
         prefill_attention,
         verify_attention,
     )
+    from kvarn_kernels.attention import verify_rows
 
     c = prefill_case(fmt_name, ctx_before, width, bsz)
-    seq = ctx_before + width
-    # the decode rows, built once per step by the plugin's builder
-    owner = torch.arange(bsz, device="cuda").repeat_interleave(width)
-    later = torch.arange(width - 1, -1, -1, device="cuda").repeat(bsz)
-    rows_bt = c["bt"].index_select(0, owner)
-    rows_len = (seq - later).to(torch.int32)
+    # the sixth session's plugin path: one decode row per query token, built once per step
+    rows_bt, rows_len = verify_rows(c["bt"], c["qsl"], c["seqs"], int(c["q"].shape[0]))
     plan = plan_prefill_context(
         c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=HK, head_dim=D, device="cuda"
     )

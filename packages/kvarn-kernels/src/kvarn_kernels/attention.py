@@ -674,8 +674,8 @@ def _launch_v4(
     block_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
+    hq: int,
     round7: bool = False,
-    hq: int = 0,
     query_start_loc: torch.Tensor | None = None,
     max_query_len: int = 1,
 ) -> None:
@@ -687,7 +687,6 @@ def _launch_v4(
 
     t = int(block_table.shape[0])
     hk = int(pool_k.shape[2])
-    hq = hq or n_rows // t
     qpk = hq // hk
     multi = query_start_loc is not None
     # verify: as many of a request's query tokens per program as fill the MMA's rows
@@ -803,7 +802,7 @@ def _launch(
     else:
         if decode:
             bq = 1
-            block_m = max(16, qpk_p)
+            block_m = _mma_rows(qpk)
             b = t
             grid_x = b
         else:
