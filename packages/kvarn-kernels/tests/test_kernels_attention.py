@@ -16,6 +16,7 @@ logical tiles are identical, and so is the kernels' arithmetic on them).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -560,6 +561,36 @@ def test_context_plan_names_the_cuda_index(monkeypatch: pytest.MonkeyPatch) -> N
     assert _concrete_device(torch.device("cuda")) == torch.device("cuda", 1)
     assert _concrete_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
     assert _concrete_device(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_context_plan_tensors_are_16_byte_aligned() -> None:
+    """Every group's plan and offsets start on a 16-byte boundary of the shared copy: Triton
+    compiles the dequantization kernel again for a pointer that is not (a second group at an
+    odd offset was a compile in the middle of the H200 agent run, eighth session)."""
+    # two requests per group (3 offsets each: 6 int32, not a multiple of 4) of 2 + 3 blocks
+    lens, qlens = [100, 150] * 3, [3, 1, 7, 2, 5, 4]
+    per_token = 2 * 1 * 64 * 2  # K and V bytes per context token at 1 KV head of 64
+    plan = plan_prefill_context(
+        64,
+        lens,
+        [0, *itertools.accumulate(qlens)],
+        num_kv_heads=1,
+        head_dim=64,
+        device="cpu",
+        max_workspace_bytes=250 * per_token,
+    )
+    assert len(plan.groups) == 3
+    for i, grp in enumerate(plan.groups):
+        assert grp.blocks is not None and grp.cu_seqlens is not None
+        assert grp.blocks.data_ptr() % 16 == 0 and grp.cu_seqlens.data_ptr() % 16 == 0
+        # and the views still hold the right numbers
+        assert (
+            grp.blocks.shape == (4, 5) and grp.blocks[0].tolist() == [2 * i] * 2 + [2 * i + 1] * 3
+        )
+        assert grp.cu_seqlens.tolist() == [
+            [0, qlens[2 * i], qlens[2 * i] + qlens[2 * i + 1]],
+            [0, 100, 250],
+        ]
 
 
 @pytest.mark.parametrize(

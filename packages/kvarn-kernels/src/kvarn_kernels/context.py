@@ -355,6 +355,14 @@ class ContextPlan:
             )
 
 
+_ALIGN_INT32 = 4  # int32 elements in 16 bytes
+
+
+def _aligned(n: int) -> int:
+    """``n`` int32 elements rounded up to a whole number of 16-byte units."""
+    return -(-n // _ALIGN_INT32) * _ALIGN_INT32
+
+
 def plan_prefill_context(
     group: int,
     seq_lens: Sequence[int],
@@ -404,7 +412,9 @@ def plan_prefill_context(
         r = e
     # All groups' device tensors in one copy: each group's [4, blocks] plan and [2, n + 1]
     # offsets flattened one after the other, then viewed back (contiguous, as the kernel
-    # reads the plan).
+    # reads the plan). Each piece starts on a 16-byte boundary: Triton compiles a kernel
+    # again for a pointer argument that is not 16-byte aligned, and a second group's plan at
+    # an odd offset was such a compile in the middle of serving (agent workload, H200).
     host: list[np.ndarray] = []
     metas = []
     for r0, r1, rows in spans:
@@ -412,7 +422,8 @@ def plan_prefill_context(
         blocks, k_off = dequant_plan(klen[r0:r1], group, r0)
         q_off = [qsl[i] - t0 for i in range(r0, r1 + 1)]
         if t1 > t0:
-            host += [blocks.ravel(), np.asarray([q_off, k_off], dtype=np.int32).ravel()]
+            for piece in (blocks.ravel(), np.asarray([q_off, k_off], dtype=np.int32).ravel()):
+                host += [piece, np.zeros(_aligned(len(piece)) - len(piece), dtype=np.int32)]
         metas.append((r0, r1, t0, t1, rows, q_off, k_off, int(blocks.shape[1])))
     flat = _host_to_device(np.concatenate(host), dev) if host else None
     groups: list[ContextGroup] = []
@@ -421,9 +432,9 @@ def plan_prefill_context(
         g_blocks = g_cu = None
         if t1 > t0 and flat is not None:
             g_blocks = flat[at : at + 4 * nblocks].view(4, nblocks)
-            at += 4 * nblocks
+            at += _aligned(4 * nblocks)
             g_cu = flat[at : at + 2 * len(q_off)].view(2, len(q_off))
-            at += 2 * len(q_off)
+            at += _aligned(2 * len(q_off))
         groups.append(
             ContextGroup(
                 req_start=r0,
