@@ -1,4 +1,4 @@
-"""kvarn_kernels.warmup: the scratch launches cover every compile a prefill step can select."""
+"""kvarn_kernels.warmup: the scratch launches cover every compile a serving step can select."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
 
 from kvarn_format import parse_cache_dtype, record_layout
-from kvarn_kernels import prefill_attention, rotate, verify_attention
+from kvarn_kernels import decode_attention, prefill_attention, rotate, verify_attention
+from kvarn_kernels.attention import choose_decode_splits
 from kvarn_kernels.context import _dequant_context_kernel
 from kvarn_kernels.rotation import _block_r, _rotate_rows_kernel
 from kvarn_kernels.warmup import _token_counts, warmup
@@ -44,20 +45,26 @@ def test_warmup_runs_every_prefill_op(device: torch.device) -> None:
         device=device,
         dtype=torch.bfloat16,
     )
-    assert n == 2 + 3 * len(_token_counts(16, 8))
+    # stores 2, rotation + pool write + prefill per token count, decode 1 split x 2 batches
+    assert n == 2 + 3 * len(_token_counts(16, 8)) + 2
 
 
-def test_warmup_compiles_verify_for_every_split_count(device: torch.device) -> None:
-    """With drafts, verify_attention runs once per split count a batch can take (two row
-    counts each), through its argument checks."""
-    from kvarn_kernels.attention import choose_decode_splits, verify_token_groups
+def test_warmup_compiles_decode_and_verify_for_every_split_count(device: torch.device) -> None:
+    """Decode, and with drafts verify_attention, run once per split count a batch can take
+    (two row counts each), through their argument checks."""
+    from kvarn_kernels.attention import verify_token_groups
 
     kw: dict[str, Any] = dict(head_dim=64, num_q_heads=8, num_kv_heads=2, device=device)
-    base = warmup("kvarn_k4v2_g64", **kw)
-    n = warmup("kvarn_k4v2_g64", **kw, verify_width=4, max_num_seqs=64, block_table_width=128)
+    server: dict[str, Any] = dict(max_num_seqs=64, block_table_width=128)
+    base = warmup("kvarn_k4v2_g64", **kw) - 2  # without its one decode split
+    dev = torch.device(device)
+    decode_splits = {choose_decode_splits(b, 2, 128, dev) for b in range(1, 65)}
+    assert len(decode_splits) > 1
+    assert warmup("kvarn_k4v2_g64", **kw, **server) == base + 2 * len(decode_splits)
+    n = warmup("kvarn_k4v2_g64", **kw, **server, verify_width=4)
     groups = verify_token_groups(8, 2, 4)
-    splits = {choose_decode_splits(b * groups, 2, 128, torch.device(device)) for b in range(1, 65)}
-    assert n == base + 2 * len(splits)
+    splits = {choose_decode_splits(b * groups, 2, 128, dev) for b in range(1, 65)}
+    assert n == base + 2 * len(decode_splits) + 2 * len(splits)
 
 
 def test_warmup_refuses_an_unknown_format(device: torch.device) -> None:
@@ -118,6 +125,55 @@ def test_prefill_after_warmup_compiles_nothing(shadow: int) -> None:
     )
     torch.cuda.synchronize()
     assert _compiled_variants() == before
+
+
+@pytest.mark.gpu
+def test_decode_after_warmup_compiles_nothing() -> None:
+    """After the warm-up, eager decode batches of 1-256 requests on a server-shaped block
+    table (128 wide) find their kernels compiled: engines without FULL decode graphs (vLLM
+    downgrades to piecewise graphs under speculative decoding) compiled decode mid-serving
+    in the eighth session's H200 run."""
+    from kvarn_kernels.attention import _attn_kernel, _merge_unrotate_kernel
+    from kvarn_kernels.decode_v4 import decode_v4_kernel
+
+    dev = torch.device("cuda")
+    fmt, g, hq, hk, d = "kvarn_k4v2_g128", 128, 32, 8, 128
+    warmup(
+        fmt,
+        head_dim=d,
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        device=dev,
+        max_num_seqs=256,
+        block_table_width=128,
+    )
+
+    def compiled() -> int:
+        kernels = (decode_v4_kernel, _attn_kernel, _merge_unrotate_kernel)
+        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+
+    before = compiled()
+    tile_bytes = record_layout(parse_cache_dtype(fmt), d).tile_bytes
+    kv_cache = torch.zeros(8, hk, tile_bytes, dtype=torch.uint8, device=dev)
+    pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=dev)
+    block_to_slot = torch.full((8,), -1, dtype=torch.int32, device=dev)
+    block_table = torch.zeros(256, 128, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((256,), 3 * g + 7, dtype=torch.int32, device=dev)
+    for reqs in (1, 2, 3, 5, 17, 37, 64, 100, 200, 256):
+        decode_attention(
+            fmt,
+            torch.randn(reqs, hq, d, device=dev, dtype=torch.float16),
+            kv_cache,
+            pool_k,
+            torch.zeros_like(pool_k),
+            block_table[:reqs],
+            seq_lens[:reqs],
+            block_to_slot,
+            d**-0.5,
+            num_splits=choose_decode_splits(reqs, hk, 128, dev),
+        )
+    torch.cuda.synchronize()
+    assert compiled() == before
 
 
 @pytest.mark.gpu

@@ -1,12 +1,14 @@
 """Compile the prefill-side kernels before serving starts.
 
 Triton compiles a kernel the first time it meets a new set of compile-time constants, and a
-compile takes seconds. Decode kernels are compiled when a serving engine captures its CUDA
-graphs; the kernels of prefill steps (rotation, side-pool writes, the two store paths, the
-context dequantization) are not, so without a warm-up the first prompts of a server stall
-for several seconds per kernel (vLLM's JIT monitor logs each one). :func:`warmup` launches
-each of them once on small scratch tensors, with the constants a serving step uses, so that
-the compiled kernels are in Triton's cache when the real steps come.
+compile takes seconds. The kernels of prefill steps (rotation, side-pool writes, the two store
+paths, the context dequantization) are not compiled by a serving engine's CUDA-graph capture,
+and neither is decode when the engine captures no FULL decode graphs (eager mode, or vLLM's
+piecewise downgrade under speculative decoding), so without a warm-up the first steps of a
+server stall for several seconds per kernel (vLLM's JIT monitor logs each one).
+:func:`warmup` launches each of them once on small scratch tensors, with the constants a
+serving step uses, so that the compiled kernels are in Triton's cache when the real steps
+come.
 
 What selects a compile, and how the scratch launches match the serving ones:
 
@@ -15,9 +17,12 @@ What selects a compile, and how the scratch launches match the serving ones:
   masked);
 * the rotation's row tile (16 / 32 / 64 rows, from the row count): one launch per class,
   for the K/V rows (``T * Hk``) and the query rows (``T * Hq``);
-* integer arguments: the per-step counts are not specialized (``do_not_specialize``), and
-  the strides of contiguous scratch tensors fall in the same divisibility class as vLLM's
-  (multiples of 16 at every supported head dim).
+* decode and verify: the split count and the block table's row stride (compile-time
+  constants: one launch per split count a batch can take, on a table of the server's width)
+  and the query-row count (specialized: one request and 16, both divisibility classes);
+* integer arguments of the prefill side: the per-step counts are not specialized
+  (``do_not_specialize``), and the strides of contiguous scratch tensors fall in the same
+  divisibility class as vLLM's (multiples of 16 at every supported head dim).
 
 Nothing outside the scratch tensors is read or written.
 """
@@ -31,6 +36,7 @@ from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import resolve_format
 from kvarn_kernels.attention import (
     choose_decode_splits,
+    decode_attention,
     prefill_attention,
     verify_attention,
     verify_token_groups,
@@ -65,7 +71,8 @@ def warmup(
     max_num_seqs: int = 1,
     block_table_width: int = 1,
 ) -> int:
-    """Launch every prefill-side kernel once on scratch tensors; returns the launch count.
+    """Launch every kernel a serving step can select once on scratch tensors (those that a
+    FULL CUDA-graph capture compiles too); returns the launch count.
 
     Args:
         fmt: the dense KVarN format served (or its dtype string).
@@ -79,10 +86,12 @@ def warmup(
         record_stride: the server's record stride in bytes (default the record size; a
             hybrid model pads it), also a compile-time constant.
         verify_width: with speculative decoding, 1 + drafts (0: none). Then
-            :func:`verify_attention`'s kernel is compiled for every split count that a batch
-            of 1 to ``max_num_seqs`` requests takes on a ``block_table_width``-wide block table
-            (the server's: the split count and the table's row stride are compile-time
-            constants), for query-row counts in both of Triton's divisibility classes.
+            :func:`verify_attention`'s kernel is compiled too, like decode's.
+        max_num_seqs, block_table_width: the server's largest batch and block-table width.
+            :func:`decode_attention`'s kernels are compiled for every split count that a
+            batch of 1 to ``max_num_seqs`` requests takes on a ``block_table_width``-wide
+            table (the split count and the table's row stride are compile-time constants),
+            for query-row counts in both of Triton's divisibility classes.
     """
     dense = resolve_format(fmt)
     dev = torch.device(device)
@@ -151,15 +160,37 @@ def warmup(
         )
         launches += 3
 
+    # Requests in block 1 (pool slot 0) on a server-wide block table, one request (whose
+    # query-row count may not be a multiple of 16) and 16 (whose count is).
+    table = torch.ones(16, max(block_table_width, 1), dtype=torch.int32, device=dev)
+    batches = range(1, max(max_num_seqs, 1) + 1)
+    # Decode: the split count is a compile-time constant. Engines that capture FULL decode
+    # graphs compile these while capturing; without them (speculative decoding downgrades
+    # vLLM to piecewise graphs, and eager mode) the first decode steps would compile them.
+    for n in sorted({choose_decode_splits(b, hk, block_table_width, dev) for b in batches}):
+        for reqs in (1, 16):
+            # a packed tile and one pool row when the table is that wide
+            lens = torch.full(
+                (reqs,), min(g + 1, table.shape[1] * g), dtype=torch.int32, device=dev
+            )
+            decode_attention(
+                dense,
+                randn(reqs, hq, d),
+                kv_cache,
+                pool_k,
+                pool_v,
+                table[:reqs],
+                lens,
+                block_to_slot,
+                scale,
+                num_splits=n,
+            )
+            launches += 1
+
     if verify_width > 0:
         groups = verify_token_groups(hq, hk, verify_width)
-        splits = {
-            choose_decode_splits(b * groups, hk, block_table_width, dev)
-            for b in range(1, max(max_num_seqs, 1) + 1)
-        }
-        # Requests of verify_width tokens in block 1 (pool slot 0), as many as make the
-        # query-row count a multiple of 16 and, first, one request (which may not).
-        table = torch.ones(16, max(block_table_width, 1), dtype=torch.int32, device=dev)
+        splits = {choose_decode_splits(b * groups, hk, block_table_width, dev) for b in batches}
+        # Requests of verify_width tokens.
         for reqs in (1, 16):
             t = reqs * verify_width
             qsl = torch.arange(0, t + 1, verify_width, dtype=torch.int32, device=dev)

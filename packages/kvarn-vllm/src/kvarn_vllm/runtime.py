@@ -190,9 +190,10 @@ class KvarnGroupRuntime:
                 self._warm_up_kernels(act)
 
     def _warm_up_kernels(self, dtype: torch.dtype) -> None:
-        """Compile the prefill-side kernels now: CUDA-graph capture compiles the decode
-        kernels, nothing compiles these before the first prompts, which would otherwise each
-        wait seconds for Triton (vLLM's JIT monitor logs it)."""
+        """Compile the kernels of serving steps now: nothing compiles the prefill side before
+        the first prompts, nor decode and verify when the engine captures no FULL decode
+        graphs (speculative decoding, eager mode); those steps would otherwise each wait
+        seconds for Triton (vLLM's JIT monitor logs it)."""
         kk: Any = importlib.import_module("kvarn_kernels")
         start = time.perf_counter()
         try:
@@ -205,21 +206,21 @@ class KvarnGroupRuntime:
                 dtype=dtype,
                 shadow_rows=self.group - self.pool_rows,
                 record_stride=self.tile_stride,
-                # speculative verify batches run eagerly: their kernels too
+                # decode and verify for every split count a batch can take
                 verify_width=self.verify_width,
                 max_num_seqs=self.max_num_seqs,
                 block_table_width=self.max_blocks,
             )
         except Exception as exc:  # a warm-up bug must not stop a server that would work
             logger.warning(
-                "kvarn: kernel warm-up failed (%s: %s); the prefill kernels will compile on "
+                "kvarn: kernel warm-up failed (%s: %s); the kernels will compile on "
                 "first use instead. Please report this.",
                 type(exc).__name__,
                 exc,
             )
             return
         logger.info(
-            "kvarn: prefill kernels compiled (%d scratch launches, %.1f s)",
+            "kvarn: serving kernels compiled (%d scratch launches, %.1f s)",
             launches,
             time.perf_counter() - start,
         )
