@@ -1,7 +1,8 @@
 """The KVarN attention backend for vLLM 0.23: backend class, metadata builder and impl.
 
 * :class:`KvarnAttentionBackend` declares what it serves (dense ``kvarn_*`` dtypes of one tile
-  size ``G``, head sizes 64/128/256/512, block size ``G``, decoder self-attention only) so that
+  size ``G``, head sizes 64/128/256 (512 refused, see
+  ``get_supported_head_sizes``), block size ``G``, decoder self-attention only) so that
   vLLM's own ``validate_configuration`` rejects everything else. There is one subclass per
   ``G`` because vLLM asks a backend for its block sizes without saying which dtype.
 * :class:`KvarnMetadataBuilder` is a thin adapter: it applies the side-pool plans of
@@ -124,7 +125,10 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return list(DENSE_HEAD_DIMS)
+        # 512 is refused: kvarn_kernels' fused attention kernel gave wrong results at head dim
+        # 512 on an H200 and refuses it on GPUs (HEAD_DIM_512_GPU_MESSAGE); vLLM then says
+        # the head size is unsupported instead of the server failing at its first decode.
+        return [d for d in DENSE_HEAD_DIMS if d <= 256]
 
     @staticmethod
     def get_kv_cache_shape(
