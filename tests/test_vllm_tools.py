@@ -77,6 +77,10 @@ def test_summary_table_reports_errors_as_rows(e2e: ModuleType) -> None:
     table = e2e.summarize([base, kv, bad], "auto")
     assert "| kvarn_k4v2_g128 | ok | 400 | 4.00 | 0.500 |" in table
     assert "| turboquant_k8v4 | error rc=1 |" in table
+    # with drafts every row is labelled +ngramN; "auto" then means "auto+ngram3"
+    drafted = [{**r, "label": r["label"] + "+ngram3"} for r in (base, kv)]
+    table = e2e.summarize(drafted, "auto")
+    assert "| kvarn_k4v2_g128+ngram3 | ok | 400 | 4.00 | 0.500 |" in table
 
 
 def test_model_dir_falls_back_to_the_embedded_qwen3_8b(e2e: ModuleType, tmp_path: Path) -> None:

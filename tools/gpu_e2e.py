@@ -277,7 +277,9 @@ def child_main(args: argparse.Namespace) -> int:
     )
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if not args.compile:
+    # vLLM's GPU n-gram drafter is a torch.compile'd module ("No compilation mode is set"
+    # without compilation, H200): drafts run with vLLM's default compilation
+    if not args.compile and not args.spec_ngram:
         kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     spec = speculative_config(args.spec_ngram)
     if spec:
@@ -362,6 +364,10 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 def summarize(rows: list[dict[str, Any]], baseline_label: str | None) -> str:
     by_label = {r["label"]: r for r in rows}
     base = by_label.get(baseline_label or "")
+    if base is None and baseline_label:
+        # a run with drafts labels its fp16 row "auto+ngramN": compare with that one
+        drafted = [r for label, r in by_label.items() if label.startswith(baseline_label + "+")]
+        base = drafted[0] if len(drafted) == 1 else None
     head = (
         "| dtype | status | KV tokens | vs fp16 | greedy match vs fp16 | mean common prefix "
         "| exact seqs | non-finite logprobs | CUDA graphs | prefix-rerun match vs fp16 "
@@ -532,8 +538,9 @@ def main(argv: list[str] | None = None) -> int:
         "--spec-ngram",
         type=int,
         default=0,
-        help="speculative decoding with this many GPU n-gram drafts (rows labelled +ngramN; "
-        "compare them with the baseline run without drafts: greedy drafts are lossless)",
+        help="speculative decoding with this many GPU n-gram drafts (rows labelled +ngramN, "
+        "compared with auto+ngramN when the baseline has drafts too; implies --compile: the "
+        "drafter needs vLLM's compilation)",
     )
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument(
