@@ -127,41 +127,54 @@ def test_prefill_after_warmup_compiles_nothing(shadow: int) -> None:
     assert _compiled_variants() == before
 
 
-@pytest.mark.gpu
-def test_decode_after_warmup_compiles_nothing() -> None:
-    """After the warm-up, eager decode batches of 1-256 requests on a server-shaped block
-    table (128 wide) find their kernels compiled: engines without FULL decode graphs (vLLM
-    downgrades to piecewise graphs under speculative decoding) compiled decode mid-serving
-    in the eighth session's H200 run."""
-    from kvarn_kernels.attention import _attn_kernel, _merge_unrotate_kernel
-    from kvarn_kernels.decode_v4 import decode_v4_kernel
+# a server-shaped case for the decode and verify checks: 256 requests, a 128-wide block table
+SERVER_FMT, SERVER_G, SERVER_HQ, SERVER_HK, SERVER_D = "kvarn_k4v2_g128", 128, 32, 8, 128
 
+
+def _warm_like_a_server(
+    verify_width: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Warm up as the plugin does for that server; returns scratch ``kv_cache``, ``pool_k``
+    and ``block_to_slot`` (no pooled block) for the calls to check."""
     dev = torch.device("cuda")
-    fmt, g, hq, hk, d = "kvarn_k4v2_g128", 128, 32, 8, 128
     warmup(
-        fmt,
-        head_dim=d,
-        num_q_heads=hq,
-        num_kv_heads=hk,
+        SERVER_FMT,
+        head_dim=SERVER_D,
+        num_q_heads=SERVER_HQ,
+        num_kv_heads=SERVER_HK,
         device=dev,
+        verify_width=verify_width,
         max_num_seqs=256,
         block_table_width=128,
     )
-
-    def compiled() -> int:
-        kernels = (decode_v4_kernel, _attn_kernel, _merge_unrotate_kernel)
-        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
-
-    before = compiled()
-    tile_bytes = record_layout(parse_cache_dtype(fmt), d).tile_bytes
-    kv_cache = torch.zeros(8, hk, tile_bytes, dtype=torch.uint8, device=dev)
-    pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=dev)
+    tile_bytes = record_layout(parse_cache_dtype(SERVER_FMT), SERVER_D).tile_bytes
+    kv_cache = torch.zeros(8, SERVER_HK, tile_bytes, dtype=torch.uint8, device=dev)
+    pool_k = torch.zeros(2, SERVER_G, SERVER_HK, SERVER_D, dtype=torch.float16, device=dev)
     block_to_slot = torch.full((8,), -1, dtype=torch.int32, device=dev)
+    return kv_cache, pool_k, block_to_slot
+
+
+def _attention_compiles() -> int:
+    from kvarn_kernels.attention import _attn_kernel, _merge_unrotate_kernel
+    from kvarn_kernels.decode_v4 import decode_v4_kernel
+
+    kernels = (decode_v4_kernel, _attn_kernel, _merge_unrotate_kernel)
+    return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_decode_after_warmup_compiles_nothing() -> None:
+    """After the warm-up, eager decode batches of 1-256 requests find their kernels compiled:
+    engines without FULL decode graphs (vLLM downgrades to piecewise graphs under speculative
+    decoding) compiled decode mid-serving in the eighth session's H200 run."""
+    kv_cache, pool_k, block_to_slot = _warm_like_a_server()
+    before = _attention_compiles()
+    dev, hq, hk, d = kv_cache.device, SERVER_HQ, SERVER_HK, SERVER_D
     block_table = torch.zeros(256, 128, dtype=torch.int32, device=dev)
-    seq_lens = torch.full((256,), 3 * g + 7, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((256,), 3 * SERVER_G + 7, dtype=torch.int32, device=dev)
     for reqs in (1, 2, 3, 5, 17, 37, 64, 100, 200, 256):
         decode_attention(
-            fmt,
+            SERVER_FMT,
             torch.randn(reqs, hq, d, device=dev, dtype=torch.float16),
             kv_cache,
             pool_k,
@@ -173,44 +186,23 @@ def test_decode_after_warmup_compiles_nothing() -> None:
             num_splits=choose_decode_splits(reqs, hk, 128, dev),
         )
     torch.cuda.synchronize()
-    assert compiled() == before
+    assert _attention_compiles() == before
 
 
 @pytest.mark.gpu
 def test_verify_after_warmup_compiles_nothing() -> None:
     """After a warm-up with drafts, verify batches of several sizes on a server-shaped block
     table (128 wide; row slices copied as the plugin does) find their kernels compiled."""
-    from kvarn_kernels.attention import _merge_unrotate_kernel
-    from kvarn_kernels.decode_v4 import decode_v4_kernel
-
-    dev = torch.device("cuda")
-    fmt, g, hq, hk, d, width = "kvarn_k4v2_g128", 128, 32, 8, 128, 4
-    warmup(
-        fmt,
-        head_dim=d,
-        num_q_heads=hq,
-        num_kv_heads=hk,
-        device=dev,
-        verify_width=width,
-        max_num_seqs=256,
-        block_table_width=128,
-    )
-
-    def compiled() -> int:
-        kernels = (decode_v4_kernel, _merge_unrotate_kernel)
-        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
-
-    before = compiled()
-    tile_bytes = record_layout(parse_cache_dtype(fmt), d).tile_bytes
-    kv_cache = torch.zeros(8, hk, tile_bytes, dtype=torch.uint8, device=dev)
-    pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=dev)
-    block_to_slot = torch.full((8,), -1, dtype=torch.int32, device=dev)
+    width = 4
+    kv_cache, pool_k, block_to_slot = _warm_like_a_server(verify_width=width)
+    before = _attention_compiles()
+    dev, hq, d, g = kv_cache.device, SERVER_HQ, SERVER_D, SERVER_G
     for reqs in (1, 3, 37, 200):
         qlens = [1 + r % width for r in range(reqs)]
         t = sum(qlens)
         qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
         verify_attention(
-            fmt,
+            SERVER_FMT,
             torch.randn(t, hq, d, device=dev, dtype=torch.float16),
             kv_cache,
             pool_k,
@@ -223,4 +215,4 @@ def test_verify_after_warmup_compiles_nothing() -> None:
             max_query_len=width,
         )
     torch.cuda.synchronize()
-    assert compiled() == before
+    assert _attention_compiles() == before
