@@ -517,6 +517,17 @@ def bench_verify(fmt_name: str, ctx_before: int, width: int, bsz: int) -> list[d
             r["rel_diff_vs_first"] = float((o - base).norm() / base.norm())
         rows.append({"B": bsz, "ctx": ctx_before, "width": width, "path": name, **r})
         log(f"verify B={bsz} ctx={ctx_before} width={width} {name}: {r}")
+
+    # The verify pass replayed from a CUDA graph: its GPU time without the host's launch gaps,
+    # i.e. what FULL graphs for uniform verify batches would give (vLLM runs them eagerly
+    # today: piecewise graphs under speculative decoding).
+    def timed_in_graph() -> dict[str, Any]:
+        us, mode = timed(paths["verify pass"], graph=True)
+        return {"us": us, "mode": mode}
+
+    r = guarded(timed_in_graph)
+    rows.append({"B": bsz, "ctx": ctx_before, "width": width, "path": "verify pass", **r})
+    log(f"verify B={bsz} ctx={ctx_before} width={width} verify pass (graph): {r}")
     r = guarded(lambda: bench_fa3_prefill(ctx_before, width, bsz))
     rows.append({"B": bsz, "ctx": ctx_before, "width": width, "path": "FA3 fp16 cache", **r})
     log(f"verify B={bsz} ctx={ctx_before} width={width} FA3 fp16: {r}")
@@ -593,8 +604,10 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
     shapes = ((1, 16384), (8, 4096), (64, 6144), (256, 6144))
     for bsz, ctx in shapes if "verify" in parts else ():
         out["verify"] += bench_verify("kvarn_k4v2_g128", ctx, 4, bsz)
-    # (256, 6144): the serving burst's decode shape (256 requests, 6144-6656 tokens)
-    for bsz, ctx in ((64, 16384), (256, 4096), (256, 6144)) if "decode" in parts else ():
+    # (256, 6144): the serving burst's decode shape (256 requests, 6144-6656 tokens); B = 1
+    # and 8 at 16K: one agent's and a few agents' latency (graph replay, as served)
+    decode_shapes = ((1, 16384), (8, 16384), (64, 16384), (256, 4096), (256, 6144))
+    for bsz, ctx in decode_shapes if "decode" in parts else ():
         # What the fp16 sink and in-progress blocks (pool phase + their skipped records) cost:
         # v4 on the same shape with every block a record (docs/kernel-notes.md, sixth session).
         twin = decode_inputs("kvarn_k4v2_g128", bsz, ctx, pool_blocks=False)
