@@ -13,7 +13,7 @@ Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from po
 :func:`decode_attention`, :func:`verify_attention` (speculative verify: a few query tokens
 per request in one decode-kernel pass), :func:`prefill_attention` (with
 :func:`plan_prefill_context`, its per-batch schedule shared by a step's layers), plus
-:func:`hadamard_matrix` and :func:`warmup` (compiles the prefill-side kernels before serving).
+:func:`hadamard_matrix` and :func:`warmup` (compiles the serving kernels before serving).
 Pure-torch references live in :mod:`kvarn_kernels.reference`.
 """
 

@@ -1,4 +1,4 @@
-"""Compile the prefill-side kernels before serving starts.
+"""Compile the kernels of serving steps before serving starts.
 
 Triton compiles a kernel the first time it meets a new set of compile-time constants, and a
 compile takes seconds. The kernels of prefill steps (rotation, side-pool writes, the two store
