@@ -973,6 +973,58 @@ def test_verify_rows_and_token_groups(device: torch.device) -> None:
     assert verify_token_groups(32, 8, 5) == 2
 
 
+@pytest.mark.parametrize("variant", ["v1", "v4b"])
+@pytest.mark.parametrize("pad_requests", [1, 3])
+def test_verify_attention_padded_tail(
+    device: torch.device, variant: str, pad_requests: int
+) -> None:
+    """A batch padded as vLLM pads one for a CUDA graph (padding requests with no query
+    tokens, null block-table rows and length 0; the token count padded past
+    ``query_start_loc[B]``): the real rows are those of the unpadded batch, the tail rows
+    zeros, not the uninitialized partials behind them."""
+    name, d, hq, hk, lens, qlens, max_q, _ = VERIFY_CPU[0]
+    case = shared_case(
+        name,
+        d,
+        hk,
+        lens,
+        device=device,
+        pool_from=tuple(n - q for n, q in zip(lens, qlens, strict=True)),
+    )
+    t = sum(qlens)
+    q = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(3)).half().to(device)
+    qsl = _qsl(qlens, device)
+    paged = (case.kv_cache, case.pool_k, case.pool_v)
+    common = dict(max_query_len=max_q, num_splits=2, variant=variant)
+    out = verify_attention(
+        name, q, *paged, case.block_table, qsl, case.seq_lens, case.block_to_slot, 0.1, **common
+    )
+    tail = pad_requests * max_q
+    q_pad = torch.cat([q, torch.randn(tail, hq, d, device=device).half()])
+    qsl_pad = torch.cat([qsl, qsl[-1:].repeat(pad_requests)])
+    null_rows = case.block_table.new_zeros(pad_requests, case.block_table.shape[1])
+    table_pad = torch.cat([case.block_table, null_rows])
+    lens_pad = torch.cat([case.seq_lens, case.seq_lens.new_zeros(pad_requests)])
+    out_pad = torch.full_like(q_pad, float("nan"))
+    # partials poisoned: the tail's must not reach the output
+    ws = torch.full((decode_workspace_numel(t + tail, hq, d, 2),), float("nan"), device=device)
+    verify_attention(
+        name,
+        q_pad,
+        *paged,
+        table_pad,
+        qsl_pad,
+        lens_pad,
+        case.block_to_slot,
+        0.1,
+        out=out_pad,
+        workspace=ws,
+        **common,
+    )
+    assert torch.equal(out_pad[:t], out)
+    assert bool((out_pad[t:] == 0).all())
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -983,7 +1035,7 @@ def test_verify_rows_and_token_groups(device: torch.device) -> None:
         ("v4_k5", "variant='v4' takes 4-bit keys"),
         ("splits", "num_splits must be >= 1"),
         ("too_long", "a request has 2 query tokens but max_query_len = 1"),
-        ("qsl_order", "query_start_loc must be non-decreasing from 0 to T = 2"),
+        ("qsl_order", "query_start_loc must be non-decreasing from 0 to at most T = 2"),
     ],
 )
 def test_verify_attention_rejects(device: torch.device, change: str, message: str) -> None:

@@ -563,6 +563,7 @@ def _merge_unrotate_kernel(
     LSE_PART,
     OUT,
     S_MAT,
+    TOKENS,
     n_rows,
     inv_sqrt_d,
     NUM_SPLITS: tl.constexpr,
@@ -570,11 +571,19 @@ def _merge_unrotate_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    ROWS_PER_TOKEN: tl.constexpr,
 ):
-    """Merge split partials by log-sum-exp, un-rotate (``@ H``) and cast to the output dtype."""
+    """Merge split partials by log-sum-exp, un-rotate (``@ H``) and cast to the output dtype.
+
+    ``ROWS_PER_TOKEN > 0`` (verify): only the first ``TOKENS[0] * ROWS_PER_TOKEN`` rows hold
+    partials (``TOKENS`` is ``query_start_loc[B]`` on the device); the rows of a padded batch's
+    tail tokens, which no program visited, are written as zeros."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
+    visited = rmask
+    if ROWS_PER_TOKEN > 0:
+        visited = rmask & (rows < tl.load(TOKENS) * ROWS_PER_TOKEN)
     rows64 = rows.to(tl.int64)
     dd = tl.arange(0, D)
     if NUM_SPLITS > 1:
@@ -598,6 +607,8 @@ def _merge_unrotate_kernel(
         o = o / tl.where(wsum > 0, wsum, 1.0)[:, None]
     else:
         o = tl.load(O_PART + rows64[:, None] * D + dd[None, :], mask=rmask[:, None], other=0.0)
+    # (where, not a product: unvisited partials are uninitialized and may be NaN)
+    o = tl.where(visited[:, None], o, 0.0)
     # fp32 result as hi + lo fp16 parts: two MMAs against the exact +-1 matrix keep ~22 bits.
     hi32 = tl.minimum(tl.maximum(o, -_FP16_MAX), _FP16_MAX)
     hi = hi32.to(tl.float16)
@@ -872,11 +883,15 @@ def _launch(
             num_warps=warps,
         )
     block_r = 16
+    # verify: a padded batch's tail tokens (past query_start_loc[B]) come out as zeros (the
+    # pointer is 16-byte aligned or not with B: two compiles, both in the warm-up)
+    tokens = query_start_loc[-1:] if decode and query_start_loc is not None else None
     _merge_unrotate_kernel[(cdiv(n_rows, block_r),)](
         o_part,
         lse_part,
         out,
         sign_matrix(d, q.device, torch.float16),
+        lse_part if tokens is None else tokens,
         n_rows,
         1.0 / math.sqrt(d),
         NUM_SPLITS=num_splits,
@@ -884,6 +899,7 @@ def _launch(
         BLOCK_R=block_r,
         BLOCK_N=min(d, 128),
         OUT_BF16=out.dtype == torch.bfloat16,
+        ROWS_PER_TOKEN=0 if tokens is None else hq,
         num_warps=4,
     )
 
@@ -1161,13 +1177,18 @@ def verify_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A verify batch as decode rows, one per query token: the block-table row of the token's
     request and the length up to and including the token (token ``i`` of ``n`` of a request
-    of ``L`` tokens sees ``L - n + i + 1``). Device ops only, no host sync."""
+    of ``L`` tokens sees ``L - n + i + 1``). Tokens past ``query_start_loc[B]`` (a padded
+    batch's tail) get length 0, i.e. zero rows. Device ops only, no host sync."""
     dev = query_start_loc.device
     tok = torch.arange(num_tokens, dtype=torch.int32, device=dev)
     ends = query_start_loc[1:]
-    owner = torch.searchsorted(ends, tok, right=True)
+    if ends.numel() == 0:  # no requests: every token is tail
+        return block_table.new_zeros((num_tokens, block_table.shape[1])), tok * 0
+    last = ends.numel() - 1
+    owner = torch.searchsorted(ends, tok, right=True).clamp_max_(last)
     later = ends.index_select(0, owner) - 1 - tok  # the request's query tokens after this one
     lens = (seq_lens.index_select(0, owner) - later).to(torch.int32)
+    lens = torch.where(tok < ends[last], lens, 0)
     return block_table.index_select(0, owner), lens
 
 
@@ -1204,7 +1225,9 @@ def verify_attention(
     Args:
         q: ``[T, Hq, D]`` fp16/bf16, unrotated; request ``r``'s tokens are rows
             ``query_start_loc[r] .. query_start_loc[r + 1] - 1``.
-        query_start_loc: ``[B + 1]`` int32 cumulative query counts (``qsl[B] == T``).
+        query_start_loc: ``[B + 1]`` int32 cumulative query counts, ``qsl[B] <= T``: the
+            rows of tokens past ``qsl[B]`` (the tail of a batch padded for a CUDA graph,
+            whose padding requests have no tokens) come out as zeros.
         seq_lens: ``[B]`` int32 tokens of each request including its query tokens.
         max_query_len: the most query tokens any request has (a compile-time bound: pass the
             server's fixed 1 + drafts). Checked against ``query_start_loc`` only with
@@ -1215,8 +1238,8 @@ def verify_attention(
             does not read) every query token is attended as its own decode row
             (:func:`verify_rows`), which reads the context once per token.
         check: ``True`` (or env ``KVARN_KERNELS_DEBUG=1``) reads ``query_start_loc`` on the
-            host and raises if it is not non-decreasing from 0 to ``T`` or a request has more
-            than ``max_query_len`` tokens (a host sync: keep it off under CUDA-graph capture).
+            host and raises if it is not non-decreasing from 0 to at most ``T`` or a request
+            has more than ``max_query_len`` tokens (a host sync: keep it off under CUDA-graph capture).
         fmt, kv_cache, pool_k, pool_v, block_table, block_to_slot, softmax_scale, out,
             num_splits: as :func:`decode_attention`.
 
@@ -1232,9 +1255,9 @@ def verify_attention(
     if debug_checks_enabled(check):
         starts = query_start_loc.tolist()
         counts = [b - a for a, b in pairwise(starts)]
-        if starts[0] != 0 or starts[-1] != t or min(counts, default=0) < 0:
+        if starts[0] != 0 or starts[-1] > t or min(counts, default=0) < 0:
             raise ValueError(
-                f"query_start_loc must be non-decreasing from 0 to T = {t}; got {starts}"
+                f"query_start_loc must be non-decreasing from 0 to at most T = {t}; got {starts}"
             )
         if max(counts, default=0) > max_query_len:
             raise ValueError(
