@@ -172,6 +172,8 @@ def test_constructor_validates() -> None:
         SidePoolTracker(4, 0)
     with pytest.raises(ValueError):
         SidePoolTracker(4, G, spec_margin=-1)
+    with pytest.raises(ValueError, match="pool_only_upto"):
+        SidePoolTracker(4, G, pool_only_upto=-1)
 
 
 def test_pending_plans_accumulate_in_order() -> None:
@@ -256,6 +258,35 @@ def test_sinks_drafts_margins_and_single_tokens_are_never_direct() -> None:
     assert _direct(plan) == [(1, -1, 0)] and tr4.slot_of(2) is not None
 
 
+@pytest.mark.parametrize("pool_only_upto", [0, 3])
+def test_short_steps_stay_in_the_pool_for_uniform_verify_graphs(pool_only_upto: int) -> None:
+    """A verify step (1 + 2 drafts) whose committed token completes block 1: direct by
+    default; with ``pool_only_upto`` = 3 (uniform verify graphs, whose replayed KV update has
+    no direct tiles) the block keeps its slot and the next step flushes it. A longer step
+    still goes direct."""
+    tr = SidePoolTracker(num_slots=16, group=G, pool_only_upto=pool_only_upto)
+    tr.step(StepInput(new=[NewRequest("a", [0, 1, 2], 0)], num_scheduled={"a": 7}))
+    slot1 = tr.slot_of(1)  # holds tokens 4-6
+    plan = tr.step(
+        StepInput(
+            cached=[CachedRequest("a", None, False, 7)], num_scheduled={"a": 3}, num_spec={"a": 2}
+        )
+    )
+    if pool_only_upto:
+        assert _direct(plan) == [] and tr.slot_of(1) is not None
+        assert tr.total_kept_for_graphs == 1
+        plan = tr.step(
+            StepInput(cached=[CachedRequest("a", None, False, 8)], num_scheduled={"a": 1})
+        )
+        assert plan.flush_blocks == [1] and tr.slot_of(1) is None
+    else:
+        assert _direct(plan) == [(1, slot1, 3)]
+        assert tr.slot_of(1) is None and tr.total_kept_for_graphs == 0
+    # An 8-token chunk completing block 6 of another request goes direct either way.
+    plan = tr.step(StepInput(new=[NewRequest("b", [5, 6, 7], 0)], num_scheduled={"b": 8}))
+    assert [blk for blk, _, _ in _direct(plan)] == [6]
+
+
 def test_a_block_rewritten_whole_drops_its_stale_slot() -> None:
     tr = SidePoolTracker(num_slots=8, group=G)
     tr.step(StepInput(new=[NewRequest("a", [4, 5], 0)], num_scheduled={"a": 6}))
@@ -314,6 +345,7 @@ class _Sim:
         long_prompts: bool = False,
         direct_flush: bool = True,
         spec_margin: int = 0,
+        pool_only_upto: int = 0,
     ) -> None:
         self.rng = random.Random(seed)
         self.tr = SidePoolTracker(
@@ -322,6 +354,7 @@ class _Sim:
             prefix_caching=prefix_caching,
             direct_flush=direct_flush,
             spec_margin=spec_margin,
+            pool_only_upto=pool_only_upto,
         )
         self.prefix_caching = prefix_caching
         self.spec = spec
@@ -644,14 +677,27 @@ def test_random_serving_reads_are_always_valid(
 
 
 @pytest.mark.parametrize(
-    ("seed", "max_running", "budget", "spec", "spec_margin", "prefix_caching", "num_blocks"),
+    (
+        "seed",
+        "max_running",
+        "budget",
+        "spec",
+        "spec_margin",
+        "prefix_caching",
+        "num_blocks",
+        "verify_graphs",
+    ),
     [
-        (10, 6, 24, 0, 0, True, 60),
-        (11, 6, 64, 0, 0, True, 48),  # a larger token budget needs no more slots
-        (12, 8, 8, 0, 0, False, 70),  # budget = max_num_seqs: many cut chunks
-        (13, 6, 24, 2, 0, True, 60),
-        (14, 6, 24, 3, 3, True, 60),  # async scheduling with drafts: commits lag 3 tokens
-        (15, 4, 16, 0, 0, True, 24),  # tight KV cache: preemption mid-prefill
+        (10, 6, 24, 0, 0, True, 60, False),
+        (11, 6, 64, 0, 0, True, 48, False),  # a larger token budget needs no more slots
+        (12, 8, 8, 0, 0, False, 70, False),  # budget = max_num_seqs: many cut chunks
+        (13, 6, 24, 2, 0, True, 60, False),
+        (14, 6, 24, 3, 3, True, 60, False),  # async scheduling with drafts: commits lag 3
+        (15, 4, 16, 0, 0, True, 24, False),  # tight KV cache: preemption mid-prefill
+        # uniform verify graphs: steps of at most 1 + drafts tokens never go direct
+        (16, 6, 24, 2, 0, True, 60, True),
+        (17, 6, 24, 3, 3, True, 60, True),
+        (18, 4, 16, 3, 3, True, 24, True),
     ],
 )
 def test_pool_rule_is_never_exhausted_under_vllm_like_schedules(
@@ -662,9 +708,12 @@ def test_pool_rule_is_never_exhausted_under_vllm_like_schedules(
     spec_margin: int,
     prefix_caching: bool,
     num_blocks: int,
+    verify_graphs: bool,
 ) -> None:
     """The pool kvarn-format sizes for direct flush, *without* its 8 spare slots, never runs
-    out: live requests never hold more than ``2*S`` slots plus the rollback tiles."""
+    out: live requests never hold more than ``2*S`` slots plus the rollback tiles. Also with
+    uniform verify graphs on (steps of at most 1 + drafts tokens never direct: a verify whose
+    committed token completes its block keeps the slot while its drafts open the next)."""
     serving = ServingConfig(
         max_model_len=4096,
         max_num_seqs=max_running,
@@ -685,6 +734,7 @@ def test_pool_rule_is_never_exhausted_under_vllm_like_schedules(
         max_running=max_running,
         long_prompts=True,
         spec_margin=spec_margin,
+        pool_only_upto=spec + 1 if verify_graphs else 0,
     )
     for _ in range(500):
         if len(sim.waiting) < 2 * max_running:
@@ -693,6 +743,8 @@ def test_pool_rule_is_never_exhausted_under_vllm_like_schedules(
     assert sim.reads > 5000 and sim.direct_tiles > 50
     assert sim.direct_heads > 5, "no chunk started inside a block that it then completed"
     assert sim.max_live <= 2 * max_running + rollback
+    if verify_graphs:
+        assert sim.tr.total_kept_for_graphs > 0, "no short step completed a committed tile"
     if prefix_caching:
         assert sim.same_step_hits + sim.fp16_sink_hits > 0
     if num_blocks < 30:

@@ -34,7 +34,10 @@ written unless it is direct.
 Pool need (the sizing rule of ``kvarn_format.sizing.side_pool_slots``): with direct flush a
 request holds at most its sink and one in-progress block at any point of a step, plus the
 uncommitted tiles speculative decoding adds; a one-token step that completes its block keeps
-that slot until the next step's pass 1, which frees it before anything is allocated.
+that slot until the next step's pass 1, which frees it before anything is allocated. With
+``pool_only_upto`` (uniform verify graphs) a verify step whose committed token completes its
+block keeps that slot the same way while its drafts open the next block: the sink, two blocks,
+which is the one tile boundary per request that ``rollback_blocks`` already charges.
 
 Request lifecycle comes from vLLM's scheduler output (new, cached, resumed, finished and
 preempted requests, with their block ids), which every worker receives; see
@@ -174,6 +177,11 @@ class SidePoolTracker:
             flushes stay this many tokens behind it.
         direct_flush: quantize the tiles a multi-token step completes inside that step
             (``StepPlan.direct_*``) instead of giving them pool slots.
+        pool_only_upto: steps of at most this many tokens of a request never go direct (0:
+            none). With FULL CUDA graphs for uniform verify batches (1 + drafts tokens per
+            request), such a step may be replayed from a graph whose KV update was captured
+            without direct tiles: its completed tiles then wait in the pool for the next
+            step's flush, as a decode's do.
     """
 
     def __init__(
@@ -185,6 +193,7 @@ class SidePoolTracker:
         prefix_caching: bool = True,
         spec_margin: int = 0,
         direct_flush: bool = True,
+        pool_only_upto: int = 0,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -196,12 +205,15 @@ class SidePoolTracker:
             )
         if spec_margin < 0:
             raise ValueError(f"spec_margin must be >= 0, got {spec_margin}")
+        if pool_only_upto < 0:
+            raise ValueError(f"pool_only_upto must be >= 0, got {pool_only_upto}")
         self.num_slots = num_slots
         self.group = group
         self.ratio = blocks_per_scheduler_block
         self.prefix_caching = prefix_caching
         self.spec_margin = spec_margin
         self.direct_flush = direct_flush
+        self.pool_only_upto = pool_only_upto
 
         # Stack of free slots; popping from the end hands out low slot ids first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -217,6 +229,9 @@ class SidePoolTracker:
         self.peak_slots_used = 0
         self.total_flushed = 0
         self.total_direct = 0
+        #: Committed tiles of short steps kept in the pool for the next step's flush
+        #: (``pool_only_upto``) instead of going direct.
+        self.total_kept_for_graphs = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -303,17 +318,20 @@ class SidePoolTracker:
             # After this step's forward, every non-draft token written is committed.
             final = end - spec - self.spec_margin
             # One-token steps (decodes) never go direct: CUDA graphs capture pure-decode
-            # batches, whose KV update must not depend on the step.
-            direct = self.direct_flush and num_tokens >= 2
+            # batches, whose KV update must not depend on the step; nor do steps that a
+            # uniform verify graph may replay (pool_only_upto).
+            direct = self.direct_flush and num_tokens >= max(2, self.pool_only_upto + 1)
             for index in range(start // self.group, last + 1):
                 block = req.blocks[index]
+                committed_tile = index >= 1 and (index + 1) * self.group <= final
                 if (
                     direct
-                    and index >= 1
-                    and (index + 1) * self.group <= final
+                    and committed_tile
                     and self._make_direct(block, max(0, start - index * self.group))
                 ):
                     continue
+                if committed_tile and self.direct_flush and num_tokens >= 2 and not direct:
+                    self.total_kept_for_graphs += 1
                 self._ensure_slot(block)
             req.written = end
             self._dirty[req_id] = None
