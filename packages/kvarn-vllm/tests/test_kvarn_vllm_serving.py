@@ -56,6 +56,10 @@ class _Step:
     #: the true one by this many tokens (drafts assumed accepted), and the row is not
     #: prefilling. The device lengths stay exact.
     optimistic: dict[str, int] = field(default_factory=dict)
+    #: Requests vLLM appends to a batch it pads for a CUDA graph: no tokens, length 0, null
+    #: block-table rows; their share of the padded token count (the widest row's length each)
+    #: has slot -1.
+    pad_requests: int = 0
 
 
 class _Harness:
@@ -126,6 +130,9 @@ class _Harness:
             for _ in names
         ]
         self.checked_rows = 0
+        #: The last step's common metadata and the builder's metadata for it.
+        self.last_cam: Any = None
+        self.last_meta: Any = None
         #: Token id -> factor applied to its K and V (to provoke fp16 overflow).
         self.boost: dict[int, float] = {}
 
@@ -208,24 +215,32 @@ class _Harness:
         for i, (r, n) in enumerate(rows):
             table[i, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
             slots += [r.blocks[p // G] * G + p % G for p in range(r.computed, r.computed + n)]
-        slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        real = qsl[-1]
+        pad, width = step.pad_requests, max(n for _, n in rows)
+        slot_mapping = torch.tensor(slots + [-1] * (pad * width), dtype=torch.int64)
+        qsl_all = qsl + [real] * pad
+        table = torch.cat([table, table.new_zeros(pad, table.shape[1])])
         cam = CommonAttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            query_start_loc_cpu=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq, dtype=torch.int32),
-            num_reqs=len(rows),
-            num_actual_tokens=qsl[-1],
-            max_query_len=max(n for _, n in rows),
+            query_start_loc=torch.tensor(qsl_all, dtype=torch.int32),
+            query_start_loc_cpu=torch.tensor(qsl_all, dtype=torch.int32),
+            seq_lens=torch.tensor(seq + [0] * pad, dtype=torch.int32),
+            num_reqs=len(rows) + pad,
+            num_actual_tokens=real + pad * width,
+            max_query_len=width,
             max_seq_len=max(seq),
             block_table_tensor=table,
             slot_mapping=slot_mapping,
             seq_lens_cpu_upper_bound=torch.tensor(
-                [n + step.optimistic.get(r.rid, 0) for (r, _), n in zip(rows, seq, strict=True)],
+                [n + step.optimistic.get(r.rid, 0) for (r, _), n in zip(rows, seq, strict=True)]
+                + [0] * pad,
                 dtype=torch.int32,
             ),
-            is_prefilling=torch.tensor([r.rid not in step.optimistic for r, _ in rows]),
+            is_prefilling=torch.tensor(
+                [r.rid not in step.optimistic for r, _ in rows] + [False] * pad
+            ),
         )
         meta = self.builder.build(0, cam)
+        self.last_cam, self.last_meta = cam, meta
         rt = self.builder.runtime
         # The device table must agree with the tracker's bookkeeping after every build.
         assert rt.tracker is not None and rt.block_to_slot is not None
@@ -254,6 +269,11 @@ class _Harness:
                     for r, n in rows
                 ]
             )
+            if pad:  # the padded tail's activations: whatever the model makes of nothing
+                q, k, v = (
+                    torch.cat([x, torch.randn_like(x[:1]).expand(pad * width, -1, -1)])
+                    for x in (q, k, v)
+                )
             with set_forward_context(
                 {name: meta for name in self.names},
                 self.config,
@@ -261,6 +281,9 @@ class _Harness:
             ):
                 out = layer(q.view(-1, HQ * D), k.view(-1, HK * D), v.view(-1, HK * D))
             out = out.view(-1, HQ, D).double()
+            if pad:
+                assert bool((out[real:] == 0).all()), "the padded tail's rows must be zeros"
+                out = out[:real]
             outputs.append(out)
             pools = rt.pools_for(layer.layer_name)
             if not check:
@@ -410,6 +433,51 @@ def test_async_spec_verify_rows_attend_on_device_lengths(kvarn: None, llama_dir6
     # A verifies 4 tokens with a host length 3 too long; B continues its prompt; C decodes.
     h.run(_Step(rows=[("C", 1), ("B", 30), ("A", 4)], optimistic={"A": 3}))
     assert h.checked_rows == 6 * len(h.layers)
+
+
+def test_uniform_verify_batches_for_cuda_graphs(kvarn: None, llama_dir64: Path) -> None:
+    """With uniform verify graphs on (``KVARN_VERIFY_CUDA_GRAPHS=1``), a batch whose requests
+    all have 1 + drafts tokens is one verify run on the runner's own tensors (a replayed graph
+    reads the addresses it captured), also when vLLM pads it with empty requests (their rows
+    come out as zeros); a committed token completing its tile keeps the tile in the pool (the
+    replayed KV update has no direct tiles) until the next step flushes it. Rows are checked
+    against the references as in every other step."""
+    h = _Harness(llama_dir64)
+    rt = h.builder.runtime
+    rt.spec_margin, rt.verify_width, rt.verify_graphs = 3, 4, True
+    gen = torch.Generator().manual_seed(5)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+
+    # A's next token (position 127) completes its block 1; C is a short new prompt.
+    h.add("A", toks(140), [3, 7, 9])
+    h.add("B", toks(90), [5, 11])
+    h.run(_Step(rows=[("A", 127), ("B", 60)], new=["A", "B"]))
+    tr = rt.tracker
+    assert tr is not None and tr.slot_of(7) is not None
+    h.add("C", toks(20), [13])
+    h.run(_Step(rows=[("A", 4), ("B", 4), ("C", 4)], new=["C"], pad_requests=2))
+    meta, cam = h.last_meta, h.last_cam
+    assert meta.num_decodes == 0 and len(meta.prefill_runs) == 1
+    run = meta.prefill_runs[0]
+    assert (run.kind, run.req_end, run.tok_end) == ("verify", 5, 20)
+    for got, runner in (
+        (run.verify_block_table, cam.block_table_tensor),
+        (run.verify_seq_lens, cam.seq_lens),
+        (run.cu_seqlens, cam.query_start_loc),
+    ):
+        assert got.data_ptr() == runner.data_ptr(), "a copy: a graph replay would read stale data"
+    assert tr.slot_of(7) is not None and tr.total_direct == 0 and tr.total_kept_for_graphs == 1
+    # The next uniform step flushes A's block 1 before it allocates anything.
+    flushed = tr.total_flushed
+    h.run(_Step(rows=[("A", 4), ("B", 4), ("C", 4)]))
+    assert tr.slot_of(7) is None and tr.total_flushed == flushed + 1
+    assert h.last_meta.prefill_runs[0].kind == "verify"
+    # A mixed batch (a decode row) keeps the usual split.
+    h.run(_Step(rows=[("A", 1), ("B", 4)]))
+    assert h.last_meta.num_decodes == 1
+    assert h.checked_rows == 10 * len(h.layers)
 
 
 def _chunked_scenario(h: _Harness) -> tuple[list[list[torch.Tensor]], dict[str, Any]]:

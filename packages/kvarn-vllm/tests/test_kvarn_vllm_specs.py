@@ -455,6 +455,39 @@ def test_direct_flush_setting(
     assert direct_flush_setting(config)[0] is True
 
 
+def test_verify_graphs_setting_and_cudagraph_support(
+    kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uniform verify batches are FULL CUDA graphs (``UNIFORM_BATCH``) only with drafts and
+    ``KVARN_VERIFY_CUDA_GRAPHS=1``; otherwise single-token decode graphs as before (vLLM then
+    runs an engine with drafts on piecewise graphs). A typo fails closed."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+    from kvarn_vllm.budget import verify_graphs_setting
+
+    config = _config(qwen3_dir)
+    spec = _attention_layers(config, 1)[0].get_kv_cache_spec(config)
+
+    def support() -> AttentionCGSupport:
+        return KvarnMetadataBuilder.get_cudagraph_support(config, spec)
+
+    single = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert not verify_graphs_setting(3) and support() is single
+    monkeypatch.setenv("KVARN_VERIFY_CUDA_GRAPHS", "1")
+    assert verify_graphs_setting(3) and not verify_graphs_setting(0)
+    assert support() is single  # no drafts configured
+    config.speculative_config = SimpleNamespace(num_speculative_tokens=3)  # type: ignore[assignment]
+    assert support() is AttentionCGSupport.UNIFORM_BATCH
+    monkeypatch.setenv("KVARN_VERIFY_CUDA_GRAPHS", "0")
+    assert support() is single
+    monkeypatch.setenv("KVARN_VERIFY_CUDA_GRAPHS", "sometimes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        verify_graphs_setting(3)
+
+
 def _serving_builder(
     qwen3_dir: Path, dtype: str = "kvarn_k4v2_g128", num_blocks: int = 8, num_layers: int = 1
 ) -> Any:

@@ -51,6 +51,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.utils import record_function_or_nullcontext as _prof_range
 
 from kvarn_format import DENSE_DTYPES, DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype
+from kvarn_vllm.budget import verify_graphs_setting
 from kvarn_vllm.runtime import DirectTiles, KvarnGroupRuntime
 from kvarn_vllm.specs import KvarnFullAttentionSpec, lookup_tile_stride
 
@@ -317,6 +318,19 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
         self.runtime = _shared_runtime(kv_cache_spec, layer_names, vllm_config, device)
 
+    @classmethod
+    def get_cudagraph_support(
+        cls, vllm_config: VllmConfig, kv_cache_spec: AttentionSpec
+    ) -> AttentionCGSupport:
+        """FULL graphs for single-token decode batches; with ``KVARN_VERIFY_CUDA_GRAPHS=1`` and
+        drafts, also for uniform verify batches (vLLM otherwise runs an engine with drafts on
+        piecewise graphs only, attention eager)."""
+        spec = vllm_config.speculative_config
+        drafts = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0
+        if verify_graphs_setting(drafts):
+            return AttentionCGSupport.UNIFORM_BATCH
+        return cls._cudagraph_support
+
     def build(
         self,
         common_prefix_len: int,
@@ -348,21 +362,25 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         if not cam.causal:
             raise ValueError("kvarn: non-causal attention is not supported")
         table = self.runtime.ensure_block_table()
-        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
-            cam, decode_threshold=1
-        )
+        runs: list[PrefillRun] = []
+        if self._uniform_verify(cam):
+            runs = [self._uniform_verify_run(cam)]
+            num_decodes = num_decode_tokens = 0
+        else:
+            num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+                cam, decode_threshold=1
+            )
+            if num_prefills:
+                rt = self.runtime
+                runs = self._prefill_runs(
+                    cam,
+                    num_decodes,
+                    self.kv_cache_spec,
+                    verify_width=rt.verify_width,
+                    exact_host_lens=not rt.spec_margin,
+                )
         # The fixed decode workspace exists before any decode kernel runs (or is captured).
         self.runtime.ensure_decode_workspace(num_decodes)
-        runs: list[PrefillRun] = []
-        if num_prefills:
-            rt = self.runtime
-            runs = self._prefill_runs(
-                cam,
-                num_decodes,
-                self.kv_cache_spec,
-                verify_width=rt.verify_width,
-                exact_host_lens=not rt.spec_margin,
-            )
         return KvarnMetadata(
             runtime=self.runtime,
             block_to_slot=table,
@@ -376,6 +394,42 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             max_seq_len=cam.max_seq_len,
             prefill_runs=runs,
             direct=direct,
+        )
+
+    def _uniform_verify(self, cam: CommonAttentionMetadata) -> bool:
+        """Whether this batch is one a FULL CUDA graph of uniform verify batches captures or
+        replays: every request ``verify_width`` tokens (after vLLM's padding, which adds
+        requests without tokens and counts their ``verify_width`` tokens each)."""
+        width = self.runtime.verify_width
+        return (
+            self.runtime.verify_graphs
+            and width > 1
+            and cam.max_query_len == width
+            and cam.num_actual_tokens == cam.num_reqs * width
+        )
+
+    def _uniform_verify_run(self, cam: CommonAttentionMetadata) -> PrefillRun:
+        """The whole batch as one verify run on vLLM's own persistent tensors.
+
+        A replayed graph reads the addresses it captured: the block table, device lengths and
+        query offsets are the runner's buffers (refilled in place every step), never copies.
+        Every row is attended by :func:`kvarn_kernels.verify_attention`, each token up to
+        itself on the device lengths: right for verify rows and for any other row of at most
+        ``verify_width`` tokens (a short prompt or continuation), whose tokens the KV update
+        has written to the pool (the tracker keeps such steps out of the direct flush). The
+        padding requests have no tokens; the padded tail's rows come out as zeros."""
+        n = cam.num_reqs
+        return PrefillRun(
+            kind="verify",
+            req_start=0,
+            req_end=n,
+            tok_start=0,
+            tok_end=cam.num_actual_tokens,
+            max_query_len=cam.max_query_len,
+            max_seq_len=cam.max_seq_len,
+            cu_seqlens=cam.query_start_loc[: n + 1],
+            verify_block_table=cam.block_table_tensor[:n],
+            verify_seq_lens=cam.seq_lens[:n],
         )
 
     @staticmethod

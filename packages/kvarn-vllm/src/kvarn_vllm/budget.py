@@ -44,6 +44,7 @@ __all__ = [
     "reservation_for_worker",
     "serving_limits",
     "shadow_rows_setting",
+    "verify_graphs_setting",
 ]
 
 logger = logging.getLogger("vllm.kvarn")
@@ -65,6 +66,9 @@ class ServingLimits:
     direct_flush_off_reason: str = ""
     #: Whether pool slots leave each tile's shadow rows in its block's record area.
     shadow_rows: bool = True
+    #: Whether uniform speculative-verify batches run as FULL CUDA graphs
+    #: (:func:`verify_graphs_setting`).
+    verify_graphs: bool = False
 
     def serving_config(self) -> ServingConfig:
         return ServingConfig(
@@ -120,6 +124,21 @@ def direct_flush_setting(vllm_config: VllmConfig) -> tuple[bool, str]:
     return True, ""
 
 
+#: Set to 1 to capture uniform speculative-verify batches (every request 1 + drafts tokens) in
+#: FULL CUDA graphs, as vLLM's FlashAttention backend does. Off by default until a GPU run
+#: has validated it (docs/vllm-plugin.md); without it vLLM runs engines with drafts on
+#: piecewise graphs, attention eager.
+VERIFY_GRAPHS_ENV = "KVARN_VERIFY_CUDA_GRAPHS"
+
+
+def verify_graphs_setting(spec_tokens: int) -> bool:
+    """Whether uniform verify batches are captured in FULL CUDA graphs: with speculative
+    decoding and env ``KVARN_VERIFY_CUDA_GRAPHS=1``. Then the tracker keeps steps of at most
+    ``1 + spec_tokens`` tokens out of the direct flush (``SidePoolTracker(pool_only_upto=)``):
+    a replayed graph's KV update cannot depend on the step."""
+    return spec_tokens > 0 and _env_flag(VERIFY_GRAPHS_ENV, default=False)
+
+
 #: Set to 0 to give every side-pool slot whole tiles: no tile rows are kept in the record
 #: area of the block a pool tile belongs to (costs ~21-27% more pool memory).
 SHADOW_ROWS_ENV = "KVARN_SHADOW_ROWS"
@@ -133,13 +152,15 @@ def shadow_rows_setting() -> bool:
     return _env_flag(SHADOW_ROWS_ENV)
 
 
-def _env_flag(name: str) -> bool:
-    """An on/off environment switch, on when unset; anything but 0/1 (or false/true, off/on,
-    no/yes) raises."""
-    raw = os.environ.get(name, "1").strip().lower()
+def _env_flag(name: str, default: bool = True) -> bool:
+    """An on/off environment switch (``default`` when unset or empty); anything but 0/1 (or
+    false/true, off/on, no/yes) raises."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
     if raw in ("0", "false", "off", "no"):
         return False
-    if raw not in ("1", "true", "on", "yes", ""):
+    if raw not in ("1", "true", "on", "yes"):
         raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
     return True
 
@@ -159,6 +180,7 @@ def serving_limits(vllm_config: VllmConfig) -> ServingLimits:
         direct_flush=direct,
         direct_flush_off_reason=why_not,
         shadow_rows=shadow_rows_setting(),
+        verify_graphs=verify_graphs_setting(spec_tokens),
     )
 
 

@@ -132,6 +132,8 @@ class KvarnGroupRuntime:
         self.spec_margin = limits.spec_margin
         #: Query tokens of a speculative verify row (1 + drafts); 0 without drafts.
         self.verify_width = limits.spec_tokens + 1 if limits.spec_tokens else 0
+        #: Uniform verify batches (every request ``verify_width`` tokens) are FULL CUDA graphs.
+        self.verify_graphs = limits.verify_graphs
         self.direct_flush = limits.direct_flush
         # The current step's direct tiles (host lists from the tracker), uploaded once per
         # step by the first build that needs them.
@@ -313,6 +315,8 @@ class KvarnGroupRuntime:
                     prefix_caching=self.prefix_caching,
                     spec_margin=self.spec_margin,
                     direct_flush=self.direct_flush,
+                    # a uniform verify batch may be a graph replay: no direct tiles in it
+                    pool_only_upto=self.verify_width if self.verify_graphs else 0,
                 )
                 return
         raise RuntimeError(f"kvarn: layer {first} is in no KV-cache group of this worker")
