@@ -348,6 +348,11 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                 # replay) never carries them; skipping it keeps decode replays step-independent.
                 with _prof_range("kvarn: direct_tiles"):
                     direct = self.runtime.direct_tiles(cam.slot_mapping, cam.num_actual_tokens)
+                if direct is not None and self._uniform_verify(cam):
+                    # a graph replay would skip them (the tracker's pool_only_upto forbids it)
+                    raise RuntimeError(
+                        "kvarn: a uniform verify batch carries direct tiles; please report this"
+                    )
             return self._describe(cam, direct)
 
     def build_for_cudagraph_capture(
