@@ -315,6 +315,34 @@ def test_capture_build_applies_no_side_pool_work(kvarn: None, qwen3_dir: Path) -
     assert meta.direct is None
 
 
+def test_capture_of_multi_token_batches_is_the_uniform_verify_run(
+    kvarn: None, qwen3_dir: Path
+) -> None:
+    """A FULL capture of a multi-token batch must be the uniform verify run (its tensors the
+    runner's own, replayed every step); anything else is a loud error, not a graph replayed
+    on copies made at capture time."""
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+
+    config = _config(qwen3_dir)
+    config.cache_config.num_gpu_blocks = 8
+    (layer,) = _attention_layers(config, 1)
+    spec = layer.get_kv_cache_spec(config)
+    layer.kv_cache = torch.zeros((8, 2, spec.tile_stride), dtype=torch.uint8)
+    builder = KvarnMetadataBuilder(spec, [layer.layer_name], config, torch.device("cpu"))
+    rt = builder.runtime
+    uniform = _batch([0, 4, 8, 8], [4, 4, 0], 32)  # two requests of 4 tokens, one padding
+    with pytest.raises(RuntimeError, match="not a uniform verify batch"):
+        builder.build_for_cudagraph_capture(uniform)  # verify graphs off
+    rt.verify_width, rt.verify_graphs = 4, True
+    uniform.num_actual_tokens = 12  # the padding request's share of the padded tokens
+    meta = builder.build_for_cudagraph_capture(uniform)
+    (run,) = meta.prefill_runs
+    assert run.kind == "verify" and run.tok_end == 12 and meta.num_decodes == 0
+    assert run.verify_block_table.data_ptr() == uniform.block_table_tensor.data_ptr()
+    with pytest.raises(RuntimeError, match="not a uniform verify batch"):
+        builder.build_for_cudagraph_capture(_batch([0, 4, 6], [9, 6], 32))
+
+
 def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path) -> None:
     """The builder plans each continuation run once (kvarn-kernels' ``ContextPlan``, shared by
     the layers); first chunks attend to their own K/V and carry none."""

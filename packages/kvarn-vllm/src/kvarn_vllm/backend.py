@@ -359,7 +359,16 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         self, common_attn_metadata: CommonAttentionMetadata
     ) -> KvarnMetadata:
         # No side-pool work at capture time: only describe the (dummy) decode batch.
-        return self._describe(common_attn_metadata)
+        cam = common_attn_metadata
+        if cam.max_query_len > 1 and not self._uniform_verify(cam):
+            # a multi-token capture must be the uniform verify run: any other description
+            # would be replayed on copies made at capture time
+            raise RuntimeError(
+                f"kvarn: vLLM captures a FULL CUDA graph of {cam.num_reqs} requests and "
+                f"{cam.num_actual_tokens} tokens, which is not a uniform verify batch of "
+                f"{self.runtime.verify_width} tokens per request; please report this"
+            )
+        return self._describe(cam)
 
     def _describe(
         self, cam: CommonAttentionMetadata, direct: DirectTiles | None = None
