@@ -461,7 +461,7 @@ def test_uniform_verify_batches_for_cuda_graphs(kvarn: None, llama_dir64: Path) 
     meta, cam = h.last_meta, h.last_cam
     assert meta.num_decodes == 0 and len(meta.prefill_runs) == 1
     run = meta.prefill_runs[0]
-    assert (run.kind, run.req_end, run.tok_end) == ("verify", 5, 20)
+    assert (run.kind, run.req_end, run.tok_end, run.uniform) == ("verify", 5, 20, True)
     for got, runner in (
         (run.verify_block_table, cam.block_table_tensor),
         (run.verify_seq_lens, cam.seq_lens),

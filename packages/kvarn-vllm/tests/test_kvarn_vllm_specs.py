@@ -570,6 +570,22 @@ def test_the_charged_pool_is_the_allocated_pool(
     assert allocated == res.pool_bytes
 
 
+def test_verify_graphs_share_the_charged_decode_workspace(kvarn: None, qwen3_dir: Path) -> None:
+    """With uniform verify graphs the verify passes run in the decode workspace (nothing is
+    allocated inside a graph capture): the worker sizes it for both, and the engine's charge
+    (an upper bound over GPUs of up to MAX_SMS_BOUND SMs) still covers it."""
+    from kvarn_vllm.budget import decode_workspace_bytes
+
+    rt = _serving_builder(qwen3_dir).runtime
+    shape = (rt.max_num_seqs, rt.num_q_heads, rt.num_kv_heads, rt.head_size, rt.max_blocks)
+    decode_only = 4 * rt.decode_workspace_numel(rt.max_num_seqs)
+    assert decode_workspace_bytes(*shape) >= decode_only
+    rt.verify_graphs, rt.verify_width = True, 4
+    both = 4 * rt.decode_workspace_numel(rt.max_num_seqs)
+    assert both > decode_only, "the verify passes need more rows than decode"
+    assert decode_workspace_bytes(*shape, verify_width=4) >= both
+
+
 def test_direct_tiles_rows_come_from_the_slot_mapping(kvarn: None, qwen3_dir: Path) -> None:
     """The device derivation of each direct tile's first new row, without a host sync."""
     from kvarn_vllm.backend import KvarnMetadataBuilder

@@ -275,6 +275,9 @@ class PrefillRun:
     #: that is not, and a slice from a run's first row need not be).
     verify_block_table: torch.Tensor | None = None
     verify_seq_lens: torch.Tensor | None = None
+    #: The uniform verify run of a batch a FULL CUDA graph may capture: it runs in the
+    #: runtime's fixed workspace at the runtime's split count (nothing allocated in a capture).
+    uniform: bool = False
 
 
 @dataclass(slots=True)
@@ -444,6 +447,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             cu_seqlens=cam.query_start_loc[: n + 1],
             verify_block_table=cam.block_table_tensor[:n],
             verify_seq_lens=cam.seq_lens[:n],
+            uniform=True,
         )
 
     @staticmethod
@@ -733,6 +737,13 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                     # each query token up to itself, on the device lengths (the host ones may
                     # be optimistic); the context read once per request
                     assert run.verify_block_table is not None and run.verify_seq_lens is not None
+                    fixed: dict[str, Any] = {}
+                    if run.uniform:
+                        rt = meta.runtime
+                        fixed = {
+                            "workspace": rt.decode_workspace,
+                            "num_splits": rt.verify_splits(run.req_end),
+                        }
                     with _prof_range("kvarn: verify"):
                         kk.verify_attention(
                             self.fmt,
@@ -748,6 +759,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                             # fixed per server (1 + drafts): one compile, not one per length
                             max_query_len=max(meta.runtime.verify_width, run.max_query_len),
                             out=out[t0:t1],
+                            **fixed,
                         )
                     continue
                 with _prof_range("kvarn: context rows"):

@@ -205,22 +205,37 @@ def _splits_bound(batch: int, num_kv_heads: int, max_blocks: int) -> int:
 
 
 def decode_workspace_bytes(
-    max_batch: int, num_q_heads: int, num_kv_heads: int, head_size: int, max_blocks: int
+    max_batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    max_blocks: int,
+    verify_width: int = 0,
 ) -> int:
     """Upper bound of the decode workspace the worker allocates (fp32 elements x 4).
 
     The worker sizes it with :func:`kvarn_kernels.decode_workspace_numel` for every batch size
-    up to ``max_num_seqs`` at the split count the kernels choose on the real device.
+    up to ``max_num_seqs`` at the split count the kernels choose on the real device; with
+    ``verify_width`` (uniform verify graphs on) also for those batches' verify passes, which
+    share it (``verify_width`` rows per request).
     """
     import kvarn_kernels
+    from kvarn_kernels.attention import verify_token_groups
 
+    widths = [(1, 1)]
+    if verify_width:
+        widths.append((verify_width, verify_token_groups(num_q_heads, num_kv_heads, verify_width)))
     return 4 * max(
         int(
             kvarn_kernels.decode_workspace_numel(
-                b, num_q_heads, head_size, _splits_bound(b, num_kv_heads, max_blocks)
+                b * rows,
+                num_q_heads,
+                head_size,
+                _splits_bound(b * groups, num_kv_heads, max_blocks),
             )
         )
         for b in range(1, max(max_batch, 1) + 1)
+        for rows, groups in widths
     )
 
 
@@ -277,6 +292,7 @@ def reservation_for_worker(
         num_kv_heads,
         head_size,
         -(-limits.max_model_len // fmt.group),
+        verify_width=limits.spec_tokens + 1 if limits.verify_graphs else 0,
     )
     # block_to_slot holds one int32 per G-token block; bound the block count from above.
     page_sum = sum(int(s.page_size_bytes) for s in specs.values()) or 1

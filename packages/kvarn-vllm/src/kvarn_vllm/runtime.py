@@ -266,15 +266,30 @@ class KvarnGroupRuntime:
         return splits
 
     def decode_workspace_numel(self, max_batch: int) -> int:
+        """fp32 elements of the decode workspace for batches of up to ``max_batch`` requests;
+        with uniform verify graphs their verify passes share it (``verify_width`` rows per
+        request), so no graph capture allocates one of its own."""
         kk: Any = importlib.import_module("kvarn_kernels")
-        return max(
-            int(
-                kk.decode_workspace_numel(
-                    b, self.num_q_heads, self.head_size, self.decode_splits(b)
-                )
-            )
+        need = [
+            kk.decode_workspace_numel(b, self.num_q_heads, self.head_size, self.decode_splits(b))
             for b in range(1, max(max_batch, 1) + 1)
+        ]
+        if self.verify_graphs:
+            need += [
+                kk.decode_workspace_numel(
+                    b * self.verify_width, self.num_q_heads, self.head_size, self.verify_splits(b)
+                )
+                for b in range(1, max(max_batch, 1) + 1)
+            ]
+        return int(max(need))
+
+    def verify_splits(self, batch: int) -> int:
+        """The split count ``verify_attention`` chooses for ``batch`` uniform verify requests."""
+        attention: Any = importlib.import_module("kvarn_kernels.attention")
+        groups = attention.verify_token_groups(
+            self.num_q_heads, self.num_kv_heads, self.verify_width
         )
+        return self.decode_splits(batch * groups)
 
     def ensure_decode_workspace(self, batch: int) -> torch.Tensor:
         """The fp32 decode workspace, sized once for ``max_num_seqs`` (and grown, outside
