@@ -185,6 +185,15 @@ class KvarnGroupRuntime:
                 "on" if self.prefix_caching else "off",
                 "on" if self.direct_flush else f"off ({limits.direct_flush_off_reason})",
             )
+            if self.verify_width:
+                logger.info(
+                    "kvarn: speculative decoding with %d drafts: uniform verify batches %s",
+                    self.verify_width - 1,
+                    "in FULL CUDA graphs (KVARN_VERIFY_CUDA_GRAPHS=1)"
+                    if self.verify_graphs
+                    else "run eagerly, vLLM on piecewise graphs (KVARN_VERIFY_CUDA_GRAPHS=1 "
+                    "captures them)",
+                )
             model_dtype = vllm_config.model_config.dtype
             if device.type == "cuda":
                 # the backend serves fp16 and bf16 models only (supported_dtypes)
