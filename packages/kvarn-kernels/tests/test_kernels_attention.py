@@ -957,6 +957,70 @@ def test_verify_attention_gpu(
     _assert_close(out, rows.double(), tot=1e-3, row=1e-2)
 
 
+@pytest.mark.gpu
+def test_verify_attention_cuda_graph_replays_new_batches(device: torch.device) -> None:
+    """The pass a FULL CUDA graph of uniform verify batches captures: captured once on
+    persistent tensors (4 tokens per request, padded like vLLM: empty requests, the tail
+    token rows), then replayed after the tensors are refilled in place with other lengths,
+    another query split and fewer real requests; every replay equals the eager pass on the
+    same data, the padded tail zeros."""
+    name, d, hq, hk, width = "kvarn_k4v2_g128", 128, 32, 8, 4
+    lens = [4096, 300, 1500, 2 * 128 + 3]
+    case = build_case(name, d, hk, lens, device=device, seed=5, pool_from=[n - 4 for n in lens])
+    b = len(lens)
+    q = torch.zeros(b * width, hq, d, device=device, dtype=torch.float16)
+    qsl = torch.zeros(b + 1, dtype=torch.int32, device=device)
+    seq = torch.zeros(b, dtype=torch.int32, device=device)
+    out = torch.zeros_like(q)
+    ws = torch.empty(decode_workspace_numel(b * width, hq, d, 4), device=device)
+    scale = 1.0 / math.sqrt(d)
+    paged = (case.kv_cache, case.pool_k, case.pool_v, case.block_table)
+
+    def run(dest: torch.Tensor) -> torch.Tensor:
+        return verify_attention(
+            name,
+            q,
+            *paged,
+            qsl,
+            seq,
+            case.block_to_slot,
+            scale,
+            max_query_len=width,
+            out=dest,
+            workspace=ws,
+            num_splits=4,
+        )
+
+    def fill(qlens: list[int], seq_lens: list[int]) -> None:
+        qsl.copy_(torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32))
+        seq.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+
+    fill([4, 4, 4, 4], lens)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run(out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(out)
+    for qlens, seq_lens in (
+        ([4, 4, 4, 4], [n - 9 for n in lens]),  # shorter contexts, same blocks
+        ([4, 4, 0, 0], [lens[0], lens[1], 0, 0]),  # two real requests, two padding
+        ([3, 4, 1, 4], lens),  # not uniform: each row's own length still holds
+    ):
+        fill(qlens, seq_lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = run(torch.empty_like(out))
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        real = sum(qlens)
+        assert bool((out[real:] == 0).all())
+        ref = prefill_attention_ref(name, q[:real], *paged, qsl, seq, case.block_to_slot, scale)
+        _assert_close(out[:real], ref)
+
+
 def test_verify_rows_and_token_groups(device: torch.device) -> None:
     """The decode-row view of a verify batch (owner row, length up to each token), and how
     many programs share a request's tokens."""
