@@ -756,6 +756,20 @@ def _decode_gpu_case(
     return case, q, 1.0 / math.sqrt(d)
 
 
+def test_head_dim_512_is_refused_on_gpus_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused kernel refuses head dim 512 on CUDA (wrong results on an H200), not on the
+    CPU interpreter (right there) nor at the head dims it serves; the diagnostic switch lifts
+    the refusal."""
+    from kvarn_kernels.attention import _fused_kernel_refuses
+
+    monkeypatch.delenv(UNSAFE_HEAD_DIM_512_ENV, raising=False)
+    assert _fused_kernel_refuses(512, "cuda", "v1")
+    assert not _fused_kernel_refuses(512, "cpu", "v1")
+    assert not any(_fused_kernel_refuses(d, "cuda", "v1") for d in (64, 128, 256))
+    monkeypatch.setenv(UNSAFE_HEAD_DIM_512_ENV, "1")
+    assert not _fused_kernel_refuses(512, "cuda", "v1")
+
+
 @pytest.mark.gpu
 @pytest.mark.xfail(reason="head dim 512 gave wrong results on an H200 (2026-11-30)", strict=False)
 @pytest.mark.parametrize(("splits", "fast", "prefetch"), [(None, None, True), (1, False, False)])

@@ -644,6 +644,16 @@ HEAD_DIM_512_GPU_MESSAGE = (
 UNSAFE_HEAD_DIM_512_ENV = "KVARN_KERNELS_UNSAFE_HEAD_DIM_512"
 
 
+def _fused_kernel_refuses(head_dim: int, device_type: str, variant: str) -> bool:
+    """Whether the v1 kernel must refuse this call (:data:`HEAD_DIM_512_GPU_MESSAGE`)."""
+    return (
+        head_dim > 256
+        and device_type == "cuda"
+        and variant not in ("v4", "v4b")
+        and os.environ.get(UNSAFE_HEAD_DIM_512_ENV) != "1"
+    )
+
+
 @cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -787,12 +797,7 @@ def _launch(
     un-rotate. ``decode`` with a ``query_start_loc`` (v4 / v4b only): speculative verify rows,
     at most ``max_query_len`` per request."""
     t, hq, d = (int(s) for s in q.shape)
-    if (
-        d > 256
-        and q.device.type == "cuda"
-        and variant not in ("v4", "v4b")
-        and os.environ.get(UNSAFE_HEAD_DIM_512_ENV) != "1"
-    ):
+    if _fused_kernel_refuses(d, q.device.type, variant):
         raise NotImplementedError(HEAD_DIM_512_GPU_MESSAGE)
     hk = int(pool_k.shape[2])
     qpk = hq // hk
