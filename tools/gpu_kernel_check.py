@@ -76,7 +76,7 @@ TEST_GROUPS = {
     # against one decode row per token, every variant.
     "verify": ["test_kernels_attention.py", "-k", "verify"],
     # head dim 512 (refused on GPUs since the eighth session: wrong results on the H200): the
-    # kernel run anyway in four configurations (xfail), to see which of them is wrong.
+    # kernel run anyway in eight configurations (xfail), to see which of them is wrong.
     "head_dim_512": ["test_kernels_attention.py", "-k", "head_dim_512_on_gpu", "-rxX"],
 }
 
