@@ -685,6 +685,21 @@ def choose_decode_splits(
     return 1 << (splits.bit_length() - 1)
 
 
+def choose_verify_splits(
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_blocks: int,
+    device: torch.device,
+) -> int:
+    """:func:`verify_attention`'s split count for ``batch`` requests: decode's rule
+    (:func:`choose_decode_splits`) for its ``batch * verify_token_groups(...)`` programs per
+    KV head (static shapes only; the warm-up compiles every value it can return)."""
+    groups = verify_token_groups(num_q_heads, num_kv_heads, max_query_len)
+    return choose_decode_splits(batch * groups, num_kv_heads, max_blocks, device)
+
+
 def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
     """fp32 elements a preallocated ``decode_attention`` workspace needs."""
     rows = batch * num_q_heads
@@ -1270,11 +1285,8 @@ def verify_attention(
             )
     hk = int(pool_k.shape[2])
     # one split rule for both paths (the warm-up compiles what it selects)
-    splits = num_splits or choose_decode_splits(
-        int(block_table.shape[0]) * verify_token_groups(hq, hk, max_query_len),
-        hk,
-        int(block_table.shape[1]),
-        q.device,
+    splits = num_splits or choose_verify_splits(
+        int(block_table.shape[0]), hq, hk, max_query_len, int(block_table.shape[1]), q.device
     )
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")

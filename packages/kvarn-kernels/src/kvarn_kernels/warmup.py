@@ -36,10 +36,10 @@ from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import resolve_format
 from kvarn_kernels.attention import (
     choose_decode_splits,
+    choose_verify_splits,
     decode_attention,
     prefill_attention,
     verify_attention,
-    verify_token_groups,
 )
 from kvarn_kernels.rotation import ROW_TILE_EDGES, rotate, write_side_pool
 from kvarn_kernels.store import flush_tiles, flush_token_tiles
@@ -188,8 +188,9 @@ def warmup(
             launches += 1
 
     if verify_width > 0:
-        groups = verify_token_groups(hq, hk, verify_width)
-        splits = {choose_decode_splits(b * groups, hk, block_table_width, dev) for b in batches}
+        splits = {
+            choose_verify_splits(b, hq, hk, verify_width, block_table_width, dev) for b in batches
+        }
         # Requests of verify_width tokens.
         for reqs in (1, 16):
             t = reqs * verify_width

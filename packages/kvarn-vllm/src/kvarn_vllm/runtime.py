@@ -294,11 +294,17 @@ class KvarnGroupRuntime:
 
     def verify_splits(self, batch: int) -> int:
         """The split count ``verify_attention`` chooses for ``batch`` uniform verify requests."""
-        attention: Any = importlib.import_module("kvarn_kernels.attention")
-        groups = attention.verify_token_groups(
-            self.num_q_heads, self.num_kv_heads, self.verify_width
+        kk: Any = importlib.import_module("kvarn_kernels.attention")
+        return int(
+            kk.choose_verify_splits(
+                batch,
+                self.num_q_heads,
+                self.num_kv_heads,
+                self.verify_width,
+                self.max_blocks,
+                self.device,
+            )
         )
-        return self.decode_splits(batch * groups)
 
     def ensure_decode_workspace(self, batch: int) -> torch.Tensor:
         """The fp32 decode workspace, sized once for ``max_num_seqs`` (and grown, outside
