@@ -272,7 +272,8 @@ class PrefillRun:
     context_plan: ContextPlan | None = None
     #: ``verify`` runs: the run's block-table rows and device lengths, copied once per step
     #: into fresh tensors (16-byte aligned: Triton compiles a kernel again for a pointer
-    #: that is not, and a slice from a run's first row need not be).
+    #: that is not, and a slice from a run's first row need not be); the uniform run's are
+    #: the runner's own (they start at row 0).
     verify_block_table: torch.Tensor | None = None
     verify_seq_lens: torch.Tensor | None = None
     #: The uniform verify run of a batch a FULL CUDA graph may capture: it runs in the

@@ -28,7 +28,7 @@ import importlib
 import logging
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +48,6 @@ __all__ = [
     "DirectTiles",
     "KvarnGroupRuntime",
     "PoolPair",
-    "host_ints_to",
     "live_runtimes",
     "observe_scheduler_output",
     "step_input_from_scheduler_output",
@@ -447,18 +446,12 @@ class KvarnGroupRuntime:
             table.index_copy_(0, blocks.long(), slots)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
-        return host_ints_to(values, self.device)
-
-
-def host_ints_to(
-    values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int32
-) -> torch.Tensor:
-    """Small host integers on ``device`` without a host sync: from pinned memory the copy is
-    queued like a kernel (a pageable copy would wait for the GPU to drain the stream)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+        """Small host integers on the device without a host sync: from pinned memory the copy
+        is queued like a kernel (a pageable copy would wait for the GPU to drain the stream)."""
+        host = torch.tensor(values, dtype=torch.int32)
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
 
 
 def _merge(plans: list[StepPlan]) -> tuple[list[int], list[int], dict[int, int]]:
