@@ -41,6 +41,7 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels._common import (
     DenseGeometry,
+    cdiv,
     pool_row_ptrs,
     pool_shadow_rows,
     triton_interpret,
@@ -360,7 +361,7 @@ _ALIGN_INT32 = 4  # int32 elements in 16 bytes
 
 def _aligned(n: int) -> int:
     """``n`` int32 elements rounded up to a whole number of 16-byte units."""
-    return -(-n // _ALIGN_INT32) * _ALIGN_INT32
+    return cdiv(n, _ALIGN_INT32) * _ALIGN_INT32
 
 
 def plan_prefill_context(
