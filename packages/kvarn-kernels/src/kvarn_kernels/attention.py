@@ -1259,7 +1259,8 @@ def verify_attention(
             (:func:`verify_rows`), which reads the context once per token.
         check: ``True`` (or env ``KVARN_KERNELS_DEBUG=1``) reads ``query_start_loc`` on the
             host and raises if it is not non-decreasing from 0 to at most ``T`` or a request
-            has more than ``max_query_len`` tokens (a host sync: keep it off under CUDA-graph capture).
+            has more than ``max_query_len`` tokens (a host sync: keep it off under CUDA-graph
+            capture).
         fmt, kv_cache, pool_k, pool_v, block_table, block_to_slot, softmax_scale, out,
             num_splits: as :func:`decode_attention`.
 

@@ -29,9 +29,10 @@ the static analysis of small Triton kernels (``scripts/static_kernels.py``):
   short phase over the split's pool-resident blocks, found with a vectorized scan of the
   block table: one 64-token chunk at a time across the warps, or (``POOL_BATCHED``, round
   7) one block at a time, each warp on its own ``G / W`` rows. A pool block's record area
-  holds random bytes, or with shadow rows the tile's first ``SHADOW`` fp16 rows (``_common.pool_row_ptrs``) then random bytes, so every
-  value the main loop reads from it as a float is dropped with ``tl.where`` (never multiplied
-  by zero: ``NaN * 0`` is NaN); the codes are always finite (``1024 + code``).
+  holds random bytes, or with shadow rows the tile's first ``SHADOW`` fp16 rows
+  (``_common.pool_row_ptrs``) then random bytes, so every value the main loop reads from it
+  as a float is dropped with ``tl.where`` (never multiplied by zero: ``NaN * 0`` is NaN); the
+  codes are always finite (``1024 + code``).
 
 Numerics. Codes become fp16 as ``1024 + code`` (exact: OR-ed into the mantissa of 1024.0).
 The K operand is ``fp16((code * k_scale[d] + k_zero[d]) / 2)`` and the V operand
