@@ -33,7 +33,7 @@ def test_dtype_specs_and_labels(e2e: ModuleType) -> None:
     assert e2e.row_label("fp8", "bfloat16", "default", "float16") == "fp8:bfloat16"
     assert e2e.row_label("kvarn_k4v2_g128", "float16", "v1", "float16") == "kvarn_k4v2_g128@v1"
     assert e2e.row_label("auto", "float16", "default", "float16", 3) == "auto+ngram3"
-    assert e2e.child_env("default", verify_graphs=True)["KVARN_VERIFY_CUDA_GRAPHS"] == "1"
+    assert e2e.child_env("default", eager_verify=True)["KVARN_VERIFY_CUDA_GRAPHS"] == "0"
     assert e2e.child_env("v1")["VLLM_USE_V2_MODEL_RUNNER"] == "0"
 
 

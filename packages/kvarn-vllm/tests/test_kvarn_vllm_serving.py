@@ -436,7 +436,7 @@ def test_async_spec_verify_rows_attend_on_device_lengths(kvarn: None, llama_dir6
 
 
 def test_uniform_verify_batches_for_cuda_graphs(kvarn: None, llama_dir64: Path) -> None:
-    """With uniform verify graphs on (``KVARN_VERIFY_CUDA_GRAPHS=1``), a batch whose requests
+    """With uniform verify graphs on (the default with drafts), a batch whose requests
     all have 1 + drafts tokens is one verify run on the runner's own tensors (a replayed graph
     reads the addresses it captured), also when vLLM pads it with empty requests (their rows
     come out as zeros); a committed token completing its tile keeps the tile in the pool (the

@@ -486,9 +486,9 @@ def test_direct_flush_setting(
 def test_verify_graphs_setting_and_cudagraph_support(
     kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Uniform verify batches are FULL CUDA graphs (``UNIFORM_BATCH``) only with drafts and
-    ``KVARN_VERIFY_CUDA_GRAPHS=1``; otherwise single-token decode graphs as before (vLLM then
-    runs an engine with drafts on piecewise graphs). A typo fails closed."""
+    """Uniform verify batches are FULL CUDA graphs (``UNIFORM_BATCH``) with drafts unless
+    ``KVARN_VERIFY_CUDA_GRAPHS=0``; otherwise single-token decode graphs (vLLM then runs an
+    engine with drafts on piecewise graphs). A typo fails closed."""
     from types import SimpleNamespace
 
     from vllm.v1.attention.backend import AttentionCGSupport
@@ -503,14 +503,15 @@ def test_verify_graphs_setting_and_cudagraph_support(
         return KvarnMetadataBuilder.get_cudagraph_support(config, spec)
 
     single = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    assert not verify_graphs_setting(3) and support() is single
-    monkeypatch.setenv("KVARN_VERIFY_CUDA_GRAPHS", "1")
+    monkeypatch.delenv("KVARN_VERIFY_CUDA_GRAPHS", raising=False)
     assert verify_graphs_setting(3) and not verify_graphs_setting(0)
     assert support() is single  # no drafts configured
     config.speculative_config = SimpleNamespace(num_speculative_tokens=3)  # type: ignore[assignment]
     assert support() is AttentionCGSupport.UNIFORM_BATCH
     monkeypatch.setenv("KVARN_VERIFY_CUDA_GRAPHS", "0")
-    assert support() is single
+    assert support() is single and not verify_graphs_setting(3)
+    monkeypatch.setenv("KVARN_VERIFY_CUDA_GRAPHS", "1")
+    assert support() is AttentionCGSupport.UNIFORM_BATCH
     monkeypatch.setenv("KVARN_VERIFY_CUDA_GRAPHS", "sometimes")
     with pytest.raises(ValueError, match="must be 0 or 1"):
         verify_graphs_setting(3)

@@ -631,23 +631,24 @@ def _merge_unrotate_kernel(
 # launch helpers
 
 #: Why the fused attention kernel (v1; decode, verify rows and ``method="fused"`` prefill)
-#: refuses head dim 512 on a GPU. Triton's interpreter gives the right numbers at every size
-#: tested, so the fault is in what the GPU compile does; until it is found, a clear error
-#: instead of wrong attention. The environment variable lets the GPU tests that look for the
-#: fault run the kernel anyway.
+#: refuses ``prefetch=False`` at head dim 512 on a GPU. The H200 compile of that branch gives
+#: wrong results (8 warps or 4, PTX or plain unpack); the default register-prefetch branch is
+#: right in the same configurations, as is Triton's interpreter in every one. The environment
+#: variable lets the GPU test that shows the fault run the branch anyway.
 HEAD_DIM_512_GPU_MESSAGE = (
-    "head_dim 512 is disabled on CUDA GPUs: the fused attention kernel gave wrong results "
-    "there (relative error 1.2e3 in test_decode_attention_gpu[variant1-kvarn_k4v2_g128-512-8-1] "
-    "on an H200, 2026-11-30; right under Triton's interpreter). Head dims 64, 128 and 256 are "
-    "served"
+    "prefetch=False is disabled at head_dim 512 on CUDA GPUs: that branch of the fused "
+    "attention kernel gave wrong results on an H200 (relative error 1.2e3; the default "
+    "prefetch=True is right there, tests test_head_dim_512_on_gpu, 2026-11-30). Use the "
+    "default prefetch=True"
 )
 UNSAFE_HEAD_DIM_512_ENV = "KVARN_KERNELS_UNSAFE_HEAD_DIM_512"
 
 
-def _fused_kernel_refuses(head_dim: int, device_type: str, variant: str) -> bool:
+def _fused_kernel_refuses(head_dim: int, device_type: str, variant: str, prefetch: bool) -> bool:
     """Whether the v1 kernel must refuse this call (:data:`HEAD_DIM_512_GPU_MESSAGE`)."""
     return (
         head_dim > 256
+        and not prefetch
         and device_type == "cuda"
         and variant not in ("v4", "v4b")
         and os.environ.get(UNSAFE_HEAD_DIM_512_ENV) != "1"
@@ -812,7 +813,7 @@ def _launch(
     un-rotate. ``decode`` with a ``query_start_loc`` (v4 / v4b only): speculative verify rows,
     at most ``max_query_len`` per request."""
     t, hq, d = (int(s) for s in q.shape)
-    if _fused_kernel_refuses(d, q.device.type, variant):
+    if _fused_kernel_refuses(d, q.device.type, variant, prefetch):
         raise NotImplementedError(HEAD_DIM_512_GPU_MESSAGE)
     hk = int(pool_k.shape[2])
     qpk = hq // hk

@@ -1,7 +1,7 @@
 """The KVarN attention backend for vLLM 0.23: backend class, metadata builder and impl.
 
 * :class:`KvarnAttentionBackend` declares what it serves (dense ``kvarn_*`` dtypes of one tile
-  size ``G``, head sizes 64/128/256 (512 refused, see
+  size ``G``, head sizes 64/128/256 (512 not yet, see
   ``get_supported_head_sizes``), block size ``G``, decoder self-attention only) so that
   vLLM's own ``validate_configuration`` rejects everything else. There is one subclass per
   ``G`` because vLLM asks a backend for its block sizes without saying which dtype.
@@ -126,9 +126,10 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        # 512 is refused: kvarn_kernels' fused attention kernel gave wrong results at head dim
-        # 512 on an H200 and refuses it on GPUs (HEAD_DIM_512_GPU_MESSAGE); vLLM then says
-        # the head size is unsupported instead of the server failing at its first decode.
+        # 512 is not listed yet: one branch of kvarn_kernels' fused attention kernel was wrong
+        # at head dim 512 on an H200 (now refused, HEAD_DIM_512_GPU_MESSAGE) and decode is
+        # right there otherwise, but prefill with context and verify at 512 have not run on a
+        # GPU (kernel-check group head_dim_512). vLLM says the size is unsupported instead.
         return [d for d in DENSE_HEAD_DIMS if d <= 256]
 
     @staticmethod
@@ -326,9 +327,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
     def get_cudagraph_support(
         cls, vllm_config: VllmConfig, kv_cache_spec: AttentionSpec
     ) -> AttentionCGSupport:
-        """FULL graphs for single-token decode batches; with ``KVARN_VERIFY_CUDA_GRAPHS=1`` and
-        drafts, also for uniform verify batches (vLLM otherwise runs an engine with drafts on
-        piecewise graphs only, attention eager)."""
+        """FULL graphs for single-token decode batches and, with drafts, for uniform verify
+        batches (unless ``KVARN_VERIFY_CUDA_GRAPHS=0``: vLLM then runs an engine with drafts
+        on piecewise graphs only, attention eager)."""
         spec = vllm_config.speculative_config
         drafts = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0
         if verify_graphs_setting(drafts):

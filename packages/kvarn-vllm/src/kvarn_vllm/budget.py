@@ -124,19 +124,19 @@ def direct_flush_setting(vllm_config: VllmConfig) -> tuple[bool, str]:
     return True, ""
 
 
-#: Set to 1 to capture uniform speculative-verify batches (every request 1 + drafts tokens) in
-#: FULL CUDA graphs, as vLLM's FlashAttention backend does. Off by default until a GPU run
-#: has validated it (docs/vllm-plugin.md); without it vLLM runs engines with drafts on
-#: piecewise graphs, attention eager.
+#: Uniform speculative-verify batches (every request 1 + drafts tokens) are captured in FULL
+#: CUDA graphs, as vLLM's FlashAttention backend does (on since the ninth session's H200 run,
+#: docs/vllm-plugin.md); set to 0 to leave them eager, vLLM then running engines with drafts
+#: on piecewise graphs.
 VERIFY_GRAPHS_ENV = "KVARN_VERIFY_CUDA_GRAPHS"
 
 
 def verify_graphs_setting(spec_tokens: int) -> bool:
     """Whether uniform verify batches are captured in FULL CUDA graphs: with speculative
-    decoding and env ``KVARN_VERIFY_CUDA_GRAPHS=1``. Then the tracker keeps steps of at most
+    decoding, unless env ``KVARN_VERIFY_CUDA_GRAPHS=0``. Then the tracker keeps steps of at most
     ``1 + spec_tokens`` tokens out of the direct flush (``SidePoolTracker(pool_only_upto=)``):
     a replayed graph's KV update cannot depend on the step."""
-    return spec_tokens > 0 and _env_flag(VERIFY_GRAPHS_ENV, default=False)
+    return spec_tokens > 0 and _env_flag(VERIFY_GRAPHS_ENV)
 
 
 #: Set to 0 to give every side-pool slot whole tiles: no tile rows are kept in the record

@@ -188,10 +188,9 @@ class KvarnGroupRuntime:
                 logger.info(
                     "kvarn: speculative decoding with %d drafts: uniform verify batches %s",
                     self.verify_width - 1,
-                    "in FULL CUDA graphs (KVARN_VERIFY_CUDA_GRAPHS=1)"
+                    "in FULL CUDA graphs (KVARN_VERIFY_CUDA_GRAPHS=0 runs them eagerly)"
                     if self.verify_graphs
-                    else "run eagerly, vLLM on piecewise graphs (KVARN_VERIFY_CUDA_GRAPHS=1 "
-                    "captures them)",
+                    else "run eagerly, vLLM on piecewise graphs (KVARN_VERIFY_CUDA_GRAPHS=0)",
                 )
             model_dtype = vllm_config.model_config.dtype
             if device.type == "cuda":
