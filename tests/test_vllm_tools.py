@@ -172,3 +172,60 @@ def test_report_reads_a_fetched_results_file(
     text = docs.read_text()
     assert "NVIDIA H200" in text and "--dtypes auto --out /tmp/bench" in text
     assert "| auto | 10 | 1.00 | 5 | 1.00 |" in text
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("how", ["sigterm", "timeout", "exit"])
+def test_run_child_leaves_no_engine_process_behind(tmp_path: Path, how: str) -> None:
+    """An engine and the process it spawned (EngineCore, workers) are gone when the script is
+    killed by ``timeout`` while it waits (the ninth session's leftover engine freed its GPU
+    memory during the next engine's profiling), when the per-engine timeout fires, and when
+    the engine exits leaving a straggler."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    pids = tmp_path / "pids"
+    engine = (
+        "import os, subprocess, sys, time\n"
+        "core = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{core.pid}}')\n"
+        f"time.sleep({0 if how == 'exit' else 120})\n"
+    )
+    timeout = 3 if how == "timeout" else 60
+    parent = (
+        f"import sys; sys.path.insert(0, {str(tools)!r})\n"
+        "from pathlib import Path\n"
+        "import gpu_e2e\n"
+        "gpu_e2e.exit_on_sigterm()\n"
+        f"rc, _ = gpu_e2e.run_child([sys.executable, '-c', {engine!r}], {{}}, "
+        f"Path({str(tmp_path / 'log.txt')!r}), {timeout})\n"
+        "print('rc', rc)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (pids.is_file() and pids.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine_pid, core_pid = (int(p) for p in pids.read_text().split())
+    if how == "sigterm":
+        os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    if how == "sigterm":
+        assert proc.returncode == 128 + signal.SIGTERM
+    else:
+        assert f"rc {124 if how == 'timeout' else 0}" in out
+    deadline = time.monotonic() + 5
+    while (_alive(engine_pid) or _alive(core_pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(engine_pid) and not _alive(core_pid)

@@ -613,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.max_num_batched_tokens:
             args.max_num_batched_tokens = None
         return child_main(args)
+    common.exit_on_sigterm()
     return parent_main(args)
 
 

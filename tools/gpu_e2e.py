@@ -33,6 +33,7 @@ batches only (``cudagraph_mode=FULL_DECODE_ONLY``), which starts in well under a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -150,8 +151,18 @@ def child_env(runner: str, eager_verify: bool = False) -> dict[str, str]:
     return env
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (what ``timeout`` sends) into ``SystemExit`` so that ``run_child`` kills the
+    engine it is waiting on. Without it the engine's process group outlived a killed parent and
+    freed its GPU memory during the next engine's memory profiling, which vLLM then rejects
+    (ninth session)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def run_child(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[int, str]:
-    """Run one engine process; kill its whole process group on timeout. Returns (rc, tail)."""
+    """Run one engine process; kill its whole process group when it ends, on timeout, or
+    when this process is stopped while waiting (see :func:`exit_on_sigterm`). Returns (rc,
+    log text)."""
     with log.open("w") as fh:
         proc = subprocess.Popen(
             cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -159,11 +170,18 @@ def run_child(cmd: list[str], env: dict[str, str], log: Path, timeout: float) ->
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             rc = 124
+        finally:  # also whatever of the group outlived a finished engine
+            _kill_group(proc)
     text = log.read_text(errors="replace")
     return rc, text
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the engine's process group (its EngineCore and workers too) and reap it."""
+    with contextlib.suppress(ProcessLookupError):  # the group is already empty
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 _JIT_WARNING = re.compile(r"Triton kernel JIT compilation during inference: (\w+)")
@@ -583,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.max_num_batched_tokens:
             args.max_num_batched_tokens = None
         return child_main(args)
+    exit_on_sigterm()
     return parent_main(args)
 
 
