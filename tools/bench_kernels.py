@@ -598,6 +598,8 @@ def bench_fa3_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
 def run_variants(parts: set[str]) -> dict[str, Any]:
     import torch
 
+    from kvarn_kernels import choose_decode_splits
+
     out: dict[str, Any] = {"decode": [], "store": [], "prefill": [], "verify": []}
     # Speculative verify rows (3 drafts): the plugin's verify pass against the other paths
     # and FA3 on fp16 (docs/kernel-notes.md); (256, 6144) is the burst's decode shape.
@@ -622,6 +624,16 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
             o = decode_once(inp, **cfg).float()
             if base is None:
                 base = o
+            r["rel_diff_vs_v1"] = float((o - base).norm() / base.norm())
+            out["decode"].append({"B": bsz, "ctx": ctx, "config": cfg, **r})
+            log(f"variant decode B={bsz} ctx={ctx} {cfg}: {r}")
+        # Small batches: 2x and 4x the default split count (shallower programs, more of them;
+        # prediction in docs/kernel-notes.md, ninth session)
+        default = choose_decode_splits(bsz, HK, int(inp["bt"].shape[1]), inp["q"].device)
+        for more in (2, 4) if bsz <= 8 else ():
+            cfg = {"variant": "v4b", "num_splits": default * more}
+            r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))
+            o = decode_once(inp, **cfg).float()
             r["rel_diff_vs_v1"] = float((o - base).norm() / base.norm())
             out["decode"].append({"B": bsz, "ctx": ctx, "config": cfg, **r})
             log(f"variant decode B={bsz} ctx={ctx} {cfg}: {r}")
