@@ -73,12 +73,14 @@ def test_summary_table_reports_errors_as_rows(e2e: ModuleType) -> None:
         "non_finite_logprobs": 0,
         "cuda_graphs_captured": True,
         "startup_s": 30.0,
+        "generate_s": 1.5,
     }
     kv = {**base, "label": "kvarn_k4v2_g128", "kv_tokens": 400, "tokens": [[1, 5]]}
     bad = {"label": "turboquant_k8v4", "status": "error rc=1"}
     table = e2e.summarize([base, kv, bad], "auto")
     assert "| kvarn_k4v2_g128 | ok | 400 | 4.00 | 0.500 |" in table
     assert "| turboquant_k8v4 | error rc=1 |" in table
+    assert table.splitlines()[2].endswith("| 30.0 | 1.5 |")  # start-up and generate seconds
     # with drafts every row is labelled +ngramN; "auto" then means "auto+ngram3"
     drafted = [{**r, "label": r["label"] + "+ngram3"} for r in (base, kv)]
     table = e2e.summarize(drafted, "auto")

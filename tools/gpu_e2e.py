@@ -391,12 +391,12 @@ def summarize(rows: list[dict[str, Any]], baseline_label: str | None) -> str:
     head = (
         "| dtype | status | KV tokens | vs fp16 | greedy match vs fp16 | mean common prefix "
         "| exact seqs | non-finite logprobs | CUDA graphs | prefix-rerun match vs fp16 "
-        "| cached rerun vs own cold run | start s |"
+        "| cached rerun vs own cold run | start s | generate s |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['label']} | {r.get('status')} | | | | | | | | | | |")
+            lines.append(f"| {r['label']} | {r.get('status')} | | | | | | | | | | | |")
             continue
         ratio = agree = prefix = exact = rerun = ""
         if base and base.get("status") == "ok" and base.get("kv_tokens"):
@@ -414,7 +414,8 @@ def summarize(rows: list[dict[str, Any]], baseline_label: str | None) -> str:
         lines.append(
             f"| {r['label']} | ok | {r['kv_tokens']:,} | {ratio} | {agree} | {prefix} | {exact} "
             f"| {r['non_finite_logprobs']} | {graphs} | {rerun} "
-            f"| {r.get('same_prompt_rerun_match', '')} | {r['startup_s']} |"
+            f"| {r.get('same_prompt_rerun_match', '')} | {r['startup_s']} "
+            f"| {r.get('generate_s', '')} |"
         )
     return "\n".join(lines)
 
