@@ -216,3 +216,56 @@ def test_verify_after_warmup_compiles_nothing() -> None:
         )
     torch.cuda.synchronize()
     assert _attention_compiles() == before
+
+
+def test_gpu_launches_run_on_threads_on_the_callers_device_and_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU the warm-up's launches run from several threads (their compiles overlap),
+    each inside the caller's device and stream, every launch runs even when one fails, and
+    the failure is raised afterwards; ``max_threads=1`` runs them in order on the caller's
+    thread. (CUDA calls stubbed: the threading is what is checked here; the GPU tests
+    ``test_*_after_warmup_compiles_nothing`` check the real warm-up.)"""
+    import contextlib
+    import importlib
+    import threading
+    import time
+
+    # the module (the package's ``warmup`` attribute is the function)
+    warmup_module = importlib.import_module("kvarn_kernels.warmup")
+
+    entered: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev: "caller-stream")
+    monkeypatch.setattr(
+        torch.cuda,
+        "device",
+        lambda dev: contextlib.nullcontext(entered.append(("device", dev))),
+    )
+    monkeypatch.setattr(
+        torch.cuda,
+        "stream",
+        lambda s: contextlib.nullcontext(entered.append(("stream", s))),
+    )
+    synced: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    made: list[torch.device] = []
+    monkeypatch.setattr(warmup_module, "_make_device_caches", made.append)
+    dev = torch.device("cuda", 1)
+    ran: list[tuple[int, int]] = []
+
+    def job(i: int) -> None:
+        time.sleep(0.05)  # long enough for the pool to start every thread
+        ran.append((i, threading.get_ident()))
+        if i == 3:
+            raise RuntimeError("launch 3 failed")
+
+    jobs = [lambda i=i: job(i) for i in range(8)]
+    with pytest.raises(RuntimeError, match="launch 3 failed"):
+        warmup_module._run_all(jobs, dev, max_threads=4)
+    assert sorted(i for i, _ in ran) == list(range(8))
+    assert len({t for _, t in ran}) > 1 and threading.get_ident() not in {t for _, t in ran}
+    assert entered.count(("device", dev)) == 8 and entered.count(("stream", "caller-stream")) == 8
+    assert made == [dev]
+    ran.clear()
+    warmup_module._run_all([lambda i=i: job(i) for i in (0, 1, 2)], dev, max_threads=1)
+    assert [i for i, _ in ran] == [0, 1, 2] and {t for _, t in ran} == {threading.get_ident()}

@@ -25,9 +25,20 @@ What selects a compile, and how the scratch launches match the serving ones:
   divisibility class as vLLM's (multiples of 16 at every supported head dim).
 
 Nothing outside the scratch tensors is read or written.
+
+On a GPU the launches run from a pool of threads: Triton's compiler releases the GIL in its
+long passes (and ``ptxas`` is a subprocess), so the compiles overlap (two threads on two
+cores: 1.83-1.91x, ``scripts/compile_threads.py``). The inputs are made before any launch (the
+generator is not thread-safe), every launch goes to the caller's device and stream, and an
+error in any launch is raised once all have finished.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 
@@ -70,6 +81,7 @@ def warmup(
     verify_width: int = 0,
     max_num_seqs: int = 1,
     block_table_width: int = 1,
+    max_threads: int | None = None,
 ) -> int:
     """Launch every kernel a serving step can select once on scratch tensors (those that a
     FULL CUDA-graph capture compiles too); returns the launch count.
@@ -78,7 +90,7 @@ def warmup(
         fmt: the dense KVarN format served (or its dtype string).
         head_dim, num_q_heads, num_kv_heads: the attention layer's geometry (per rank).
         device: the serving device; on a CPU (Triton's interpreter) nothing is compiled and
-            the warm-up only runs the ops.
+            the warm-up only runs the ops, one after the other.
         dtype: the model's activation dtype (fp16 or bf16).
         shadow_rows: the server's shadow rows per pool tile (its pools hold ``G -
             shadow_rows`` rows per slot; :func:`kvarn_format.geometry.shadow_rows`): a
@@ -92,6 +104,8 @@ def warmup(
             batch of 1 to ``max_num_seqs`` requests takes on a ``block_table_width``-wide
             table (the split count and the table's row stride are compile-time constants),
             for query-row counts in both of Triton's divisibility classes.
+        max_threads: threads that launch (and so compile) at once on a GPU; default the
+            machine's CPU count, at most 16. 1 launches in order on the calling thread.
     """
     dense = resolve_format(fmt)
     dev = torch.device(device)
@@ -109,83 +123,82 @@ def warmup(
     block_to_slot = torch.tensor([-1, 0], dtype=torch.int32, device=dev)
     one = torch.ones(1, dtype=torch.int32, device=dev)
     zero = torch.zeros(1, dtype=torch.int32, device=dev)
-    launches = 0
+    # Each launch with its inputs made now; they run below. Launches share the scratch cache
+    # and pools: what one writes there another may read, and every value is thrown away.
+    jobs: list[Callable[[], object]] = []
 
     # Stores: the pool flush (slot 0 -> block 0) and the direct flush of a step's rows
     # opening with pool rows (the plugin always passes the head tensors).
-    flush_tiles(dense, pool_k, pool_v, zero, kv_cache, zero)
-    rows_k = rotate(randn(g, hk, d))
-    rows_v = rotate(randn(g, hk, d))
-    flush_token_tiles(
-        dense,
-        rows_k,
-        rows_v,
-        zero,
-        kv_cache,
-        zero,
-        pool_k=pool_k,
-        pool_v=pool_v,
-        head_slots=zero,
-        head_lens=one,
+    jobs.append(lambda: flush_tiles(dense, pool_k, pool_v, zero, kv_cache, zero))
+    rows_k, rows_v = randn(g, hk, d), randn(g, hk, d)
+    jobs.append(
+        lambda: flush_token_tiles(
+            dense,
+            rotate(rows_k),
+            rotate(rows_v),
+            zero,
+            kv_cache,
+            zero,
+            pool_k=pool_k,
+            pool_v=pool_v,
+            head_slots=zero,
+            head_lens=one,
+        )
     )
-    launches += 2
 
     scale = d**-0.5
     for t in _token_counts(hq, hk):
-        k, v = randn(t, hk, d), randn(t, hk, d)
-        rotate(k)
+        k, v, q = randn(t, hk, d), randn(t, hk, d), randn(t, hq, d)
+        jobs.append(partial(rotate, k))
         # Every token skipped (slot -1): the scatter kernel compiles and writes nothing.
         skip = torch.full((t,), -1, dtype=torch.int64, device=dev)
-        write_side_pool(
-            k, v, pool_k, pool_v, skip, block_to_slot, kv_cache=kv_cache, group=g, check=False
+        jobs.append(
+            partial(
+                write_side_pool,
+                *(k, v, pool_k, pool_v, skip, block_to_slot),
+                kv_cache=kv_cache,
+                group=g,
+                check=False,
+            )
         )
         # A request whose t query tokens follow one packed block; its last block is pooled.
         seq = g + t
         blocks = -(-seq // g)
         table = torch.zeros(1, blocks, dtype=torch.int32, device=dev)
         table[0, -1] = 1
-        prefill_attention(
-            dense,
-            randn(t, hq, d),
-            kv_cache,
-            pool_k,
-            pool_v,
-            table,
-            torch.tensor([0, t], dtype=torch.int32, device=dev),
-            torch.tensor([seq], dtype=torch.int32, device=dev),
-            block_to_slot,
-            scale,
-            seq_lens_cpu=[seq],
-            query_start_loc_cpu=[0, t],
+        qsl = torch.tensor([0, t], dtype=torch.int32, device=dev)
+        lens = torch.tensor([seq], dtype=torch.int32, device=dev)
+        jobs.append(
+            partial(
+                prefill_attention,
+                *(dense, q, kv_cache, pool_k, pool_v, table, qsl, lens, block_to_slot, scale),
+                seq_lens_cpu=[seq],
+                query_start_loc_cpu=[0, t],
+            )
         )
-        launches += 3
 
     # Requests in block 1 (pool slot 0) on a server-wide block table, one request (whose
     # query-row count may not be a multiple of 16) and 16 (whose count is).
-    table = torch.ones(16, max(block_table_width, 1), dtype=torch.int32, device=dev)
+    server_table = torch.ones(16, max(block_table_width, 1), dtype=torch.int32, device=dev)
     batches = range(1, max(max_num_seqs, 1) + 1)
     # Decode: the split count is a compile-time constant. Engines that capture FULL decode
-    # graphs compile these while capturing; without them (speculative decoding downgrades
-    # vLLM to piecewise graphs, and eager mode) the first decode steps would compile them.
+    # graphs compile these while capturing; without them (eager mode, or verify batches
+    # left out of graphs) the first decode steps would compile them.
     for n in sorted({choose_decode_splits(b, hk, block_table_width, dev) for b in batches}):
         for reqs in (1, 16):
             # a packed tile and one pool row when the table is that wide
             lens = torch.full(
-                (reqs,), min(g + 1, table.shape[1] * g), dtype=torch.int32, device=dev
+                (reqs,), min(g + 1, server_table.shape[1] * g), dtype=torch.int32, device=dev
             )
-            decode_attention(
-                dense,
-                randn(reqs, hq, d),
-                kv_cache,
-                pool_k,
-                pool_v,
-                table[:reqs],
-                lens,
-                block_to_slot,
-                scale,
-                num_splits=n,
+            q = randn(reqs, hq, d)
+            paged = (kv_cache, pool_k, pool_v, server_table[:reqs])
+            jobs.append(
+                partial(
+                    decode_attention,
+                    *(dense, q, *paged, lens, block_to_slot, scale),
+                    num_splits=n,
+                )
             )
-            launches += 1
 
     if verify_width > 0:
         splits = {
@@ -197,19 +210,55 @@ def warmup(
             qsl = torch.arange(0, t + 1, verify_width, dtype=torch.int32, device=dev)
             lens = torch.full((reqs,), verify_width, dtype=torch.int32, device=dev)
             for n in sorted(splits):
-                verify_attention(
-                    dense,
-                    randn(t, hq, d),
-                    kv_cache,
-                    pool_k,
-                    pool_v,
-                    table[:reqs],
-                    qsl,
-                    lens,
-                    block_to_slot,
-                    scale,
-                    max_query_len=verify_width,
-                    num_splits=n,
+                q = randn(t, hq, d)
+                paged = (kv_cache, pool_k, pool_v, server_table[:reqs])
+                jobs.append(
+                    partial(
+                        verify_attention,
+                        *(dense, q, *paged, qsl, lens, block_to_slot, scale),
+                        max_query_len=verify_width,
+                        num_splits=n,
+                    )
                 )
-                launches += 1
-    return launches
+    _run_all(jobs, dev, max_threads)
+    return len(jobs)
+
+
+def _run_all(jobs: list[Callable[[], object]], dev: torch.device, max_threads: int | None) -> None:
+    """Run ``jobs``: in order on a CPU (the interpreter is not thread-safe) or with one
+    thread; on a GPU from up to ``max_threads`` threads, each on ``dev`` and the caller's
+    stream (the scratch tensors belong to it), then wait for the device."""
+    threads = min(16, os.cpu_count() or 1) if max_threads is None else max_threads
+    if dev.type != "cuda" or threads <= 1:
+        for job in jobs:
+            job()
+        return
+    stream = torch.cuda.current_stream(dev)
+    _make_device_caches(dev)
+
+    def on_device(job: Callable[[], object]) -> None:
+        with torch.cuda.device(dev), torch.cuda.stream(stream):
+            job()
+
+    with ThreadPoolExecutor(max_workers=min(threads, len(jobs))) as pool:
+        futures = [pool.submit(on_device, job) for job in jobs]
+    for future in futures:  # every launch has finished; the first error is raised
+        future.result()
+    torch.cuda.synchronize(dev)
+
+
+def _make_device_caches(dev: torch.device) -> None:
+    """Create each kvarn kernel's per-device cache on this thread. Triton makes it on first
+    use through a ``defaultdict``; two threads meeting a kernel first at the same time could
+    each make one, and the kernels compiled into the losing cache would compile again while
+    serving (found reading Triton 3.6's ``JITFunction.run``)."""
+    from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
+
+    from kvarn_kernels import _common, attention, context, decode_v4, rotation, store
+
+    with torch.cuda.device(dev):
+        index = torch.cuda.current_device()
+        for module in (_common, attention, context, decode_v4, rotation, store):
+            for obj in vars(module).values():
+                if isinstance(obj, JITFunction):
+                    obj.device_caches[index]
