@@ -266,6 +266,12 @@ def test_gpu_launches_run_on_threads_on_the_callers_device_and_stream(
     assert len({t for _, t in ran}) > 1 and threading.get_ident() not in {t for _, t in ran}
     assert entered.count(("device", dev)) == 8 and entered.count(("stream", "caller-stream")) == 8
     assert made == [dev]
+    # a device without an index is the caller's current device, not the threads' (device 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    entered.clear()
+    ran.clear()
+    warmup_module._run_all([lambda: job(0), lambda: job(1)], torch.device("cuda"), max_threads=2)
+    assert entered.count(("device", dev)) == 2 and sorted(i for i, _ in ran) == [0, 1]
     ran.clear()
     warmup_module._run_all([lambda i=i: job(i) for i in (0, 1, 2)], dev, max_threads=1)
     assert [i for i, _ in ran] == [0, 1, 2] and {t for _, t in ran} == {threading.get_ident()}

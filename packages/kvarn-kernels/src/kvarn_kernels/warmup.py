@@ -233,6 +233,8 @@ def _run_all(jobs: list[Callable[[], object]], dev: torch.device, max_threads: i
         for job in jobs:
             job()
         return
+    if dev.index is None:  # "cuda" is the caller's current device; a new thread's is 0
+        dev = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.current_stream(dev)
     _make_device_caches(dev)
 
