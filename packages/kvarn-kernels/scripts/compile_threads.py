@@ -22,44 +22,14 @@ SPLITS = (1, 2, 4, 8)  # a compile-time constant: four distinct compiles
 
 
 def compile_decode(splits: int) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    import static_kernels
     import static_variants
 
-    from kvarn_kernels.decode_v4 import decode_v4_kernel
-
-    geo = static_variants._geo("kvarn_k4v2_g128", 128)
-    consts = dict(
-        SHADOW=0,
-        HQ=32,
-        HK=8,
-        QPK=4,
-        BLOCK_Q=16,
-        D=128,
-        G=geo.group,
-        KB=geo.key_bits,
-        VB=geo.value_bits,
-        STRIDE=geo.record_stride,
-        **geo.offsets(),
-        BN=64,
-        W=4,
-        SCAN=64,
-        NUM_SPLITS=splits,
-        FAST_UNPACK=True,
-        POOL_BATCHED=True,
-        WIDE_SCALES=True,
-        MULTI=False,
-        TPP=1,
-        NTG=1,
-    )
-    sig = {**static_variants.DECODE_SIG, "QSL": "*i32"}
-    static_kernels.compile_kernel(decode_v4_kernel, sig, consts, 4, 2)
+    static_variants._decode_v4("kvarn_k4v2_g128", round7=True, splits=splits)
 
 
 def child(threads: int) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
-    import static_kernels  # noqa: F401  (imports outside the timed part)
-    import static_variants  # noqa: F401
+    import static_variants  # noqa: F401  (imports outside the timed part)
 
     import kvarn_kernels.decode_v4  # noqa: F401
 

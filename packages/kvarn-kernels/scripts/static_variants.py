@@ -75,10 +75,11 @@ def _decode_v4(
     fast: bool = True,
     round7: bool = False,
     verify_tokens: int = 0,
+    splits: int = 4,
 ) -> Any:
     """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``round7``:
     ``variant="v4b"``; ``verify_tokens``: ``verify_attention``'s kernel with that many query
-    tokens per request)."""
+    tokens per request; ``splits``: the split count, a compile-time constant)."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
@@ -97,7 +98,7 @@ def _decode_v4(
         BN=bn,
         W=warps,
         SCAN=64,
-        NUM_SPLITS=4,
+        NUM_SPLITS=splits,
         FAST_UNPACK=fast,
         POOL_BATCHED=round7,
         WIDE_SCALES=round7,

@@ -28,9 +28,9 @@ Nothing outside the scratch tensors is read or written.
 
 On a GPU the launches run from a pool of threads: Triton's compiler releases the GIL in its
 long passes (and ``ptxas`` is a subprocess), so the compiles overlap (two threads on two
-cores: 1.83-1.91x, ``scripts/compile_threads.py``). The inputs are made before any launch (the
-generator is not thread-safe), every launch goes to the caller's device and stream, and an
-error in any launch is raised once all have finished.
+cores: 1.64-1.91x over five runs, ``scripts/compile_threads.py``). The inputs are made
+before any launch (the generator is not thread-safe), every launch goes to the caller's
+device and stream, and an error in any launch is raised once all have finished.
 """
 
 from __future__ import annotations
@@ -181,6 +181,13 @@ def warmup(
     # query-row count may not be a multiple of 16) and 16 (whose count is).
     server_table = torch.ones(16, max(block_table_width, 1), dtype=torch.int32, device=dev)
     batches = range(1, max(max_num_seqs, 1) + 1)
+
+    def on_server_table(
+        op: Callable[..., torch.Tensor], q: torch.Tensor, reqs: int, *lens: torch.Tensor, **kw: int
+    ) -> Callable[[], object]:
+        paged = (kv_cache, pool_k, pool_v, server_table[:reqs])
+        return partial(op, dense, q, *paged, *lens, block_to_slot, scale, **kw)
+
     # Decode: the split count is a compile-time constant. Engines that capture FULL decode
     # graphs compile these while capturing; without them (eager mode, or verify batches
     # left out of graphs) the first decode steps would compile them.
@@ -191,14 +198,7 @@ def warmup(
                 (reqs,), min(g + 1, server_table.shape[1] * g), dtype=torch.int32, device=dev
             )
             q = randn(reqs, hq, d)
-            paged = (kv_cache, pool_k, pool_v, server_table[:reqs])
-            jobs.append(
-                partial(
-                    decode_attention,
-                    *(dense, q, *paged, lens, block_to_slot, scale),
-                    num_splits=n,
-                )
-            )
+            jobs.append(on_server_table(decode_attention, q, reqs, lens, num_splits=n))
 
     if verify_width > 0:
         splits = {
@@ -211,11 +211,13 @@ def warmup(
             lens = torch.full((reqs,), verify_width, dtype=torch.int32, device=dev)
             for n in sorted(splits):
                 q = randn(t, hq, d)
-                paged = (kv_cache, pool_k, pool_v, server_table[:reqs])
                 jobs.append(
-                    partial(
+                    on_server_table(
                         verify_attention,
-                        *(dense, q, *paged, qsl, lens, block_to_slot, scale),
+                        q,
+                        reqs,
+                        qsl,
+                        lens,
                         max_query_len=verify_width,
                         num_splits=n,
                     )
