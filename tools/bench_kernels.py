@@ -619,7 +619,7 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
         base = None
-        for cfg in ({"variant": "v1"}, {"variant": "v4"}, {"variant": "v4b"}):
+        for cfg in ({"variant": v} for v in ("v1", "v4", "v4b", "v4c")):
             r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))
             o = decode_once(inp, **cfg).float()
             if base is None:

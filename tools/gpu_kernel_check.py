@@ -71,6 +71,8 @@ TEST_GROUPS = {
     "shadow_store": ["test_kernels_store.py", "-k", "shadow"],
     # round 7's v4b (the pool phase one block per step across the warps): every decode test.
     "decode_v4b": ["test_kernels_attention.py", "-k", "variant4b"],
+    # v4c (ninth session, CPU only): v4b with the pool blocks' tile scales masked at the load
+    "decode_v4c": ["test_kernels_attention.py", "-k", "variant4c"],
     "shadow_pool_write": ["test_kernels_rotation.py", "-k", "shadow"],
     # verify_attention (seventh session): the fused verify pass against the reference and
     # against one decode row per token, every variant.
@@ -169,11 +171,12 @@ DECODE_V4_SHAPES: list[dict[str, Any]] = [
     {"fast_unpack": False},
 ]
 #: The decode configurations timed at every case, v1 first (v4b: round 7, the pool phase one
-#: block per step across the warps, wide scale loads).
+#: block per step across the warps, wide scale loads; v4c: v4b with masked scale loads).
 DECODE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4"},
     {"variant": "v4b"},
+    {"variant": "v4c"},
 ]
 
 

@@ -76,10 +76,12 @@ def _decode_v4(
     round7: bool = False,
     verify_tokens: int = 0,
     splits: int = 4,
+    masked: bool = False,
 ) -> Any:
     """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``round7``:
     ``variant="v4b"``; ``verify_tokens``: ``verify_attention``'s kernel with that many query
-    tokens per request; ``splits``: the split count, a compile-time constant)."""
+    tokens per request; ``splits``: the split count, a compile-time constant; ``masked``:
+    ``variant="v4c"``'s masked scale loads, with ``round7``)."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
@@ -102,6 +104,7 @@ def _decode_v4(
         FAST_UNPACK=fast,
         POOL_BATCHED=round7,
         WIDE_SCALES=round7,
+        MASKED_SCALES=masked,
     )
     tpp = max(1, consts["BLOCK_Q"] // qpk) if verify_tokens else 1
     consts.update(MULTI=bool(verify_tokens), TPP=tpp, NTG=-(-max(verify_tokens, 1) // tpp))
@@ -246,7 +249,7 @@ for _tok in (False, True):
 
 
 def _decode_v4_default(
-    name: str, d: int, qpk: int, round7: bool = False, verify_tokens: int = 0
+    name: str, d: int, qpk: int, round7: bool = False, verify_tokens: int = 0, masked: bool = False
 ) -> Any:
     """v4 (or v4b) with ``decode_v4_config``'s shape, as ``decode_attention`` launches it
     (``verify_tokens``: as ``verify_attention`` launches it)."""
@@ -262,6 +265,7 @@ def _decode_v4_default(
         qpk,
         round7=round7,
         verify_tokens=verify_tokens,
+        masked=masked,
     )
 
 
@@ -289,6 +293,12 @@ for _n, _d, _qpk in (
 ):
     variant(f"decode_v4b default {_n} d{_d} qpk{_qpk}")(
         lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v4_default(_n, _d, _qpk, round7=True)
+    )
+
+# v4c (ninth session): v4b with the pool blocks' tile scales masked at the load
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
+    variant(f"decode_v4c default {_n} d128 qpk4")(
+        lambda _n=_n: _decode_v4_default(_n, 128, 4, round7=True, masked=True)
     )
 
 

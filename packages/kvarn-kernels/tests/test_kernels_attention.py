@@ -52,8 +52,8 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v4", "v4b"]
-VARIANT_IDS = ["variant1", "variant4", "variant4b"]
+VARIANTS = ["v1", "v4", "v4b", "v4c"]
+VARIANT_IDS = ["variant1", "variant4", "variant4b", "variant4c"]
 
 
 def _v4_refuses(name: str, variant: str, d: int, device: torch.device) -> bool:

@@ -76,7 +76,9 @@ __all__ = [
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
-DECODE_VARIANTS = ("v1", "v4", "v4b")
+DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c")
+#: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
+V4_VARIANTS = ("v4", "v4b", "v4c")
 
 _LOG2E = 1.4426950408889634
 _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
@@ -650,7 +652,7 @@ def _fused_kernel_refuses(head_dim: int, device_type: str, variant: str, prefetc
         head_dim > 256
         and not prefetch
         and device_type == "cuda"
-        and variant not in ("v4", "v4b")
+        and variant not in V4_VARIANTS
         and os.environ.get(UNSAFE_HEAD_DIM_512_ENV) != "1"
     )
 
@@ -729,9 +731,12 @@ def _launch_v4(
     round7: bool = False,
     query_start_loc: torch.Tensor | None = None,
     max_query_len: int = 1,
+    masked_scales: bool = False,
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
-    ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``).
+    ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``);
+    ``masked_scales``: with them, the tile scales of pool blocks masked at the load
+    (``variant="v4c"``).
     With ``query_start_loc`` (``[B + 1]``, speculative verify) request ``b`` has the query rows
     ``query_start_loc[b] ..`` (at most ``max_query_len``) and ``hq`` query heads."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
@@ -777,6 +782,7 @@ def _launch_v4(
         FAST_UNPACK=fast,
         POOL_BATCHED=round7,
         WIDE_SCALES=round7,
+        MASKED_SCALES=masked_scales,
         MULTI=multi,
         TPP=tpp,
         NTG=ntg,
@@ -810,7 +816,7 @@ def _launch(
     max_query_len: int = 1,
 ) -> None:
     """Rotate the queries, run the attention kernel into the split workspace, merge and
-    un-rotate. ``decode`` with a ``query_start_loc`` (v4 / v4b only): speculative verify rows,
+    un-rotate. ``decode`` with a ``query_start_loc`` (the v4 kernels only): speculative verify rows,
     at most ``max_query_len`` per request."""
     t, hq, d = (int(s) for s in q.shape)
     if _fused_kernel_refuses(d, q.device.type, variant, prefetch):
@@ -828,7 +834,7 @@ def _launch(
     ]
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
-    if variant in ("v4", "v4b"):
+    if variant in V4_VARIANTS:
         _launch_v4(
             geo,
             q_rot,
@@ -847,7 +853,8 @@ def _launch(
             block_n,
             num_warps,
             num_stages,
-            round7=variant == "v4b",
+            round7=variant in ("v4b", "v4c"),
+            masked_scales=variant == "v4c",
             hq=hq,
             query_start_loc=query_start_loc,
             max_query_len=max_query_len,
@@ -1080,8 +1087,10 @@ def decode_attention(
             (1.7x and 1.6x; B = 256 and g64 tiles likewise). See docs/kernel-notes.md.
             ``"v4b"``: v4 whose pool phase (the fp16 sink and in-progress tiles) takes one
             block per step across the warps and whose main loop reads the per-token and
-            V channel scales with wide loads (round 7; not yet timed on a GPU).
-        num_stages: v4 and v4b only: software-pipeline depth of the code-byte loads (default: the
+            V channel scales with wide loads (round 7). ``"v4c"``: v4b whose loads of the tile
+            scales skip pool blocks (masked loads) instead of zeroing them afterwards (fewer
+            instructions; CPU-checked, not yet timed on a GPU).
+        num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads (default: the
             launch config's, 2).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
@@ -1131,7 +1140,7 @@ def _resolve_decode_variant(
     """The decode kernel a call runs: ``variant`` checked against the format and the
     variant-only options, ``"auto"`` resolved by :func:`default_decode_variant`."""
     if variant != "auto" and variant not in DECODE_VARIANTS:
-        raise ValueError(f"variant must be 'auto', 'v1', 'v4' or 'v4b', got {variant!r}")
+        raise ValueError(f"variant must be 'auto' or one of {DECODE_VARIANTS}, got {variant!r}")
     if variant == "auto":
         variant = default_decode_variant(geo, prefetch, v4_option=num_stages is not None)
     if variant != "v1" and not prefetch:
@@ -1139,8 +1148,8 @@ def _resolve_decode_variant(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
     if variant == "v1" and num_stages is not None:
-        raise ValueError("num_stages applies to variant='v4' or 'v4b' only")
-    if variant in ("v4", "v4b") and not _v4_supports(geo):
+        raise ValueError(f"num_stages applies to the variants {V4_VARIANTS} only")
+    if variant in V4_VARIANTS and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
             f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
