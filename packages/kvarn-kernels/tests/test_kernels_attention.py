@@ -604,8 +604,8 @@ def test_context_plan_tensors_are_16_byte_aligned() -> None:
         ("workspace", "workspace must be"),
         ("variant", "variant must be"),
         ("v4_prefetch", "applies to variant='v1' only"),
-        ("v1_stages", "num_stages applies to variant='v4' or 'v4b' only"),
-        ("v3_removed", "variant must be 'auto', 'v1', 'v4' or 'v4b'"),
+        ("v1_stages", "num_stages applies to the variants \\('v4', 'v4b', 'v4c'\\) only"),
+        ("v3_removed", "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c'\\)"),
     ],
 )
 def test_decode_validation(device: torch.device, change: str, message: str) -> None:
