@@ -204,10 +204,12 @@ def decode_v4_kernel(
     like the main loop's), instead of 64-token chunks one at a time across the warps;
     ``WIDE_SCALES``, the main loop reads each token pair's scale fields, and each V byte's
     channel scales, with one wide load instead of 2-byte loads. ``MASKED_SCALES``
-    (``variant="v4c"``, with both): the tile scales (K's per channel, V's per channel) of
-    pool blocks come from masked loads as zeros instead of being zeroed by selects after
-    the load; static SASS of the main loop: 2,775 instructions instead of 2,951 (k4v2_g128),
-    3,032 instead of 3,144 (k4v4_g128).
+    (``variant="v4c"``, with both): every scale of a pool block (K's and V's per channel and
+    per token) comes from a masked load as zero instead of being zeroed by selects after the
+    load, and the per-token scales of a packed block's tokens past the request's length are
+    no longer zeroed (their scores are masked to ``-inf`` anyway, and the record values are
+    finite: a packed block is a whole tile the store wrote). Static SASS of the main loop:
+    2,512 instructions instead of 2,951 (k4v2_g128), 2,680 instead of 3,144 (k4v4_g128).
 
     ``MULTI`` (speculative verify, :func:`kvarn_kernels.verify_attention`): request ``b`` has
     the query tokens ``QSL[b] .. QSL[b + 1] - 1`` (at most ``NTG * TPP``), the last at
@@ -319,9 +321,19 @@ def decode_v4_kernel(
             # pipelined (cp.async moves 4 bytes or more): ten per step, each a global-memory
             # wait in the middle of the step, plus a shared-memory layout change each.
             pair = c[:, None] * H2 + nb[None, :]  # [W, H2] token-pair index in the tile
-            ktw = tl.load((rec[:, None] + OFF_KT).to(i32p) + pair)
-            kt_e = tl.where(live_e, _f16_halves(ktw, 0).to(tl.float32), 0.0) * 2.0
-            kt_o = tl.where(live_o, _f16_halves(ktw, 16).to(tl.float32), 0.0) * 2.0
+            if MASKED_SCALES:
+                # (v4c) Pool blocks' words load as zeros. A dead token of a packed block (past
+                # the request's length) keeps its finite record value: its score is -inf below
+                # whatever it is, and its V operand meets a zero probability.
+                ktw = tl.load(
+                    (rec[:, None] + OFF_KT).to(i32p) + pair, mask=packed[:, None], other=0
+                )
+                kt_e = _f16_halves(ktw, 0).to(tl.float32) * 2.0
+                kt_o = _f16_halves(ktw, 16).to(tl.float32) * 2.0
+            else:
+                ktw = tl.load((rec[:, None] + OFF_KT).to(i32p) + pair)
+                kt_e = tl.where(live_e, _f16_halves(ktw, 0).to(tl.float32), 0.0) * 2.0
+                kt_o = tl.where(live_o, _f16_halves(ktw, 16).to(tl.float32), 0.0) * 2.0
         else:
             ktp = (rec[:, None] + OFF_KT).to(f16)
             kt_e = tl.where(live_e, tl.load(ktp + tok_e).to(tl.float32), 0.0) * 2.0
@@ -345,12 +357,24 @@ def decode_v4_kernel(
         vb_e = tl.load(vrow_e)
         vb_o = tl.load(vrow_e + V_ROW)
         if WIDE_SCALES:
-            vsw = tl.load((rec[:, None] + OFF_VS).to(i32p) + pair)
-            vzw = tl.load((rec[:, None] + OFF_VZ).to(i32p) + pair)
-            vs_e = tl.where(live_e, _f16_halves(vsw, 0), 0.0)[:, :, None] * 0.5
-            vs_o = tl.where(live_o, _f16_halves(vsw, 16), 0.0)[:, :, None] * 0.5
-            vz_e = tl.where(live_e, _f16_halves(vzw, 0), 0.0)[:, :, None] * 0.5
-            vz_o = tl.where(live_o, _f16_halves(vzw, 16), 0.0)[:, :, None] * 0.5
+            if MASKED_SCALES:  # (v4c) as the token scales above
+                vsw = tl.load(
+                    (rec[:, None] + OFF_VS).to(i32p) + pair, mask=packed[:, None], other=0
+                )
+                vzw = tl.load(
+                    (rec[:, None] + OFF_VZ).to(i32p) + pair, mask=packed[:, None], other=0
+                )
+                vs_e = _f16_halves(vsw, 0)[:, :, None] * 0.5
+                vs_o = _f16_halves(vsw, 16)[:, :, None] * 0.5
+                vz_e = _f16_halves(vzw, 0)[:, :, None] * 0.5
+                vz_o = _f16_halves(vzw, 16)[:, :, None] * 0.5
+            else:
+                vsw = tl.load((rec[:, None] + OFF_VS).to(i32p) + pair)
+                vzw = tl.load((rec[:, None] + OFF_VZ).to(i32p) + pair)
+                vs_e = tl.where(live_e, _f16_halves(vsw, 0), 0.0)[:, :, None] * 0.5
+                vs_o = tl.where(live_o, _f16_halves(vsw, 16), 0.0)[:, :, None] * 0.5
+                vz_e = tl.where(live_e, _f16_halves(vzw, 0), 0.0)[:, :, None] * 0.5
+                vz_o = tl.where(live_o, _f16_halves(vzw, 16), 0.0)[:, :, None] * 0.5
             # the VG channel scales of V byte n (channels VG * n ..): one load (v4c: zeros
             # for pool blocks, from the load itself)
             if VG == 4:
