@@ -324,3 +324,6 @@ for _n, _qpk, _r7 in (
     variant(f"decode_v4{'b' if _r7 else ''} verify4 {_n} d128 qpk{_qpk}")(
         lambda _n=_n, _qpk=_qpk, _r7=_r7: _decode_v4_default(_n, 128, _qpk, _r7, verify_tokens=4)
     )
+variant("decode_v4c verify4 kvarn_k4v2_g128 d128 qpk4")(
+    lambda: _decode_v4_default("kvarn_k4v2_g128", 128, 4, True, verify_tokens=4, masked=True)
+)
