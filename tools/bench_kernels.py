@@ -618,22 +618,17 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
         log(f"variant decode B={bsz} ctx={ctx} v4 without pool blocks: {r}")
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
+        configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v4", "v4b", "v4c")]
+        # Small batches: 2x and 4x the default split count (shallower programs, more of them;
+        # prediction in docs/kernel-notes.md, ninth session)
+        default = choose_decode_splits(bsz, HK, int(inp["bt"].shape[1]), inp["q"].device)
+        configs += [{"variant": "v4b", "num_splits": default * m} for m in (2, 4) if bsz <= 8]
         base = None
-        for cfg in ({"variant": v} for v in ("v1", "v4", "v4b", "v4c")):
+        for cfg in configs:  # v1 first: the reference of rel_diff_vs_v1
             r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))
             o = decode_once(inp, **cfg).float()
             if base is None:
                 base = o
-            r["rel_diff_vs_v1"] = float((o - base).norm() / base.norm())
-            out["decode"].append({"B": bsz, "ctx": ctx, "config": cfg, **r})
-            log(f"variant decode B={bsz} ctx={ctx} {cfg}: {r}")
-        # Small batches: 2x and 4x the default split count (shallower programs, more of them;
-        # prediction in docs/kernel-notes.md, ninth session)
-        default = choose_decode_splits(bsz, HK, int(inp["bt"].shape[1]), inp["q"].device)
-        for more in (2, 4) if bsz <= 8 else ():
-            cfg = {"variant": "v4b", "num_splits": default * more}
-            r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))
-            o = decode_once(inp, **cfg).float()
             r["rel_diff_vs_v1"] = float((o - base).norm() / base.norm())
             out["decode"].append({"B": bsz, "ctx": ctx, "config": cfg, **r})
             log(f"variant decode B={bsz} ctx={ctx} {cfg}: {r}")

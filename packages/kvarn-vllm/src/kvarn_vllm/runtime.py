@@ -277,16 +277,17 @@ class KvarnGroupRuntime:
         with uniform verify graphs their verify passes share it (``verify_width`` rows per
         request), so no graph capture allocates one of its own."""
         kk: Any = importlib.import_module("kvarn_kernels")
+        batches = range(1, max(max_batch, 1) + 1)
         need = [
             kk.decode_workspace_numel(b, self.num_q_heads, self.head_size, self.decode_splits(b))
-            for b in range(1, max(max_batch, 1) + 1)
+            for b in batches
         ]
         if self.verify_graphs:
             need += [
                 kk.decode_workspace_numel(
                     b * self.verify_width, self.num_q_heads, self.head_size, self.verify_splits(b)
                 )
-                for b in range(1, max(max_batch, 1) + 1)
+                for b in batches
             ]
         return int(max(need))
 
