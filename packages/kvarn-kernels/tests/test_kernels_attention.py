@@ -1079,7 +1079,7 @@ def test_verify_rows_and_token_groups(device: torch.device) -> None:
     assert verify_token_groups(32, 8, 5) == 2
 
 
-@pytest.mark.parametrize("variant", ["v1", "v4b"])
+@pytest.mark.parametrize("variant", ["v1", "v4c"])
 @pytest.mark.parametrize("pad_requests", [1, 3])
 def test_verify_attention_padded_tail(
     device: torch.device, variant: str, pad_requests: int
@@ -1216,15 +1216,15 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
 @pytest.mark.parametrize(
     ("name", "d", "kw", "expected"),
     [
-        ("kvarn_k4v2_g128", 128, {}, "v4b"),
-        ("kvarn_k4v4_g128", 64, {}, "v4b"),
-        ("kvarn_k4v2_g128", 256, {}, "v4"),  # v4b measured 2% slower there
-        ("kvarn_k4v2_g64", 128, {}, "v4b"),
-        ("kvarn_k4v2_g128", 128, {"num_stages": 2}, "v4b"),
+        ("kvarn_k4v2_g128", 128, {}, "v4c"),
+        ("kvarn_k4v4_g128", 64, {}, "v4c"),
+        ("kvarn_k4v2_g128", 256, {}, "v4c"),
+        ("kvarn_k4v2_g64", 128, {}, "v4c"),
+        ("kvarn_k4v2_g128", 128, {"num_stages": 2}, "v4c"),
         ("kvarn_k4v4_g64", 512, {}, "v1"),  # not timed there
         ("kvarn_k5v5_g64", 128, {}, "v1"),  # v4 cannot read 5-bit codes
         ("kvarn_k4v2_g128", 128, {"prefetch": False}, "v1"),  # a v1-only option
-        ("kvarn_k4v4_g64", 512, {"num_stages": 2}, "v4"),  # a v4-only option
+        ("kvarn_k4v4_g64", 512, {"num_stages": 2}, "v4c"),  # a v4-only option
         # a v1-only option wins over a v4-only one (decode_attention then raises)
         ("kvarn_k4v4_g64", 512, {"num_stages": 2, "prefetch": False}, "v1"),
     ],

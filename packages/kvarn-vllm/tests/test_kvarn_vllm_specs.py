@@ -35,7 +35,7 @@ def _config(model: Path, dtype: str = "kvarn_k4v2_g128", **kw: Any) -> Any:
 
 
 @pytest.mark.parametrize("dtype", DENSE_DTYPES)
-@pytest.mark.parametrize("head", [64, 128, 256])
+@pytest.mark.parametrize("head", [64, 128, 256, 512])
 def test_page_size_is_hk_records_and_matches_the_cache_shape(dtype: str, head: int) -> None:
     from kvarn_vllm.backend import backend_for
 
@@ -136,6 +136,33 @@ def test_routing_sends_only_kvarn_layers_to_the_kvarn_backend(kvarn: None, qwen3
     assert type(specs[1]) is FullAttentionSpec
     assert specs[0].page_size_bytes == 2 * 13_824
     assert specs[1].page_size_bytes == 2 * 128 * 2 * 128 * 2
+
+
+@pytest.mark.parametrize(("head", "uses_fa"), [(128, True), (256, True), (512, False)])
+def test_first_chunks_use_flash_attention_only_where_it_takes_the_head_size(
+    kvarn: None, monkeypatch: pytest.MonkeyPatch, head: int, uses_fa: bool
+) -> None:
+    """FA3 stops at head size 256: at 512 (without FA4) the impl must fall back to torch
+    SDPA for first chunks and context attention, not hand FlashAttention a size it rejects."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends import fa_utils, flash_attn
+
+    from kvarn_vllm.backend import KvarnAttentionImpl
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+
+    def flash_attn_varlen_func(**kw: Any) -> torch.Tensor:  # never called here
+        raise AssertionError
+
+    monkeypatch.setattr(fa_utils, "flash_attn_varlen_func", flash_attn_varlen_func, raising=False)
+    monkeypatch.setattr(fa_utils, "is_flash_attn_varlen_func_available", lambda: True)
+    monkeypatch.setattr(fa_utils, "get_flash_attn_version", lambda **kw: 3)
+    monkeypatch.setattr(flash_attn, "is_fa_version_supported", lambda version: version == 3)
+    impl = KvarnAttentionImpl(32, head, head**-0.5, 8, kv_cache_dtype="kvarn_k4v2_g128")
+    fa = impl._flash_attn()
+    assert (fa is flash_attn_varlen_func) is uses_fa
+    assert (fa is None) is not uses_fa
+    assert (impl._varlen_attention() is None) is not uses_fa
 
 
 def test_routing_fails_closed_for_unsupported_layers(kvarn: None, qwen3_dir: Path) -> None:

@@ -1011,22 +1011,20 @@ def _v4_supports(geo: DenseGeometry) -> bool:
 def default_decode_variant(geo: DenseGeometry, prefetch: bool, v4_option: bool) -> str:
     """The decode kernel ``variant="auto"`` runs.
 
-    v4b at head dims up to 128 and v4 at 256, wherever they can read the codes (4-bit keys
-    with 2/4-bit values). The H200 (seventh session, one run, 16K context) measured v4b no
-    slower than v4 at every head-dim-128 shape timed and faster at B = 256 (k4v2_g128: B = 64
-    908 vs 913 µs, B = 256 3,449 vs 3,709; k4v4_g128: 970 vs 1,004 and 3,394 vs 4,181;
-    k4v2_g64 870 vs 872), and v4 in turn faster than v1 everywhere (k4v2_g128 B = 64: v1
-    1,560). At head dim 256 v4b was 2% slower (5,922 vs 5,801 µs). v1 for 5-bit codes and
-    head dim 512 (v4 is correct there but not timed), and whenever a v1-only option
+    v4c at head dims up to 256, wherever the v4 family can read the codes (4-bit keys with
+    2/4-bit values). The H200 (tenth session, one kernel-check run, 16K context, µs per
+    layer) measured v4c against v4b: k4v2_g128 B = 64 886 vs 904, B = 256 3,164 vs 3,412;
+    k4v4_g128 863 vs 963 and 3,394 vs 3,358 (the one shape where it was not faster, +1%);
+    k4v2_g64 841 vs 864; head dim 256 4,923 vs 5,893 (v4 5,798, v1 6,354); and v4b in turn
+    no slower than v4 or v1 at head dim 128 (seventh session). v1 for 5-bit codes and head
+    dim 512 (v4 is correct there but not timed), and whenever a v1-only option
     (``prefetch=False``) is given; a v4-only option (``v4_option``: ``num_stages`` was given)
-    selects v4 or v4b.
+    keeps the v4 family at 512 too.
     """
     if not _v4_supports(geo) or not prefetch:
         return "v1"
-    if geo.head_dim <= 128:
-        return "v4b"
     if v4_option or geo.head_dim <= 256:
-        return "v4"
+        return "v4c"
     return "v1"
 
 

@@ -1,8 +1,7 @@
 """The KVarN attention backend for vLLM 0.23: backend class, metadata builder and impl.
 
 * :class:`KvarnAttentionBackend` declares what it serves (dense ``kvarn_*`` dtypes of one tile
-  size ``G``, head sizes 64/128/256 (512 not yet, see
-  ``get_supported_head_sizes``), block size ``G``, decoder self-attention only) so that
+  size ``G``, head sizes 64/128/256/512, block size ``G``, decoder self-attention only) so that
   vLLM's own ``validate_configuration`` rejects everything else. There is one subclass per
   ``G`` because vLLM asks a backend for its block sizes without saying which dtype.
 * :class:`KvarnMetadataBuilder` is a thin adapter: it applies the side-pool plans of
@@ -126,11 +125,10 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        # 512 is not listed yet: one branch of kvarn_kernels' fused attention kernel was wrong
-        # at head dim 512 on an H200 (now refused, HEAD_DIM_512_GPU_MESSAGE) and decode is
-        # right there otherwise, but prefill with context and verify at 512 have not run on a
-        # GPU (kernel-check group head_dim_512). vLLM says the size is unsupported instead.
-        return [d for d in DENSE_HEAD_DIMS if d <= 256]
+        # 512 since the tenth session: decode, prefill with context (both methods) and verify
+        # passed at 512 on an H200 (kernel-check group head_dim_512); the one kernel branch
+        # that was wrong there (v1 without register prefetch) is refused and never serves.
+        return list(DENSE_HEAD_DIMS)
 
     @staticmethod
     def get_kv_cache_shape(
@@ -815,7 +813,13 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                         is_flash_attn_varlen_func_available,
                     )
 
-                    if is_flash_attn_varlen_func_available():
+                    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+                    # FA3 stops at head size 256 (vLLM takes 512 to FA4 where that is built):
+                    # larger heads fall back to torch SDPA rather than fail in the kernel.
+                    if is_flash_attn_varlen_func_available() and (
+                        FlashAttentionBackend.supports_head_size(self.head_size)
+                    ):
                         from vllm.v1.attention.backends import fa_utils
 
                         self._fa = getattr(fa_utils, "flash_attn_varlen_func")  # noqa: B009
@@ -825,7 +829,11 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
             global _SDPA_LOGGED
             if self._fa is None and not _SDPA_LOGGED:
                 _SDPA_LOGGED = True
-                logger.info("kvarn: first prefill chunks use torch SDPA (no FlashAttention)")
+                logger.info(
+                    "kvarn: first prefill chunks use torch SDPA (no FlashAttention for head "
+                    "size %d here)",
+                    self.head_size,
+                )
         return self._fa
 
     def _first_chunk(
