@@ -812,7 +812,6 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                         get_flash_attn_version,
                         is_flash_attn_varlen_func_available,
                     )
-
                     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
                     # FA3 stops at head size 256 (vLLM takes 512 to FA4 where that is built):
