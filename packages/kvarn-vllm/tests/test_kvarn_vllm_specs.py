@@ -138,26 +138,49 @@ def test_routing_sends_only_kvarn_layers_to_the_kvarn_backend(kvarn: None, qwen3
     assert specs[1].page_size_bytes == 2 * 128 * 2 * 128 * 2
 
 
-@pytest.mark.parametrize(("head", "uses_fa"), [(128, True), (256, True), (512, False)])
+@pytest.mark.parametrize(
+    ("head", "fa4", "cutlass", "uses_fa"),
+    [
+        (128, False, False, True),
+        (256, False, False, True),
+        (512, False, True, False),  # FA3 only: no FlashAttention at 512
+        (512, True, False, False),  # FA4's file without the cutlass DSL it imports
+        (512, True, True, True),
+    ],
+)
 def test_first_chunks_use_flash_attention_only_where_it_takes_the_head_size(
-    kvarn: None, monkeypatch: pytest.MonkeyPatch, head: int, uses_fa: bool
+    kvarn: None,
+    monkeypatch: pytest.MonkeyPatch,
+    head: int,
+    fa4: bool,
+    cutlass: bool,
+    uses_fa: bool,
 ) -> None:
-    """FA3 stops at head size 256: at 512 (without FA4) the impl must fall back to torch
-    SDPA for first chunks and context attention, not hand FlashAttention a size it rejects."""
+    """At 512 the impl must fall back to torch SDPA for first chunks and context attention
+    unless FA4 can run, not hand FlashAttention a size it fails on."""
+    import importlib.util
+
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends import fa_utils, flash_attn
 
     from kvarn_vllm.backend import KvarnAttentionImpl
 
-    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
-
     def flash_attn_varlen_func(**kw: Any) -> torch.Tensor:  # never called here
         raise AssertionError
 
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            (find_spec("os") if cutlass else None) if name == "cutlass" else find_spec(name, *a)
+        ),
+    )
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
     monkeypatch.setattr(fa_utils, "flash_attn_varlen_func", flash_attn_varlen_func, raising=False)
     monkeypatch.setattr(fa_utils, "is_flash_attn_varlen_func_available", lambda: True)
-    monkeypatch.setattr(fa_utils, "get_flash_attn_version", lambda **kw: 3)
-    monkeypatch.setattr(flash_attn, "is_fa_version_supported", lambda version: version == 3)
+    monkeypatch.setattr(fa_utils, "get_flash_attn_version", lambda **kw: 4 if head > 256 else 3)
+    monkeypatch.setattr(flash_attn, "is_fa_version_supported", lambda v: v == 3 or fa4)
     impl = KvarnAttentionImpl(32, head, head**-0.5, 8, kv_cache_dtype="kvarn_k4v2_g128")
     fa = impl._flash_attn()
     assert (fa is flash_attn_varlen_func) is uses_fa

@@ -564,6 +564,23 @@ def _metadata_for(layer_name: str) -> KvarnMetadata | None:
     return raw if isinstance(raw, KvarnMetadata) else None
 
 
+def flash_attention_takes(head_size: int) -> bool:
+    """Whether vLLM's FlashAttention can run this head size here; where it cannot, first
+    chunks and context attention fall back to torch SDPA instead of failing mid-forward.
+
+    FA3 stops at 256; vLLM sends larger heads to FA4, whose CuTe kernels import the
+    ``cutlass`` DSL package, but vLLM only checks that FA4's source file exists (an install
+    without the package, such as the device bundle of docs/gpu.md, fails in the forward).
+    """
+    import importlib.util
+
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    if not FlashAttentionBackend.supports_head_size(head_size):
+        return False
+    return head_size <= 256 or importlib.util.find_spec("cutlass") is not None
+
+
 class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
     """Side-pool write, then decode / first-chunk / context attention by batch part."""
 
@@ -812,12 +829,9 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                         get_flash_attn_version,
                         is_flash_attn_varlen_func_available,
                     )
-                    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
-                    # FA3 stops at head size 256 (vLLM takes 512 to FA4 where that is built):
-                    # larger heads fall back to torch SDPA rather than fail in the kernel.
-                    if is_flash_attn_varlen_func_available() and (
-                        FlashAttentionBackend.supports_head_size(self.head_size)
+                    if is_flash_attn_varlen_func_available() and flash_attention_takes(
+                        self.head_size
                     ):
                         from vllm.v1.attention.backends import fa_utils
 
