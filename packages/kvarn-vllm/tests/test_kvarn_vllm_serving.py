@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvarn_vllm.testing import TINY_LLAMA, write_model_dir
+from kvarn_vllm.testing import TINY_LLAMA, ScheduledRequest, scheduler_output, write_model_dir
 
 G = 64
 HQ, HK, D = 4, 2, 64
@@ -150,48 +150,22 @@ class _Harness:
         return x.to(torch.bfloat16)
 
     def scheduler_output(self, step: _Step) -> Any:
-        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-
-        new = []
-        cached = CachedRequestData.make_empty()
-        for rid, _n in step.rows:
+        requests = []
+        for rid, n in step.rows:
             req = self.reqs[rid]
-            if rid in step.new:
-                new.append(
-                    NewRequestData(
-                        req_id=rid,
-                        prompt_token_ids=req.tokens,
-                        mm_features=[],
-                        sampling_params=None,
-                        pooling_params=None,
-                        block_ids=(list(req.blocks),),
-                        num_computed_tokens=req.computed,
-                        lora_request=None,
-                    )
+            requests.append(
+                ScheduledRequest(
+                    rid,
+                    n,
+                    req.computed,
+                    req.blocks,
+                    new=rid in step.new,
+                    prompt_token_ids=req.tokens,
+                    resumed=rid in step.resumed,
+                    new_block_ids=step.new_blocks.get(rid, ()),
                 )
-                continue
-            cached.req_ids.append(rid)
-            cached.num_computed_tokens.append(req.computed)
-            cached.num_output_tokens.append(0)
-            cached.new_token_ids.append([])
-            if rid in step.resumed:
-                cached.resumed_req_ids.add(rid)
-                cached.new_block_ids.append((list(req.blocks),))
-            else:
-                added = step.new_blocks.get(rid)
-                cached.new_block_ids.append((added,) if added else None)
-        return SchedulerOutput(
-            scheduled_new_reqs=new,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=dict(step.rows),
-            total_num_scheduled_tokens=sum(n for _, n in step.rows),
-            scheduled_spec_decode_tokens={},
-            scheduled_encoder_inputs={},
-            num_common_prefix_blocks=[0],
-            finished_req_ids=set(step.finished),
-            free_encoder_mm_hashes=[],
-            preempted_req_ids=set(step.preempted),
-        )
+            )
+        return scheduler_output(requests, step.finished, step.preempted)
 
     def run(self, step: _Step, *, check: bool = True) -> list[torch.Tensor]:
         from vllm.forward_context import set_forward_context

@@ -13,15 +13,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "TINY_LLAMA",
     "TINY_QWEN3",
+    "ScheduledRequest",
     "patched_vllm",
     "prepare_cpu_test_env",
+    "scheduler_output",
     "write_model_dir",
 ]
 
@@ -96,3 +99,70 @@ def patched_vllm() -> Iterator[None]:
     finally:
         if not was_applied:
             _patches.revert_all()
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of an engine step, as vLLM's scheduler reports it."""
+
+    req_id: str
+    #: tokens scheduled this step
+    num_tokens: int
+    num_computed_tokens: int
+    #: all the request's block ids (sent for new and resumed requests)
+    block_ids: Sequence[int]
+    new: bool = False
+    prompt_token_ids: Sequence[int] = ()
+    resumed: bool = False
+    #: blocks allocated this step (a running request's additions)
+    new_block_ids: Sequence[int] = ()
+    num_output_tokens: int = 0
+
+
+def scheduler_output(
+    requests: Sequence[ScheduledRequest],
+    finished: Iterable[str] = (),
+    preempted: Iterable[str] = (),
+) -> Any:
+    """A vLLM 0.23 ``SchedulerOutput`` for one step of single-group (one KV-cache group)
+    requests, without drafts or encoder inputs."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    new = []
+    cached = CachedRequestData.make_empty()
+    for r in requests:
+        if r.new:
+            new.append(
+                NewRequestData(
+                    req_id=r.req_id,
+                    prompt_token_ids=list(r.prompt_token_ids),
+                    mm_features=[],
+                    sampling_params=None,
+                    pooling_params=None,
+                    block_ids=(list(r.block_ids),),
+                    num_computed_tokens=r.num_computed_tokens,
+                    lora_request=None,
+                )
+            )
+            continue
+        cached.req_ids.append(r.req_id)
+        cached.num_computed_tokens.append(r.num_computed_tokens)
+        cached.num_output_tokens.append(r.num_output_tokens)
+        cached.new_token_ids.append([])
+        if r.resumed:
+            cached.resumed_req_ids.add(r.req_id)
+            cached.new_block_ids.append((list(r.block_ids),))
+        else:
+            cached.new_block_ids.append((list(r.new_block_ids),) if r.new_block_ids else None)
+    return SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={r.req_id: r.num_tokens for r in requests},
+        total_num_scheduled_tokens=sum(r.num_tokens for r in requests),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        num_common_prefix_blocks=[0],
+        finished_req_ids=set(finished),
+        free_encoder_mm_hashes=[],
+        preempted_req_ids=set(preempted),
+    )
