@@ -598,8 +598,6 @@ def bench_fa3_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
 def run_variants(parts: set[str]) -> dict[str, Any]:
     import torch
 
-    from kvarn_kernels import choose_decode_splits
-
     out: dict[str, Any] = {"decode": [], "store": [], "prefill": [], "verify": []}
     # Speculative verify rows (3 drafts): the plugin's verify pass against the other paths
     # and FA3 on fp16 (docs/kernel-notes.md); (256, 6144) is the burst's decode shape.
@@ -619,10 +617,8 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
         configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v4", "v4b", "v4c")]
-        # Small batches: 2x and 4x the default split count (shallower programs, more of them;
-        # prediction in docs/kernel-notes.md, ninth session)
-        default = choose_decode_splits(bsz, HK, int(inp["bt"].shape[1]), inp["q"].device)
-        configs += [{"variant": "v4b", "num_splits": default * m} for m in (2, 4) if bsz <= 8]
+        # v4c with 8 query rows per program (prediction in docs/kernel-notes.md, tenth session)
+        configs.append({"variant": "v4c", "mma_rows": 8})
         base = None
         for cfg in configs:  # v1 first: the reference of rel_diff_vs_v1
             r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))

@@ -77,11 +77,13 @@ def _decode_v4(
     verify_tokens: int = 0,
     splits: int = 4,
     masked: bool = False,
+    mma_rows: int = 16,
 ) -> Any:
     """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``round7``:
     ``variant="v4b"``; ``verify_tokens``: ``verify_attention``'s kernel with that many query
     tokens per request; ``splits``: the split count, a compile-time constant; ``masked``:
-    ``variant="v4c"``'s masked scale loads, with ``round7``)."""
+    ``variant="v4c"``'s masked scale loads, with ``round7``; ``mma_rows``: the query rows of
+    a program, at least the GQA ratio's power of two)."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
@@ -90,7 +92,7 @@ def _decode_v4(
         HQ=8 * qpk,
         HK=8,
         QPK=qpk,
-        BLOCK_Q=max(16, 1 << (qpk - 1).bit_length()),
+        BLOCK_Q=max(mma_rows, 1 << (qpk - 1).bit_length()),
         D=d,
         G=geo.group,
         KB=geo.key_bits,
@@ -249,7 +251,13 @@ for _tok in (False, True):
 
 
 def _decode_v4_default(
-    name: str, d: int, qpk: int, round7: bool = False, verify_tokens: int = 0, masked: bool = False
+    name: str,
+    d: int,
+    qpk: int,
+    round7: bool = False,
+    verify_tokens: int = 0,
+    masked: bool = False,
+    mma_rows: int = 16,
 ) -> Any:
     """v4 (or v4b) with ``decode_v4_config``'s shape, as ``decode_attention`` launches it
     (``verify_tokens``: as ``verify_attention`` launches it)."""
@@ -266,6 +274,7 @@ def _decode_v4_default(
         round7=round7,
         verify_tokens=verify_tokens,
         masked=masked,
+        mma_rows=mma_rows,
     )
 
 
@@ -295,10 +304,22 @@ for _n, _d, _qpk in (
         lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v4_default(_n, _d, _qpk, round7=True)
     )
 
-# v4c (ninth session): v4b with the pool blocks' tile scales masked at the load
-for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
-    variant(f"decode_v4c default {_n} d128 qpk4")(
-        lambda _n=_n: _decode_v4_default(_n, 128, 4, round7=True, masked=True)
+# v4c (ninth session): v4b with the pool blocks' tile scales masked at the load; at head dim
+# 256 (its default there since the tenth session) and with 8 or 4 query rows per program
+# (``mma_rows``, tenth session) instead of the MMA's 16
+for _n, _d, _rows in (
+    ("kvarn_k4v2_g128", 128, 16),
+    ("kvarn_k4v4_g128", 128, 16),
+    ("kvarn_k4v2_g128", 256, 16),
+    ("kvarn_k4v2_g128", 128, 8),
+    ("kvarn_k4v4_g128", 128, 8),
+    ("kvarn_k4v2_g128", 256, 8),
+    ("kvarn_k4v2_g128", 128, 4),
+):
+    variant(f"decode_v4c default {_n} d{_d} qpk4{'' if _rows == 16 else f' mma{_rows}'}")(
+        lambda _n=_n, _d=_d, _rows=_rows: _decode_v4_default(
+            _n, _d, 4, round7=True, masked=True, mma_rows=_rows
+        )
     )
 
 

@@ -35,6 +35,7 @@ from kvarn_kernels import (
     prefill_attention,
     verify_attention,
 )
+from kvarn_kernels._common import next_pow2
 from kvarn_kernels.attention import UNSAFE_HEAD_DIM_512_ENV, verify_rows, verify_token_groups
 from kvarn_kernels.reference import (
     decode_attention_ref,
@@ -593,6 +594,39 @@ def test_context_plan_tensors_are_16_byte_aligned() -> None:
         ]
 
 
+@pytest.mark.parametrize("smallest", [True, False], ids=["mma_rows_gqa", "mma_rows_8"])
+@pytest.mark.parametrize(
+    ("name", "d", "hq", "hk", "lens", "splits"),
+    [c for c in DECODE_CPU if parse_cache_dtype(c[0]).key_bits == 4],
+)
+def test_decode_attention_mma_rows(
+    device: torch.device,
+    name: str,
+    d: int,
+    hq: int,
+    hk: int,
+    lens: list[int],
+    splits: int,
+    smallest: bool,
+) -> None:
+    """v4c with fewer query rows per program than the MMA's 16 (``mma_rows``: the GQA
+    group's own power of two, or 8 where that is no less), against the reference."""
+    rows = max(next_pow2(hq // hk), 4 if smallest else 8)
+    case = shared_case(name, d, hk, lens, device=device, seed=len(lens) + d, constant_tile=True)
+    gen = torch.Generator().manual_seed(d)
+    q = (torch.randn(len(lens), hq, d, generator=gen) * 2).half().to(device)
+    scale = 1.0 / math.sqrt(d)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(
+        *case.decode_args(name, q, scale),
+        out=out,
+        num_splits=splits,
+        variant="v4c",
+        mma_rows=rows,
+    )
+    _assert_close(out, decode_attention_ref(*case.decode_args(name, q, scale)))
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -605,6 +639,9 @@ def test_context_plan_tensors_are_16_byte_aligned() -> None:
         ("variant", "variant must be"),
         ("v4_prefetch", "applies to variant='v1' only"),
         ("v1_stages", "num_stages applies to the variants \\('v4', 'v4b', 'v4c'\\) only"),
+        ("v1_mma_rows", "mma_rows applies to the variants \\('v4', 'v4b', 'v4c'\\) only"),
+        ("mma_rows_below_gqa", "mma_rows must be a power of two from 4 to 16"),
+        ("mma_rows_odd", "mma_rows must be a power of two"),
         ("v3_removed", "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c'\\)"),
     ],
 )
@@ -637,6 +674,12 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
         kw["variant"] = "v3"
     elif change == "v1_stages":
         kw.update(variant="v1", num_stages=4)
+    elif change == "v1_mma_rows":
+        kw.update(variant="v1", mma_rows=8)
+    elif change == "mma_rows_below_gqa":  # GQA 2 here: 2 rows would hold it, 4 is the least
+        kw.update(variant="v4c", mma_rows=2)
+    elif change == "mma_rows_odd":
+        kw.update(variant="v4c", mma_rows=12)
     with pytest.raises(ValueError, match=message):
         decode_attention(
             name,

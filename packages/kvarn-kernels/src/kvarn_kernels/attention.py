@@ -732,6 +732,7 @@ def _launch_v4(
     query_start_loc: torch.Tensor | None = None,
     max_query_len: int = 1,
     masked_scales: bool = False,
+    mma_rows: int | None = None,
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
     ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``);
@@ -767,7 +768,7 @@ def _launch_v4(
         HQ=hq,
         HK=hk,
         QPK=qpk,
-        BLOCK_Q=_mma_rows(qpk),
+        BLOCK_Q=mma_rows or _mma_rows(qpk),
         D=geo.head_dim,
         G=geo.group,
         SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
@@ -814,6 +815,7 @@ def _launch(
     variant: str = "v1",
     num_stages: int | None = None,
     max_query_len: int = 1,
+    mma_rows: int | None = None,
 ) -> None:
     """Rotate the queries, run the attention kernel into the split workspace, merge and
     un-rotate. ``decode`` with a ``query_start_loc`` (the v4 kernels only): speculative verify rows,
@@ -858,6 +860,7 @@ def _launch(
             hq=hq,
             query_start_loc=query_start_loc,
             max_query_len=max_query_len,
+            mma_rows=mma_rows,
         )
     else:
         if decode:
@@ -1048,6 +1051,7 @@ def decode_attention(
     prefetch: bool = True,
     variant: str = "auto",
     num_stages: int | None = None,
+    mma_rows: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request over packed records and the side pool.
 
@@ -1087,9 +1091,14 @@ def decode_attention(
             block per step across the warps and whose main loop reads the per-token and
             V channel scales with wide loads (round 7). ``"v4c"``: v4b whose scale loads skip pool
             blocks (masked loads) instead of zeroing the values afterwards (15% fewer
-            instructions in its loop; CPU-checked, not yet timed on a GPU).
+            instructions in its loop; H200: 2-16% faster than v4b at 9 of 10 shapes timed).
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads (default: the
             launch config's, 2).
+        mma_rows: the v4 kernels only: query rows of a program's tile, a power of two from 4
+            and the GQA ratio's (``next_pow2(Hq // Hk)``) to 16. Default 16, the MMA's row count, which
+            the kernel pads the GQA group to; fewer rows leave the padding to Triton inside
+            the MMA and keep fewer accumulator registers (experimental, not yet timed:
+            docs/kernel-notes.md, tenth session).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -1098,8 +1107,15 @@ def decode_attention(
     )
     if q.shape[0] != block_table.shape[0]:
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
-    variant = _resolve_decode_variant(geo, variant, prefetch, num_stages)
+    variant = _resolve_decode_variant(geo, variant, prefetch, num_stages, mma_rows)
     bsz, hq, d = (int(s) for s in q.shape)
+    if mma_rows is not None:
+        gqa = next_pow2(hq // int(pool_k.shape[2]))
+        if mma_rows not in (4, 8, 16) or mma_rows < gqa:
+            raise ValueError(
+                f"mma_rows must be a power of two from {max(4, gqa)} to 16 (4 or more, and at "
+                f"least the GQA ratio's power of two, {gqa}), got {mma_rows}"
+            )
     splits = num_splits or choose_decode_splits(
         bsz, int(pool_k.shape[2]), int(block_table.shape[1]), q.device
     )
@@ -1128,25 +1144,32 @@ def decode_attention(
         prefetch,
         variant=variant,
         num_stages=num_stages,
+        mma_rows=mma_rows,
     )
     return out
 
 
 def _resolve_decode_variant(
-    geo: DenseGeometry, variant: str, prefetch: bool = True, num_stages: int | None = None
+    geo: DenseGeometry,
+    variant: str,
+    prefetch: bool = True,
+    num_stages: int | None = None,
+    mma_rows: int | None = None,
 ) -> str:
     """The decode kernel a call runs: ``variant`` checked against the format and the
     variant-only options, ``"auto"`` resolved by :func:`default_decode_variant`."""
     if variant != "auto" and variant not in DECODE_VARIANTS:
         raise ValueError(f"variant must be 'auto' or one of {DECODE_VARIANTS}, got {variant!r}")
     if variant == "auto":
-        variant = default_decode_variant(geo, prefetch, v4_option=num_stages is not None)
+        v4_option = num_stages is not None or mma_rows is not None
+        variant = default_decode_variant(geo, prefetch, v4_option=v4_option)
     if variant != "v1" and not prefetch:
         raise ValueError(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
-    if variant == "v1" and num_stages is not None:
-        raise ValueError(f"num_stages applies to the variants {V4_VARIANTS} only")
+    for option, value in (("num_stages", num_stages), ("mma_rows", mma_rows)):
+        if variant == "v1" and value is not None:
+            raise ValueError(f"{option} applies to the variants {V4_VARIANTS} only")
     if variant in V4_VARIANTS and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
