@@ -174,6 +174,11 @@ def finish_tests(procs: dict[str, tuple[subprocess.Popen[str], float]]) -> dict[
 DECODE_V4_SHAPES: list[dict[str, Any]] = [
     {"fast_unpack": False},
 ]
+#: Extra v4c shapes timed at head dim 256 (tenth session, static: one pipeline stage cuts the
+#: loop from 3,773 to 2,921 instructions with 8 query rows; docs/kernel-notes.md).
+DECODE_D256_SHAPES: list[dict[str, Any]] = [
+    {"variant": "v4c", "mma_rows": 8, "num_stages": 1},
+]
 #: The decode configurations timed at every case, v1 first (v4b: round 7, the pool phase one
 #: block per step across the warps, wide scale loads; v4c: v4b with masked scale loads, the
 #: default; mma_rows 8: v4c with 8 query rows per program instead of 16, tenth session).
@@ -208,6 +213,8 @@ def decode_runs(
             configs: list[dict[str, Any]] = list(DECODE_CONFIGS)
             if (fmt, d, bsz) == ("kvarn_k4v2_g128", 128, 64):
                 configs += [{"variant": "v4", **c} for c in DECODE_V4_SHAPES]
+            if d == 256:
+                configs += DECODE_D256_SHAPES
             base = None
             for cfg in configs:
                 if warm:
