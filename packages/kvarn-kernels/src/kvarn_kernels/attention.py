@@ -1095,10 +1095,10 @@ def decode_attention(
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads (default: the
             launch config's, 2).
         mma_rows: the v4 kernels only: query rows of a program's tile, a power of two from 4
-            and the GQA ratio's (``next_pow2(Hq // Hk)``) to 16. Default 16, the MMA's row count, which
-            the kernel pads the GQA group to; fewer rows leave the padding to Triton inside
-            the MMA and keep fewer accumulator registers (experimental, not yet timed:
-            docs/kernel-notes.md, tenth session).
+            and the GQA ratio's (``next_pow2(Hq // Hk)``) to 16. Default 16, the MMA's row
+            count, which the kernel pads the GQA group to; fewer rows leave the padding to
+            Triton inside the MMA and keep fewer accumulator registers (experimental, not
+            yet timed: docs/kernel-notes.md, tenth session).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
