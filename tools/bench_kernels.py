@@ -214,13 +214,14 @@ def decode_once(inp: dict[str, Any], **kw: Any) -> Any:
 def bench_kvarn_decode(inp: dict[str, Any], **kw: Any) -> dict[str, Any]:
     import torch
 
-    from kvarn_kernels import choose_decode_splits, decode_workspace_numel
+    from kvarn_kernels import choose_decode_splits, decode_partials, decode_workspace_numel
 
     bsz, _, d = (int(x) for x in inp["q"].shape)
     splits = kw.pop("num_splits", None) or choose_decode_splits(
         bsz, HK, inp["bt"].shape[1], inp["q"].device
     )
-    ws = torch.empty(decode_workspace_numel(bsz, HQ, d, splits), device="cuda")
+    parts = decode_partials(kw.get("variant", "auto"), splits)
+    ws = torch.empty(decode_workspace_numel(bsz, HQ, d, parts), device="cuda")
     out = torch.empty_like(inp["q"])
 
     us, mode = timed(lambda: decode_once(inp, out=out, workspace=ws, num_splits=splits, **kw))
@@ -617,8 +618,13 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
         configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v4", "v4b", "v4c")]
-        # v4c with 8 query rows per program (prediction in docs/kernel-notes.md, tenth session)
-        configs.append({"variant": "v4c", "mma_rows": 8})
+        # v4c with 8 query rows per program; v4d (v4c, the pool phase in programs of its own)
+        # with 16 and 8 rows (predictions in docs/kernel-notes.md, tenth session)
+        configs += [
+            {"variant": "v4c", "mma_rows": 8},
+            {"variant": "v4d"},
+            {"variant": "v4d", "mma_rows": 8},
+        ]
         base = None
         for cfg in configs:  # v1 first: the reference of rel_diff_vs_v1
             r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))

@@ -77,6 +77,8 @@ TEST_GROUPS = {
     "decode_v4c": ["test_kernels_attention.py", "-k", "variant4c"],
     # v4c with fewer query rows than the MMA's 16 (Triton pads inside the MMA; tenth session)
     "decode_mma_rows": ["test_kernels_attention.py", "-k", "mma_rows"],
+    # v4d (tenth session): v4c with the pool phase in programs of its own
+    "decode_v4d": ["test_kernels_attention.py", "-k", "variant4d or v4d"],
     "shadow_pool_write": ["test_kernels_rotation.py", "-k", "shadow"],
     # verify_attention (seventh session): the fused verify pass against the reference and
     # against one decode row per token, every variant.
@@ -181,13 +183,15 @@ DECODE_D256_SHAPES: list[dict[str, Any]] = [
 ]
 #: The decode configurations timed at every case, v1 first (v4b: round 7, the pool phase one
 #: block per step across the warps, wide scale loads; v4c: v4b with masked scale loads, the
-#: default; mma_rows 8: v4c with 8 query rows per program instead of 16, tenth session).
+#: default; mma_rows 8: v4c with 8 query rows per program instead of 16; v4d: v4c with the
+#: pool phase in programs of its own; tenth session).
 DECODE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4"},
     {"variant": "v4b"},
     {"variant": "v4c"},
     {"variant": "v4c", "mma_rows": 8},
+    {"variant": "v4d", "mma_rows": 8},
 ]
 
 

@@ -78,12 +78,14 @@ def _decode_v4(
     splits: int = 4,
     masked: bool = False,
     mma_rows: int = 16,
+    pool_split: bool = False,
 ) -> Any:
     """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``round7``:
     ``variant="v4b"``; ``verify_tokens``: ``verify_attention``'s kernel with that many query
     tokens per request; ``splits``: the split count, a compile-time constant; ``masked``:
     ``variant="v4c"``'s masked scale loads, with ``round7``; ``mma_rows``: the query rows of
-    a program, at least the GQA ratio's power of two)."""
+    a program, at least the GQA ratio's power of two; ``pool_split``: ``variant="v4d"``'s
+    pool phase in programs of its own, with ``masked``)."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
@@ -107,6 +109,7 @@ def _decode_v4(
         POOL_BATCHED=round7,
         WIDE_SCALES=round7,
         MASKED_SCALES=masked,
+        POOL_SPLIT=pool_split,
     )
     tpp = max(1, consts["BLOCK_Q"] // qpk) if verify_tokens else 1
     consts.update(MULTI=bool(verify_tokens), TPP=tpp, NTG=-(-max(verify_tokens, 1) // tpp))
@@ -258,6 +261,7 @@ def _decode_v4_default(
     verify_tokens: int = 0,
     masked: bool = False,
     mma_rows: int = 16,
+    pool_split: bool = False,
 ) -> Any:
     """v4 (or v4b) with ``decode_v4_config``'s shape, as ``decode_attention`` launches it
     (``verify_tokens``: as ``verify_attention`` launches it)."""
@@ -275,6 +279,7 @@ def _decode_v4_default(
         verify_tokens=verify_tokens,
         masked=masked,
         mma_rows=mma_rows,
+        pool_split=pool_split,
     )
 
 
@@ -316,11 +321,12 @@ for _n, _d, _rows in (
     ("kvarn_k4v2_g128", 256, 8),
     ("kvarn_k4v2_g128", 128, 4),
 ):
-    variant(f"decode_v4c default {_n} d{_d} qpk4{'' if _rows == 16 else f' mma{_rows}'}")(
-        lambda _n=_n, _d=_d, _rows=_rows: _decode_v4_default(
-            _n, _d, 4, round7=True, masked=True, mma_rows=_rows
+    for _v in ("v4c", "v4d"):
+        variant(f"decode_{_v} default {_n} d{_d} qpk4{'' if _rows == 16 else f' mma{_rows}'}")(
+            lambda _n=_n, _d=_d, _rows=_rows, _v=_v: _decode_v4_default(
+                _n, _d, 4, round7=True, masked=True, mma_rows=_rows, pool_split=_v == "v4d"
+            )
         )
-    )
 
 
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):

@@ -36,7 +36,12 @@ from kvarn_kernels import (
     verify_attention,
 )
 from kvarn_kernels._common import next_pow2
-from kvarn_kernels.attention import UNSAFE_HEAD_DIM_512_ENV, verify_rows, verify_token_groups
+from kvarn_kernels.attention import (
+    UNSAFE_HEAD_DIM_512_ENV,
+    decode_partials,
+    verify_rows,
+    verify_token_groups,
+)
 from kvarn_kernels.reference import (
     decode_attention_ref,
     dequantize_records,
@@ -53,8 +58,11 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v4", "v4b", "v4c"]
-VARIANT_IDS = ["variant1", "variant4", "variant4b", "variant4c"]
+VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d"]
+VARIANT_IDS = ["variant1", "variant4", "variant4b", "variant4c", "variant4d"]
+# v4d is decode only
+VERIFY_VARIANTS = [v for v in VARIANTS if v != "v4d"]
+VERIFY_VARIANT_IDS = [i for v, i in zip(VARIANTS, VARIANT_IDS, strict=True) if v != "v4d"]
 
 
 def _v4_refuses(name: str, variant: str, d: int, device: torch.device) -> bool:
@@ -594,6 +602,38 @@ def test_context_plan_tensors_are_16_byte_aligned() -> None:
         ]
 
 
+def test_v4d_workspace_holds_its_pool_partial_and_verify_refuses_it(device: torch.device) -> None:
+    """v4d writes one partial more than its split count (the pool programs'): a workspace
+    sized for the splits alone is refused with the size it needs, one sized by
+    ``decode_partials`` gives the reference's output; ``verify_attention`` does not take it."""
+    name, d, hq, hk, lens, splits = DECODE_CPU[1]
+    case = shared_case(name, d, hk, lens, device=device, seed=len(lens) + d, constant_tile=True)
+    q = (torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(5)) * 2).half()
+    q = q.to(device)
+    args = case.decode_args(name, q, 1.0 / math.sqrt(d))
+    assert decode_partials("v4d", splits) == splits + 1 == decode_partials("v4c", splits) + 1
+    small = torch.empty(decode_workspace_numel(len(lens), hq, d, splits), device=device)
+    with pytest.raises(ValueError, match="workspace must be a contiguous fp32 tensor of at"):
+        decode_attention(*args, workspace=small, num_splits=splits, variant="v4d")
+    need = decode_workspace_numel(len(lens), hq, d, decode_partials("v4d", splits))
+    ws = torch.full((need,), float("nan"), device=device)
+    out = decode_attention(*args, workspace=ws, num_splits=splits, variant="v4d")
+    _assert_close(out, decode_attention_ref(*args))
+    qsl = _qsl([1] * len(lens), device)
+    with pytest.raises(ValueError, match="'v4d' is a decode variant"):
+        verify_attention(
+            name,
+            q,
+            *args[2:6],
+            qsl,
+            case.seq_lens,
+            case.block_to_slot,
+            0.1,
+            max_query_len=1,
+            variant="v4d",
+        )
+
+
 @pytest.mark.parametrize("smallest", [True, False], ids=["mma_rows_gqa", "mma_rows_8"])
 @pytest.mark.parametrize(
     ("name", "d", "hq", "hk", "lens", "splits"),
@@ -638,11 +678,11 @@ def test_decode_attention_mma_rows(
         ("workspace", "workspace must be"),
         ("variant", "variant must be"),
         ("v4_prefetch", "applies to variant='v1' only"),
-        ("v1_stages", "num_stages applies to the variants \\('v4', 'v4b', 'v4c'\\) only"),
-        ("v1_mma_rows", "mma_rows applies to the variants \\('v4', 'v4b', 'v4c'\\) only"),
+        ("v1_stages", "num_stages applies to the variants \\('v4', 'v4b', 'v4c', 'v4d'\\) only"),
+        ("v1_mma_rows", "mma_rows applies to the variants \\('v4', 'v4b', 'v4c', 'v4d'\\) only"),
         ("mma_rows_below_gqa", "mma_rows must be a power of two from 4 to 16"),
         ("mma_rows_odd", "mma_rows must be a power of two"),
-        ("v3_removed", "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c'\\)"),
+        ("v3_removed", "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c', 'v4d'\\)"),
     ],
 )
 def test_decode_validation(device: torch.device, change: str, message: str) -> None:
@@ -927,7 +967,7 @@ VERIFY_CPU = [
     VERIFY_CPU,
     ids=["gqa4", "gqa8_groups", "gqa1_shadow", "gqa16", "k5v5_v1"],
 )
-@pytest.mark.parametrize("variant", ["auto", *VARIANTS], ids=["auto", *VARIANT_IDS])
+@pytest.mark.parametrize("variant", ["auto", *VERIFY_VARIANTS], ids=["auto", *VERIFY_VARIANT_IDS])
 def test_verify_attention(
     device: torch.device,
     name: str,
@@ -1224,7 +1264,9 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
     case = build_case(name, d, hk, lens, device=device, seed=9, max_blocks=32)
     bsz = len(lens)
     splits = 4
-    ws = torch.empty(decode_workspace_numel(bsz, hq, d, splits), device=device)
+    ws = torch.empty(
+        decode_workspace_numel(bsz, hq, d, decode_partials(variant, splits)), device=device
+    )
     q = torch.randn(bsz, hq, d, device=device).half()
     out = torch.empty_like(q)
     seq = case.seq_lens.clone()

@@ -20,6 +20,7 @@ Pure-torch references live in :mod:`kvarn_kernels.reference`.
 from kvarn_kernels.attention import (
     choose_decode_splits,
     decode_attention,
+    decode_partials,
     decode_workspace_numel,
     prefill_attention,
     verify_attention,
@@ -35,6 +36,7 @@ __all__ = [
     "ContextPlan",
     "choose_decode_splits",
     "decode_attention",
+    "decode_partials",
     "decode_workspace_numel",
     "flush_tiles",
     "flush_token_tiles",

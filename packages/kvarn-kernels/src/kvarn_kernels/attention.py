@@ -71,14 +71,24 @@ __all__ = [
     "DECODE_VARIANTS",
     "choose_decode_splits",
     "decode_attention",
+    "decode_partials",
     "decode_workspace_numel",
     "prefill_attention",
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
-DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c")
+DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d")
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
-V4_VARIANTS = ("v4", "v4b", "v4c")
+V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
+#: The variants whose pool phase runs in programs of its own (a partial more to merge).
+POOL_SPLIT_VARIANTS = ("v4d",)
+
+
+def decode_partials(variant: str, num_splits: int) -> int:
+    """Partial outputs a decode launch of ``variant`` with ``num_splits`` splits writes and
+    merges (what to pass :func:`decode_workspace_numel` for a preallocated workspace)."""
+    return num_splits + (variant in POOL_SPLIT_VARIANTS)
+
 
 _LOG2E = 1.4426950408889634
 _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
@@ -733,6 +743,7 @@ def _launch_v4(
     max_query_len: int = 1,
     masked_scales: bool = False,
     mma_rows: int | None = None,
+    pool_split: bool = False,
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
     ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``);
@@ -751,7 +762,7 @@ def _launch_v4(
     ntg = verify_token_groups(hq, hk, max_query_len) if multi else 1
     cfg = decode_v4_config(geo.head_dim, geo.group)
     warps = num_warps or cfg["num_warps"]
-    decode_v4_kernel[(t * ntg, hk, num_splits)](
+    decode_v4_kernel[(t * ntg, hk, num_splits + pool_split)](
         q_rot,
         kv_cache,
         pool_k,
@@ -787,6 +798,7 @@ def _launch_v4(
         MULTI=multi,
         TPP=tpp,
         NTG=ntg,
+        POOL_SPLIT=pool_split,
         num_warps=warps,
         num_stages=num_stages or cfg["num_stages"],
     )
@@ -829,11 +841,10 @@ def _launch(
     n_rows = t * hq
     if n_rows == 0:
         return
+    parts = decode_partials(variant, num_splits)
     q_rot = workspace[: n_rows * d]
-    o_part = workspace[n_rows * d : n_rows * d * (1 + num_splits)]
-    lse_part = workspace[
-        n_rows * d * (1 + num_splits) : n_rows * (d * (1 + num_splits) + num_splits)
-    ]
+    o_part = workspace[n_rows * d : n_rows * d * (1 + parts)]
+    lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
     if variant in V4_VARIANTS:
@@ -855,8 +866,9 @@ def _launch(
             block_n,
             num_warps,
             num_stages,
-            round7=variant in ("v4b", "v4c"),
-            masked_scales=variant == "v4c",
+            round7=variant in ("v4b", "v4c", "v4d"),
+            masked_scales=variant in ("v4c", "v4d"),
+            pool_split=variant in POOL_SPLIT_VARIANTS,
             hq=hq,
             query_start_loc=query_start_loc,
             max_query_len=max_query_len,
@@ -925,7 +937,7 @@ def _launch(
         lse_part if tokens is None else tokens,
         n_rows,
         1.0 / math.sqrt(d),
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=parts,
         D=d,
         BLOCK_R=block_r,
         BLOCK_N=min(d, 128),
@@ -1071,8 +1083,8 @@ def decode_attention(
         softmax_scale: scale of ``q . k``.
         out: optional ``[B, Hq, D]`` output in q's dtype.
         workspace: optional contiguous fp32 tensor with at least
-            ``decode_workspace_numel(B, Hq, D, num_splits)`` elements (preallocate it, with a
-            fixed ``num_splits``, for CUDA-graph capture).
+            ``decode_workspace_numel(B, Hq, D, decode_partials(variant, num_splits))``
+            elements (preallocate it, with a fixed ``num_splits``, for CUDA-graph capture).
         num_splits: split-K factor; default :func:`choose_decode_splits` (static shapes only).
         block_n, num_warps: tuning overrides (tokens per inner step, warps per program).
             Experimental: only the defaults are covered by the GPU tests (see
@@ -1092,6 +1104,9 @@ def decode_attention(
             V channel scales with wide loads (round 7). ``"v4c"``: v4b whose scale loads skip pool
             blocks (masked loads) instead of zeroing the values afterwards (15% fewer
             instructions in its loop; H200: 2-16% faster than v4b at 9 of 10 shapes timed).
+            ``"v4d"``: v4c whose pool phase runs in programs of its own, one more partial per
+            request to merge (experimental, not yet timed; a preallocated workspace needs
+            ``decode_partials("v4d", num_splits)`` splits' room).
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads (default: the
             launch config's, 2).
         mma_rows: the v4 kernels only: query rows of a program's tile, a power of two from 4
@@ -1121,7 +1136,7 @@ def decode_attention(
     )
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
-    need = decode_workspace_numel(bsz, hq, d, splits)
+    need = decode_workspace_numel(bsz, hq, d, decode_partials(variant, splits))
     workspace = _workspace(workspace, need, q.device)
     _launch(
         geo,
@@ -1303,6 +1318,8 @@ def verify_attention(
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     variant = _resolve_decode_variant(geo, variant)
+    if variant in POOL_SPLIT_VARIANTS:
+        raise ValueError(f"variant={variant!r} is a decode variant; verify_attention takes v4c")
     t, hq, d = (int(s) for s in q.shape)
     if debug_checks_enabled(check):
         starts = query_start_loc.tolist()

@@ -193,6 +193,7 @@ def decode_v4_kernel(
     MULTI: tl.constexpr = False,
     TPP: tl.constexpr = 1,
     NTG: tl.constexpr = 1,
+    POOL_SPLIT: tl.constexpr = False,
 ):
     """One program per (request, KV head, split); ``W`` chunks of ``BN`` tokens per step.
 
@@ -217,8 +218,16 @@ def decode_v4_kernel(
     of the MMA that decode pads with zeros), program axis 0 is ``b * NTG + token group``, and
     each row sees the positions up to its own token. Without it (decode) none of that code
     is compiled.
+
+    ``POOL_SPLIT`` (``variant="v4d"``, decode only): the split axis has ``NUM_SPLITS + 1``
+    programs; splits ``< NUM_SPLITS`` run only the main loop over their blocks' records, and
+    program ``NUM_SPLITS`` only the pool phase, over all the request's blocks, into a partial
+    of its own that the merge combines with the others. The fp16 sink and in-progress tiles
+    then no longer lengthen one main program each, and the main programs' registers are not
+    shared with the pool phase's code (docs/kernel-notes.md, tenth session).
     """
     tl.static_assert(KB == 4, "v4 takes 4-bit keys")
+    tl.static_assert(not (POOL_SPLIT and MULTI), "POOL_SPLIT is for decode")
     tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
     if MULTI:
         b = tl.program_id(0) // NTG
@@ -263,6 +272,15 @@ def decode_v4_kernel(
     if MULTI:
         # a token group past the request's query tokens has no rows: nothing to read
         blk_hi = tl.where(tg * TPP < q_len, blk_hi, blk_lo)
+    # the pool phase's blocks: the split's own, or (POOL_SPLIT) all of them in the last program
+    pool_lo = blk_lo
+    pool_hi = blk_hi
+    if POOL_SPLIT:
+        pool_prog = split == NUM_SPLITS
+        blk_lo = tl.where(pool_prog, 0, blk_lo)
+        blk_hi = tl.where(pool_prog, 0, blk_hi)
+        pool_lo = 0
+        pool_hi = tl.where(pool_prog, n_blocks, 0)
     ch_lo = blk_lo * NCH
     ch_hi = tl.maximum(blk_hi, blk_lo) * NCH
     n_it = tl.cdiv(ch_hi - ch_lo, W)
@@ -454,8 +472,8 @@ def decode_v4_kernel(
         acc3 = tl.zeros([W, BLOCK_Q, DV], dtype=tl.float32)
         sc = tl.arange(0, SCAN)
         trow = (ww[:, None] * TB + tl.arange(0, TB)[None, :]).to(tl.int64)  # [W, TB]
-        for g0 in range(blk_lo, blk_hi, SCAN):
-            idx, blks, slots, is_pool, rank = _pool_window(bt_row, BLOCK_TO_SLOT, g0 + sc, blk_hi)
+        for g0 in range(pool_lo, pool_hi, SCAN):
+            idx, blks, slots, is_pool, rank = _pool_window(bt_row, BLOCK_TO_SLOT, g0 + sc, pool_hi)
             for k in tl.range(0, tl.sum(is_pool.to(tl.int32), axis=0), num_stages=1):
                 sel = is_pool & (rank == k)
                 pbi = tl.sum(tl.where(sel, idx, 0), axis=0)
@@ -511,8 +529,8 @@ def decode_v4_kernel(
     if not POOL_BATCHED:
         sc = tl.arange(0, SCAN)
         tn = tl.arange(0, H2)
-        for g0 in range(blk_lo, blk_hi, SCAN):
-            idx, blks, slots, is_pool, rank = _pool_window(bt_row, BLOCK_TO_SLOT, g0 + sc, blk_hi)
+        for g0 in range(pool_lo, pool_hi, SCAN):
+            idx, blks, slots, is_pool, rank = _pool_window(bt_row, BLOCK_TO_SLOT, g0 + sc, pool_hi)
             for k in range(0, tl.sum(is_pool.to(tl.int32), axis=0)):
                 sel = is_pool & (rank == k)
                 pbi = tl.sum(tl.where(sel, idx, 0), axis=0)
