@@ -618,7 +618,7 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
         configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v4", "v4b", "v4c")]
-        # v4c with 8 query rows per program; v4d (v4c, the pool phase in programs of its own)
+        # v4c with 8 query rows per program; v4d (v4c, the pool phase in a launch of its own)
         # with 16 and 8 rows (predictions in docs/kernel-notes.md, tenth session)
         configs += [
             {"variant": "v4c", "mma_rows": 8},

@@ -77,7 +77,7 @@ TEST_GROUPS = {
     "decode_v4c": ["test_kernels_attention.py", "-k", "variant4c"],
     # v4c with fewer query rows than the MMA's 16 (Triton pads inside the MMA; tenth session)
     "decode_mma_rows": ["test_kernels_attention.py", "-k", "mma_rows"],
-    # v4d (tenth session): v4c with the pool phase in programs of its own
+    # v4d (tenth session): v4c with the pool phase in a launch of its own
     "decode_v4d": ["test_kernels_attention.py", "-k", "variant4d or v4d"],
     "shadow_pool_write": ["test_kernels_rotation.py", "-k", "shadow"],
     # verify_attention (seventh session): the fused verify pass against the reference and
@@ -176,15 +176,16 @@ def finish_tests(procs: dict[str, tuple[subprocess.Popen[str], float]]) -> dict[
 DECODE_V4_SHAPES: list[dict[str, Any]] = [
     {"fast_unpack": False},
 ]
-#: Extra v4c shapes timed at head dim 256 (tenth session, static: one pipeline stage cuts the
+#: Extra shapes timed at head dim 256 (tenth session, static: one pipeline stage cuts v4c's
 #: loop from 3,773 to 2,921 instructions with 8 query rows; docs/kernel-notes.md).
 DECODE_D256_SHAPES: list[dict[str, Any]] = [
     {"variant": "v4c", "mma_rows": 8, "num_stages": 1},
+    {"variant": "v4d", "mma_rows": 8, "num_stages": 1},
 ]
 #: The decode configurations timed at every case, v1 first (v4b: round 7, the pool phase one
 #: block per step across the warps, wide scale loads; v4c: v4b with masked scale loads, the
 #: default; mma_rows 8: v4c with 8 query rows per program instead of 16; v4d: v4c with the
-#: pool phase in programs of its own; tenth session).
+#: pool phase in a launch of its own; tenth session).
 DECODE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4"},

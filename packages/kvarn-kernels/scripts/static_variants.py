@@ -85,7 +85,7 @@ def _decode_v4(
     tokens per request; ``splits``: the split count, a compile-time constant; ``masked``:
     ``variant="v4c"``'s masked scale loads, with ``round7``; ``mma_rows``: the query rows of
     a program, at least the GQA ratio's power of two; ``pool_split``: ``variant="v4d"``'s
-    pool phase in programs of its own, with ``masked``)."""
+    main-loop kernel, without the pool phase, with ``masked``)."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
@@ -109,7 +109,7 @@ def _decode_v4(
         POOL_BATCHED=round7,
         WIDE_SCALES=round7,
         MASKED_SCALES=masked,
-        POOL_SPLIT=pool_split,
+        PHASES=1 if pool_split else 0,
     )
     tpp = max(1, consts["BLOCK_Q"] // qpk) if verify_tokens else 1
     consts.update(MULTI=bool(verify_tokens), TPP=tpp, NTG=-(-max(verify_tokens, 1) // tpp))

@@ -80,7 +80,7 @@ __all__ = [
 DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d")
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
 V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
-#: The variants whose pool phase runs in programs of its own (a partial more to merge).
+#: The variants whose pool phase runs in a launch of its own (a partial more to merge).
 POOL_SPLIT_VARIANTS = ("v4d",)
 
 
@@ -762,46 +762,49 @@ def _launch_v4(
     ntg = verify_token_groups(hq, hk, max_query_len) if multi else 1
     cfg = decode_v4_config(geo.head_dim, geo.group)
     warps = num_warps or cfg["num_warps"]
-    decode_v4_kernel[(t * ntg, hk, num_splits + pool_split)](
-        q_rot,
-        kv_cache,
-        pool_k,
-        pool_v,
-        block_table,
-        seq_lens,
-        block_to_slot,
-        o_part,
-        lse_part,
-        query_start_loc if multi else seq_lens,
-        float(softmax_scale) * _LOG2E,
-        block_table.stride(0),
-        n_rows,
-        HQ=hq,
-        HK=hk,
-        QPK=qpk,
-        BLOCK_Q=mma_rows or _mma_rows(qpk),
-        D=geo.head_dim,
-        G=geo.group,
-        SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
-        KB=geo.key_bits,
-        VB=geo.value_bits,
-        STRIDE=geo.record_stride,
-        **geo.offsets(),
-        BN=block_n or cfg["block_n"],
-        W=warps,
-        SCAN=cfg["scan"],
-        NUM_SPLITS=num_splits,
-        FAST_UNPACK=fast,
-        POOL_BATCHED=round7,
-        WIDE_SCALES=round7,
-        MASKED_SCALES=masked_scales,
-        MULTI=multi,
-        TPP=tpp,
-        NTG=ntg,
-        POOL_SPLIT=pool_split,
-        num_warps=warps,
-        num_stages=num_stages or cfg["num_stages"],
-    )
+    # v4d: the main loop alone over the splits, then the pool phase alone (one program per
+    # request and KV head) into partial num_splits
+    for phases, splits_axis in ((1, num_splits), (2, 1)) if pool_split else ((0, num_splits),):
+        decode_v4_kernel[(t * ntg, hk, splits_axis)](
+            q_rot,
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            seq_lens,
+            block_to_slot,
+            o_part,
+            lse_part,
+            query_start_loc if multi else seq_lens,
+            float(softmax_scale) * _LOG2E,
+            block_table.stride(0),
+            n_rows,
+            HQ=hq,
+            HK=hk,
+            QPK=qpk,
+            BLOCK_Q=mma_rows or _mma_rows(qpk),
+            D=geo.head_dim,
+            G=geo.group,
+            SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
+            KB=geo.key_bits,
+            VB=geo.value_bits,
+            STRIDE=geo.record_stride,
+            **geo.offsets(),
+            BN=block_n or cfg["block_n"],
+            W=warps,
+            SCAN=cfg["scan"],
+            NUM_SPLITS=num_splits,
+            FAST_UNPACK=fast,
+            POOL_BATCHED=round7,
+            WIDE_SCALES=round7,
+            MASKED_SCALES=masked_scales,
+            MULTI=multi,
+            TPP=tpp,
+            NTG=ntg,
+            PHASES=phases,
+            num_warps=warps,
+            num_stages=num_stages or cfg["num_stages"],
+        )
 
 
 def _launch(
@@ -1104,7 +1107,8 @@ def decode_attention(
             V channel scales with wide loads (round 7). ``"v4c"``: v4b whose scale loads skip pool
             blocks (masked loads) instead of zeroing the values afterwards (15% fewer
             instructions in its loop; H200: 2-16% faster than v4b at 9 of 10 shapes timed).
-            ``"v4d"``: v4c whose pool phase runs in programs of its own, one more partial per
+            ``"v4d"``: v4c in two launches, the main loop alone (without the pool phase's
+            code, fewer spills) and then the pool phase alone into one more partial per
             request to merge (experimental, not yet timed; a preallocated workspace needs
             ``decode_partials("v4d", num_splits)`` splits' room).
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads (default: the

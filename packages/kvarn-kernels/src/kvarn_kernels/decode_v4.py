@@ -193,7 +193,7 @@ def decode_v4_kernel(
     MULTI: tl.constexpr = False,
     TPP: tl.constexpr = 1,
     NTG: tl.constexpr = 1,
-    POOL_SPLIT: tl.constexpr = False,
+    PHASES: tl.constexpr = 0,
 ):
     """One program per (request, KV head, split); ``W`` chunks of ``BN`` tokens per step.
 
@@ -219,15 +219,16 @@ def decode_v4_kernel(
     each row sees the positions up to its own token. Without it (decode) none of that code
     is compiled.
 
-    ``POOL_SPLIT`` (``variant="v4d"``, decode only): the split axis has ``NUM_SPLITS + 1``
-    programs; splits ``< NUM_SPLITS`` run only the main loop over their blocks' records, and
-    program ``NUM_SPLITS`` only the pool phase, over all the request's blocks, into a partial
-    of its own that the merge combines with the others. The fp16 sink and in-progress tiles
-    then no longer lengthen one main program each, and the main programs' registers are not
-    shared with the pool phase's code (docs/kernel-notes.md, tenth session).
+    ``PHASES`` (decode only): 0 runs both phases (the main loop over the split's records,
+    then the pool phase over its pool blocks); 1 compiles the main loop alone (no pool-phase
+    code: the kernel keeps fewer registers live); 2 runs the pool phase alone over all of
+    the request's blocks, one program per (request, KV head), into partial ``NUM_SPLITS``.
+    ``variant="v4d"`` launches 1 then 2 and merges ``NUM_SPLITS + 1`` partials, so the fp16
+    sink and in-progress tiles no longer lengthen one main program each
+    (docs/kernel-notes.md, tenth session).
     """
     tl.static_assert(KB == 4, "v4 takes 4-bit keys")
-    tl.static_assert(not (POOL_SPLIT and MULTI), "POOL_SPLIT is for decode")
+    tl.static_assert(PHASES == 0 or not MULTI, "PHASES 1 and 2 are for decode")
     tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
     if MULTI:
         b = tl.program_id(0) // NTG
@@ -272,15 +273,15 @@ def decode_v4_kernel(
     if MULTI:
         # a token group past the request's query tokens has no rows: nothing to read
         blk_hi = tl.where(tg * TPP < q_len, blk_hi, blk_lo)
-    # the pool phase's blocks: the split's own, or (POOL_SPLIT) all of them in the last program
+    # the pool phase's blocks: the split's own, or (PHASES == 2) all of them, with no main loop
     pool_lo = blk_lo
     pool_hi = blk_hi
-    if POOL_SPLIT:
-        pool_prog = split == NUM_SPLITS
-        blk_lo = tl.where(pool_prog, 0, blk_lo)
-        blk_hi = tl.where(pool_prog, 0, blk_hi)
+    if PHASES == 2:
+        split = NUM_SPLITS  # the partial it writes
         pool_lo = 0
-        pool_hi = tl.where(pool_prog, n_blocks, 0)
+        pool_hi = n_blocks
+        blk_lo = 0
+        blk_hi = 0
     ch_lo = blk_lo * NCH
     ch_hi = tl.maximum(blk_hi, blk_lo) * NCH
     n_it = tl.cdiv(ch_hi - ch_lo, W)
@@ -459,7 +460,7 @@ def decode_v4_kernel(
     o3 = tl.sum(acc3 * wscale[:, :, None], axis=0)
     m_run = m_all
 
-    if POOL_BATCHED:
+    if POOL_BATCHED and PHASES != 1:
         # --- phase 2, one pool block per step: warp w attends to its G / W rows of the block
         # (fp16, no parity split), with its own online softmax; merged into the totals after.
         # The main loop's states are merged above, which frees their registers.
@@ -526,7 +527,7 @@ def decode_v4_kernel(
 
     # --- phase 2: the split's pool-resident blocks (fp16 sink / in-progress tiles), one
     # chunk at a time across the warps ---
-    if not POOL_BATCHED:
+    if not POOL_BATCHED and PHASES != 1:
         sc = tl.arange(0, SCAN)
         tn = tl.arange(0, H2)
         for g0 in range(pool_lo, pool_hi, SCAN):
