@@ -634,6 +634,7 @@ def test_v4d_workspace_holds_its_pool_partial_and_verify_refuses_it(device: torc
         )
 
 
+@pytest.mark.parametrize("variant", ["v4c", "v4d"])
 @pytest.mark.parametrize("smallest", [True, False], ids=["mma_rows_gqa", "mma_rows_8"])
 @pytest.mark.parametrize(
     ("name", "d", "hq", "hk", "lens", "splits"),
@@ -648,9 +649,10 @@ def test_decode_attention_mma_rows(
     lens: list[int],
     splits: int,
     smallest: bool,
+    variant: str,
 ) -> None:
-    """v4c with fewer query rows per program than the MMA's 16 (``mma_rows``: the GQA
-    group's own power of two, or 8 where that is no less), against the reference."""
+    """v4c and v4d with fewer query rows per program than the MMA's 16 (``mma_rows``: the
+    GQA group's own power of two, or 8 where that is no less), against the reference."""
     rows = max(next_pow2(hq // hk), 4 if smallest else 8)
     case = shared_case(name, d, hk, lens, device=device, seed=len(lens) + d, constant_tile=True)
     gen = torch.Generator().manual_seed(d)
@@ -661,7 +663,7 @@ def test_decode_attention_mma_rows(
         *case.decode_args(name, q, scale),
         out=out,
         num_splits=splits,
-        variant="v4c",
+        variant=variant,
         mma_rows=rows,
     )
     _assert_close(out, decode_attention_ref(*case.decode_args(name, q, scale)))
