@@ -63,6 +63,27 @@ def test_log_facts(e2e: ModuleType) -> None:
     assert e2e.log_facts("nothing here")["cuda_graphs_captured"] is False
 
 
+def test_error_tail_leads_with_the_engine_cores_exception(e2e: ModuleType) -> None:
+    log = "\n".join(
+        [
+            "(EngineCore pid=1) INFO 11-30 17:32:50 [runtime.py:231] kvarn: compiled",
+            '(EngineCore pid=1) ERROR 11-30 17:32:56 [core.py:1195]   File "x.py", line 15',
+            "(EngineCore pid=1) ERROR 11-30 17:32:56 [core.py:1195] ModuleNotFoundError: No "
+            "module named 'cutlass'",
+            "Traceback (most recent call last):",
+            "RuntimeError: Engine core initialization failed. See root cause above.",
+        ]
+    )
+    out = e2e.error_tail(log, lines=2)
+    assert out.splitlines() == [
+        "root cause: ModuleNotFoundError: No module named 'cutlass'",
+        "Traceback (most recent call last):",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+    ]
+    # no engine exception: the tail alone, as before
+    assert e2e.error_tail("a\nValueError: bad\nb", lines=5) == "a\nValueError: bad"
+
+
 def test_summary_table_reports_errors_as_rows(e2e: ModuleType) -> None:
     base = {
         "label": "auto",

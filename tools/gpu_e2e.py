@@ -216,12 +216,22 @@ def log_facts(text: str) -> dict[str, Any]:
     return facts
 
 
+#: The exception line vLLM's engine core logs for the failure it dies of (the front end's own
+#: traceback, the log's tail, only says the engine failed to start).
+_ENGINE_EXCEPTION = re.compile(r"\bERROR\b[^\]]*\]\s+(\w+(?:Error|Exception)\b.*)")
+
+
 def error_tail(text: str, lines: int = 12) -> str:
+    """The log's last lines up to its last error line, led by the engine core's own last
+    exception line (the root cause) when the engine logged one."""
     keep = [ln for ln in text.splitlines() if ln.strip()]
+    tail = keep[-lines:]
     for i in range(len(keep) - 1, -1, -1):
         if "Error" in keep[i] or "error" in keep[i]:
-            return "\n".join(keep[max(0, i - lines + 1) : i + 1])
-    return "\n".join(keep[-lines:])
+            tail = keep[max(0, i - lines + 1) : i + 1]
+            break
+    causes = [m.group(1) for m in map(_ENGINE_EXCEPTION.search, keep) if m]
+    return "\n".join(([f"root cause: {causes[-1]}"] if causes else []) + tail)
 
 
 def gpu_name() -> str:
