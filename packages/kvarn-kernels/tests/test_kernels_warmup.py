@@ -67,6 +67,27 @@ def test_warmup_compiles_decode_and_verify_for_every_split_count(device: torch.d
     assert n == base + 2 * len(decode_splits) + 2 * len(splits)
 
 
+def test_warmup_runs_the_servers_decode_variant(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's decode kernel (``variant``, ``mma_rows``) is the one warmed up."""
+    import importlib
+
+    # the module (the package's attribute ``warmup`` is the function)
+    warmup_module = importlib.import_module("kvarn_kernels.warmup")
+    seen: list[dict[str, Any]] = []
+    real = warmup_module.decode_attention
+
+    def spy(*args: Any, **kw: Any) -> torch.Tensor:
+        seen.append({k: kw.get(k) for k in ("variant", "mma_rows")})
+        return real(*args, **kw)
+
+    monkeypatch.setattr(warmup_module, "decode_attention", spy)
+    kw: dict[str, Any] = dict(head_dim=64, num_q_heads=8, num_kv_heads=2, device=device)
+    warmup("kvarn_k4v2_g64", **kw, decode_variant="v4d", decode_mma_rows=4)
+    assert seen and all(s == {"variant": "v4d", "mma_rows": 4} for s in seen)
+
+
 def test_warmup_refuses_an_unknown_format(device: torch.device) -> None:
     with pytest.raises(ValueError, match="kvarn"):
         warmup("kvarn_k9v9_g128", head_dim=64, num_q_heads=4, num_kv_heads=1, device=device)

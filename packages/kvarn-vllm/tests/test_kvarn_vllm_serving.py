@@ -321,17 +321,26 @@ def llama_dir64(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("direct", "padded"),
-    [("1", False), ("0", False), ("1", True)],
-    ids=["direct", "pool", "direct_padded"],
+    ("direct", "padded", "decode"),
+    [("1", False, ""), ("0", False, ""), ("1", True, ""), ("1", False, "v4d")],
+    ids=["direct", "pool", "direct_padded", "direct_v4d"],
 )
 def test_serving_steps_match_references(
-    kvarn: None, llama_dir64: Path, monkeypatch: pytest.MonkeyPatch, direct: str, padded: bool
+    kvarn: None,
+    llama_dir64: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    direct: str,
+    padded: bool,
+    decode: str,
 ) -> None:
     """Mixed batches, chunked prefill, flushes, prefix hits, finish and preemption, with
-    direct flush (default) and with ``KVARN_DIRECT_FLUSH=0``; and with records padded as in
-    a hybrid model whose other layers' pages force a power-of-two stride."""
+    direct flush (default) and with ``KVARN_DIRECT_FLUSH=0``; with records padded as in
+    a hybrid model whose other layers' pages force a power-of-two stride; and with decode
+    on ``KVARN_DECODE_VARIANT=v4d`` and 4 query rows per program."""
     monkeypatch.setenv("KVARN_DIRECT_FLUSH", direct)
+    if decode:
+        monkeypatch.setenv("KVARN_DECODE_VARIANT", decode)
+        monkeypatch.setenv("KVARN_DECODE_MMA_ROWS", "4")
     if padded:
         import kvarn_vllm._patches as patches
         from kvarn_format import parse_cache_dtype, record_layout
@@ -341,6 +350,7 @@ def test_serving_steps_match_references(
         assert tile < stride < 2 * tile
         monkeypatch.setattr(patches, "_other_pages", lambda layer, config: [4 * HK * stride])
     h = _Harness(llama_dir64)
+    assert h.builder.runtime.decode_variant == (decode or "auto")
     if padded:
         assert h.spec.tile_stride == stride
         assert h.layers[0].kv_cache.shape[-1] == stride

@@ -637,6 +637,50 @@ def test_verify_graphs_share_the_charged_decode_workspace(kvarn: None, qwen3_dir
     assert decode_workspace_bytes(*shape, verify_width=4) >= both
 
 
+def test_decode_kernel_setting_reaches_the_workspace_and_fails_closed(
+    kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``KVARN_DECODE_VARIANT`` / ``KVARN_DECODE_MMA_ROWS`` pick the decode kernel; v4d's
+    extra partial is in the worker's workspace and in the engine's charge, and values the
+    kernels do not take fail at start-up."""
+    from kvarn_vllm.budget import decode_kernel_setting, decode_workspace_bytes
+
+    assert decode_kernel_setting() == ("auto", None)
+    base = _serving_builder(qwen3_dir).runtime
+    shape = (base.max_num_seqs, base.num_q_heads, base.num_kv_heads, base.head_size)
+    plain = 4 * base.decode_workspace_numel(base.max_num_seqs)
+    monkeypatch.setenv("KVARN_DECODE_VARIANT", "v4d")
+    monkeypatch.setenv("KVARN_DECODE_MMA_ROWS", "8")
+    assert decode_kernel_setting() == ("v4d", 8)
+    rt = _serving_builder(qwen3_dir).runtime
+    assert (rt.decode_variant, rt.decode_mma_rows) == ("v4d", 8)
+    with_pool = 4 * rt.decode_workspace_numel(rt.max_num_seqs)
+    assert with_pool > plain, "v4d writes one partial more per request"
+    assert decode_workspace_bytes(*shape, rt.max_blocks, decode_variant="v4d") >= with_pool
+    for variant, rows, message in (
+        ("v9", "", "KVARN_DECODE_VARIANT must be 'auto' or one of"),
+        ("v4c", "12", "KVARN_DECODE_MMA_ROWS must be 4, 8 or 16"),
+        ("v1", "8", "KVARN_DECODE_MMA_ROWS applies to the variants"),
+    ):
+        monkeypatch.setenv("KVARN_DECODE_VARIANT", variant)
+        monkeypatch.setenv("KVARN_DECODE_MMA_ROWS", rows)
+        with pytest.raises(ValueError, match=message):
+            _serving_builder(qwen3_dir)
+
+
+def test_decode_mma_rows_below_the_gqa_group_fail_at_start_up(
+    kvarn: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvarn_vllm.testing import TINY_QWEN3, write_model_dir
+
+    gqa8 = write_model_dir(
+        tmp_path / "m", {**TINY_QWEN3, "num_attention_heads": 16, "num_key_value_heads": 2}
+    )
+    monkeypatch.setenv("KVARN_DECODE_MMA_ROWS", "4")
+    with pytest.raises(ValueError, match="KVARN_DECODE_MMA_ROWS=4 is below this model's 8"):
+        _serving_builder(gqa8)
+
+
 def test_direct_tiles_rows_come_from_the_slot_mapping(kvarn: None, qwen3_dir: Path) -> None:
     """The device derivation of each direct tile's first new row, without a host sync."""
     from kvarn_vllm.backend import KvarnMetadataBuilder

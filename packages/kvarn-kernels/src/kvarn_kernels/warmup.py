@@ -39,6 +39,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -82,6 +83,8 @@ def warmup(
     max_num_seqs: int = 1,
     block_table_width: int = 1,
     max_threads: int | None = None,
+    decode_variant: str = "auto",
+    decode_mma_rows: int | None = None,
 ) -> int:
     """Launch every kernel a serving step can select once on scratch tensors (those that a
     FULL CUDA-graph capture compiles too); returns the launch count.
@@ -106,6 +109,8 @@ def warmup(
             for query-row counts in both of Triton's divisibility classes.
         max_threads: threads that launch (and so compile) at once on a GPU; default the
             machine's CPU count, at most 16. 1 launches in order on the calling thread.
+        decode_variant, decode_mma_rows: the server's :func:`decode_attention` ``variant``
+            and ``mma_rows``.
     """
     dense = resolve_format(fmt)
     dev = torch.device(device)
@@ -183,7 +188,7 @@ def warmup(
     batches = range(1, max(max_num_seqs, 1) + 1)
 
     def on_server_table(
-        op: Callable[..., torch.Tensor], q: torch.Tensor, reqs: int, *lens: torch.Tensor, **kw: int
+        op: Callable[..., torch.Tensor], q: torch.Tensor, reqs: int, *lens: torch.Tensor, **kw: Any
     ) -> Callable[[], object]:
         paged = (kv_cache, pool_k, pool_v, server_table[:reqs])
         return partial(op, dense, q, *paged, *lens, block_to_slot, scale, **kw)
@@ -198,7 +203,17 @@ def warmup(
                 (reqs,), min(g + 1, server_table.shape[1] * g), dtype=torch.int32, device=dev
             )
             q = randn(reqs, hq, d)
-            jobs.append(on_server_table(decode_attention, q, reqs, lens, num_splits=n))
+            jobs.append(
+                on_server_table(
+                    decode_attention,
+                    q,
+                    reqs,
+                    lens,
+                    num_splits=n,
+                    variant=decode_variant,
+                    mma_rows=decode_mma_rows,
+                )
+            )
 
     if verify_width > 0:
         splits = {

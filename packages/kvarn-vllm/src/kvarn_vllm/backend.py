@@ -740,6 +740,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                     out=out[:ndt],
                     workspace=meta.runtime.decode_workspace,
                     num_splits=meta.runtime.decode_splits(nd),
+                    variant=meta.runtime.decode_variant,
+                    mma_rows=meta.runtime.decode_mma_rows,
                 )
         if meta.prefill_runs:
             k = key[:n].view(n, self.num_kv_heads, self.head_size)

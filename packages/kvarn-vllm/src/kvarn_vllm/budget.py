@@ -69,6 +69,9 @@ class ServingLimits:
     #: Whether uniform speculative-verify batches run as FULL CUDA graphs
     #: (:func:`verify_graphs_setting`).
     verify_graphs: bool = False
+    #: The decode kernel and its query rows per program (:func:`decode_kernel_setting`).
+    decode_variant: str = "auto"
+    decode_mma_rows: int | None = None
 
     def serving_config(self) -> ServingConfig:
         return ServingConfig(
@@ -152,6 +155,35 @@ def shadow_rows_setting() -> bool:
     return _env_flag(SHADOW_ROWS_ENV)
 
 
+#: The decode kernel variant of kvarn-kernels' ``decode_attention`` (default ``auto``, its own
+#: choice), and the query rows per program of the v4 variants (default their 16): for timing
+#: candidates in serving before they become the default (docs/kernel-notes.md).
+DECODE_VARIANT_ENV = "KVARN_DECODE_VARIANT"
+DECODE_MMA_ROWS_ENV = "KVARN_DECODE_MMA_ROWS"
+
+
+def decode_kernel_setting() -> tuple[str, int | None]:
+    """``(variant, mma_rows)`` for decode batches, from env ``KVARN_DECODE_VARIANT`` and
+    ``KVARN_DECODE_MMA_ROWS``; a value kvarn-kernels does not take raises here, at start-up.
+    Read in the engine process (a variant's extra partials count in the charged decode
+    workspace) and in every worker, so both must see the same environment."""
+    from kvarn_kernels.attention import DECODE_VARIANTS, V4_VARIANTS
+
+    variant = os.environ.get(DECODE_VARIANT_ENV, "").strip().lower() or "auto"
+    if variant != "auto" and variant not in DECODE_VARIANTS:
+        raise ValueError(
+            f"{DECODE_VARIANT_ENV} must be 'auto' or one of {DECODE_VARIANTS}, got {variant!r}"
+        )
+    raw = os.environ.get(DECODE_MMA_ROWS_ENV, "").strip()
+    if not raw:
+        return variant, None
+    if raw not in ("4", "8", "16"):
+        raise ValueError(f"{DECODE_MMA_ROWS_ENV} must be 4, 8 or 16, got {raw!r}")
+    if variant == "v1":
+        raise ValueError(f"{DECODE_MMA_ROWS_ENV} applies to the variants {V4_VARIANTS} only")
+    return variant, int(raw)
+
+
 def _env_flag(name: str, default: bool = True) -> bool:
     """An on/off environment switch (``default`` when unset or empty); anything but 0/1 (or
     false/true, off/on, no/yes) raises."""
@@ -171,6 +203,7 @@ def serving_limits(vllm_config: VllmConfig) -> ServingLimits:
     spec_tokens = int(getattr(spec_cfg, "num_speculative_tokens", 0) or 0) if spec_cfg else 0
     async_sched = bool(getattr(sched, "async_scheduling", False))
     direct, why_not = direct_flush_setting(vllm_config)
+    decode_variant, decode_mma_rows = decode_kernel_setting()
     return ServingLimits(
         max_model_len=int(vllm_config.model_config.max_model_len),
         max_num_seqs=int(sched.max_num_seqs),
@@ -181,6 +214,8 @@ def serving_limits(vllm_config: VllmConfig) -> ServingLimits:
         direct_flush_off_reason=why_not,
         shadow_rows=shadow_rows_setting(),
         verify_graphs=verify_graphs_setting(spec_tokens),
+        decode_variant=decode_variant,
+        decode_mma_rows=decode_mma_rows,
     )
 
 
@@ -211,6 +246,7 @@ def decode_workspace_bytes(
     head_size: int,
     max_blocks: int,
     verify_width: int = 0,
+    decode_variant: str = "auto",
 ) -> int:
     """Upper bound of the decode workspace the worker allocates (fp32 elements x 4).
 
@@ -222,20 +258,22 @@ def decode_workspace_bytes(
     import kvarn_kernels
     from kvarn_kernels.attention import verify_token_groups
 
-    widths = [(1, 1)]
+    # decode partials beyond the split count (a variant's pool-phase launch); verify has none
+    widths = [(1, 1, kvarn_kernels.decode_partials(decode_variant, 0))]
     if verify_width:
-        widths.append((verify_width, verify_token_groups(num_q_heads, num_kv_heads, verify_width)))
+        groups = verify_token_groups(num_q_heads, num_kv_heads, verify_width)
+        widths.append((verify_width, groups, 0))
     return 4 * max(
         int(
             kvarn_kernels.decode_workspace_numel(
                 b * rows,
                 num_q_heads,
                 head_size,
-                _splits_bound(b * groups, num_kv_heads, max_blocks),
+                _splits_bound(b * groups, num_kv_heads, max_blocks) + extra,
             )
         )
         for b in range(1, max(max_batch, 1) + 1)
-        for rows, groups in widths
+        for rows, groups, extra in widths
     )
 
 
@@ -293,6 +331,7 @@ def reservation_for_worker(
         head_size,
         -(-limits.max_model_len // fmt.group),
         verify_width=limits.spec_tokens + 1 if limits.verify_graphs else 0,
+        decode_variant=limits.decode_variant,
     )
     # block_to_slot holds one int32 per G-token block; bound the block count from above.
     page_sum = sum(int(s.page_size_bytes) for s in specs.values()) or 1

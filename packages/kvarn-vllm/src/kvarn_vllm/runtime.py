@@ -166,6 +166,16 @@ class KvarnGroupRuntime:
             vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         )
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        #: decode_attention's variant and query rows per program (env, budget.py)
+        self.decode_variant = limits.decode_variant
+        self.decode_mma_rows = limits.decode_mma_rows
+        gqa_rows = 1 << (self.num_q_heads // self.num_kv_heads - 1).bit_length()
+        if self.decode_mma_rows is not None and self.decode_mma_rows < gqa_rows:
+            raise ValueError(
+                f"kvarn: KVARN_DECODE_MMA_ROWS={self.decode_mma_rows} is below this model's "
+                f"{self.num_q_heads // self.num_kv_heads} query heads per KV head; use "
+                f"{max(4, gqa_rows)} or more"
+            )
         self._splits: dict[int, int] = {}
         self._workspace_batch = 0
         _RUNTIMES.add(self)
@@ -219,6 +229,8 @@ class KvarnGroupRuntime:
                 verify_width=self.verify_width,
                 max_num_seqs=self.max_num_seqs,
                 block_table_width=self.max_blocks,
+                decode_variant=self.decode_variant,
+                decode_mma_rows=self.decode_mma_rows,
             )
         except Exception as exc:  # a warm-up bug must not stop a server that would work
             logger.warning(
@@ -279,7 +291,12 @@ class KvarnGroupRuntime:
         kk: Any = importlib.import_module("kvarn_kernels")
         batches = range(1, max(max_batch, 1) + 1)
         need = [
-            kk.decode_workspace_numel(b, self.num_q_heads, self.head_size, self.decode_splits(b))
+            kk.decode_workspace_numel(
+                b,
+                self.num_q_heads,
+                self.head_size,
+                kk.decode_partials(self.decode_variant, self.decode_splits(b)),
+            )
             for b in batches
         ]
         if self.verify_graphs:
