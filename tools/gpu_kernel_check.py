@@ -42,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_kernels as bk  # noqa: E402  (tools/ is not a package)
 
-TEST_BUDGET_S = 300.0  # the groups compile in parallel with the timed kernels (200 s cut
-# the decode_v4b group short in the seventh session, two of its 19 tests left)
+TEST_BUDGET_S = 360.0  # the groups compile in parallel with the timed kernels (200 s cut
+# the decode_v4b group short in the seventh session, two of its 19 tests left; at 300 s the
+# tenth session's longest groups took 276 s and one finished just past it)
 _DEC = "gpu and decode and variant4 and "
 # pytest selections, one subprocess each: the host's cores compile them in parallel; the full
 # GPU suite runs without -k. Round 4's v4 (unchanged code, all groups passed in round 4) keeps
@@ -71,9 +72,9 @@ TEST_GROUPS = {
     ],
     "shadow_prefill": ["test_kernels_attention.py", "-k", "test_prefill_attention"],
     "shadow_store": ["test_kernels_store.py", "-k", "shadow"],
-    # round 7's v4b (the pool phase one block per step across the warps): every decode test.
-    "decode_v4b": ["test_kernels_attention.py", "-k", "variant4b"],
-    # v4c (ninth session, CPU only): v4b with the pool blocks' tile scales masked at the load
+    # v4c, the default since the tenth session (round 7's v4b with the pool blocks' tile
+    # scales masked at the load): every decode test. v4b's group (all passed in the seventh
+    # to ninth sessions) left the check for the candidates below.
     "decode_v4c": ["test_kernels_attention.py", "-k", "variant4c"],
     # v4c with fewer query rows than the MMA's 16 (Triton pads inside the MMA; tenth session)
     "decode_mma_rows": ["test_kernels_attention.py", "-k", "mma_rows"],
