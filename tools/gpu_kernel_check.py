@@ -183,6 +183,12 @@ DECODE_D256_SHAPES: list[dict[str, Any]] = [
     {"variant": "v4c", "mma_rows": 8, "num_stages": 1},
     {"variant": "v4d", "mma_rows": 8, "num_stages": 1},
 ]
+#: Register caps for v4d's main loop at k4v2_g128, D = 128 (tenth session, static: with 4 or 8
+#: rows it spills 544 / 568 bytes at 168 registers, three programs per SM instead of two,
+#: where round 6's v4 spilled 2,496 and lost 23%; docs/kernel-notes.md).
+DECODE_CAP_SHAPES: list[dict[str, Any]] = [
+    {"variant": "v4d", "mma_rows": 4, "max_registers": 168},
+]
 #: The decode configurations timed at every case, v1 first (v4b: round 7, the pool phase one
 #: block per step across the warps, wide scale loads; v4c: v4b with masked scale loads, the
 #: default; mma_rows 8: v4c with 8 query rows per program instead of 16; v4d: v4c with the
@@ -221,6 +227,8 @@ def decode_runs(
                 configs += [{"variant": "v4", **c} for c in DECODE_V4_SHAPES]
             if d == 256:
                 configs += DECODE_D256_SHAPES
+            if (fmt, d) == ("kvarn_k4v2_g128", 128):
+                configs += DECODE_CAP_SHAPES
             base = None
             for cfg in configs:
                 if warm:

@@ -652,7 +652,8 @@ def test_decode_attention_mma_rows(
     variant: str,
 ) -> None:
     """v4c and v4d with fewer query rows per program than the MMA's 16 (``mma_rows``: the
-    GQA group's own power of two, or 8 where that is no less), against the reference."""
+    GQA group's own power of two, or 8 where that is no less), against the reference; v4d
+    also under a register cap (``max_registers``, a launch option of the main loop)."""
     rows = max(next_pow2(hq // hk), 4 if smallest else 8)
     case = shared_case(name, d, hk, lens, device=device, seed=len(lens) + d, constant_tile=True)
     gen = torch.Generator().manual_seed(d)
@@ -665,6 +666,7 @@ def test_decode_attention_mma_rows(
         num_splits=splits,
         variant=variant,
         mma_rows=rows,
+        max_registers=168 if variant == "v4d" else None,
     )
     _assert_close(out, decode_attention_ref(*case.decode_args(name, q, scale)))
 
@@ -682,6 +684,8 @@ def test_decode_attention_mma_rows(
         ("v4_prefetch", "applies to variant='v1' only"),
         ("v1_stages", "num_stages applies to the variants \\('v4', 'v4b', 'v4c', 'v4d'\\) only"),
         ("v1_mma_rows", "mma_rows applies to the variants \\('v4', 'v4b', 'v4c', 'v4d'\\) only"),
+        ("v1_max_registers", "max_registers applies to the variants"),
+        ("max_registers_range", "max_registers must lie in \\[64, 255\\], got 300"),
         ("mma_rows_below_gqa", "mma_rows must be a power of two from 4 to 16"),
         ("mma_rows_odd", "mma_rows must be a power of two"),
         ("v3_removed", "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c', 'v4d'\\)"),
@@ -718,6 +722,10 @@ def test_decode_validation(device: torch.device, change: str, message: str) -> N
         kw.update(variant="v1", num_stages=4)
     elif change == "v1_mma_rows":
         kw.update(variant="v1", mma_rows=8)
+    elif change == "v1_max_registers":
+        kw.update(variant="v1", max_registers=168)
+    elif change == "max_registers_range":
+        kw.update(variant="v4d", max_registers=300)
     elif change == "mma_rows_below_gqa":  # GQA 2 here: 2 rows would hold it, 4 is the least
         kw.update(variant="v4c", mma_rows=2)
     elif change == "mma_rows_odd":

@@ -744,6 +744,7 @@ def _launch_v4(
     masked_scales: bool = False,
     mma_rows: int | None = None,
     pool_split: bool = False,
+    max_registers: int | None = None,
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
     ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``);
@@ -762,6 +763,8 @@ def _launch_v4(
     ntg = verify_token_groups(hq, hk, max_query_len) if multi else 1
     cfg = decode_v4_config(geo.head_dim, geo.group)
     warps = num_warps or cfg["num_warps"]
+    # registers per thread (Triton's maxnreg; the main loop's launch only)
+    cap = {} if max_registers is None else {"maxnreg": max_registers}
     # v4d: the main loop alone over the splits, then the pool phase alone (one program per
     # request and KV head) into partial num_splits
     for phases, splits_axis in ((1, num_splits), (2, 1)) if pool_split else ((0, num_splits),):
@@ -804,6 +807,7 @@ def _launch_v4(
             PHASES=phases,
             num_warps=warps,
             num_stages=num_stages or cfg["num_stages"],
+            **(cap if phases < 2 else {}),
         )
 
 
@@ -831,6 +835,7 @@ def _launch(
     num_stages: int | None = None,
     max_query_len: int = 1,
     mma_rows: int | None = None,
+    max_registers: int | None = None,
 ) -> None:
     """Rotate the queries, run the attention kernel into the split workspace, merge and
     un-rotate. ``decode`` with a ``query_start_loc`` (the v4 kernels only): speculative verify rows,
@@ -876,6 +881,7 @@ def _launch(
             query_start_loc=query_start_loc,
             max_query_len=max_query_len,
             mma_rows=mma_rows,
+            max_registers=max_registers,
         )
     else:
         if decode:
@@ -1067,6 +1073,7 @@ def decode_attention(
     variant: str = "auto",
     num_stages: int | None = None,
     mma_rows: int | None = None,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request over packed records and the side pool.
 
@@ -1118,6 +1125,9 @@ def decode_attention(
             count, which the kernel pads the GQA group to; fewer rows leave the padding to
             Triton inside the MMA and keep fewer accumulator registers (experimental, not
             yet timed: docs/kernel-notes.md, tenth session).
+        max_registers: the v4 kernels only: registers per thread of the main-loop kernel
+            (Triton's ``maxnreg``; experimental). Round 6 found caps slower where they made
+            v4 spill; v4d with 4 or 8 rows spills far less under one (tenth session).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -1126,7 +1136,9 @@ def decode_attention(
     )
     if q.shape[0] != block_table.shape[0]:
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
-    variant = _resolve_decode_variant(geo, variant, prefetch, num_stages, mma_rows)
+    variant = _resolve_decode_variant(geo, variant, prefetch, num_stages, mma_rows, max_registers)
+    if max_registers is not None and not 64 <= max_registers <= 255:
+        raise ValueError(f"max_registers must lie in [64, 255], got {max_registers}")
     bsz, hq, d = (int(s) for s in q.shape)
     if mma_rows is not None:
         gqa = next_pow2(hq // int(pool_k.shape[2]))
@@ -1164,6 +1176,7 @@ def decode_attention(
         variant=variant,
         num_stages=num_stages,
         mma_rows=mma_rows,
+        max_registers=max_registers,
     )
     return out
 
@@ -1174,19 +1187,26 @@ def _resolve_decode_variant(
     prefetch: bool = True,
     num_stages: int | None = None,
     mma_rows: int | None = None,
+    max_registers: int | None = None,
 ) -> str:
     """The decode kernel a call runs: ``variant`` checked against the format and the
     variant-only options, ``"auto"`` resolved by :func:`default_decode_variant`."""
     if variant != "auto" and variant not in DECODE_VARIANTS:
         raise ValueError(f"variant must be 'auto' or one of {DECODE_VARIANTS}, got {variant!r}")
     if variant == "auto":
-        v4_option = num_stages is not None or mma_rows is not None
-        variant = default_decode_variant(geo, prefetch, v4_option=v4_option)
+        v4_only = (num_stages, mma_rows, max_registers)
+        variant = default_decode_variant(
+            geo, prefetch, v4_option=any(o is not None for o in v4_only)
+        )
     if variant != "v1" and not prefetch:
         raise ValueError(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
-    for option, value in (("num_stages", num_stages), ("mma_rows", mma_rows)):
+    for option, value in (
+        ("num_stages", num_stages),
+        ("mma_rows", mma_rows),
+        ("max_registers", max_registers),
+    ):
         if variant == "v1" and value is not None:
             raise ValueError(f"{option} applies to the variants {V4_VARIANTS} only")
     if variant in V4_VARIANTS and not _v4_supports(geo):
