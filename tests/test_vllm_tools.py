@@ -63,6 +63,18 @@ def test_log_facts(e2e: ModuleType) -> None:
     assert e2e.log_facts("nothing here")["cuda_graphs_captured"] is False
 
 
+def test_peer_rows_may_pin_an_attention_backend_kvarn_rows_never(
+    e2e: ModuleType, tmp_path: Path
+) -> None:
+    args = e2e.build_parser().parse_args(["--peer-attention-backend", "TRITON_ATTN"])
+    peer = e2e.engine_kwargs(args, "auto", "float16", tmp_path)
+    kvarn = e2e.engine_kwargs(args, "kvarn_k4v2_g128", "float16", tmp_path)
+    assert peer["attention_backend"] == "TRITON_ATTN"
+    assert "attention_backend" not in kvarn and kvarn["kv_cache_dtype"] == "kvarn_k4v2_g128"
+    default = e2e.build_parser().parse_args([])
+    assert "attention_backend" not in e2e.engine_kwargs(default, "auto", "float16", tmp_path)
+
+
 def test_error_tail_leads_with_the_engine_cores_exception(e2e: ModuleType) -> None:
     log = "\n".join(
         [

@@ -22,6 +22,10 @@ Typical calls (from the repository root, after ``source .gpu/env.sh``):
     python3 tools/gpu_e2e.py --dtypes kvarn_k4v2_g128 --runners v1,v2 --out /tmp/e2e
     python3 tools/gpu_e2e.py --tp 2 --dtypes auto,kvarn_k4v2_g128 --out /tmp/e2e_tp2
     python3 tools/gpu_e2e.py --report /tmp/e2e                   # table from earlier rows
+    # head size 512 (write the model with kvarn_vllm.testing.write_model_dir): vLLM's default
+    # backend needs FlashAttention 4 there, TRITON_ATTN runs the fp16 row without it
+    python3 tools/gpu_e2e.py --model-dir /tmp/m512 --peer-attention-backend TRITON_ATTN \
+        --dtypes auto,kvarn_k4v2_g128 --out /tmp/e512
 
 A dtype is ``NAME`` or ``NAME:MODEL_DTYPE`` (``fp8:bfloat16``: vLLM's FA3 fp8 path needs a
 bf16 model). ``turboquant_*`` needs FlashAttention-2 (``gpu_bundle.py --with-fa2``).
@@ -273,25 +277,10 @@ def make_prompts(seed: int, num: int, lengths: list[int], vocab: int) -> list[li
     ]
 
 
-def child_main(args: argparse.Namespace) -> int:
-    import torch
-
-    cache_dtype, model_dtype = args.child_dtype, args.model_dtype
-    if cache_dtype.startswith("kvarn"):
-        import kvarn_vllm
-
-        kvarn_vllm.ensure_registered()
-    from vllm import LLM, SamplingParams
-
-    model_dir = resolve_model_dir(args.model_dir)
-    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    lengths = [int(x) for x in args.prompt_lens.split(",")]
-    prompts = make_prompts(args.seed, args.num_prompts, lengths, vocab)
-    # Second batch: each prompt keeps its first half and gets a new tail, so vLLM's prefix
-    # cache hits on whole blocks that the first batch computed (sinks and packed tiles).
-    tails = make_prompts(args.seed + 1, args.num_prompts, [32], vocab)
-    rerun = [p[: len(p) // 2] + t for p, t in zip(prompts, tails, strict=True)]
-
+def engine_kwargs(
+    args: argparse.Namespace, cache_dtype: str, model_dtype: str, model_dir: Path
+) -> dict[str, Any]:
+    """The ``LLM`` arguments of one row."""
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
         load_format="dummy",
@@ -314,6 +303,33 @@ def child_main(args: argparse.Namespace) -> int:
     spec = speculative_config(args.spec_ngram)
     if spec:
         kwargs["speculative_config"] = spec
+    # KVarN rows are routed to the plugin's backend by their dtype; the others may be pinned
+    # (e.g. TRITON_ATTN at head size 512, where vLLM's default needs FlashAttention 4)
+    if args.peer_attention_backend and not cache_dtype.startswith("kvarn"):
+        kwargs["attention_backend"] = args.peer_attention_backend
+    return kwargs
+
+
+def child_main(args: argparse.Namespace) -> int:
+    import torch
+
+    cache_dtype, model_dtype = args.child_dtype, args.model_dtype
+    if cache_dtype.startswith("kvarn"):
+        import kvarn_vllm
+
+        kvarn_vllm.ensure_registered()
+    from vllm import LLM, SamplingParams
+
+    model_dir = resolve_model_dir(args.model_dir)
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    lengths = [int(x) for x in args.prompt_lens.split(",")]
+    prompts = make_prompts(args.seed, args.num_prompts, lengths, vocab)
+    # Second batch: each prompt keeps its first half and gets a new tail, so vLLM's prefix
+    # cache hits on whole blocks that the first batch computed (sinks and packed tiles).
+    tails = make_prompts(args.seed + 1, args.num_prompts, [32], vocab)
+    rerun = [p[: len(p) // 2] + t for p, t in zip(prompts, tails, strict=True)]
+
+    kwargs = engine_kwargs(args, cache_dtype, model_dtype, model_dir)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
@@ -516,6 +532,8 @@ def parent_main(args: argparse.Namespace) -> int:
             str(args.max_num_batched_tokens or 0),
             "--spec-ngram",
             str(args.spec_ngram),
+            "--peer-attention-backend",
+            args.peer_attention_backend,
         ]
         if args.model_dir:
             cmd += ["--model-dir", args.model_dir]
@@ -552,7 +570,7 @@ def parent_main(args: argparse.Namespace) -> int:
     return 0 if all(r.get("status") == "ok" for r in rows) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -593,6 +611,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-mem-util", type=float, default=0.85)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument(
+        "--peer-attention-backend",
+        default="",
+        help="vLLM attention backend of the non-KVarN rows (e.g. TRITON_ATTN); default vLLM's",
+    )
     ap.add_argument("--compile", action="store_true", help="vLLM's default torch.compile + graphs")
     ap.add_argument(
         "--require-graphs",
@@ -607,7 +630,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child-dtype", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     ap.add_argument("--runner", default="default", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.child:
         if not args.max_num_batched_tokens:
             args.max_num_batched_tokens = None
