@@ -84,6 +84,21 @@ V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
 POOL_SPLIT_VARIANTS = ("v4d",)
 
 
+#: The query rows per program ``decode_attention(mma_rows=...)`` takes (v4 variants).
+MMA_ROWS = (4, 8, 16)
+
+
+def check_mma_rows(mma_rows: int, num_q_heads: int, num_kv_heads: int) -> None:
+    """Raise ``ValueError`` unless ``mma_rows`` is one of :data:`MMA_ROWS` that holds the GQA
+    group (at least its power of two)."""
+    gqa = next_pow2(num_q_heads // num_kv_heads)
+    if mma_rows not in MMA_ROWS or mma_rows < gqa:
+        raise ValueError(
+            f"mma_rows must be a power of two from {max(4, gqa)} to 16 (4 or more, and at "
+            f"least the GQA ratio's power of two, {gqa}), got {mma_rows}"
+        )
+
+
 def decode_partials(variant: str, num_splits: int) -> int:
     """Partial outputs a decode launch of ``variant`` with ``num_splits`` splits writes and
     merges (what to pass :func:`decode_workspace_numel` for a preallocated workspace)."""
@@ -1141,12 +1156,7 @@ def decode_attention(
         raise ValueError(f"max_registers must lie in [64, 255], got {max_registers}")
     bsz, hq, d = (int(s) for s in q.shape)
     if mma_rows is not None:
-        gqa = next_pow2(hq // int(pool_k.shape[2]))
-        if mma_rows not in (4, 8, 16) or mma_rows < gqa:
-            raise ValueError(
-                f"mma_rows must be a power of two from {max(4, gqa)} to 16 (4 or more, and at "
-                f"least the GQA ratio's power of two, {gqa}), got {mma_rows}"
-            )
+        check_mma_rows(mma_rows, hq, int(pool_k.shape[2]))
     splits = num_splits or choose_decode_splits(
         bsz, int(pool_k.shape[2]), int(block_table.shape[1]), q.device
     )

@@ -167,7 +167,7 @@ def decode_kernel_setting() -> tuple[str, int | None]:
     ``KVARN_DECODE_MMA_ROWS``; a value kvarn-kernels does not take raises here, at start-up.
     Read in the engine process (a variant's extra partials count in the charged decode
     workspace) and in every worker, so both must see the same environment."""
-    from kvarn_kernels.attention import DECODE_VARIANTS, V4_VARIANTS
+    from kvarn_kernels.attention import DECODE_VARIANTS, MMA_ROWS, V4_VARIANTS
 
     variant = os.environ.get(DECODE_VARIANT_ENV, "").strip().lower() or "auto"
     if variant != "auto" and variant not in DECODE_VARIANTS:
@@ -177,7 +177,7 @@ def decode_kernel_setting() -> tuple[str, int | None]:
     raw = os.environ.get(DECODE_MMA_ROWS_ENV, "").strip()
     if not raw:
         return variant, None
-    if raw not in ("4", "8", "16"):
+    if raw not in {str(rows) for rows in MMA_ROWS}:
         raise ValueError(f"{DECODE_MMA_ROWS_ENV} must be 4, 8 or 16, got {raw!r}")
     if variant == "v1":
         raise ValueError(f"{DECODE_MMA_ROWS_ENV} applies to the variants {V4_VARIANTS} only")

@@ -169,13 +169,16 @@ class KvarnGroupRuntime:
         #: decode_attention's variant and query rows per program (env, budget.py)
         self.decode_variant = limits.decode_variant
         self.decode_mma_rows = limits.decode_mma_rows
-        gqa_rows = 1 << (self.num_q_heads // self.num_kv_heads - 1).bit_length()
-        if self.decode_mma_rows is not None and self.decode_mma_rows < gqa_rows:
-            raise ValueError(
-                f"kvarn: KVARN_DECODE_MMA_ROWS={self.decode_mma_rows} is below this model's "
-                f"{self.num_q_heads // self.num_kv_heads} query heads per KV head; use "
-                f"{max(4, gqa_rows)} or more"
-            )
+        if self.decode_mma_rows is not None:
+            # budget.decode_kernel_setting admits only MMA_ROWS: what fails here is the GQA group
+            kernels: Any = importlib.import_module("kvarn_kernels.attention")
+            try:
+                kernels.check_mma_rows(self.decode_mma_rows, self.num_q_heads, self.num_kv_heads)
+            except ValueError as exc:
+                raise ValueError(
+                    f"kvarn: KVARN_DECODE_MMA_ROWS={self.decode_mma_rows} is below this model's "
+                    f"{self.num_q_heads // self.num_kv_heads} query heads per KV head: {exc}"
+                ) from exc
         self._splits: dict[int, int] = {}
         self._workspace_batch = 0
         _RUNTIMES.add(self)
