@@ -610,19 +610,21 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
     decode_shapes = ((1, 16384), (8, 16384), (64, 16384), (256, 4096), (256, 6144))
     for bsz, ctx in decode_shapes if "decode" in parts else ():
         # What the fp16 sink and in-progress blocks (pool phase + their skipped records) cost:
-        # v4 on the same shape with every block a record (docs/kernel-notes.md, sixth session).
+        # the default on the same shape with every block a record (docs/kernel-notes.md,
+        # sixth session).
         twin = decode_inputs("kvarn_k4v2_g128", bsz, ctx, pool_blocks=False)
-        r = guarded(lambda twin=twin: bench_kvarn_decode(twin, variant="v4"))
-        out["decode"].append({"B": bsz, "ctx": ctx, "config": {"variant": "v4"}, "pool": 0, **r})
-        log(f"variant decode B={bsz} ctx={ctx} v4 without pool blocks: {r}")
+        r = guarded(lambda twin=twin: bench_kvarn_decode(twin, variant="v4c"))
+        out["decode"].append({"B": bsz, "ctx": ctx, "config": {"variant": "v4c"}, "pool": 0, **r})
+        log(f"variant decode B={bsz} ctx={ctx} v4c without pool blocks: {r}")
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
-        configs: list[dict[str, Any]] = [{"variant": v} for v in ("v1", "v4", "v4b", "v4c")]
-        # v4c with 8 query rows per program; v4d (v4c, the pool phase in a launch of its own)
-        # with 16 and 8 rows (predictions in docs/kernel-notes.md, tenth session)
-        configs += [
-            {"variant": "v4c", "mma_rows": 8},
-            {"variant": "v4d"},
+        # v1 (the reference), v4c with the MMA's 16 query rows (the default until the
+        # eleventh session), v4c (the default, 8 rows) and v4d with 8 rows (v4c, the pool
+        # phase in a launch of its own)
+        configs: list[dict[str, Any]] = [
+            {"variant": "v1"},
+            {"variant": "v4c", "mma_rows": 16},
+            {"variant": "v4c"},
             {"variant": "v4d", "mma_rows": 8},
         ]
         base = None

@@ -177,28 +177,27 @@ def finish_tests(procs: dict[str, tuple[subprocess.Popen[str], float]]) -> dict[
 DECODE_V4_SHAPES: list[dict[str, Any]] = [
     {"fast_unpack": False},
 ]
-#: Extra shapes timed at head dim 256 (tenth session, static: one pipeline stage cuts v4c's
-#: loop from 3,773 to 2,921 instructions with 8 query rows; docs/kernel-notes.md).
+#: Extra shapes timed at head dim 256: the default (8 query rows, one pipeline stage since the
+#: eleventh session) against two stages, and v4d.
 DECODE_D256_SHAPES: list[dict[str, Any]] = [
-    {"variant": "v4c", "mma_rows": 8, "num_stages": 1},
-    {"variant": "v4d", "mma_rows": 8, "num_stages": 1},
+    {"variant": "v4c", "num_stages": 2},
+    {"variant": "v4d", "mma_rows": 8},
 ]
-#: Register caps for v4d's main loop at k4v2_g128, D = 128 (tenth session, static: with 4 or 8
-#: rows it spills 544 / 568 bytes at 168 registers, three programs per SM instead of two,
-#: where round 6's v4 spilled 2,496 and lost 23%; docs/kernel-notes.md).
-DECODE_CAP_SHAPES: list[dict[str, Any]] = [
-    {"variant": "v4d", "mma_rows": 4, "max_registers": 168},
+#: The default's neighbours at k4v2_g128, D = 128 (eleventh session's candidates: 4 query
+#: rows, one and three pipeline stages; predictions in docs/kernel-notes.md).
+DECODE_ROW_SHAPES: list[dict[str, Any]] = [
+    {"variant": "v4c", "mma_rows": 4},
+    {"variant": "v4c", "num_stages": 1},
+    {"variant": "v4c", "num_stages": 3},
 ]
-#: The decode configurations timed at every case, v1 first (v4b: round 7, the pool phase one
-#: block per step across the warps, wide scale loads; v4c: v4b with masked scale loads, the
-#: default; mma_rows 8: v4c with 8 query rows per program instead of 16; v4d: v4c with the
-#: pool phase in a launch of its own; tenth session).
+#: The decode configurations timed at every case, v1 first (v4c: round 7's pool phase and wide
+#: scale loads with masked scale loads, the default, with 8 query rows per program since the
+#: eleventh session; v4c with 16 rows, the default before; v4d: v4c with the pool phase in a
+#: launch of its own; docs/kernel-notes.md).
 DECODE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
-    {"variant": "v4"},
-    {"variant": "v4b"},
+    {"variant": "v4c", "mma_rows": 16},
     {"variant": "v4c"},
-    {"variant": "v4c", "mma_rows": 8},
     {"variant": "v4d", "mma_rows": 8},
 ]
 
@@ -228,7 +227,7 @@ def decode_runs(
             if d == 256:
                 configs += DECODE_D256_SHAPES
             if (fmt, d) == ("kvarn_k4v2_g128", 128):
-                configs += DECODE_CAP_SHAPES
+                configs += DECODE_ROW_SHAPES
             base = None
             for cfg in configs:
                 if warm:

@@ -260,19 +260,25 @@ def _decode_v4_default(
     round7: bool = False,
     verify_tokens: int = 0,
     masked: bool = False,
-    mma_rows: int = 16,
+    mma_rows: int | None = None,
     pool_split: bool = False,
+    num_stages: int | None = None,
 ) -> Any:
-    """v4 (or v4b) with ``decode_v4_config``'s shape, as ``decode_attention`` launches it
-    (``verify_tokens``: as ``verify_attention`` launches it)."""
+    """v4 (or v4b) with ``decode_v4_config``'s shape and ``decode_attention``'s default query
+    rows, as ``decode_attention`` launches it (``verify_tokens``: as ``verify_attention``
+    launches it, 16 rows)."""
+    from kvarn_kernels.attention import decode_mma_rows
     from kvarn_kernels.decode_v4 import decode_v4_config
 
-    cfg = decode_v4_config(d, parse_cache_dtype(name).group)
+    verify = verify_tokens > 0
+    cfg = decode_v4_config(d, parse_cache_dtype(name).group, verify=verify)
+    if mma_rows is None:
+        mma_rows = 16 if verify else decode_mma_rows(qpk)
     return _decode_v4(
         name,
         cfg["block_n"],
         cfg["num_warps"],
-        cfg["num_stages"],
+        num_stages or cfg["num_stages"],
         d,
         qpk,
         round7=round7,
@@ -309,22 +315,35 @@ for _n, _d, _qpk in (
         lambda _n=_n, _d=_d, _qpk=_qpk: _decode_v4_default(_n, _d, _qpk, round7=True)
     )
 
-# v4c (ninth session): v4b with the pool blocks' tile scales masked at the load; at head dim
-# 256 (its default there since the tenth session) and with 8 or 4 query rows per program
-# (``mma_rows``, tenth session) instead of the MMA's 16
-for _n, _d, _rows in (
-    ("kvarn_k4v2_g128", 128, 16),
-    ("kvarn_k4v4_g128", 128, 16),
-    ("kvarn_k4v2_g128", 256, 16),
-    ("kvarn_k4v2_g128", 128, 8),
-    ("kvarn_k4v4_g128", 128, 8),
-    ("kvarn_k4v2_g128", 256, 8),
-    ("kvarn_k4v2_g128", 128, 4),
+# v4c (ninth session): v4b with the pool blocks' tile scales masked at the load, and v4d; with
+# the default query rows (8 since the eleventh session) or the MMA's 16 or 4 (``mma_rows``,
+# tenth session), and the default pipeline depth (one stage from head dim 256 since the
+# eleventh session) or another (eleventh session's candidates at head dim 128)
+for _n, _d, _rows, _stages in (
+    ("kvarn_k4v2_g128", 128, 16, None),
+    ("kvarn_k4v4_g128", 128, 16, None),
+    ("kvarn_k4v2_g128", 256, 16, 2),
+    ("kvarn_k4v2_g128", 128, None, None),
+    ("kvarn_k4v4_g128", 128, None, None),
+    ("kvarn_k4v2_g128", 256, None, 2),
+    ("kvarn_k4v2_g128", 256, None, None),
+    ("kvarn_k4v2_g128", 128, 4, None),
+    ("kvarn_k4v2_g128", 128, None, 1),
+    ("kvarn_k4v2_g128", 128, None, 3),
 ):
     for _v in ("v4c", "v4d"):
-        variant(f"decode_{_v} default {_n} d{_d} qpk4{'' if _rows == 16 else f' mma{_rows}'}")(
-            lambda _n=_n, _d=_d, _rows=_rows, _v=_v: _decode_v4_default(
-                _n, _d, 4, round7=True, masked=True, mma_rows=_rows, pool_split=_v == "v4d"
+        _tag = "" if _rows is None else f" mma{_rows}"
+        _tag += "" if _stages is None else f" s{_stages}"
+        variant(f"decode_{_v} default {_n} d{_d} qpk4{_tag}")(
+            lambda _n=_n, _d=_d, _rows=_rows, _v=_v, _stages=_stages: _decode_v4_default(
+                _n,
+                _d,
+                4,
+                round7=True,
+                masked=True,
+                mma_rows=_rows,
+                pool_split=_v == "v4d",
+                num_stages=_stages,
             )
         )
 

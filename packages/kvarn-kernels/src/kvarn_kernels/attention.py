@@ -776,7 +776,7 @@ def _launch_v4(
     # verify: as many of a request's query tokens per program as fill the MMA's rows
     tpp = _verify_tokens_per_program(qpk) if multi else 1
     ntg = verify_token_groups(hq, hk, max_query_len) if multi else 1
-    cfg = decode_v4_config(geo.head_dim, geo.group)
+    cfg = decode_v4_config(geo.head_dim, geo.group, verify=multi)
     warps = num_warps or cfg["num_warps"]
     # registers per thread (Triton's maxnreg; the main loop's launch only)
     cap = {} if max_registers is None else {"maxnreg": max_registers}
@@ -800,7 +800,7 @@ def _launch_v4(
             HQ=hq,
             HK=hk,
             QPK=qpk,
-            BLOCK_Q=mma_rows or _mma_rows(qpk),
+            BLOCK_Q=mma_rows or (_mma_rows(qpk) if multi else decode_mma_rows(qpk)),
             D=geo.head_dim,
             G=geo.group,
             SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
@@ -1055,7 +1055,11 @@ def default_decode_variant(geo: DenseGeometry, prefetch: bool, v4_option: bool) 
     layer) measured v4c against v4b: k4v2_g128 B = 64 886 vs 904, B = 256 3,164 vs 3,412;
     k4v4_g128 863 vs 963 and 3,394 vs 3,358 (the one shape where it was not faster, +1%);
     k4v2_g64 841 vs 864; head dim 256 4,923 vs 5,893 (v4 5,798, v1 6,354); and v4b in turn
-    no slower than v4 or v1 at head dim 128 (seventh session). v1 for 5-bit codes and head
+    no slower than v4 or v1 at head dim 128 (seventh session). With 8 query rows
+    (:func:`decode_mma_rows`) on both, v4c against v4d (eleventh session): k4v2_g128 677 vs
+    662 and 2,577 vs 2,821; k4v4_g128 735 vs 722 and 3,172 vs 2,983; k4v2_g64 651 vs 666;
+    head dim 256 (one stage) 3,238 vs 3,191: mixed, and v4c needs no extra partial, so v4c
+    stays. v1 for 5-bit codes and head
     dim 512 (v4 is correct there but not timed), and whenever a v1-only option
     (``prefetch=False``) is given; a v4-only option (``v4_option``: ``num_stages`` was given)
     keeps the v4 family at 512 too.
@@ -1131,18 +1135,21 @@ def decode_attention(
             instructions in its loop; H200: 2-16% faster than v4b at 9 of 10 shapes timed).
             ``"v4d"``: v4c in two launches, the main loop alone (without the pool phase's
             code, fewer spills) and then the pool phase alone into one more partial per
-            request to merge (experimental, not yet timed; a preallocated workspace needs
-            ``decode_partials("v4d", num_splits)`` splits' room).
-        num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads (default: the
-            launch config's, 2).
+            request to merge (experimental; with 8 rows 2% faster than v4c at k4v2_g128
+            B = 64 and 9% slower at B = 256, eleventh session; a preallocated workspace
+            needs ``decode_partials("v4d", num_splits)`` splits' room).
+        num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads
+            (default: the launch config's, 2 at head dim 128, 1 from 256:
+            ``decode_v4.decode_v4_config``).
         mma_rows: the v4 kernels only: query rows of a program's tile, a power of two from 4
-            and the GQA ratio's (``next_pow2(Hq // Hk)``) to 16. Default 16, the MMA's row
-            count, which the kernel pads the GQA group to; fewer rows leave the padding to
-            Triton inside the MMA and keep fewer accumulator registers (experimental, not
-            yet timed: docs/kernel-notes.md, tenth session).
+            and the GQA ratio's (``next_pow2(Hq // Hk)``) to 16. Default 8 (or the GQA
+            ratio's power of two above 8): Triton pads the MMA's 16 rows inside the MMA, and
+            the smaller tile keeps fewer accumulator registers (H200: 0.76-0.93x the time of
+            16 rows at every shape timed, :func:`decode_mma_rows`).
         max_registers: the v4 kernels only: registers per thread of the main-loop kernel
             (Triton's ``maxnreg``; experimental). Round 6 found caps slower where they made
-            v4 spill; v4d with 4 or 8 rows spills far less under one (tenth session).
+            v4 spill; v4d with 4 rows at 168 registers took 1.17x / 1.11x the time of
+            uncapped v4d with 8 rows at k4v2_g128 B = 64 / 256 (eleventh session).
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
@@ -1263,6 +1270,16 @@ def verify_token_groups(num_q_heads: int, num_kv_heads: int, max_query_len: int)
 def _mma_rows(qpk: int) -> int:
     """Query rows of a decode program: its ``qpk`` heads padded to the MMA's 16 or more."""
     return max(16, next_pow2(qpk))
+
+
+def decode_mma_rows(qpk: int) -> int:
+    """Query rows of a v4 decode program by default (``mma_rows=None``): the ``qpk`` query
+    heads of a KV head padded to 8, not to the MMA's 16 (Triton pads inside the MMA, and the
+    smaller tile frees registers: the tenth session's static count took k4v2_g128's spill
+    from 760 to 220 bytes). The H200 (eleventh session, kernel check, 16K, µs per layer, v4c
+    with 16 rows vs 8): k4v2_g128 B = 64 888 vs 677, B = 256 3,186 vs 2,577; k4v4_g128 867
+    vs 735, 3,415 vs 3,172; k4v2_g64 842 vs 651; head dim 256 4,825 vs 4,020."""
+    return max(8, next_pow2(qpk))
 
 
 def _verify_tokens_per_program(qpk: int) -> int:

@@ -613,14 +613,20 @@ def decode_v4_kernel(
     tl.store(LSE_PART + prow_out, lse, mask=q_ok)
 
 
-def decode_v4_config(head_dim: int, group: int) -> dict[str, int]:
+def decode_v4_config(head_dim: int, group: int, *, verify: bool = False) -> dict[str, int]:
     """Default launch shape, as timed on the H200 (docs/kernel-notes.md, round 4).
 
     ``BN`` tokens per warp and step such that one warp's K chunk is ``D x BN/2 = 4 KB`` of
     bytes, 4 warps (4 chunks in flight per program), 2 pipeline stages, block-table scans of
     64 entries in the pool phase. At k4v2_g128, B = 64, 16K, D = 128 this shape takes 903 µs
-    (v1: 1,559); 3 stages 1,021 µs, BN 32 2,503 µs, BN 32 on 8 warps 3,996 µs. Head dims
-    other than 128 and 64-token tiles run the same rule untimed.
+    (v1: 1,559); 3 stages 1,021 µs, BN 32 2,503 µs, BN 32 on 8 warps 3,996 µs.
+
+    Decode at head dims of 256 and more pipelines one stage: a second stage's buffers cost
+    the registers and shared memory that the wider tiles need (H200, eleventh session's
+    kernel check, k4v2_g128, B = 64, 16K, v4c with 8 query rows: 3,238 µs with one stage,
+    4,020 µs with two). Speculative verify (16 query rows) keeps two stages there, untimed
+    with one. Other head dims and 64-token tiles run the same rules untimed.
     """
     bn = max(32, min(group, 8192 // head_dim))
-    return {"block_n": bn, "num_warps": 4, "num_stages": 2, "scan": 64}
+    stages = 1 if head_dim >= 256 and not verify else 2
+    return {"block_n": bn, "num_warps": 4, "num_stages": stages, "scan": 64}
