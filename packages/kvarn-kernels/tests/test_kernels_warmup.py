@@ -296,3 +296,63 @@ def test_gpu_launches_run_on_threads_on_the_callers_device_and_stream(
     ran.clear()
     warmup_module._run_all([lambda i=i: job(i) for i in (0, 1, 2)], dev, max_threads=1)
     assert [i for i, _ in ran] == [0, 1, 2] and {t for _, t in ran} == {threading.get_ident()}
+
+
+class _LaunchSpy:
+    """Wraps a Triton kernel: records each launch's keyword arguments (its compile-time
+    constants and launch options), then launches the real kernel."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.constants: list[dict[str, Any]] = []
+
+    def __getitem__(self, grid: Any) -> Any:
+        launch = self.kernel[grid]
+
+        def run(*args: Any, **kw: Any) -> Any:
+            self.constants.append(kw)
+            return launch(*args, **kw)
+
+        return run
+
+
+@pytest.mark.parametrize("variant", ["v1", "auto"])
+def test_decode_compile_constants_do_not_depend_on_the_batch_size(
+    device: torch.device, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm-up compiles decode for batches of 1 and 16 requests per split count; every
+    other batch size must select the same compile-time constants, or serving compiles a new
+    kernel when the batch first reaches it (the eleventh session's head-512 engine did, v1's
+    request-search width following the batch size)."""
+    import kvarn_kernels.attention as attention
+    import kvarn_kernels.decode_v4 as decode_v4
+
+    spies = {
+        "v1": _LaunchSpy(attention._attn_kernel),
+        "v4": _LaunchSpy(decode_v4.decode_v4_kernel),
+    }
+    monkeypatch.setattr(attention, "_attn_kernel", spies["v1"])
+    monkeypatch.setattr(decode_v4, "decode_v4_kernel", spies["v4"])
+    fmt, g, hq, hk, d = "kvarn_k4v2_g64", 64, 8, 2, 64
+    tile_bytes = record_layout(parse_cache_dtype(fmt), d).tile_bytes
+    kv_cache = torch.zeros(2, hk, tile_bytes, dtype=torch.uint8, device=device)
+    pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=device)
+    block_to_slot = torch.tensor([-1, 0], dtype=torch.int32, device=device)
+    for reqs in (1, 3, 16, 21):
+        table = torch.tensor([[0, 1]] * reqs, dtype=torch.int32, device=device)
+        decode_attention(
+            fmt,
+            torch.randn(reqs, hq, d, device=device, dtype=torch.float16),
+            kv_cache,
+            pool_k,
+            torch.zeros_like(pool_k),
+            table,
+            torch.full((reqs,), g + 1, dtype=torch.int32, device=device),
+            block_to_slot,
+            d**-0.5,
+            num_splits=1,
+            variant=variant,
+        )
+    launched = spies["v1" if variant == "v1" else "v4"].constants
+    assert len(launched) == 4
+    assert all(kw == launched[0] for kw in launched[1:]), launched

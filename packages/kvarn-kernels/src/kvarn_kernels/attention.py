@@ -934,7 +934,9 @@ def _launch(
             QPK_P=qpk_p,
             BQ=bq,
             BLOCK_M=block_m,
-            B_P=next_pow2(b + 1),
+            # the request search of prefill tiles only: a constant for decode, whose batch
+            # size would otherwise select a new compile per power of two while serving
+            B_P=1 if decode else next_pow2(b + 1),
             D=d,
             G=geo.group,
             SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
