@@ -114,6 +114,9 @@ def test_summary_table_reports_errors_as_rows(e2e: ModuleType) -> None:
     assert "| kvarn_k4v2_g128 | ok | 400 | 4.00 | 0.500 |" in table
     assert "| turboquant_k8v4 | error rc=1 |" in table
     assert table.splitlines()[2].endswith("| 30.0 | 1.5 |")  # start-up and generate seconds
+    compiled = {**kv, "jit_compiles_while_serving": ["_attn_kernel"]}
+    table = e2e.summarize([base, compiled], "auto")
+    assert table.splitlines()[3].endswith("| 1.5 (1 Triton compiles: _attn_kernel) |")
     # with drafts every row is labelled +ngramN; "auto" then means "auto+ngram3"
     drafted = [{**r, "label": r["label"] + "+ngram3"} for r in (base, kv)]
     table = e2e.summarize(drafted, "auto")

@@ -437,11 +437,16 @@ def summarize(rows: list[dict[str, Any]], baseline_label: str | None) -> str:
         graphs = "yes" if r.get("cuda_graphs_captured") else "NO"
         if r.get("cudagraph_downgrades"):
             graphs += " (downgraded)"
+        # Triton compiles after start-up land in the first generate: say so next to its time
+        compiles = r.get("jit_compiles_while_serving") or []
+        generate = f"{r.get('generate_s', '')}"
+        if compiles:
+            generate += f" ({len(compiles)} Triton compiles: {', '.join(compiles)})"
         lines.append(
             f"| {r['label']} | ok | {r['kv_tokens']:,} | {ratio} | {agree} | {prefix} | {exact} "
             f"| {r['non_finite_logprobs']} | {graphs} | {rerun} "
             f"| {r.get('same_prompt_rerun_match', '')} | {r['startup_s']} "
-            f"| {r.get('generate_s', '')} |"
+            f"| {generate} |"
         )
     return "\n".join(lines)
 
