@@ -177,11 +177,10 @@ def finish_tests(procs: dict[str, tuple[subprocess.Popen[str], float]]) -> dict[
 DECODE_V4_SHAPES: list[dict[str, Any]] = [
     {"fast_unpack": False},
 ]
-#: Extra shapes timed at head dim 256: the default (8 query rows, one pipeline stage since the
-#: eleventh session) against two stages, and v4d.
+#: Extra shape timed at head dim 256: the default (8 query rows, one pipeline stage since the
+#: eleventh session) with two stages, the default before.
 DECODE_D256_SHAPES: list[dict[str, Any]] = [
     {"variant": "v4c", "num_stages": 2},
-    {"variant": "v4d", "mma_rows": 8},
 ]
 #: The default's neighbours at k4v2_g128, D = 128 (eleventh session's candidates: 4 query
 #: rows, one and three pipeline stages; predictions in docs/kernel-notes.md).
