@@ -273,7 +273,7 @@ def _decode_v4_default(
     verify = verify_tokens > 0
     cfg = decode_v4_config(d, parse_cache_dtype(name).group, verify=verify)
     if mma_rows is None:
-        mma_rows = 16 if verify else decode_mma_rows(qpk)
+        mma_rows = decode_mma_rows(qpk, verify=verify)
     return _decode_v4(
         name,
         cfg["block_n"],

@@ -800,7 +800,7 @@ def _launch_v4(
             HQ=hq,
             HK=hk,
             QPK=qpk,
-            BLOCK_Q=mma_rows or (_mma_rows(qpk) if multi else decode_mma_rows(qpk)),
+            BLOCK_Q=mma_rows or decode_mma_rows(qpk, verify=multi),
             D=geo.head_dim,
             G=geo.group,
             SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
@@ -1274,14 +1274,16 @@ def _mma_rows(qpk: int) -> int:
     return max(16, next_pow2(qpk))
 
 
-def decode_mma_rows(qpk: int) -> int:
+def decode_mma_rows(qpk: int, *, verify: bool = False) -> int:
     """Query rows of a v4 decode program by default (``mma_rows=None``): the ``qpk`` query
     heads of a KV head padded to 8, not to the MMA's 16 (Triton pads inside the MMA, and the
     smaller tile frees registers: the tenth session's static count took k4v2_g128's spill
     from 760 to 220 bytes). The H200 (eleventh session, kernel check, 16K, µs per layer, v4c
     with 16 rows vs 8): k4v2_g128 B = 64 888 vs 677, B = 256 3,186 vs 2,577; k4v4_g128 867
-    vs 735, 3,415 vs 3,172; k4v2_g64 842 vs 651; head dim 256 4,825 vs 4,020."""
-    return max(8, next_pow2(qpk))
+    vs 735, 3,415 vs 3,172; k4v2_g64 842 vs 651; head dim 256 4,825 vs 4,020.
+    ``verify`` (speculative verify's programs): 16 or more rows, which its extra query
+    tokens fill (:func:`verify_token_groups`)."""
+    return _mma_rows(qpk) if verify else max(8, next_pow2(qpk))
 
 
 def _verify_tokens_per_program(qpk: int) -> int:
