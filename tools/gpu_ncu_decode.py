@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", default="kvarn_k4v2_g128")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=16384)
-    ap.add_argument("--variant", default="v4", choices=["v1", "v4", "v4b", "v4c"])
+    ap.add_argument("--variant", default="auto", choices=["auto", "v1", "v4", "v4b", "v4c", "v4d"])
     args = ap.parse_args(argv)
 
     import torch
