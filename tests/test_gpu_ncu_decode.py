@@ -21,7 +21,7 @@ def test_launches_the_case_twice_with_its_arguments(
     monkeypatch.setattr(tool.bk, "decode_inputs", lambda fmt, b, ctx: (fmt, b, ctx))
     monkeypatch.setattr(tool.bk, "decode_once", lambda inp, **kw: calls.append((inp, kw)))
     assert tool.main(["--format", "kvarn_k4v4_g128", "--batch", "8", "--ctx", "4096"]) == 0
-    assert calls == [(("kvarn_k4v4_g128", 8, 4096), {"variant": "v4"})] * 2
+    assert calls == [(("kvarn_k4v4_g128", 8, 4096), {"variant": "auto"})] * 2
     calls.clear()
     assert tool.main(["--variant", "v1"]) == 0
     assert calls == [(("kvarn_k4v2_g128", 64, 16384), {"variant": "v1"})] * 2

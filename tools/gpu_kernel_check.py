@@ -127,10 +127,11 @@ def start_warmups(parts: set[str]) -> list[subprocess.Popen[str]]:
     ]
 
 
-def start_tests() -> dict[str, tuple[subprocess.Popen[str], float]]:
+def start_tests(groups: list[str]) -> dict[str, tuple[subprocess.Popen[str], float]]:
     procs = {}
     tests = ROOT / "packages" / "kvarn-kernels" / "tests"
-    for name, (fname, *sel) in TEST_GROUPS.items():
+    for name in groups:
+        fname, *sel = TEST_GROUPS[name]
         cmd = [
             sys.executable,
             "-m",
@@ -442,6 +443,10 @@ def main() -> None:
     ap.add_argument(
         "--parts", default="decode,store,prefill", help="timed parts (comma list; default all)"
     )
+    ap.add_argument(
+        "--groups",
+        help=f"test groups to run (comma list; default all: {', '.join(TEST_GROUPS)})",
+    )
     args = ap.parse_args()
     import torch
     import triton
@@ -468,7 +473,11 @@ def main() -> None:
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
-    procs = {} if args.no_tests else start_tests()
+    groups = list(TEST_GROUPS) if args.groups is None else args.groups.split(",")
+    unknown = sorted(set(groups) - set(TEST_GROUPS))
+    if unknown:
+        ap.error(f"unknown test groups {unknown}; known: {', '.join(TEST_GROUPS)}")
+    procs = {} if args.no_tests else start_tests(groups)
     # Compile every timed kernel while the tests run (small inputs, separate processes).
     log("warming up (compiling) the timed kernels")
     parts = set(args.parts.split(","))

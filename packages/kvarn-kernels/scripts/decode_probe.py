@@ -103,6 +103,8 @@ def probe_kernel(
     OFF_VCS: tl.constexpr,
     OFF_VS: tl.constexpr,
     OFF_VZ: tl.constexpr,
+    K_ORDER: tl.constexpr,
+    V_ORDER: tl.constexpr,
     BN: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     POOL: tl.constexpr,
@@ -160,8 +162,12 @@ def probe_kernel(
             ks, kz, kt, vs, vz, vcs = _scales(
                 rec, tok, dd, True, OFF_KS, OFF_KZ, OFF_KT, OFF_VCS, OFF_VS, OFF_VZ
             )
-        k0, k1, k2, k3, k4 = _load_codes(rec + OFF_KC, D, K_ROW, c * (BN * KB // 8), BN, KB, True)
-        v0, v1, v2, v3, v4 = _load_codes(rec + OFF_VC + c * BN * V_ROW, BN, V_ROW, 0, D, VB, True)
+        k0, k1, k2, k3, k4 = _load_codes(
+            rec + OFF_KC, 0, D, D, K_ROW, c * (BN * KB // 8), BN, KB, K_ORDER, True
+        )
+        v0, v1, v2, v3, v4 = _load_codes(
+            rec + OFF_VC, c * BN, BN, G, V_ROW, 0, D, VB, V_ORDER, True
+        )
         if not UNPACK:
             probe += tl.sum(k0.to(tl.float32), axis=1)[:, None]
             probe += tl.sum(tl.sum(v0.to(tl.float32), axis=1), axis=0)

@@ -23,7 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import numpy as np
 import torch
 
-from kvarn_format import parse_cache_dtype, record_layout
+from kvarn_format import from_cache_order, parse_cache_dtype, record_layout
 from kvarn_format.reference import decode_rotated_tiles, encode_rotated_tiles
 from kvarn_kernels import flush_tiles
 from kvarn_kernels.testing import random_kv
@@ -45,7 +45,7 @@ def measure(name: str, d: int, tiles: int, bias: float, variant: str) -> tuple[f
     kt = pool_k.float().permute(0, 2, 1, 3).reshape(-1, g, d).numpy()
     vt = pool_v.float().permute(0, 2, 1, 3).reshape(-1, g, d).numpy()
     ref = encode_rotated_tiles(fmt, kt, vt)
-    got = kv.reshape(-1, kv.shape[2]).numpy()
+    got = from_cache_order(kv.reshape(-1, kv.shape[2]).numpy(), fmt, d)
     same = np.all(ref == got, axis=1)
     worst = 1.0
     bad = np.nonzero(~same)[0]

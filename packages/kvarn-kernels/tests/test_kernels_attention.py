@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvarn_format import parse_cache_dtype, record_layout
+from kvarn_format import from_cache_order, parse_cache_dtype, record_layout
 from kvarn_format.geometry import shadow_rows
 from kvarn_format.reference import decode_rotated_tiles
 from kvarn_kernels import (
@@ -140,7 +140,7 @@ def test_torch_dequant_matches_reference_decoder(device: torch.device) -> None:
         blocks = case.block_table[0, 1:3].long()
         rec = case.kv_cache[blocks].reshape(-1, record_layout(fmt, d).tile_bytes)
         k, v = dequantize_records(fmt, rec, d)
-        kr, vr = decode_rotated_tiles(fmt, rec.cpu().numpy(), d)
+        kr, vr = decode_rotated_tiles(fmt, from_cache_order(rec.cpu().numpy(), fmt, d), d)
         assert torch.equal(k.cpu(), torch.from_numpy(kr))
         assert torch.equal(v.cpu(), torch.from_numpy(vr))
 

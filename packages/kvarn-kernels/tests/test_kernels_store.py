@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvarn_format import parse_cache_dtype, record_layout
+from kvarn_format import from_cache_order, parse_cache_dtype, record_layout
 from kvarn_format.geometry import shadow_rows
 from kvarn_format.reference import decode_rotated_tiles, encode_rotated_tiles
 from kvarn_kernels import flush_tiles, flush_token_tiles
@@ -64,7 +64,7 @@ def _check_records(
     k = pool_k[slots].float().cpu().permute(0, 2, 1, 3).reshape(-1, g, d).numpy()
     v = pool_v[slots].float().cpu().permute(0, 2, 1, 3).reshape(-1, g, d).numpy()
     ref = encode_rotated_tiles(fmt, k, v, slot_rounding=rounding)  # type: ignore[arg-type]
-    got = kv[dst.long()].cpu().reshape(-1, kv.shape[2]).numpy()
+    got = from_cache_order(kv[dst.long()].cpu().reshape(-1, kv.shape[2]).numpy(), fmt, d)
     same = np.all(ref == got, axis=1)
     if exact:
         assert same.all(), f"{int((~same).sum())} of {same.size} records differ"

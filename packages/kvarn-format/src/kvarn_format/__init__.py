@@ -1,6 +1,7 @@
 """kvarn-format: the KVarN cache dtype registry, record geometry, KV budget sizing and the
 NumPy reference codec. NumPy only: no torch, no GPU."""
 
+from kvarn_format.cache_order import CodeOrder, code_orders, from_cache_order, to_cache_order
 from kvarn_format.catalog import ModelConfigError, ModelGeometry, catalog_names, load_model
 from kvarn_format.geometry import Field, RecordLayout, fp16_bytes_per_token, record_layout
 from kvarn_format.hadamard import hadamard_matrix
@@ -58,6 +59,7 @@ __all__ = [
     "VALID_DTYPES",
     "BudgetError",
     "CacheDTypeError",
+    "CodeOrder",
     "DenseFormat",
     "Field",
     "KVBudget",
@@ -71,6 +73,7 @@ __all__ = [
     "ServingConfig",
     "UnsupportedGeometryError",
     "catalog_names",
+    "code_orders",
     "decode_mla_tile",
     "decode_rotated_tile",
     "decode_rotated_tiles",
@@ -85,6 +88,7 @@ __all__ = [
     "fake_quantize",
     "fake_quantize_mla",
     "fp16_bytes_per_token",
+    "from_cache_order",
     "hadamard_matrix",
     "is_kvarn_dtype",
     "load_model",
@@ -95,5 +99,6 @@ __all__ = [
     "rtn_kivi",
     "side_pool_slots",
     "solve_kv_budget",
+    "to_cache_order",
     "worker_memory",
 ]

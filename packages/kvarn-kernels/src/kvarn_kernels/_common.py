@@ -17,6 +17,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_format import DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype, record_layout
+from kvarn_format.cache_order import CodeOrder, code_orders, code_sections
 from kvarn_format.geometry import shadow_rows
 from kvarn_format.registry import KVarNFormat
 
@@ -28,6 +29,10 @@ __all__ = [
     "check_head_dim",
     "check_index_tensor",
     "check_ndim",
+    "code_offsets",
+    "code_offsets_of_pair",
+    "codes_from_cache_order",
+    "codes_to_cache_order",
     "debug_checks_enabled",
     "dense_geometry",
     "pool_row_ptrs",
@@ -132,10 +137,15 @@ class DenseGeometry:
     v_channel_scale: int
     v_scale: int
     v_zero: int
+    #: In-cache order of the K and V code sections (:mod:`kvarn_format.cache_order`).
+    k_order: CodeOrder
+    v_order: CodeOrder
 
     def offsets(self) -> dict[str, int]:
-        """Field offsets as keyword arguments of the kernels."""
+        """Field offsets and code orders as keyword arguments of the kernels."""
         return {
+            "K_ORDER": int(self.k_order),
+            "V_ORDER": int(self.v_order),
             "OFF_KC": self.k_codes,
             "OFF_KS": self.k_scale,
             "OFF_KZ": self.k_zero,
@@ -167,6 +177,7 @@ def dense_geometry(fmt: DenseFormat, head_dim: int, record_stride: int) -> Dense
             "cache from kvarn-format's geometry"
         )
     off = layout.offsets()
+    k_order, v_order = code_orders(fmt)
     return DenseGeometry(
         fmt=fmt,
         head_dim=head_dim,
@@ -183,6 +194,8 @@ def dense_geometry(fmt: DenseFormat, head_dim: int, record_stride: int) -> Dense
         v_channel_scale=off["v_channel_scale"],
         v_scale=off["v_scale"],
         v_zero=off["v_zero"],
+        k_order=k_order,
+        v_order=v_order,
     )
 
 
@@ -213,6 +226,64 @@ def pool_shadow_rows(pool_k: torch.Tensor, group: int, kv_cache: torch.Tensor | 
             f"(kvarn_format.geometry.shadow_rows({group}, {d}, {int(kv_cache.shape[-1])}))"
         )
     return shadow
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def code_offsets(row, col, ROWS: tl.constexpr, COLS: tl.constexpr, ORDER: tl.constexpr):  # type: ignore[no-untyped-def]  # a Triton JIT helper
+    """Byte offsets in a code section of ``ROWS`` rows of ``COLS`` bytes (K: channels of
+    token-pair bytes; V: tokens of channel bytes) of the bytes ``(row, col)`` (broadcast
+    tensors), in the section's in-cache order ``ORDER`` (:class:`kvarn_format.CodeOrder`:
+    0 row-major, 1 column-major, 2 even rows then odd rows, each column-major)."""
+    if ORDER == 1:
+        off = col * ROWS + row
+    elif ORDER == 2:
+        off = (row % 2) * (COLS * (ROWS // 2)) + col * (ROWS // 2) + row // 2
+    else:
+        off = row * COLS + col
+    return off
+
+
+def codes_to_cache_order(records: torch.Tensor, geo: DenseGeometry) -> torch.Tensor:
+    """``records`` (``uint8 [..., record bytes]`` in docs/format.md §2.1's order) with their
+    code bytes in the in-cache order, as a new tensor (torch twin of
+    :func:`kvarn_format.to_cache_order`)."""
+    out = records.clone()
+    for off, rows, cols, order in code_sections(geo.fmt, geo.head_dim):
+        sec = records[..., off : off + rows * cols].reshape(*records.shape[:-1], rows, cols)
+        if order == CodeOrder.TRANSPOSED:
+            sec = sec.transpose(-1, -2)
+        elif order == CodeOrder.PARITY:
+            sec = sec.reshape(*records.shape[:-1], rows // 2, 2, cols).movedim(-3, -1)
+        out[..., off : off + rows * cols] = sec.reshape(*records.shape[:-1], rows * cols)
+    return out
+
+
+def codes_from_cache_order(records: torch.Tensor, geo: DenseGeometry) -> torch.Tensor:
+    """The inverse of :func:`codes_to_cache_order`: records read from a paged cache in §2.1's
+    order (a new tensor)."""
+    out = records.clone()
+    lead = records.shape[:-1]
+    for off, rows, cols, order in code_sections(geo.fmt, geo.head_dim):
+        sec = records[..., off : off + rows * cols]
+        if order == CodeOrder.TRANSPOSED:
+            sec = sec.reshape(*lead, cols, rows).transpose(-1, -2)
+        elif order == CodeOrder.PARITY:
+            sec = sec.reshape(*lead, 2, cols, rows // 2).movedim(-1, -3)
+        out[..., off : off + rows * cols] = sec.reshape(*lead, rows * cols)
+    return out
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def code_offsets_of_pair(
+    pair, PARITY: tl.constexpr, col, ROWS: tl.constexpr, COLS: tl.constexpr, ORDER: tl.constexpr
+):  # type: ignore[no-untyped-def]  # a Triton JIT helper
+    """:func:`code_offsets` of row ``2 * pair + PARITY``: the same offsets, written so that
+    Triton's contiguity analysis sees consecutive pairs as consecutive bytes in order 2."""
+    if ORDER == 2:
+        off = PARITY * (COLS * (ROWS // 2)) + col * (ROWS // 2) + pair
+    else:
+        off = code_offsets(pair * 2 + PARITY, col, ROWS, COLS, ORDER)
+    return off
 
 
 @triton.jit  # type: ignore[untyped-decorator]

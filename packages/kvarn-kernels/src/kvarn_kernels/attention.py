@@ -54,6 +54,8 @@ from kvarn_kernels._common import (
     check_dtype,
     check_index_tensor,
     check_ndim,
+    code_offsets,
+    code_offsets_of_pair,
     debug_checks_enabled,
     dense_geometry,
     next_pow2,
@@ -115,32 +117,59 @@ _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 
 @triton.jit
 def _load_codes(
-    base,
+    section,
+    row0,
     R: tl.constexpr,
+    ROWS: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     byte0,
     N: tl.constexpr,
     BITS: tl.constexpr,
+    ORDER: tl.constexpr,
     valid,
 ):
-    """Raw bytes of ``N`` codes starting at byte ``byte0`` of each of ``R`` rows.
+    """Raw bytes of ``N`` codes starting at byte ``byte0`` of rows ``row0 .. row0 + R - 1`` of
+    a code section of ``ROWS`` rows of ``ROW_BYTES`` bytes, in the section's in-cache order
+    ``ORDER`` (:func:`code_offsets`; ``row0`` even for order 2).
 
     2/4 bits: the packed bytes ``[R, N*BITS/8]`` (16-byte loads) and four unused dummies.
-    5 bits: eight codes span five bytes, so byte ``k`` of every 5-byte group is loaded as its
-    own plane ``[R, N/8]`` (k = 0..4); each code is then built from at most two planes.
+    5 bits (order 0 only): eight codes span five bytes, so byte ``k`` of every 5-byte group is
+    loaded as its own plane ``[R, N/8]`` (k = 0..4); each code is then built from at most two
+    planes.
     """
     r = tl.arange(0, R)
     if BITS == 5:
+        tl.static_assert(ORDER == 0, "5-bit codes keep the official order")
         j = tl.arange(0, N // 8) * 5
-        ptr = base + r[:, None] * ROW_BYTES + byte0 + j[None, :]
+        ptr = section + (row0 + r)[:, None] * ROW_BYTES + byte0 + j[None, :]
         p0 = tl.load(ptr, mask=valid, other=0)
         p1 = tl.load(ptr + 1, mask=valid, other=0)
         p2 = tl.load(ptr + 2, mask=valid, other=0)
         p3 = tl.load(ptr + 3, mask=valid, other=0)
         p4 = tl.load(ptr + 4, mask=valid, other=0)
     else:
-        j = tl.arange(0, N * BITS // 8)
-        p0 = tl.load(base + r[:, None] * ROW_BYTES + byte0 + j[None, :], mask=valid, other=0)
+        NB: tl.constexpr = N * BITS // 8
+        j = tl.arange(0, NB)
+        if ORDER == 2:
+            # even and odd rows lie in two column-major halves: load each by row pair (which
+            # Triton sees as contiguous) and interleave them back in registers
+            pr = row0 // 2 + tl.arange(0, R // 2)
+            ev = tl.load(
+                section
+                + code_offsets_of_pair(pr[:, None], 0, byte0 + j[None, :], ROWS, ROW_BYTES, 2),
+                mask=valid,
+                other=0,
+            )
+            od = tl.load(
+                section
+                + code_offsets_of_pair(pr[:, None], 1, byte0 + j[None, :], ROWS, ROW_BYTES, 2),
+                mask=valid,
+                other=0,
+            )
+            p0 = tl.reshape(tl.permute(tl.join(ev, od), (0, 2, 1)), [R, NB])
+        else:
+            off = code_offsets((row0 + r)[:, None], byte0 + j[None, :], ROWS, ROW_BYTES, ORDER)
+            p0 = tl.load(section + off, mask=valid, other=0)
         p1 = tl.zeros([1, 1], dtype=tl.uint8)
         p2 = p1
         p3 = p1
@@ -265,15 +294,17 @@ def _load_chunk(
     OFF_VCS: tl.constexpr,
     OFF_VS: tl.constexpr,
     OFF_VZ: tl.constexpr,
+    K_ORDER: tl.constexpr,
+    V_ORDER: tl.constexpr,
 ):
     """Everything chunk ``c`` (tokens ``c*BN ..``) of record ``rec`` contributes."""
     dd = tl.arange(0, D)
     tt = c * BN + tl.arange(0, BN)
     k0, k1, k2, k3, k4 = _load_codes(
-        rec + OFF_KC, D, G * KB // 8, c * (BN * KB // 8), BN, KB, valid
+        rec + OFF_KC, 0, D, D, G * KB // 8, c * (BN * KB // 8), BN, KB, K_ORDER, valid
     )
     v0, v1, v2, v3, v4 = _load_codes(
-        rec + OFF_VC + c * BN * (D * VB // 8), BN, D * VB // 8, 0, D, VB, valid
+        rec + OFF_VC, c * BN, BN, G, D * VB // 8, 0, D, VB, V_ORDER, valid
     )
     ks = _load_f16((rec + OFF_KS).to(tl.pointer_type(tl.float16)) + dd, valid)
     kz = _load_f16((rec + OFF_KZ).to(tl.pointer_type(tl.float16)) + dd, valid)
@@ -346,6 +377,8 @@ def _attn_kernel(
     OFF_VCS: tl.constexpr,
     OFF_VS: tl.constexpr,
     OFF_VZ: tl.constexpr,
+    K_ORDER: tl.constexpr,
+    V_ORDER: tl.constexpr,
     BN: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DECODE: tl.constexpr,
@@ -427,6 +460,8 @@ def _attn_kernel(
             OFF_VCS,
             OFF_VS,
             OFF_VZ,
+            K_ORDER,
+            V_ORDER,
         )
     for it in range(0, n_it):
         bi = blk_lo + it // NCH
@@ -475,6 +510,8 @@ def _attn_kernel(
                 OFF_VCS,
                 OFF_VS,
                 OFF_VZ,
+                K_ORDER,
+                V_ORDER,
             )
 
         else:
@@ -514,6 +551,8 @@ def _attn_kernel(
                 OFF_VCS,
                 OFF_VS,
                 OFF_VZ,
+                K_ORDER,
+                V_ORDER,
             )
 
         tpos = bi * G + c * BN + tn
@@ -1101,7 +1140,8 @@ def decode_attention(
     Args:
         fmt: dense KVarN format (or its dtype string).
         q: ``[B, Hq, D]`` fp16/bf16, unrotated; ``Hq`` a multiple of ``Hk`` (any GQA ratio).
-        kv_cache: ``uint8 [num_blocks, Hk, tile_bytes]`` packed records.
+        kv_cache: ``uint8 [num_blocks, Hk, tile_bytes]`` packed records, code bytes in the
+            in-cache order (docs/format.md §7.1), as the store writes them.
         pool_k, pool_v: ``[num_slots, G - R, Hk, D]`` fp16 rotated side pool. ``R`` (shadow
             rows; 0 for whole-tile slots) is the tile size minus the pool's rows per slot: a
             pool tile's first ``R`` rows are read from its block's record area in

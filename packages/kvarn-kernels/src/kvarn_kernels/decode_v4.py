@@ -53,7 +53,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from kvarn_kernels._common import pool_row_ptrs
+from kvarn_kernels._common import code_offsets, code_offsets_of_pair, pool_row_ptrs
 from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM, _split_blocks
 
 __all__ = ["decode_v4_config", "decode_v4_kernel"]
@@ -182,6 +182,8 @@ def decode_v4_kernel(
     OFF_VCS: tl.constexpr,
     OFF_VS: tl.constexpr,
     OFF_VZ: tl.constexpr,
+    K_ORDER: tl.constexpr,
+    V_ORDER: tl.constexpr,
     BN: tl.constexpr,
     W: tl.constexpr,
     SCAN: tl.constexpr,
@@ -319,9 +321,9 @@ def decode_v4_kernel(
         kbytes = tl.load(
             rec[:, None, None]
             + OFF_KC
-            + dd[None, :, None] * K_ROW
-            + c[:, None, None] * H2
-            + nb[None, None, :]
+            + code_offsets(
+                dd[None, :, None], c[:, None, None] * H2 + nb[None, None, :], D, K_ROW, K_ORDER
+            )
         )
         k_lo, k_hi = _nibbles(kbytes, FAST_UNPACK)
         ksp = (rec[:, None] + OFF_KS).to(f16) + dd[None, :]
@@ -372,9 +374,10 @@ def decode_v4_kernel(
         m, alpha, l_acc, p_e16, p_o16 = _online(m, l_acc, s_e, s_o, 2)
 
         # --- P V [W, BLOCK_Q, DV] per V field ---
-        vrow_e = rec[:, None, None] + OFF_VC + tok_e[:, :, None] * V_ROW + nv[None, None, :]
-        vb_e = tl.load(vrow_e)
-        vb_o = tl.load(vrow_e + V_ROW)
+        vsec = rec[:, None, None] + OFF_VC
+        vpair = (c[:, None] * H2 + nb[None, :])[:, :, None]  # [W, H2, 1] token pair in the tile
+        vb_e = tl.load(vsec + code_offsets_of_pair(vpair, 0, nv[None, None, :], G, V_ROW, V_ORDER))
+        vb_o = tl.load(vsec + code_offsets_of_pair(vpair, 1, nv[None, None, :], G, V_ROW, V_ORDER))
         if WIDE_SCALES:
             if MASKED_SCALES:  # (v4c) as the token scales above
                 vsw = tl.load(

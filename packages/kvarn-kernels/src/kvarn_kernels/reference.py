@@ -15,7 +15,13 @@ import torch
 from kvarn_format.hadamard import hadamard_matrix as _np_hadamard
 from kvarn_format.reference import encode_rotated_tiles
 from kvarn_format.registry import KVarNFormat
-from kvarn_kernels._common import dense_geometry, pool_shadow_rows, resolve_format
+from kvarn_kernels._common import (
+    codes_from_cache_order,
+    codes_to_cache_order,
+    dense_geometry,
+    pool_shadow_rows,
+    resolve_format,
+)
 
 __all__ = [
     "decode_attention_ref",
@@ -126,6 +132,7 @@ def flush_tiles_ref(
     # Records padded to the cache's stride with zeros (what the store writes past the payload).
     padded = torch.zeros(rec.shape[0], stride, dtype=torch.uint8)
     padded[:, : rec.shape[1]] = rec
+    padded = codes_to_cache_order(padded, dense_geometry(dense, d, stride))
     kv_cache[dst_blocks.long()] = padded.reshape(-1, hk, stride).to(kv_cache.device)
 
 
@@ -143,7 +150,8 @@ def unpack_codes_torch(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 def dequantize_records(
     fmt: KVarNFormat | str, records: torch.Tensor, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Records ``uint8 [N, stride]`` to rotated-frame ``(k, v)``, each fp32 ``[N, G, D]``.
+    """Records ``uint8 [N, stride]`` as a paged cache holds them (code bytes in the in-cache
+    order, :mod:`kvarn_format.cache_order`) to rotated-frame ``(k, v)``, each fp32 ``[N, G, D]``.
 
     Same operations as ``kvarn_format.reference.decode_rotated_tiles``:
     ``k[d, t] = (code * k_scale[d] + k_zero[d]) * k_token_scale[t]`` and
@@ -151,6 +159,7 @@ def dequantize_records(
     """
     dense = resolve_format(fmt)
     geo = dense_geometry(dense, head_dim, int(records.shape[-1]))
+    records = codes_from_cache_order(records, geo)
     g, d = dense.group, head_dim
     n = records.shape[0]
 

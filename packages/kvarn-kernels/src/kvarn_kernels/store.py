@@ -14,7 +14,9 @@ writes the record at ``kv_cache[dst_blocks[n], h]``; the whole batch is one laun
   prefill chunk completes, quantized in the step that writes them (kvarn-vllm's direct
   flush), so they never take a pool slot.
 
-Both run the same kernel, so their records are byte-identical on the same data.
+Both run the same kernel, so their records are byte-identical on the same data. The code
+bytes are written in the in-cache order of docs/format.md §7.1 (the decode kernels' operand
+order); ``kvarn_format.from_cache_order`` gives the reference codec's records.
 
 Shadow rows: a side pool may hold ``G - R`` rows per slot, each pool tile's first ``R`` rows
 (K and V) living in the idle record area of the tile's own block
@@ -65,6 +67,9 @@ from kvarn_kernels._common import (
     check_head_dim,
     check_index_tensor,
     check_ndim,
+    code_offsets,
+    code_offsets_of_pair,
+    codes_to_cache_order,
     debug_checks_enabled,
     dense_geometry,
     next_pow2,
@@ -576,8 +581,10 @@ def _quantize_tile(
     V2: tl.constexpr,
     MASKED: tl.constexpr,
     V3: tl.constexpr = False,
+    ORDER: tl.constexpr = 0,
 ):
-    """Quantize the fp32 tile ``x [R, C]`` along rows into the record at ``REC``.
+    """Quantize the fp32 tile ``x [R, C]`` along rows into the record at ``REC``, its code
+    bytes in the section's in-cache order ``ORDER`` (:func:`code_offsets`).
 
     In the masked kernel nothing is stored when ``ok`` is false.
     """
@@ -628,30 +635,35 @@ def _quantize_tile(
 
     # --- pack codes along the row, LSB first ---
     row_bytes: tl.constexpr = C * BITS // 8
-    if BITS == 4:
-        ev, od = tl.split(tl.reshape(q, [R, C // 2, 2]))
-        packed = ev | (od << 4)
-        jb = tl.arange(0, C // 2)
-        _st(
-            REC + OFF_CODES + r[:, None] * row_bytes + jb[None, :],
-            packed.to(tl.uint8),
-            ok_r[:, None] & (jb < C // 2)[None, :],
-            MASKED,
-        )
-    elif BITS == 2:
-        b0, b1 = tl.split(tl.reshape(q, [R, C // 4, 2, 2]))
-        c0, c2 = tl.split(b0)
-        c1, c3 = tl.split(b1)
-        packed = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
-        jb = tl.arange(0, C // 4)
-        _st(
-            REC + OFF_CODES + r[:, None] * row_bytes + jb[None, :],
-            packed.to(tl.uint8),
-            ok_r[:, None] & (jb < C // 4)[None, :],
-            MASKED,
-        )
+    if BITS == 4 or BITS == 2:
+        if BITS == 4:
+            ev, od = tl.split(tl.reshape(q, [R, C // 2, 2]))
+            packed = (ev | (od << 4)).to(tl.uint8)
+        else:
+            b0, b1 = tl.split(tl.reshape(q, [R, C // 4, 2, 2]))
+            c0, c2 = tl.split(b0)
+            c1, c3 = tl.split(b1)
+            packed = (c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)).to(tl.uint8)
+        jb = tl.arange(0, row_bytes)
+        if ORDER == 2:
+            # even rows, then odd rows: addressed by row pair, which Triton sees as contiguous
+            pe, po = tl.split(tl.permute(tl.reshape(packed, [R // 2, 2, row_bytes]), (0, 2, 1)))
+            pr = tl.arange(0, R // 2)
+            ok_p = ((pr < R // 2) & ok)[:, None] & (jb < row_bytes)[None, :]
+            off_e = code_offsets_of_pair(pr[:, None], 0, jb[None, :], R, row_bytes, 2)
+            off_o = code_offsets_of_pair(pr[:, None], 1, jb[None, :], R, row_bytes, 2)
+            _st(REC + OFF_CODES + off_e, pe, ok_p, MASKED)
+            _st(REC + OFF_CODES + off_o, po, ok_p, MASKED)
+        else:
+            _st(
+                REC + OFF_CODES + code_offsets(r[:, None], jb[None, :], R, row_bytes, ORDER),
+                packed,
+                ok_r[:, None] & (jb < row_bytes)[None, :],
+                MASKED,
+            )
     else:
         tl.static_assert(BITS == 5, "code widths are 2, 4 or 5")
+        tl.static_assert(ORDER == 0, "5-bit codes keep the official order")
         s0, s1 = tl.split(tl.reshape(q, [R, C // 8, 2, 2, 2]))
         s00, s01 = tl.split(s0)
         s10, s11 = tl.split(s1)
@@ -696,6 +708,8 @@ def _flush_kernel(
     OFF_VCS: tl.constexpr,
     OFF_VS: tl.constexpr,
     OFF_VZ: tl.constexpr,
+    K_ORDER: tl.constexpr,
+    V_ORDER: tl.constexpr,
     ITERS: tl.constexpr,
     PRECISE: tl.constexpr,
     V2: tl.constexpr,
@@ -775,7 +789,22 @@ def _flush_kernel(
             STRIDE,
         )
         _quantize_tile(
-            xk, ok, rec, OFF_KC, OFF_KS, OFF_KZ, OFF_KT, D, G, KB, ITERS, PRECISE, V2, MASKED, V3
+            xk,
+            ok,
+            rec,
+            OFF_KC,
+            OFF_KS,
+            OFF_KZ,
+            OFF_KT,
+            D,
+            G,
+            KB,
+            ITERS,
+            PRECISE,
+            V2,
+            MASKED,
+            V3,
+            K_ORDER,
         )
     else:
         # V tile [R = G tokens, C = D channels]: rows are tokens (per-token RTN).
@@ -802,7 +831,22 @@ def _flush_kernel(
             STRIDE,
         )
         _quantize_tile(
-            xv, ok, rec, OFF_VC, OFF_VS, OFF_VZ, OFF_VCS, G, D, VB, ITERS, PRECISE, V2, MASKED, V3
+            xv,
+            ok,
+            rec,
+            OFF_VC,
+            OFF_VS,
+            OFF_VZ,
+            OFF_VCS,
+            G,
+            D,
+            VB,
+            ITERS,
+            PRECISE,
+            V2,
+            MASKED,
+            V3,
+            V_ORDER,
         )
         if STRIDE > PAYLOAD:
             # Zero the record's padding so records are byte-identical to the reference.
@@ -1377,7 +1421,7 @@ def _flush_torch(
         _put_field(rec, geo.v_channel_scale, vc)
         _put_field(rec, geo.v_scale, vs)
         _put_field(rec, geo.v_zero, vz)
-        out = rec.reshape(m, hk, geo.record_stride)
+        out = codes_to_cache_order(rec, geo).reshape(m, hk, geo.record_stride)
         if masked:
             # Skipped tiles keep their records (a select, not a host-side filter: no sync).
             out = torch.where((first >= 0)[:, None, None], out, kv_cache[blocks])
