@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -299,18 +300,31 @@ def test_gpu_launches_run_on_threads_on_the_callers_device_and_stream(
 
 
 class _LaunchSpy:
-    """Wraps a Triton kernel: records each launch's keyword arguments (its compile-time
-    constants and launch options), then launches the real kernel."""
+    """Wraps a Triton kernel: records what selects each launch's compile, then launches the
+    real kernel: the keyword arguments (compile-time constants and launch options) and how
+    Triton specializes each positional int argument (being 1, being a multiple of 16) unless
+    it is one of ``runtime_ints`` (the kernel's ``do_not_specialize``; the interpreter does
+    not keep that list, so the test passes it)."""
 
-    def __init__(self, kernel: Any) -> None:
+    def __init__(self, kernel: Any, runtime_ints: tuple[str, ...] = ()) -> None:
         self.kernel = kernel
+        self.names = list(inspect.signature(kernel.fn).parameters)
+        self.runtime_ints = runtime_ints
         self.constants: list[dict[str, Any]] = []
 
     def __getitem__(self, grid: Any) -> Any:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
         launch = self.kernel[grid]
 
         def run(*args: Any, **kw: Any) -> Any:
-            self.constants.append(kw)
+            ints = {
+                name: native_specialize_impl(BaseBackend, a, False, True, True)
+                for name, a in zip(self.names, args, strict=False)
+                if type(a) is int and name not in self.runtime_ints
+            }
+            self.constants.append({**kw, **ints})
             return launch(*args, **kw)
 
         return run
@@ -321,14 +335,16 @@ def test_decode_compile_constants_do_not_depend_on_the_batch_size(
     device: torch.device, variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The warm-up compiles decode for batches of 1 and 16 requests per split count; every
-    other batch size must select the same compile-time constants, or serving compiles a new
-    kernel when the batch first reaches it (the eleventh session's head-512 engine did, v1's
-    request-search width following the batch size)."""
+    other batch size must select the compile-time constants and int specializations of one of
+    those, or serving compiles a new kernel when the batch first reaches it (the eleventh
+    session's head-512 engine did, v1's request-search width following the batch size; the
+    twelfth session's k5v5 engine too, v1's request count specialized on being 1 or a
+    multiple of 16)."""
     import kvarn_kernels.attention as attention
     import kvarn_kernels.decode_v4 as decode_v4
 
     spies = {
-        "v1": _LaunchSpy(attention._attn_kernel),
+        "v1": _LaunchSpy(attention._attn_kernel, attention.BATCH_INTS),
         "v4": _LaunchSpy(decode_v4.decode_v4_kernel),
     }
     monkeypatch.setattr(attention, "_attn_kernel", spies["v1"])
@@ -338,7 +354,8 @@ def test_decode_compile_constants_do_not_depend_on_the_batch_size(
     kv_cache = torch.zeros(2, hk, tile_bytes, dtype=torch.uint8, device=device)
     pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=device)
     block_to_slot = torch.tensor([-1, 0], dtype=torch.int32, device=device)
-    for reqs in (1, 3, 16, 21):
+    batches = (1, 16, 2, 3, 8, 21, 32, 33)  # the warm-up's two first
+    for reqs in batches:
         table = torch.tensor([[0, 1]] * reqs, dtype=torch.int32, device=device)
         decode_attention(
             fmt,
@@ -354,5 +371,7 @@ def test_decode_compile_constants_do_not_depend_on_the_batch_size(
             variant=variant,
         )
     launched = spies["v1" if variant == "v1" else "v4"].constants
-    assert len(launched) == 4
-    assert all(kw == launched[0] for kw in launched[1:]), launched
+    assert len(launched) == len(batches)
+    warm = launched[:2]
+    for reqs, kw in zip(batches[2:], launched[2:], strict=True):
+        assert kw in warm, f"{reqs} requests: {kw} is none of the warm-up's {warm}"
