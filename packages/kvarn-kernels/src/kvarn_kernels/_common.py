@@ -229,7 +229,9 @@ def pool_shadow_rows(pool_k: torch.Tensor, group: int, kv_cache: torch.Tensor | 
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def code_offsets(row, col, ROWS: tl.constexpr, COLS: tl.constexpr, ORDER: tl.constexpr):  # type: ignore[no-untyped-def]  # a Triton JIT helper
+def code_offsets(  # type: ignore[no-untyped-def]  # a Triton JIT helper
+    row, col, ROWS: tl.constexpr, COLS: tl.constexpr, ORDER: tl.constexpr
+):
     """Byte offsets in a code section of ``ROWS`` rows of ``COLS`` bytes (K: channels of
     token-pair bytes; V: tokens of channel bytes) of the bytes ``(row, col)`` (broadcast
     tensors), in the section's in-cache order ``ORDER`` (:class:`kvarn_format.CodeOrder`:
@@ -240,6 +242,19 @@ def code_offsets(row, col, ROWS: tl.constexpr, COLS: tl.constexpr, ORDER: tl.con
         off = (row % 2) * (COLS * (ROWS // 2)) + col * (ROWS // 2) + row // 2
     else:
         off = row * COLS + col
+    return off
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def code_offsets_of_pair(  # type: ignore[no-untyped-def]  # a Triton JIT helper
+    pair, PARITY: tl.constexpr, col, ROWS: tl.constexpr, COLS: tl.constexpr, ORDER: tl.constexpr
+):
+    """:func:`code_offsets` of row ``2 * pair + PARITY``: the same offsets, written so that
+    Triton's contiguity analysis sees consecutive pairs as consecutive bytes in order 2."""
+    if ORDER == 2:
+        off = PARITY * (COLS * (ROWS // 2)) + col * (ROWS // 2) + pair
+    else:
+        off = code_offsets(pair * 2 + PARITY, col, ROWS, COLS, ORDER)
     return off
 
 
@@ -271,19 +286,6 @@ def codes_from_cache_order(records: torch.Tensor, geo: DenseGeometry) -> torch.T
             sec = sec.reshape(*lead, 2, cols, rows // 2).movedim(-1, -3)
         out[..., off : off + rows * cols] = sec.reshape(*lead, rows * cols)
     return out
-
-
-@triton.jit  # type: ignore[untyped-decorator]
-def code_offsets_of_pair(
-    pair, PARITY: tl.constexpr, col, ROWS: tl.constexpr, COLS: tl.constexpr, ORDER: tl.constexpr
-):  # type: ignore[no-untyped-def]  # a Triton JIT helper
-    """:func:`code_offsets` of row ``2 * pair + PARITY``: the same offsets, written so that
-    Triton's contiguity analysis sees consecutive pairs as consecutive bytes in order 2."""
-    if ORDER == 2:
-        off = PARITY * (COLS * (ROWS // 2)) + col * (ROWS // 2) + pair
-    else:
-        off = code_offsets(pair * 2 + PARITY, col, ROWS, COLS, ORDER)
-    return off
 
 
 @triton.jit  # type: ignore[untyped-decorator]
