@@ -618,14 +618,14 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
         log(f"variant decode B={bsz} ctx={ctx} v4c without pool blocks: {r}")
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
-        # v1 (the reference), v4c with the MMA's 16 query rows (the default until the
-        # eleventh session), v4c (the default, 8 rows) and v4d with 8 rows (v4c, the pool
-        # phase in a launch of its own)
+        # v1 (the reference), v4c (the default, 8 rows), v4d with 8 rows (v4c, the pool
+        # phase in a launch of its own) and v4e (v4c with the top-bits unpack, twelfth
+        # session)
         configs: list[dict[str, Any]] = [
             {"variant": "v1"},
-            {"variant": "v4c", "mma_rows": 16},
             {"variant": "v4c"},
             {"variant": "v4d", "mma_rows": 8},
+            {"variant": "v4e"},
         ]
         base = None
         for cfg in configs:  # v1 first: the reference of rel_diff_vs_v1

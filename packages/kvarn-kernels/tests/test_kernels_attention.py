@@ -58,8 +58,8 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d"]
-VARIANT_IDS = ["variant1", "variant4", "variant4b", "variant4c", "variant4d"]
+VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d", "v4e"]
+VARIANT_IDS = ["variant1", "variant4", "variant4b", "variant4c", "variant4d", "variant4e"]
 # v4d is decode only
 VERIFY_VARIANTS = [v for v in VARIANTS if v != "v4d"]
 VERIFY_VARIANT_IDS = [i for v, i in zip(VARIANTS, VARIANT_IDS, strict=True) if v != "v4d"]
