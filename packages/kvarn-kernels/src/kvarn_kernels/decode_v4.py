@@ -66,54 +66,36 @@ from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM, _split_blocks
 __all__ = ["decode_v4_config", "decode_v4_kernel"]
 
 
+def _top_bits_ptx(bits: int, exponent: int) -> str:
+    """PTX of the v4e unpack of ``bits``-bit codes: ``$0 .. $(2F-1)`` (``F = 8 / bits``
+    fields, two fp16 per output) from the four bytes in ``$(2F)``, field ``f`` of bytes 0,1
+    in ``$(2f)`` and of bytes 2,3 in ``$(2f+1)``, each as ``exponent | code << (10 - bits)``."""
+    fields = 8 // bits
+    top = 10 - bits  # the field's lowest bit in the mantissa
+    mask = ((1 << bits) - 1) << top
+    lines = [
+        "{",
+        ".reg .b32 t0, t1, u0, u1;",
+        f"prmt.b32 t0, ${2 * fields}, 0, 0x4140;",
+        f"prmt.b32 t1, ${2 * fields}, 0, 0x4342;",
+    ]
+    for f in range(fields):
+        lines += [f"shl.b32 u{i}, t{i}, {top - bits * f};" for i in (0, 1)]
+        lines += [
+            f"lop3.b32 ${2 * f + i}, u{i}, 0x{mask:04X}{mask:04X}, 0x{exponent:04X}{exponent:04X}, 0xEA;"
+            for i in (0, 1)
+        ]
+    return "\n".join([*lines, "}"])
+
+
 # (v4e) PTX unpacks with the code in the top bits of the fp16 mantissa: a 4-bit code c
 # becomes 16 + c (0x4C00 | c << 6), a 2-bit one 4 + c (0x4400 | c << 8). prmt spreads bytes
 # 0,1 and 2,3 into the low bytes of the two halves, shl moves each field under the mask, lop3
 # computes (x & mask) | exponent. The offset (16 or 4 code steps) is small enough to fold into
 # the zero point without losing the code's precision (1024 + c, the mantissa's bottom bits,
 # would put the folded zero point 1024 steps away and round it to a whole step).
-_UNPACK4_TOP_ASM: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 t0, t1, u0, u1;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-shl.b32 u0, t0, 6;
-shl.b32 u1, t1, 6;
-lop3.b32 $0, u0, 0x03C003C0, 0x4C004C00, 0xEA;
-lop3.b32 $1, u1, 0x03C003C0, 0x4C004C00, 0xEA;
-shl.b32 u0, t0, 2;
-shl.b32 u1, t1, 2;
-lop3.b32 $2, u0, 0x03C003C0, 0x4C004C00, 0xEA;
-lop3.b32 $3, u1, 0x03C003C0, 0x4C004C00, 0xEA;
-}
-""")
-_UNPACK2_TOP_ASM: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 t0, t1, u0, u1;
-prmt.b32 t0, $8, 0, 0x4140;
-prmt.b32 t1, $8, 0, 0x4342;
-shl.b32 u0, t0, 8;
-shl.b32 u1, t1, 8;
-lop3.b32 $0, u0, 0x03000300, 0x44004400, 0xEA;
-lop3.b32 $1, u1, 0x03000300, 0x44004400, 0xEA;
-shl.b32 u0, t0, 6;
-shl.b32 u1, t1, 6;
-lop3.b32 $2, u0, 0x03000300, 0x44004400, 0xEA;
-lop3.b32 $3, u1, 0x03000300, 0x44004400, 0xEA;
-shl.b32 u0, t0, 4;
-shl.b32 u1, t1, 4;
-lop3.b32 $4, u0, 0x03000300, 0x44004400, 0xEA;
-lop3.b32 $5, u1, 0x03000300, 0x44004400, 0xEA;
-shl.b32 u0, t0, 2;
-shl.b32 u1, t1, 2;
-lop3.b32 $6, u0, 0x03000300, 0x44004400, 0xEA;
-lop3.b32 $7, u1, 0x03000300, 0x44004400, 0xEA;
-}
-""")
-
-
-#: constraints of the 2-bit unpacks: eight fp16 pairs out, one word in
-_OUT8: tl.constexpr = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r")
+_UNPACK4_TOP_ASM: tl.constexpr = tl.constexpr(_top_bits_ptx(4, 0x4C00))
+_UNPACK2_TOP_ASM: tl.constexpr = tl.constexpr(_top_bits_ptx(2, 0x4400))
 
 
 @triton.jit
@@ -124,25 +106,11 @@ def _nibbles(b, FAST: tl.constexpr, TOP: tl.constexpr = False):
     ``FAST`` (GPU only): the inline-PTX unpack of :mod:`kvarn_kernels.attention` (or this
     module's top-bits one), four bytes per block, about one instruction per code.
     """
+    asm: tl.constexpr = _UNPACK4_TOP_ASM if TOP else _UNPACK4_ASM
     if FAST:
-        if TOP:
-            lo, hi = tl.inline_asm_elementwise(
-                _UNPACK4_TOP_ASM,
-                "=r,=r,=r,=r,r",
-                [b],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=4,
-            )
-        else:
-            lo, hi = tl.inline_asm_elementwise(
-                _UNPACK4_ASM,
-                "=r,=r,=r,=r,r",
-                [b],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=4,
-            )
+        lo, hi = tl.inline_asm_elementwise(
+            asm, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+        )
     else:
         x = b.to(tl.int16)
         if TOP:
@@ -164,24 +132,15 @@ def _fields(b, VB: tl.constexpr, FAST: tl.constexpr, TOP: tl.constexpr = False):
         f2 = f0
         f3 = f1
     elif FAST:
-        if TOP:
-            f0, f1, f2, f3 = tl.inline_asm_elementwise(
-                _UNPACK2_TOP_ASM,
-                _OUT8,
-                [b],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                is_pure=True,
-                pack=4,
-            )
-        else:
-            f0, f1, f2, f3 = tl.inline_asm_elementwise(
-                _UNPACK2_ASM,
-                _OUT8,
-                [b],
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                is_pure=True,
-                pack=4,
-            )
+        asm: tl.constexpr = _UNPACK2_TOP_ASM if TOP else _UNPACK2_ASM
+        f0, f1, f2, f3 = tl.inline_asm_elementwise(
+            asm,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r",
+            [b],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
     else:
         x = b.to(tl.int16)
         if TOP:
