@@ -49,8 +49,10 @@ in unscaled, as in FlashAttention.
 code``) and folds that offset into the zero point: operand ``fp16((16 + code) * s/8 + (z -
 16 s)/8)`` in one fused multiply-add, with the scores and outputs multiplied by 8. Its bound:
 ``|z - 16 s| <= 88,421 + 16 * 11,789`` (``15 s`` spans at most twice 88,421) ``= 277,045``,
-34,631 after the division by 8. The folded zero point is rounded once more than in v4c (to
-fp16, relative ``2^-11`` of its magnitude, the same order as the operand's own rounding).
+34,631 after the division by 8. The folded zero point is rounded to fp16 once per tile and
+channel (K) or token (V): for symmetric data about three times an operand's own rounding, and
+a bias that every token of the tile shares (CPU tests: 0.4-3.6x v4c's difference from the
+reference decoder; docs/kernel-notes.md, round 9).
 
 4-bit keys with 2- or 4-bit values only: 5-bit codes straddle bytes (v1 serves them).
 """
