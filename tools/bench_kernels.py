@@ -619,13 +619,14 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
         # v1 (the reference), v4c (the default, 8 rows), v4d with 8 rows (v4c, the pool
-        # phase in a launch of its own) and v4e (v4c with the top-bits unpack, twelfth
-        # session)
+        # phase in a launch of its own), v4e and v4f (v4c and v4d with the top-bits unpack,
+        # twelfth session)
         configs: list[dict[str, Any]] = [
             {"variant": "v1"},
             {"variant": "v4c"},
             {"variant": "v4d", "mma_rows": 8},
             {"variant": "v4e"},
+            {"variant": "v4f", "mma_rows": 8},
         ]
         base = None
         for cfg in configs:  # v1 first: the reference of rel_diff_vs_v1

@@ -76,9 +76,9 @@ TEST_GROUPS = {
     # scales masked at the load): every decode test. v4b's group (all passed in the seventh
     # to ninth sessions) left the check for the candidates below.
     "decode_v4c": ["test_kernels_attention.py", "-k", "variant4c"],
-    # v4e (twelfth session): v4c with the top-bits unpack and the code offset in the zero
-    # points (inline PTX and fused fp16 multiply-adds that only the GPU runs)
-    "decode_v4e": ["test_kernels_attention.py", "-k", "variant4e"],
+    # v4e and v4f (twelfth session): v4c and v4d with the top-bits unpack and the code offset
+    # in the zero points (inline PTX and fused fp16 multiply-adds that only the GPU runs)
+    "decode_v4e": ["test_kernels_attention.py", "-k", "variant4e or variant4f"],
     # v4c with fewer query rows than the MMA's 16 (Triton pads inside the MMA; tenth session)
     "decode_mma_rows": ["test_kernels_attention.py", "-k", "mma_rows"],
     # v4d (tenth session): v4c with the pool phase in a launch of its own
@@ -195,14 +195,15 @@ DECODE_ROW_SHAPES: list[dict[str, Any]] = [
 ]
 #: The decode configurations timed at every case, v1 first (v4c: round 7's pool phase and wide
 #: scale loads with masked scale loads, the default, with 8 query rows per program since the
-#: eleventh session; v4d: v4c with the pool phase in a launch of its own; v4e: v4c with the
-#: codes in the top bits of the fp16 mantissa and their offset folded into the zero points,
-#: twelfth session; docs/kernel-notes.md).
+#: eleventh session; v4d: v4c with the pool phase in a launch of its own; v4e and v4f: v4c and
+#: v4d with the codes in the top bits of the fp16 mantissa and their offset folded into the
+#: zero points, twelfth session; docs/kernel-notes.md).
 DECODE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4c"},
     {"variant": "v4d", "mma_rows": 8},
     {"variant": "v4e"},
+    {"variant": "v4f", "mma_rows": 8},
 ]
 
 

@@ -36,11 +36,13 @@ import bench_kernels as bk  # tools/ is not a package
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvarn_kernels.attention import DECODE_VARIANTS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", default="kvarn_k4v2_g128")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=16384)
-    ap.add_argument("--variant", default="auto", choices=["auto", "v1", "v4", "v4b", "v4c", "v4d"])
+    ap.add_argument("--variant", default="auto", choices=["auto", *DECODE_VARIANTS])
     args = ap.parse_args(argv)
 
     import torch

@@ -378,9 +378,12 @@ variant("decode_v4c verify4 kvarn_k4v2_g128 d128 qpk4")(
     lambda: _decode_v4_default("kvarn_k4v2_g128", 128, 4, True, verify_tokens=4, masked=True)
 )
 
-# v4e (twelfth session): v4c with the codes unpacked into the top bits of the fp16 mantissa
-# and the offset folded into the zero points (one fma per two codes, no subtraction)
+# v4e and v4f (twelfth session): v4c and v4d with the codes unpacked into the top bits of the
+# fp16 mantissa and the offset folded into the zero points (one fma per two codes)
 for _n, _d in (("kvarn_k4v2_g128", 128), ("kvarn_k4v4_g128", 128), ("kvarn_k4v2_g128", 256)):
-    variant(f"decode_v4e default {_n} d{_d} qpk4")(
-        lambda _n=_n, _d=_d: _decode_v4_default(_n, _d, 4, True, masked=True, top=True)
-    )
+    for _v in ("v4e", "v4f"):
+        variant(f"decode_{_v} default {_n} d{_d} qpk4")(
+            lambda _n=_n, _d=_d, _v=_v: _decode_v4_default(
+                _n, _d, 4, True, masked=True, top=True, pool_split=_v == "v4f"
+            )
+        )

@@ -37,6 +37,7 @@ from kvarn_kernels import (
 )
 from kvarn_kernels._common import next_pow2
 from kvarn_kernels.attention import (
+    POOL_SPLIT_VARIANTS,
     UNSAFE_HEAD_DIM_512_ENV,
     decode_partials,
     verify_rows,
@@ -58,11 +59,11 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d", "v4e"]
-VARIANT_IDS = ["variant1", "variant4", "variant4b", "variant4c", "variant4d", "variant4e"]
-# v4d is decode only
-VERIFY_VARIANTS = [v for v in VARIANTS if v != "v4d"]
-VERIFY_VARIANT_IDS = [i for v, i in zip(VARIANTS, VARIANT_IDS, strict=True) if v != "v4d"]
+VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d", "v4e", "v4f"]
+VARIANT_IDS = [f"variant{v[1:]}" for v in VARIANTS]
+# v4d and v4f (the pool phase in a launch of its own) are decode only
+VERIFY_VARIANTS = [v for v in VARIANTS if v not in POOL_SPLIT_VARIANTS]
+VERIFY_VARIANT_IDS = [f"variant{v[1:]}" for v in VERIFY_VARIANTS]
 
 
 def _v4_refuses(name: str, variant: str, d: int, device: torch.device) -> bool:
@@ -133,7 +134,7 @@ def _assert_close(
     row: float = 3e-2,
     variant: str = "",
 ) -> None:
-    if variant == "v4e":
+    if variant in ("v4e", "v4f"):  # v4e's unpack
         tot = max(tot, V4E_TOT)
     assert bool(torch.isfinite(out).all()), "output has NaN/Inf (unwritten or poisoned)"
     o = out.double()
@@ -705,11 +706,11 @@ def test_decode_attention_mma_rows(
         ("v4_prefetch", "applies to variant='v1' only"),
         (
             "v1_stages",
-            "num_stages applies to the variants \\('v4', 'v4b', 'v4c', 'v4d', 'v4e'\\) only",
+            "num_stages applies to the variants \\('v4', 'v4b', 'v4c', 'v4d', 'v4e', 'v4f'\\) only",
         ),
         (
             "v1_mma_rows",
-            "mma_rows applies to the variants \\('v4', 'v4b', 'v4c', 'v4d', 'v4e'\\) only",
+            "mma_rows applies to the variants \\('v4', 'v4b', 'v4c', 'v4d', 'v4e', 'v4f'\\) only",
         ),
         ("v1_max_registers", "max_registers applies to the variants"),
         ("max_registers_range", "max_registers must lie in \\[64, 255\\], got 300"),
@@ -717,7 +718,7 @@ def test_decode_attention_mma_rows(
         ("mma_rows_odd", "mma_rows must be a power of two"),
         (
             "v3_removed",
-            "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c', 'v4d', 'v4e'\\)",
+            "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c', 'v4d', 'v4e', 'v4f'\\)",
         ),
     ],
 )

@@ -79,11 +79,11 @@ __all__ = [
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
-DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v4e")
+DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v4e", "v4f")
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
-V4_VARIANTS = ("v4", "v4b", "v4c", "v4d", "v4e")
+V4_VARIANTS = ("v4", "v4b", "v4c", "v4d", "v4e", "v4f")
 #: The variants whose pool phase runs in a launch of its own (a partial more to merge).
-POOL_SPLIT_VARIANTS = ("v4d",)
+POOL_SPLIT_VARIANTS = ("v4d", "v4f")
 
 
 #: The query rows per program ``decode_attention(mma_rows=...)`` takes (v4 variants).
@@ -940,9 +940,9 @@ def _launch(
             block_n,
             num_warps,
             num_stages,
-            round7=variant in ("v4b", "v4c", "v4d", "v4e"),
-            masked_scales=variant in ("v4c", "v4d", "v4e"),
-            top_bits=variant == "v4e",
+            round7=variant in ("v4b", "v4c", "v4d", "v4e", "v4f"),
+            masked_scales=variant in ("v4c", "v4d", "v4e", "v4f"),
+            top_bits=variant in ("v4e", "v4f"),
             pool_split=variant in POOL_SPLIT_VARIANTS,
             hq=hq,
             query_start_loc=query_start_loc,
@@ -1198,7 +1198,10 @@ def decode_attention(
             offset folded into the zero points, so an operand costs one fma per two codes
             instead of a subtraction and an fma (experimental, twelfth session: 7.6% fewer
             loop instructions at k4v2_g128, not yet timed on a GPU; operands carry a factor
-            1/8 instead of 1/2, so a folded zero point 16 steps out stays inside fp16).
+            1/8 instead of 1/2, so a folded zero point 16 steps out stays inside fp16; its
+            fp16 rounding costs precision: 0.4-3.6x v4c's difference from the reference in
+            the CPU tests). ``"v4f"``: v4d with v4e's unpack (experimental: 1,834 loop
+            instructions at k4v2_g128 against v4c's 2,125, not yet timed).
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads
             (default: the launch config's, 2 at head dim 128, 1 from 256:
             ``decode_v4.decode_v4_config``).
