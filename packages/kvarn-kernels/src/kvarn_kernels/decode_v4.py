@@ -83,10 +83,8 @@ def _top_bits_ptx(bits: int, exponent: int) -> str:
     ]
     for f in range(fields):
         lines += [f"shl.b32 u{i}, t{i}, {top - bits * f};" for i in (0, 1)]
-        lines += [
-            f"lop3.b32 ${2 * f + i}, u{i}, 0x{mask:04X}{mask:04X}, 0x{exponent:04X}{exponent:04X}, 0xEA;"
-            for i in (0, 1)
-        ]
+        masks = f"0x{mask:04X}{mask:04X}, 0x{exponent:04X}{exponent:04X}"
+        lines += [f"lop3.b32 ${2 * f + i}, u{i}, {masks}, 0xEA;" for i in (0, 1)]
     return "\n".join([*lines, "}"])
 
 
@@ -296,8 +294,9 @@ def decode_v4_kernel(
     no longer zeroed (their scores are masked to ``-inf`` anyway, and the record values are
     finite: a packed block is a whole tile the store wrote). Static SASS of the main loop:
     2,512 instructions instead of 2,951 (k4v2_g128), 2,680 instead of 3,144 (k4v4_g128).
-    ``TOP`` (``variant="v4e"``, with ``MASKED_SCALES``): codes unpack into the top bits of the
-    fp16 mantissa (``16 + code``; ``4 + code`` for 2-bit values) and the operands are
+    ``TOP`` (``variant="v4e"``, and ``"v4f"`` with ``PHASES``; with ``MASKED_SCALES``): codes
+    unpack into the top bits of the fp16 mantissa (``16 + code``; ``4 + code`` for 2-bit
+    values) and the operands are
     ``code * s / 8 + (z - offset * s) / 8``, one fused multiply-add per two codes where the
     bottom-bits unpack (``1024 + code``) needs a subtraction first; 1/8 instead of 1/2 keeps
     the folded zero point, at most 16 steps further out, inside fp16 (twelfth session: loop
