@@ -23,6 +23,7 @@ checkpoints, exported records) uses §2.1's order; :func:`to_cache_order` and
 from __future__ import annotations
 
 from enum import IntEnum
+from functools import cache
 
 import numpy as np
 import numpy.typing as npt
@@ -30,7 +31,13 @@ import numpy.typing as npt
 from kvarn_format.geometry import record_layout
 from kvarn_format.registry import DenseFormat
 
-__all__ = ["CodeOrder", "code_orders", "code_sections", "from_cache_order", "to_cache_order"]
+__all__ = [
+    "CodeOrder",
+    "cache_permutation",
+    "code_orders",
+    "from_cache_order",
+    "to_cache_order",
+]
 
 
 class CodeOrder(IntEnum):
@@ -52,7 +59,7 @@ def code_orders(fmt: DenseFormat) -> tuple[CodeOrder, CodeOrder]:
     return CodeOrder.OFFICIAL, CodeOrder.OFFICIAL
 
 
-def code_sections(fmt: DenseFormat, head_dim: int) -> list[tuple[int, int, int, CodeOrder]]:
+def _code_sections(fmt: DenseFormat, head_dim: int) -> list[tuple[int, int, int, CodeOrder]]:
     """(offset, rows, row bytes, in-cache order) of the K and V code sections of a record."""
     layout = record_layout(fmt, head_dim)
     g, d = fmt.group, head_dim
@@ -63,33 +70,23 @@ def code_sections(fmt: DenseFormat, head_dim: int) -> list[tuple[int, int, int, 
     ]
 
 
-def _permute(section: npt.NDArray[np.uint8], rows: int, order: CodeOrder) -> npt.NDArray[np.uint8]:
-    """``[..., rows, row_bytes]`` (official) -> ``[..., rows * row_bytes]`` in ``order``."""
-    lead = section.shape[:-2]
-    if order == CodeOrder.TRANSPOSED:
-        out = np.swapaxes(section, -1, -2)
-    elif order == CodeOrder.PARITY:
-        pairs = section.reshape(*lead, rows // 2, 2, section.shape[-1])
-        out = np.moveaxis(pairs, -3, -1)  # [..., parity, row_bytes, rows / 2]
-    else:
-        out = section
-    return np.ascontiguousarray(out).reshape(*lead, -1)
-
-
-def _unpermute(
-    flat: npt.NDArray[np.uint8], rows: int, row_bytes: int, order: CodeOrder
-) -> npt.NDArray[np.uint8]:
-    """The inverse of :func:`_permute`: ``[..., rows * row_bytes]`` -> official
-    ``[..., rows, row_bytes]``."""
-    lead = flat.shape[:-1]
-    if order == CodeOrder.TRANSPOSED:
-        out = np.swapaxes(flat.reshape(*lead, row_bytes, rows), -1, -2)
-    elif order == CodeOrder.PARITY:
-        split = flat.reshape(*lead, 2, row_bytes, rows // 2)
-        out = np.moveaxis(split, -1, -3).reshape(*lead, rows, row_bytes)
-    else:
-        out = flat.reshape(*lead, rows, row_bytes)
-    return np.ascontiguousarray(out)
+@cache
+def cache_permutation(fmt: DenseFormat, head_dim: int) -> npt.NDArray[np.int64]:
+    """The in-cache order as a gather over a record's payload: byte ``i`` of a cached record
+    is byte ``perm[i]`` of the same record in §2.1's order (``i`` < payload bytes; padding
+    stays in place). Read-only; :func:`to_cache_order` and :func:`from_cache_order` (and
+    kvarn-kernels' torch twins) are this gather and its inverse."""
+    perm = np.arange(record_layout(fmt, head_dim).payload_bytes, dtype=np.int64)
+    for off, rows, row_bytes, order in _code_sections(fmt, head_dim):
+        official = perm[off : off + rows * row_bytes].reshape(rows, row_bytes)
+        cached: npt.NDArray[np.int64] = official
+        if order == CodeOrder.TRANSPOSED:
+            cached = official.T
+        elif order == CodeOrder.PARITY:  # [parity, row bytes, row pair]
+            cached = official.reshape(rows // 2, 2, row_bytes).transpose(1, 2, 0)
+        perm[off : off + rows * row_bytes] = cached.reshape(-1)
+    perm.flags.writeable = False
+    return perm
 
 
 def _check_records(records: npt.NDArray[np.uint8], fmt: DenseFormat, head_dim: int) -> None:
@@ -111,12 +108,9 @@ def to_cache_order(
     """A copy of ``records`` (``[..., record bytes]``, §2.1's order) with the code bytes in
     the in-cache order of ``fmt``. Bytes past the payload (padding) are kept."""
     _check_records(records, fmt, head_dim)
+    perm = cache_permutation(fmt, head_dim)
     out = records.copy()
-    for off, rows, row_bytes, order in code_sections(fmt, head_dim):
-        sec = records[..., off : off + rows * row_bytes]
-        out[..., off : off + rows * row_bytes] = _permute(
-            sec.reshape(*sec.shape[:-1], rows, row_bytes), rows, order
-        )
+    out[..., : perm.size] = records[..., perm]
     return out
 
 
@@ -126,9 +120,7 @@ def from_cache_order(
     """The inverse of :func:`to_cache_order`: records read from a paged cache, in §2.1's
     order."""
     _check_records(records, fmt, head_dim)
+    perm = cache_permutation(fmt, head_dim)
     out = records.copy()
-    for off, rows, row_bytes, order in code_sections(fmt, head_dim):
-        sec = records[..., off : off + rows * row_bytes]
-        official = _unpermute(sec, rows, row_bytes, order)
-        out[..., off : off + rows * row_bytes] = official.reshape(*sec.shape[:-1], -1)
+    out[..., perm] = records[..., : perm.size]
     return out

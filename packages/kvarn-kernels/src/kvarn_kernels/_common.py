@@ -17,7 +17,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_format import DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype, record_layout
-from kvarn_format.cache_order import CodeOrder, code_orders, code_sections
+from kvarn_format.cache_order import CodeOrder, cache_permutation, code_orders
 from kvarn_format.geometry import shadow_rows
 from kvarn_format.registry import KVarNFormat
 
@@ -258,33 +258,26 @@ def code_offsets_of_pair(  # type: ignore[no-untyped-def]  # a Triton JIT helper
     return off
 
 
+def _cache_permutation(geo: DenseGeometry, device: torch.device) -> torch.Tensor:
+    return torch.tensor(cache_permutation(geo.fmt, geo.head_dim), device=device)
+
+
 def codes_to_cache_order(records: torch.Tensor, geo: DenseGeometry) -> torch.Tensor:
     """``records`` (``uint8 [..., record bytes]`` in docs/format.md §2.1's order) with their
     code bytes in the in-cache order, as a new tensor (torch twin of
-    :func:`kvarn_format.to_cache_order`)."""
+    :func:`kvarn_format.to_cache_order`: the same gather)."""
+    perm = _cache_permutation(geo, records.device)
     out = records.clone()
-    for off, rows, cols, order in code_sections(geo.fmt, geo.head_dim):
-        sec = records[..., off : off + rows * cols].reshape(*records.shape[:-1], rows, cols)
-        if order == CodeOrder.TRANSPOSED:
-            sec = sec.transpose(-1, -2)
-        elif order == CodeOrder.PARITY:
-            sec = sec.reshape(*records.shape[:-1], rows // 2, 2, cols).movedim(-3, -1)
-        out[..., off : off + rows * cols] = sec.reshape(*records.shape[:-1], rows * cols)
+    out[..., : perm.numel()] = records[..., perm]
     return out
 
 
 def codes_from_cache_order(records: torch.Tensor, geo: DenseGeometry) -> torch.Tensor:
     """The inverse of :func:`codes_to_cache_order`: records read from a paged cache in §2.1's
     order (a new tensor)."""
+    perm = _cache_permutation(geo, records.device)
     out = records.clone()
-    lead = records.shape[:-1]
-    for off, rows, cols, order in code_sections(geo.fmt, geo.head_dim):
-        sec = records[..., off : off + rows * cols]
-        if order == CodeOrder.TRANSPOSED:
-            sec = sec.reshape(*lead, cols, rows).transpose(-1, -2)
-        elif order == CodeOrder.PARITY:
-            sec = sec.reshape(*lead, 2, cols, rows // 2).movedim(-1, -3)
-        out[..., off : off + rows * cols] = sec.reshape(*lead, rows * cols)
+    out[..., perm] = records[..., : perm.numel()]
     return out
 
 
