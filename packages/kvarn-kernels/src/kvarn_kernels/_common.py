@@ -235,11 +235,12 @@ def code_offsets(  # type: ignore[no-untyped-def]  # a Triton JIT helper
     """Byte offsets in a code section of ``ROWS`` rows of ``COLS`` bytes (K: channels of
     token-pair bytes; V: tokens of channel bytes) of the bytes ``(row, col)`` (broadcast
     tensors), in the section's in-cache order ``ORDER`` (:class:`kvarn_format.CodeOrder`:
-    0 row-major, 1 column-major, 2 even rows then odd rows, each column-major)."""
-    if ORDER == 1:
+    0 row-major, 1 column-major). Order 2 (even rows, then odd rows) is addressed by row pair,
+    :func:`code_offsets_of_pair`: with ``row // 2`` in the address Triton's contiguity
+    analysis does not see consecutive bytes."""
+    tl.static_assert(ORDER != 2, "order 2 is addressed by row pair: code_offsets_of_pair")
+    if ORDER == 1:  # noqa: SIM108 (a constexpr branch)
         off = col * ROWS + row
-    elif ORDER == 2:
-        off = (row % 2) * (COLS * (ROWS // 2)) + col * (ROWS // 2) + row // 2
     else:
         off = row * COLS + col
     return off
@@ -249,8 +250,8 @@ def code_offsets(  # type: ignore[no-untyped-def]  # a Triton JIT helper
 def code_offsets_of_pair(  # type: ignore[no-untyped-def]  # a Triton JIT helper
     pair, PARITY: tl.constexpr, col, ROWS: tl.constexpr, COLS: tl.constexpr, ORDER: tl.constexpr
 ):
-    """:func:`code_offsets` of row ``2 * pair + PARITY``: the same offsets, written so that
-    Triton's contiguity analysis sees consecutive pairs as consecutive bytes in order 2."""
+    """:func:`code_offsets` of row ``2 * pair + PARITY``, and the addressing of order 2: byte
+    ``col`` of the row at ``PARITY * COLS * ROWS / 2 + col * ROWS / 2 + pair``."""
     if ORDER == 2:
         off = PARITY * (COLS * (ROWS // 2)) + col * (ROWS // 2) + pair
     else:
