@@ -596,6 +596,21 @@ def bench_fa3_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
 # variants (one run, several code paths; outputs cross-checked)
 
 
+#: The decode code paths compared in one run (here and by ``tools/gpu_kernel_check.py``), v1
+#: first (the reference of ``rel_diff_vs_v1``): v4c, the default (round 7's pool phase and
+#: wide scale loads with masked scale loads, 8 query rows per program since the eleventh
+#: session); v4d, v4c with the pool phase in a launch of its own; v4e and v4f, v4c and v4d
+#: with the codes in the top bits of the fp16 mantissa and their offset folded into the zero
+#: points (twelfth session; docs/kernel-notes.md).
+DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
+    {"variant": "v1"},
+    {"variant": "v4c"},
+    {"variant": "v4d", "mma_rows": 8},
+    {"variant": "v4e"},
+    {"variant": "v4f", "mma_rows": 8},
+]
+
+
 def run_variants(parts: set[str]) -> dict[str, Any]:
     import torch
 
@@ -618,18 +633,8 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
         log(f"variant decode B={bsz} ctx={ctx} v4c without pool blocks: {r}")
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
-        # v1 (the reference), v4c (the default, 8 rows), v4d with 8 rows (v4c, the pool
-        # phase in a launch of its own), v4e and v4f (v4c and v4d with the top-bits unpack,
-        # twelfth session)
-        configs: list[dict[str, Any]] = [
-            {"variant": "v1"},
-            {"variant": "v4c"},
-            {"variant": "v4d", "mma_rows": 8},
-            {"variant": "v4e"},
-            {"variant": "v4f", "mma_rows": 8},
-        ]
         base = None
-        for cfg in configs:  # v1 first: the reference of rel_diff_vs_v1
+        for cfg in DECODE_VARIANT_CONFIGS:  # v1 first: the reference of rel_diff_vs_v1
             r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))
             o = decode_once(inp, **cfg).float()
             if base is None:

@@ -193,18 +193,8 @@ DECODE_ROW_SHAPES: list[dict[str, Any]] = [
     {"variant": "v4c", "num_stages": 1},
     {"variant": "v4c", "num_stages": 3},
 ]
-#: The decode configurations timed at every case, v1 first (v4c: round 7's pool phase and wide
-#: scale loads with masked scale loads, the default, with 8 query rows per program since the
-#: eleventh session; v4d: v4c with the pool phase in a launch of its own; v4e and v4f: v4c and
-#: v4d with the codes in the top bits of the fp16 mantissa and their offset folded into the
-#: zero points, twelfth session; docs/kernel-notes.md).
-DECODE_CONFIGS: list[dict[str, Any]] = [
-    {"variant": "v1"},
-    {"variant": "v4c"},
-    {"variant": "v4d", "mma_rows": 8},
-    {"variant": "v4e"},
-    {"variant": "v4f", "mma_rows": 8},
-]
+#: The decode configurations timed at every case: bench_kernels' code paths, v1 first.
+DECODE_CONFIGS = bk.DECODE_VARIANT_CONFIGS
 
 
 def decode_runs(

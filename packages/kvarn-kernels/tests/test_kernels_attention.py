@@ -38,6 +38,7 @@ from kvarn_kernels import (
 from kvarn_kernels._common import next_pow2
 from kvarn_kernels.attention import (
     POOL_SPLIT_VARIANTS,
+    TOP_BITS_VARIANTS,
     UNSAFE_HEAD_DIM_512_ENV,
     decode_partials,
     verify_rows,
@@ -134,7 +135,7 @@ def _assert_close(
     row: float = 3e-2,
     variant: str = "",
 ) -> None:
-    if variant in ("v4e", "v4f"):  # v4e's unpack
+    if variant in TOP_BITS_VARIANTS:
         tot = max(tot, V4E_TOT)
     assert bool(torch.isfinite(out).all()), "output has NaN/Inf (unwritten or poisoned)"
     o = out.double()

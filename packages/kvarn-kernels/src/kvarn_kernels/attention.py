@@ -84,6 +84,8 @@ DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v4e", "v4f")
 V4_VARIANTS = ("v4", "v4b", "v4c", "v4d", "v4e", "v4f")
 #: The variants whose pool phase runs in a launch of its own (a partial more to merge).
 POOL_SPLIT_VARIANTS = ("v4d", "v4f")
+#: The variants whose codes unpack into the top bits of the fp16 mantissa (round 9).
+TOP_BITS_VARIANTS = ("v4e", "v4f")
 
 
 #: The query rows per program ``decode_attention(mma_rows=...)`` takes (v4 variants).
@@ -814,7 +816,7 @@ def _launch_v4(
     ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``);
     ``masked_scales``: with them, the tile scales of pool blocks masked at the load
     (``variant="v4c"``); ``top_bits``: with those, codes unpacked into the top bits of the fp16
-    mantissa and their offset folded into the zero points (``variant="v4e"``).
+    mantissa and their offset folded into the zero points (:data:`TOP_BITS_VARIANTS`).
     With ``query_start_loc`` (``[B + 1]``, speculative verify) request ``b`` has the query rows
     ``query_start_loc[b] ..`` (at most ``max_query_len``) and ``hq`` query heads."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
@@ -942,7 +944,7 @@ def _launch(
             num_stages,
             round7=variant in ("v4b", "v4c", "v4d", "v4e", "v4f"),
             masked_scales=variant in ("v4c", "v4d", "v4e", "v4f"),
-            top_bits=variant in ("v4e", "v4f"),
+            top_bits=variant in TOP_BITS_VARIANTS,
             pool_split=variant in POOL_SPLIT_VARIANTS,
             hq=hq,
             query_start_loc=query_start_loc,
