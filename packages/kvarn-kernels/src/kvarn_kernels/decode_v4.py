@@ -322,9 +322,10 @@ def decode_v4_kernel(
     tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
     if TOP:
         tl.static_assert(MASKED_SCALES, "TOP (v4e) builds on v4c's masked wide scales")
-    # (v4e) the operands' scale: 1/8 with the code offsets folded into the zero points (a
-    # folded zero point is at most 16 code steps further out, which 1/2 could overflow)
-    OP: tl.constexpr = 0.125 if TOP else 0.5
+    # (TOP) the operands' scale: 1/8 with the code offsets folded into the zero points (a
+    # folded zero point is at most 16 code steps further out, where v4c's 1/2 could
+    # overflow); the scores and outputs take the 8 back
+    OP: tl.constexpr = 0.125
     K_OFF: tl.constexpr = 16.0  # TOP: a 4-bit code unpacks as 16 + code
     V_OFF: tl.constexpr = 16.0 if VB == 4 else 4.0  # TOP: 2-bit codes as 4 + code
     if MULTI:
