@@ -599,15 +599,11 @@ def bench_fa3_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
 #: The decode code paths compared in one run (here and by ``tools/gpu_kernel_check.py``), v1
 #: first (the reference of ``rel_diff_vs_v1``): v4c, the default (round 7's pool phase and
 #: wide scale loads with masked scale loads, 8 query rows per program since the eleventh
-#: session); v4d, v4c with the pool phase in a launch of its own; v4e and v4f, v4c and v4d
-#: with the codes in the top bits of the fp16 mantissa and their offset folded into the zero
-#: points (twelfth session; docs/kernel-notes.md).
+#: session); v4d, v4c with the pool phase in a launch of its own (docs/kernel-notes.md).
 DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4c"},
     {"variant": "v4d", "mma_rows": 8},
-    {"variant": "v4e"},
-    {"variant": "v4f", "mma_rows": 8},
 ]
 
 

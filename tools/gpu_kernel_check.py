@@ -76,9 +76,6 @@ TEST_GROUPS = {
     # scales masked at the load): every decode test. v4b's group (all passed in the seventh
     # to ninth sessions) left the check for the candidates below.
     "decode_v4c": ["test_kernels_attention.py", "-k", "variant4c"],
-    # v4e and v4f (twelfth session): v4c and v4d with the top-bits unpack and the code offset
-    # in the zero points (inline PTX and fused fp16 multiply-adds that only the GPU runs)
-    "decode_v4e": ["test_kernels_attention.py", "-k", "variant4e or variant4f"],
     # v4c with fewer query rows than the MMA's 16 (Triton pads inside the MMA; tenth session)
     "decode_mma_rows": ["test_kernels_attention.py", "-k", "mma_rows"],
     # v4d (tenth session): v4c with the pool phase in a launch of its own

@@ -79,7 +79,6 @@ def _decode_v4(
     masked: bool = False,
     mma_rows: int = 16,
     pool_split: bool = False,
-    top: bool = False,
 ) -> Any:
     """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``round7``:
     ``variant="v4b"``; ``verify_tokens``: ``verify_attention``'s kernel with that many query
@@ -111,7 +110,6 @@ def _decode_v4(
         WIDE_SCALES=round7,
         MASKED_SCALES=masked,
         PHASES=1 if pool_split else 0,
-        TOP=top,
     )
     tpp = max(1, consts["BLOCK_Q"] // qpk) if verify_tokens else 1
     consts.update(MULTI=bool(verify_tokens), TPP=tpp, NTG=-(-max(verify_tokens, 1) // tpp))
@@ -265,7 +263,6 @@ def _decode_v4_default(
     mma_rows: int | None = None,
     pool_split: bool = False,
     num_stages: int | None = None,
-    top: bool = False,
 ) -> Any:
     """v4 (or v4b) with ``decode_v4_config``'s shape and ``decode_attention``'s default query
     rows, as ``decode_attention`` launches it (``verify_tokens``: as ``verify_attention``
@@ -289,7 +286,6 @@ def _decode_v4_default(
         masked=masked,
         mma_rows=mma_rows,
         pool_split=pool_split,
-        top=top,
     )
 
 
@@ -377,13 +373,3 @@ for _n, _qpk, _r7 in (
 variant("decode_v4c verify4 kvarn_k4v2_g128 d128 qpk4")(
     lambda: _decode_v4_default("kvarn_k4v2_g128", 128, 4, True, verify_tokens=4, masked=True)
 )
-
-# v4e and v4f (twelfth session): v4c and v4d with the codes unpacked into the top bits of the
-# fp16 mantissa and the offset folded into the zero points (one fma per two codes)
-for _n, _d in (("kvarn_k4v2_g128", 128), ("kvarn_k4v4_g128", 128), ("kvarn_k4v2_g128", 256)):
-    for _v in ("v4e", "v4f"):
-        variant(f"decode_{_v} default {_n} d{_d} qpk4")(
-            lambda _n=_n, _d=_d, _v=_v: _decode_v4_default(
-                _n, _d, 4, True, masked=True, top=True, pool_split=_v == "v4f"
-            )
-        )

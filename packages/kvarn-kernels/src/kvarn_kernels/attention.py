@@ -79,13 +79,11 @@ __all__ = [
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
-DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v4e", "v4f")
+DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d")
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
-V4_VARIANTS = ("v4", "v4b", "v4c", "v4d", "v4e", "v4f")
+V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
 #: The variants whose pool phase runs in a launch of its own (a partial more to merge).
-POOL_SPLIT_VARIANTS = ("v4d", "v4f")
-#: The variants whose codes unpack into the top bits of the fp16 mantissa (round 9).
-TOP_BITS_VARIANTS = ("v4e", "v4f")
+POOL_SPLIT_VARIANTS = ("v4d",)
 
 
 #: The query rows per program ``decode_attention(mma_rows=...)`` takes (v4 variants).
@@ -810,13 +808,11 @@ def _launch_v4(
     mma_rows: int | None = None,
     pool_split: bool = False,
     max_registers: int | None = None,
-    top_bits: bool = False,
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
     ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``);
     ``masked_scales``: with them, the tile scales of pool blocks masked at the load
-    (``variant="v4c"``); ``top_bits``: with those, codes unpacked into the top bits of the fp16
-    mantissa and their offset folded into the zero points (:data:`TOP_BITS_VARIANTS`).
+    (``variant="v4c"``).
     With ``query_start_loc`` (``[B + 1]``, speculative verify) request ``b`` has the query rows
     ``query_start_loc[b] ..`` (at most ``max_query_len``) and ``hq`` query heads."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
@@ -872,7 +868,6 @@ def _launch_v4(
             TPP=tpp,
             NTG=ntg,
             PHASES=phases,
-            TOP=top_bits,
             num_warps=warps,
             num_stages=num_stages or cfg["num_stages"],
             **(cap if phases < 2 else {}),
@@ -942,9 +937,8 @@ def _launch(
             block_n,
             num_warps,
             num_stages,
-            round7=variant in ("v4b", "v4c", "v4d", "v4e", "v4f"),
-            masked_scales=variant in ("v4c", "v4d", "v4e", "v4f"),
-            top_bits=variant in TOP_BITS_VARIANTS,
+            round7=variant in ("v4b", "v4c", "v4d"),
+            masked_scales=variant in ("v4c", "v4d"),
             pool_split=variant in POOL_SPLIT_VARIANTS,
             hq=hq,
             query_start_loc=query_start_loc,
@@ -1195,15 +1189,7 @@ def decode_attention(
             request to merge (experimental; with 8 rows 2% faster than v4c at k4v2_g128
             B = 64 and 9% slower at B = 256, eleventh session, 2-3% faster at six shapes in
             the twelfth; a preallocated workspace needs ``decode_partials("v4d",
-            num_splits)`` splits' room). ``"v4e"``: v4c whose codes unpack into the top bits
-            of the fp16 mantissa (``16 + code``, ``4 + code`` for 2-bit values) with that
-            offset folded into the zero points, so an operand costs one fma per two codes
-            instead of a subtraction and an fma (experimental, twelfth session: 7.6% fewer
-            loop instructions at k4v2_g128, not yet timed on a GPU; operands carry a factor
-            1/8 instead of 1/2, so a folded zero point 16 steps out stays inside fp16; its
-            fp16 rounding costs precision: 0.4-3.6x v4c's difference from the reference in
-            the CPU tests). ``"v4f"``: v4d with v4e's unpack (experimental: 1,834 loop
-            instructions at k4v2_g128 against v4c's 2,125, not yet timed).
+            num_splits)`` splits' room).
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads
             (default: the launch config's, 2 at head dim 128, 1 from 256:
             ``decode_v4.decode_v4_config``).

@@ -45,15 +45,6 @@ in magnitude, 44,211 after halving (halving an fp16 value is exact). The query o
 row-normalized query in fp16 (its row maximum multiplies the scores in fp32); probabilities go
 in unscaled, as in FlashAttention.
 
-``variant="v4e"`` (twelfth session) unpacks codes as ``16 + code`` (2-bit values: ``4 +
-code``) and folds that offset into the zero point: operand ``fp16((16 + code) * s/8 + (z -
-16 s)/8)`` in one fused multiply-add, with the scores and outputs multiplied by 8. Its bound:
-``|z - 16 s| <= 88,421 + 16 * 11,789`` (``15 s`` spans at most twice 88,421) ``= 277,045``,
-34,631 after the division by 8. The folded zero point is rounded to fp16 once per tile and
-channel (K) or token (V): for symmetric data about three times an operand's own rounding, and
-a bias that every token of the tile shares (CPU tests: 0.4-3.6x v4c's difference from the
-reference decoder; docs/kernel-notes.md, round 9).
-
 4-bit keys with 2- or 4-bit values only: 5-bit codes straddle bytes (v1 serves them).
 """
 
@@ -68,73 +59,35 @@ from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM, _split_blocks
 __all__ = ["decode_v4_config", "decode_v4_kernel"]
 
 
-def _top_bits_ptx(bits: int, exponent: int) -> str:
-    """PTX of the v4e unpack of ``bits``-bit codes: ``$0 .. $(2F-1)`` (``F = 8 / bits``
-    fields, two fp16 per output) from the four bytes in ``$(2F)``, field ``f`` of bytes 0,1
-    in ``$(2f)`` and of bytes 2,3 in ``$(2f+1)``, each as ``exponent | code << (10 - bits)``."""
-    fields = 8 // bits
-    top = 10 - bits  # the field's lowest bit in the mantissa
-    mask = ((1 << bits) - 1) << top
-    lines = [
-        "{",
-        ".reg .b32 t0, t1, u0, u1;",
-        f"prmt.b32 t0, ${2 * fields}, 0, 0x4140;",
-        f"prmt.b32 t1, ${2 * fields}, 0, 0x4342;",
-    ]
-    for f in range(fields):
-        lines += [f"shl.b32 u{i}, t{i}, {top - bits * f};" for i in (0, 1)]
-        masks = f"0x{mask:04X}{mask:04X}, 0x{exponent:04X}{exponent:04X}"
-        lines += [f"lop3.b32 ${2 * f + i}, u{i}, {masks}, 0xEA;" for i in (0, 1)]
-    return "\n".join([*lines, "}"])
-
-
-# (v4e) PTX unpacks with the code in the top bits of the fp16 mantissa: a 4-bit code c
-# becomes 16 + c (0x4C00 | c << 6), a 2-bit one 4 + c (0x4400 | c << 8). prmt spreads bytes
-# 0,1 and 2,3 into the low bytes of the two halves, shl moves each field under the mask, lop3
-# computes (x & mask) | exponent. The offset (16 or 4 code steps) is small enough to fold into
-# the zero point without losing the code's precision (1024 + c, the mantissa's bottom bits,
-# would put the folded zero point 1024 steps away and round it to a whole step).
-_UNPACK4_TOP_ASM: tl.constexpr = tl.constexpr(_top_bits_ptx(4, 0x4C00))
-_UNPACK2_TOP_ASM: tl.constexpr = tl.constexpr(_top_bits_ptx(2, 0x4400))
-
-
 @triton.jit
-def _nibbles(b, FAST: tl.constexpr, TOP: tl.constexpr = False):
-    """Low and high nibbles as fp16 ``1024 + code`` (``TOP``: ``16 + code``; exact),
-    elementwise.
+def _nibbles(b, FAST: tl.constexpr):
+    """Low and high nibbles as fp16 ``1024 + code`` (exact), elementwise.
 
-    ``FAST`` (GPU only): the inline-PTX unpack of :mod:`kvarn_kernels.attention` (or this
-    module's top-bits one), four bytes per block, about one instruction per code.
+    ``FAST`` (GPU only): the inline-PTX unpack of :mod:`kvarn_kernels.attention`, four bytes
+    per block, about one instruction per code.
     """
-    asm: tl.constexpr = _UNPACK4_TOP_ASM if TOP else _UNPACK4_ASM
     if FAST:
         lo, hi = tl.inline_asm_elementwise(
-            asm, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+            _UNPACK4_ASM, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
         )
     else:
         x = b.to(tl.int16)
-        if TOP:
-            lo = (((x & 15) << 6) | 0x4C00).to(tl.float16, bitcast=True)
-            hi = (((x >> 4) << 6) | 0x4C00).to(tl.float16, bitcast=True)
-        else:
-            lo = ((x & 15) | 0x6400).to(tl.float16, bitcast=True)
-            hi = ((x >> 4) | 0x6400).to(tl.float16, bitcast=True)
+        lo = ((x & 15) | 0x6400).to(tl.float16, bitcast=True)
+        hi = ((x >> 4) | 0x6400).to(tl.float16, bitcast=True)
     return lo, hi
 
 
 @triton.jit
-def _fields(b, VB: tl.constexpr, FAST: tl.constexpr, TOP: tl.constexpr = False):
-    """The ``8 / VB`` fields of each byte (low bits first) as fp16 ``1024 + code`` (``TOP``:
-    ``16 + code`` for 4-bit values, ``4 + code`` for 2-bit ones); for 4-bit values the last
-    two repeat the first two (unused)."""
+def _fields(b, VB: tl.constexpr, FAST: tl.constexpr):
+    """The ``8 / VB`` fields of each byte (low bits first) as fp16 ``1024 + code``; for 4-bit
+    values the last two repeat the first two (unused)."""
     if VB == 4:
-        f0, f1 = _nibbles(b, FAST, TOP)
+        f0, f1 = _nibbles(b, FAST)
         f2 = f0
         f3 = f1
     elif FAST:
-        asm: tl.constexpr = _UNPACK2_TOP_ASM if TOP else _UNPACK2_ASM
         f0, f1, f2, f3 = tl.inline_asm_elementwise(
-            asm,
+            _UNPACK2_ASM,
             "=r,=r,=r,=r,=r,=r,=r,=r,r",
             [b],
             dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
@@ -143,39 +96,11 @@ def _fields(b, VB: tl.constexpr, FAST: tl.constexpr, TOP: tl.constexpr = False):
         )
     else:
         x = b.to(tl.int16)
-        if TOP:
-            f0 = (((x & 3) << 8) | 0x4400).to(tl.float16, bitcast=True)
-            f1 = ((((x >> 2) & 3) << 8) | 0x4400).to(tl.float16, bitcast=True)
-            f2 = ((((x >> 4) & 3) << 8) | 0x4400).to(tl.float16, bitcast=True)
-            f3 = (((x >> 6) << 8) | 0x4400).to(tl.float16, bitcast=True)
-        else:
-            f0 = ((x & 3) | 0x6400).to(tl.float16, bitcast=True)
-            f1 = (((x >> 2) & 3) | 0x6400).to(tl.float16, bitcast=True)
-            f2 = (((x >> 4) & 3) | 0x6400).to(tl.float16, bitcast=True)
-            f3 = ((x >> 6) | 0x6400).to(tl.float16, bitcast=True)
+        f0 = ((x & 3) | 0x6400).to(tl.float16, bitcast=True)
+        f1 = (((x >> 2) & 3) | 0x6400).to(tl.float16, bitcast=True)
+        f2 = (((x >> 4) & 3) | 0x6400).to(tl.float16, bitcast=True)
+        f3 = ((x >> 6) | 0x6400).to(tl.float16, bitcast=True)
     return f0, f1, f2, f3
-
-
-@triton.jit
-def _dequant_top(codes, scale, zero, FAST: tl.constexpr):
-    """(v4e) An MMA operand from ``TOP``-unpacked codes: ``codes * scale + zero`` (the code
-    offset is in ``zero``), which relies on the product and sum being one fused multiply-add
-    (the GPU's ``HFMA2``, formed from the fp16 expression): ``(16 + code) * scale`` rounded to
-    fp16 on its own would lose up to 16 code steps' worth of precision. The interpreter
-    (``FAST`` off) evaluates fp16 operations one at a time, so there the fma is computed in
-    fp32 and rounded once."""
-    if FAST:
-        x = codes * scale + zero
-    else:
-        x = (codes.to(tl.float32) * scale.to(tl.float32) + zero.to(tl.float32)).to(tl.float16)
-    return x
-
-
-@triton.jit
-def _pv_top(p_e16, p_o16, e, o, vs_e, vz_e, vs_o, vz_o, FAST: tl.constexpr):
-    """(v4e) ``P V`` of one V field over a chunk's even and odd tokens."""
-    pv = tl.dot(p_e16, _dequant_top(e, vs_e, vz_e, FAST))
-    return tl.dot(p_o16, _dequant_top(o, vs_o, vz_o, FAST), pv)
 
 
 @triton.jit
@@ -186,19 +111,14 @@ def _f16_halves(words, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _paired_v_scale(packed, vcw, F: tl.constexpr, MASKED: tl.constexpr, TOP: tl.constexpr = False):
-    """(``WIDE_SCALES``) ``2 * s_col_V`` (``TOP``: ``8 * s_col_V``: the V operands are halved,
-    or divided by 8) of field ``F`` of each V byte from the one wide load ``vcw`` of the
-    byte's channel scales; fp32, zero for pool blocks (``MASKED``: ``vcw`` was loaded as
-    zeros there)."""
+def _paired_v_scale(packed, vcw, F: tl.constexpr, MASKED: tl.constexpr):
+    """(``WIDE_SCALES``) ``2 * s_col_V`` of field ``F`` of each V byte from the one wide load
+    ``vcw`` of the byte's channel scales; fp32, zero for pool blocks (``MASKED``: ``vcw`` was
+    loaded as zeros there)."""
     v = _f16_halves(vcw, 16 * F).to(tl.float32)
     if not MASKED:
         v = tl.where(packed[:, None], v, 0.0)
-    if TOP:  # noqa: SIM108 (a constexpr branch, as everywhere here)
-        v = v * 8.0
-    else:
-        v = v * 2.0
-    return v
+    return v * 2.0
 
 
 @triton.jit
@@ -276,7 +196,6 @@ def decode_v4_kernel(
     TPP: tl.constexpr = 1,
     NTG: tl.constexpr = 1,
     PHASES: tl.constexpr = 0,
-    TOP: tl.constexpr = False,
 ):
     """One program per (request, KV head, split); ``W`` chunks of ``BN`` tokens per step.
 
@@ -294,13 +213,6 @@ def decode_v4_kernel(
     no longer zeroed (their scores are masked to ``-inf`` anyway, and the record values are
     finite: a packed block is a whole tile the store wrote). Static SASS of the main loop:
     2,512 instructions instead of 2,951 (k4v2_g128), 2,680 instead of 3,144 (k4v4_g128).
-    ``TOP`` (``variant="v4e"``, and ``"v4f"`` with ``PHASES``; with ``MASKED_SCALES``): codes
-    unpack into the top bits of the fp16 mantissa (``16 + code``; ``4 + code`` for 2-bit
-    values) and the operands are
-    ``code * s / 8 + (z - offset * s) / 8``, one fused multiply-add per two codes where the
-    bottom-bits unpack (``1024 + code``) needs a subtraction first; 1/8 instead of 1/2 keeps
-    the folded zero point, at most 16 steps further out, inside fp16 (twelfth session: loop
-    1,969 instructions instead of 2,125 at k4v2_g128, 2,054 instead of 2,187 at k4v4_g128).
 
     ``MULTI`` (speculative verify, :func:`kvarn_kernels.verify_attention`): request ``b`` has
     the query tokens ``QSL[b] .. QSL[b + 1] - 1`` (at most ``NTG * TPP``), the last at
@@ -320,14 +232,6 @@ def decode_v4_kernel(
     tl.static_assert(KB == 4, "v4 takes 4-bit keys")
     tl.static_assert(PHASES == 0 or not MULTI, "PHASES 1 and 2 are for decode")
     tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
-    if TOP:
-        tl.static_assert(MASKED_SCALES, "TOP (v4e) builds on v4c's masked wide scales")
-    # (TOP) the operands' scale: 1/8 with the code offsets folded into the zero points (a
-    # folded zero point is at most 16 code steps further out, where v4c's 1/2 could
-    # overflow); the scores and outputs take the 8 back
-    OP: tl.constexpr = 0.125
-    K_OFF: tl.constexpr = 16.0  # TOP: a 4-bit code unpacks as 16 + code
-    V_OFF: tl.constexpr = 16.0 if VB == 4 else 4.0  # TOP: 2-bit codes as 4 + code
     if MULTI:
         b = tl.program_id(0) // NTG
         tg = tl.program_id(0) % NTG
@@ -421,17 +325,10 @@ def decode_v4_kernel(
                 dd[None, :, None], c[:, None, None] * H2 + nb[None, None, :], D, K_ROW, K_ORDER
             )
         )
-        k_lo, k_hi = _nibbles(kbytes, FAST_UNPACK, TOP)
+        k_lo, k_hi = _nibbles(kbytes, FAST_UNPACK)
         ksp = (rec[:, None] + OFF_KS).to(f16) + dd[None, :]
         kzp = (rec[:, None] + OFF_KZ).to(f16) + dd[None, :]
-        if TOP:
-            # (v4e) operand = (16 + code) * s + (z - 16 s), all over 8: one fma per two codes
-            # in fp16: the scalings by powers of two are exact, and the fma rounds once
-            ksl = tl.load(ksp, mask=packed[:, None], other=0.0)
-            kzl = tl.load(kzp, mask=packed[:, None], other=0.0)
-            ks = (ksl * OP)[:, :, None]
-            kz = (ksl * (-K_OFF * OP) + kzl * OP)[:, :, None]
-        elif MASKED_SCALES:
+        if MASKED_SCALES:
             # (v4c) zero-filled by the load itself (a predicated cp.async): no per-element
             # selects in the operand layout, where every thread holds many copies
             ks = (tl.load(ksp, mask=packed[:, None], other=0.0) * 0.5)[:, :, None]
@@ -452,12 +349,8 @@ def decode_v4_kernel(
                 ktw = tl.load(
                     (rec[:, None] + OFF_KT).to(i32p) + pair, mask=packed[:, None], other=0
                 )
-                if TOP:
-                    kt_e = _f16_halves(ktw, 0).to(tl.float32) * 8.0
-                    kt_o = _f16_halves(ktw, 16).to(tl.float32) * 8.0
-                else:
-                    kt_e = _f16_halves(ktw, 0).to(tl.float32) * 2.0
-                    kt_o = _f16_halves(ktw, 16).to(tl.float32) * 2.0
+                kt_e = _f16_halves(ktw, 0).to(tl.float32) * 2.0
+                kt_o = _f16_halves(ktw, 16).to(tl.float32) * 2.0
             else:
                 ktw = tl.load((rec[:, None] + OFF_KT).to(i32p) + pair)
                 kt_e = tl.where(live_e, _f16_halves(ktw, 0).to(tl.float32), 0.0) * 2.0
@@ -466,12 +359,8 @@ def decode_v4_kernel(
             ktp = (rec[:, None] + OFF_KT).to(f16)
             kt_e = tl.where(live_e, tl.load(ktp + tok_e).to(tl.float32), 0.0) * 2.0
             kt_o = tl.where(live_o, tl.load(ktp + tok_o).to(tl.float32), 0.0) * 2.0
-        if TOP:
-            s_e = tl.dot(q3, _dequant_top(k_lo, ks, kz, FAST_UNPACK))
-            s_o = tl.dot(q3, _dequant_top(k_hi, ks, kz, FAST_UNPACK))
-        else:
-            s_e = tl.dot(q3, (k_lo - 1024.0) * ks + kz)
-            s_o = tl.dot(q3, (k_hi - 1024.0) * ks + kz)
+        s_e = tl.dot(q3, (k_lo - 1024.0) * ks + kz)
+        s_o = tl.dot(q3, (k_hi - 1024.0) * ks + kz)
         s_e = s_e * kt_e[:, None, :] * qmax[None, :, None]
         s_o = s_o * kt_o[:, None, :] * qmax[None, :, None]
         if MULTI:
@@ -497,19 +386,10 @@ def decode_v4_kernel(
                 vzw = tl.load(
                     (rec[:, None] + OFF_VZ).to(i32p) + pair, mask=packed[:, None], other=0
                 )
-                if TOP:
-                    # (v4e) as K's: (V_OFF + code) * s + (z - V_OFF s), all over 8
-                    vsl_e = _f16_halves(vsw, 0)
-                    vsl_o = _f16_halves(vsw, 16)
-                    vs_e = (vsl_e * OP)[:, :, None]
-                    vs_o = (vsl_o * OP)[:, :, None]
-                    vz_e = (vsl_e * (-V_OFF * OP) + _f16_halves(vzw, 0) * OP)[:, :, None]
-                    vz_o = (vsl_o * (-V_OFF * OP) + _f16_halves(vzw, 16) * OP)[:, :, None]
-                else:
-                    vs_e = _f16_halves(vsw, 0)[:, :, None] * 0.5
-                    vs_o = _f16_halves(vsw, 16)[:, :, None] * 0.5
-                    vz_e = _f16_halves(vzw, 0)[:, :, None] * 0.5
-                    vz_o = _f16_halves(vzw, 16)[:, :, None] * 0.5
+                vs_e = _f16_halves(vsw, 0)[:, :, None] * 0.5
+                vs_o = _f16_halves(vsw, 16)[:, :, None] * 0.5
+                vz_e = _f16_halves(vzw, 0)[:, :, None] * 0.5
+                vz_o = _f16_halves(vzw, 16)[:, :, None] * 0.5
             else:
                 vsw = tl.load((rec[:, None] + OFF_VS).to(i32p) + pair)
                 vzw = tl.load((rec[:, None] + OFF_VZ).to(i32p) + pair)
@@ -536,49 +416,37 @@ def decode_v4_kernel(
             vz_o = tl.where(live_o, tl.load(vzp + tok_o), 0.0)[:, :, None] * 0.5
             vcp = (rec[:, None] + OFF_VCS).to(f16) + nv[None, :] * VG
         a3 = alpha[:, :, None]
-        e0, e1, e2, e3 = _fields(vb_e, VB, FAST_UNPACK, TOP)
-        o0_, o1_, o2_, o3_ = _fields(vb_o, VB, FAST_UNPACK, TOP)
-        if TOP:
-            pv = _pv_top(p_e16, p_o16, e0, o0_, vs_e, vz_e, vs_o, vz_o, FAST_UNPACK)
-        else:
-            pv = tl.dot(p_e16, (e0 - 1024.0) * vs_e + vz_e)
-            pv = tl.dot(p_o16, (o0_ - 1024.0) * vs_o + vz_o, pv)
+        e0, e1, e2, e3 = _fields(vb_e, VB, FAST_UNPACK)
+        o0_, o1_, o2_, o3_ = _fields(vb_o, VB, FAST_UNPACK)
+        pv = tl.dot(p_e16, (e0 - 1024.0) * vs_e + vz_e)
+        pv = tl.dot(p_o16, (o0_ - 1024.0) * vs_o + vz_o, pv)
         vcs = (
-            _paired_v_scale(packed, vcw, 0, MASKED_SCALES, TOP)
+            _paired_v_scale(packed, vcw, 0, MASKED_SCALES)
             if WIDE_SCALES
             else tl.where(packed[:, None], tl.load(vcp).to(tl.float32), 0.0) * 2.0
         )
         acc0 = acc0 * a3 + pv * vcs[:, None, :]
-        if TOP:
-            pv = _pv_top(p_e16, p_o16, e1, o1_, vs_e, vz_e, vs_o, vz_o, FAST_UNPACK)
-        else:
-            pv = tl.dot(p_e16, (e1 - 1024.0) * vs_e + vz_e)
-            pv = tl.dot(p_o16, (o1_ - 1024.0) * vs_o + vz_o, pv)
+        pv = tl.dot(p_e16, (e1 - 1024.0) * vs_e + vz_e)
+        pv = tl.dot(p_o16, (o1_ - 1024.0) * vs_o + vz_o, pv)
         vcs = (
-            _paired_v_scale(packed, vcw, 1, MASKED_SCALES, TOP)
+            _paired_v_scale(packed, vcw, 1, MASKED_SCALES)
             if WIDE_SCALES
             else tl.where(packed[:, None], tl.load(vcp + 1).to(tl.float32), 0.0) * 2.0
         )
         acc1 = acc1 * a3 + pv * vcs[:, None, :]
         if VG == 4:
-            if TOP:
-                pv = _pv_top(p_e16, p_o16, e2, o2_, vs_e, vz_e, vs_o, vz_o, FAST_UNPACK)
-            else:
-                pv = tl.dot(p_e16, (e2 - 1024.0) * vs_e + vz_e)
-                pv = tl.dot(p_o16, (o2_ - 1024.0) * vs_o + vz_o, pv)
+            pv = tl.dot(p_e16, (e2 - 1024.0) * vs_e + vz_e)
+            pv = tl.dot(p_o16, (o2_ - 1024.0) * vs_o + vz_o, pv)
             vcs = (
-                _paired_v_scale(packed, vcw, 2, MASKED_SCALES, TOP)
+                _paired_v_scale(packed, vcw, 2, MASKED_SCALES)
                 if WIDE_SCALES
                 else tl.where(packed[:, None], tl.load(vcp + 2).to(tl.float32), 0.0) * 2.0
             )
             acc2 = acc2 * a3 + pv * vcs[:, None, :]
-            if TOP:
-                pv = _pv_top(p_e16, p_o16, e3, o3_, vs_e, vz_e, vs_o, vz_o, FAST_UNPACK)
-            else:
-                pv = tl.dot(p_e16, (e3 - 1024.0) * vs_e + vz_e)
-                pv = tl.dot(p_o16, (o3_ - 1024.0) * vs_o + vz_o, pv)
+            pv = tl.dot(p_e16, (e3 - 1024.0) * vs_e + vz_e)
+            pv = tl.dot(p_o16, (o3_ - 1024.0) * vs_o + vz_o, pv)
             vcs = (
-                _paired_v_scale(packed, vcw, 3, MASKED_SCALES, TOP)
+                _paired_v_scale(packed, vcw, 3, MASKED_SCALES)
                 if WIDE_SCALES
                 else tl.where(packed[:, None], tl.load(vcp + 3).to(tl.float32), 0.0) * 2.0
             )
