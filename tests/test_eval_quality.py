@@ -380,7 +380,7 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
         v = torch.randn(4, g, 64, generator=gen).to(device)
         ref = make_codec(fmt, 64).quantize_tiles(k, v)
         ker = make_codec(f"{fmt}+store", 64).quantize_tiles(k, v)
-        # The serving store (flush_tiles' default, v3) computes its Sinkhorn stds in one
+        # The serving store (flush_tiles' default, v4) computes its Sinkhorn stds in one
         # pass: an fp16 scale may land one ulp away from the reference's, so bounded, not
         # equal (byte identity of the v1 store is tested in kvarn-kernels).
         for got, want, x in ((ker[0], ref[0], k), (ker[1], ref[1], v)):
@@ -416,7 +416,7 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
     half = (logits[4] - logits[1]).abs()  # the same codec with torch's attention in fp16
     effect = float(quant[128:].max())
     assert effect > 0.05, "the quantized tiles must change the logits"
-    # Measured on the CPU interpreter: store 1.3e-3 at worst (the v3 store's records are
+    # Measured on the CPU interpreter: store 1.3e-3 at worst (the v3/v4 store's records are
     # the reference's up to an ulp in a scale, which can move one tile's Sinkhorn pick);
     # serving 1.95e-3 at worst and 2.3e-4 on average, fp16 attention 1.94e-3 and 2.1e-4
     # (1.6 % and 1.2 % of the quantization's effect): the kernels lose nothing beyond

@@ -107,8 +107,8 @@ CPU_CASES = [
 # huge outlier token) near-equal scores then pick another iteration: a different, equally
 # balanced scaling whose decoded error can be a little larger on that tile.
 V2_BARS = {"min_identical": 0.6, "max_ratio": 1.25}
-VARIANTS = ["v1", "v2", "v3"]
-VARIANT_IDS = ["variant1", "variant2", "variant3"]
+VARIANTS = ["v1", "v2", "v3", "v4"]
+VARIANT_IDS = ["variant1", "variant2", "variant3", "variant4"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
@@ -138,7 +138,7 @@ def test_flush_tiles_matches_reference_bytes(
     assert torch.equal(kv.cpu()[untouched], before.cpu()[untouched])
 
 
-@pytest.mark.parametrize("variant", ["v2", "v3"])
+@pytest.mark.parametrize("variant", ["v2", "v3", "v4"])
 def test_flush_tiles_identity_rate(device: torch.device, variant: str) -> None:
     name, d, hk, n = "kvarn_k4v2_g64", 64, 2, 8
     pool_k, pool_v = _pool(64, hk, d, n, seed=21, device=device)
@@ -147,6 +147,85 @@ def test_flush_tiles_identity_rate(device: torch.device, variant: str) -> None:
     src = torch.arange(n, dtype=torch.int32, device=device)
     flush_tiles(name, pool_k, pool_v, src, kv, src, variant=variant)
     _check_records(name, pool_k, pool_v, src, kv, src, "align8", exact=False, **V2_BARS)
+
+
+@pytest.mark.parametrize(
+    ("name", "d", "shadow"),
+    [("kvarn_k4v2_g64", 64, False), ("kvarn_k4v4_g128", 64, True), ("kvarn_k5v5_g64", 128, False)],
+)
+def test_flush_v4_matches_v3(device: torch.device, name: str, d: int, shadow: bool) -> None:
+    """v4 computes v3's values (its per-row and per-column work in a compact layout, through
+    scratch in the record's own code bytes, and its divisions through shared reciprocals).
+    Under the interpreter, whose sums are NumPy's in any layout, its records are v3's byte
+    for byte, also where the scratch shares the record area with shadow rows. On the GPU the
+    entries' sums in the pivots run in another order, so there it is held to v3's bars."""
+    fmt = parse_cache_dtype(name)
+    g, hk, n = fmt.group, 2, 5
+    tile = record_layout(fmt, d).tile_bytes
+    pool_k, pool_v = _pool(g, hk, d, n, seed=41, device=device)
+    pool_v[2] = 0.25  # a constant V tile
+    kv = torch.randint(0, 256, (n + 2, hk, tile), dtype=torch.uint8, device=device)
+    src = torch.arange(n, dtype=torch.int32, device=device)
+    dst = torch.tensor([3, 0, 6, 2, 5], dtype=torch.int32, device=device)
+
+    def flush(variant: str) -> torch.Tensor:
+        out = kv.clone()
+        pk, pv = pool_k, pool_v
+        if shadow:
+            r = shadow_rows(g, d, tile)
+            pk, pv = _shadowed(pool_k, pool_v, out, dict(enumerate(dst.tolist())), r)
+        flush_tiles(name, pk, pv, src, out, dst, variant=variant)
+        return out
+
+    got, want = flush("v4"), flush("v3")
+    if INTERPRET:
+        assert torch.equal(got.cpu(), want.cpu()), "v4's records differ from v3's"
+    else:
+        bars = {**V2_BARS, "min_identical": 0.0}
+        _check_records(name, pool_k, pool_v, src, got, dst, "align8", exact=False, **bars)
+
+
+@pytest.mark.gpu
+def test_store_division_is_correctly_rounded(device: torch.device) -> None:
+    """v4's division through the divisor's correctly rounded reciprocal and one fma
+    correction (store._div_by) equals IEEE division on the GPU, on the operand ranges the
+    store divides: fp16 tile values over Sinkhorn scales, and RTN offsets over steps."""
+    import triton
+    import triton.language as tl
+
+    from kvarn_kernels.store import _div_by
+
+    @triton.jit
+    def div_kernel(X, D, OUT, N: tl.constexpr) -> None:
+        i = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+        ok = i < N
+        x = tl.load(X + i, mask=ok, other=1.0)
+        d = tl.load(D + i, mask=ok, other=1.0)
+        tl.store(OUT + i, _div_by(x, tl.div_rn(1.0, d), d, True), mask=ok)
+
+    gen = torch.Generator().manual_seed(5)
+    n = 1 << 22
+    cases = [
+        (
+            (torch.randn(n, generator=gen) * 300).half().float(),
+            torch.empty(n).uniform_(-0.3, 10.0, generator=gen).exp().half().float(),
+        ),
+        (
+            torch.rand(n, generator=gen) * 2e4,
+            (10.0 ** torch.empty(n).uniform_(-10, 3, generator=gen)).clamp_min(1e-10),
+        ),
+        (
+            torch.randn(n, generator=gen) * torch.empty(n).uniform_(-12, 12, generator=gen).exp(),
+            torch.empty(n).uniform_(-25, 12, generator=gen).exp(),
+        ),
+    ]
+    for x, d in cases:
+        x, d = x.to(device), d.to(device)
+        out = torch.empty_like(x)
+        div_kernel[(triton.cdiv(n, 1024),)](x, d, out, n)
+        want = x / d
+        bad = int((out != want).sum())
+        assert bad == 0, f"{bad} quotients differ from IEEE division"
 
 
 def test_flush_tiles_head_dim_256_pow2_stride(device: torch.device) -> None:
@@ -563,7 +642,7 @@ def test_flush_tiles_shadow_rows(
         assert torch.equal(got.cpu(), ref.cpu()), "records differ from flush_tiles_ref"
 
 
-@pytest.mark.parametrize("variant", ["v1", "v3"])
+@pytest.mark.parametrize("variant", ["v1", "v3", "v4"])
 def test_flush_token_tiles_shadowed_heads(device: torch.device, variant: str) -> None:
     """Heads of a shadowed pool shorter than, as long as and longer than the shadow rows
     (read from the destination block's record area, then from the slot): the records of

@@ -86,9 +86,11 @@ _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 #: Store variants (the ``variant`` argument): all write records in the same format. v1 follows
 #: the reference operation by operation; v2 and v3 take fewer instructions per Sinkhorn
 #: iteration at the price of fp32-rounding differences in the stds (bounded by the tests).
-#: v3, the default, is the fastest on the H200 (5.9 ms vs v1's 8.4 ms per 1024 tiles x 8
-#: heads at k4v2_g128; docs/kernel-notes.md, store round 3).
-STORE_VARIANTS = ("v1", "v2", "v3")
+#: v4, the default since the thirteenth session, computes v3's values with fewer
+#: instructions: the per-row and per-column work once per entry, and the divisions through
+#: shared reciprocals (H200, 1024 tiles x 8 heads: 3.6 ms against v3's 5.9 and v1's 8.6 at
+#: k4v2_g128, 1.5 against 2.7 at k4v2_g64; docs/kernel-notes.md, store round 5).
+STORE_VARIANTS = ("v1", "v2", "v3", "v4")
 
 
 @triton.jit
@@ -384,6 +386,100 @@ def _sinkhorn_v3(
 
 
 @triton.jit
+def _compact(v, SCR, ok, N: tl.constexpr, MASKED: tl.constexpr):
+    """(v4) The vector ``v [N]`` in a layout of one entry per thread, through ``N`` fp32 of
+    scratch at ``SCR`` (written and read back by the whole CTA; ``ok``/``MASKED`` as for the
+    record stores, a skipped tile reads ones).
+
+    A reduction over a tile axis leaves its result replicated over every thread that held a
+    part of that row or column (16 copies of a column entry per thread at 128 x 128 and 4
+    warps), and Triton then runs the per-entry math (sqrt, log, exp, clamps, the score) in
+    that layout, once per copy. The round trip through memory is the layout change plain
+    ``tl`` cannot ask for: the load's layout is the coalesced one, one entry per thread, and
+    the math that follows stays there until a tile pass needs the vector broadcast again.
+    """
+    i = tl.arange(0, N)
+    _st(SCR + i, v, ok & (i < N), MASKED)
+    tl.debug_barrier()  # the entries this thread loads were stored by others
+    j = tl.arange(0, N)
+    w = tl.load(SCR + j, mask=ok & (j < N), other=1.0)
+    tl.debug_barrier()  # every thread has read before the scratch is written again
+    return w
+
+
+@triton.jit
+def _div_by(x, rcp, d, FAST: tl.constexpr):
+    """(v4) ``x / d`` correctly rounded, from ``rcp``, the correctly rounded reciprocal of
+    ``d``: ``q = x * rcp``, then one Newton correction with an exact fma residual, ``q + (x - q
+    d) rcp`` (Markstein's division; correctly rounded for normal operands, which these are:
+    tile values over scales in [e^-0.3, e^10 * 2^k], RTN offsets over steps >= 1e-10).
+    Three instructions per element where ``div_rn`` takes a division sequence each; the
+    reciprocals are one ``div_rn`` per row or column. The interpreter has no exact fma, so
+    there (``FAST`` off) it divides."""
+    if FAST:
+        q = x * rcp
+        y = tl.fma(q, -d, x)
+        y = tl.fma(y, rcp, q)
+    else:
+        y = tl.div_rn(x, d)
+    return y
+
+
+@triton.jit
+def _sinkhorn_v4(
+    x,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    ITERS: tl.constexpr,
+    PRECISE: tl.constexpr,
+    SCR,
+    ok,
+    MASKED: tl.constexpr,
+):
+    """:func:`_sinkhorn_v3` with the per-row and per-column work in a compact layout
+    (:func:`_compact`, ``R + C`` fp32 of scratch at ``SCR``): the stds, scales, pivots' sums,
+    the score and the best state are computed once per entry, not once per copy. The
+    operations and their order are v3's, except the sums over entries in the pivots (another
+    order of the same fp32 terms); under the interpreter, whose sums are NumPy's either way,
+    the result is v3's exactly."""
+    FUSED: tl.constexpr = PRECISE  # no tuple reductions under the interpreter (v3's reason)
+    SR = SCR
+    SC = SCR + R
+    col_std, col_mean = _std_mean(x, 0, R)
+    row_std, row_mean = _std_mean(x, 1, C)
+    col_std = _compact(col_std, SC, ok, C, MASKED)
+    row_std = _compact(row_std, SR, ok, R, MASKED)
+    best = _ratio_v2(col_std, FUSED) + _ratio_v2(row_std, FUSED)
+    row_dev = _compact(row_mean, SR, ok, R, MASKED)
+    col_dev = _compact(col_mean, SC, ok, C, MASKED)
+    grand = tl.sum(row_dev, axis=0) * (1.0 / R)
+    row_dev = row_dev - grand
+    col_dev = col_dev - grand
+    log_c = tl.zeros_like(col_std)
+    log_r = tl.zeros_like(row_std)
+    best_c = log_c
+    best_r = log_r
+    inv_r = log_r + 1.0
+    for _ in range(ITERS):
+        log_c = _log_step(log_c, col_std, PRECISE)
+        inv_c = _exp(-log_c, PRECISE)
+        row_piv = _additive_mean(row_mean, col_dev, inv_c, C, FUSED)
+        s_row, _ = _scaled_std(x, inv_c, row_piv, 1, C, FUSED)
+        s_row = _compact(s_row, SR, ok, R, MASKED)
+        log_r = _log_step(log_r, s_row * inv_r, PRECISE)
+        inv_r = _exp(-log_r, PRECISE)
+        col_piv = _additive_mean(col_mean, row_dev, inv_r, R, FUSED)
+        t_col, _ = _scaled_std(x, inv_r, col_piv, 0, R, FUSED)
+        col_std = _compact(t_col, SC, ok, C, MASKED) * inv_c
+        score = _ratio_v2(col_std, FUSED) + _ratio_v2(s_row * inv_r, FUSED)
+        take = score <= best
+        best = tl.where(take, score, best)
+        best_c = tl.where(take, log_c, best_c)
+        best_r = tl.where(take, log_r, best_r)
+    return best_c, best_r
+
+
+@triton.jit
 def _st(ptrs, vals, mask, MASKED: tl.constexpr):
     """Store, predicated on ``mask`` only in the masked kernel (the pool flush has no masks)."""
     if MASKED:
@@ -582,11 +678,15 @@ def _quantize_tile(
     MASKED: tl.constexpr,
     V3: tl.constexpr = False,
     ORDER: tl.constexpr = 0,
+    V4: tl.constexpr = False,
 ):
     """Quantize the fp32 tile ``x [R, C]`` along rows into the record at ``REC``, its code
     bytes in the section's in-cache order ``ORDER`` (:func:`code_offsets`).
 
-    In the masked kernel nothing is stored when ``ok`` is false.
+    In the masked kernel nothing is stored when ``ok`` is false. ``V4``: the per-row and
+    per-column work in a compact layout through scratch in the record's own code bytes
+    (``R * C * BITS / 8 >= 4 (R + C)`` bytes for every admitted geometry), which the codes,
+    stored last, overwrite; the record is the same.
     """
     r = tl.arange(0, R)
     c = tl.arange(0, C)
@@ -594,7 +694,11 @@ def _quantize_tile(
     ok_c = (c < C) & ok
 
     # --- Sinkhorn, best-imbalance state in the log domain (reference: sinkhorn_batched) ---
-    if V3:
+    scratch = (REC + OFF_CODES).to(tl.pointer_type(tl.float32))
+    if V4:
+        tl.static_assert(OFF_CODES % 4 == 0, "v4's scratch is fp32 in the code section")
+        best_c, best_r = _sinkhorn_v4(x, R, C, ITERS, PRECISE, scratch, ok, MASKED)
+    elif V3:
         # PRECISE is off exactly under the interpreter: no tuple reductions there.
         best_c, best_r = _sinkhorn_v3(x, R, C, ITERS, PRECISE, PRECISE)
     elif V2:
@@ -605,13 +709,26 @@ def _quantize_tile(
     # --- scales as stored (fp16), balance, RTN (reference: _quantize_rows, rtn) ---
     col_s = _to_f16(_exp(best_c, PRECISE)).to(tl.float32)
     row_s = _to_f16(_exp(best_r, PRECISE)).to(tl.float32)
-    bal = tl.div_rn(x, col_s[None, :])
-    bal = tl.div_rn(bal, row_s[:, None])
     qmax: tl.constexpr = (1 << BITS) - 1
-    lo = tl.min(bal, axis=1)
-    hi = tl.max(bal, axis=1)
-    step = tl.maximum(tl.div_rn(hi - lo, float(qmax)), 1e-10)
-    y = tl.div_rn(bal - lo[:, None], step[:, None])
+    if V4:
+        # the same correctly rounded quotients, through one reciprocal per divisor
+        inv_col = tl.div_rn(1.0, col_s)
+        inv_row = tl.div_rn(1.0, row_s)
+        bal = _div_by(x, inv_col[None, :], col_s[None, :], PRECISE)
+        bal = _div_by(bal, inv_row[:, None], row_s[:, None], PRECISE)
+        lo_t = tl.min(bal, axis=1)  # the tile's layout, for the offsets below
+        lo = _compact(lo_t, scratch, ok, R, MASKED)
+        hi = _compact(tl.max(bal, axis=1), scratch + R, ok, R, MASKED)
+        step = tl.maximum(tl.div_rn(hi - lo, float(qmax)), 1e-10)
+        inv_step = tl.div_rn(1.0, step)
+        y = _div_by(bal - lo_t[:, None], inv_step[:, None], step[:, None], PRECISE)
+    else:
+        bal = tl.div_rn(x, col_s[None, :])
+        bal = tl.div_rn(bal, row_s[:, None])
+        lo = tl.min(bal, axis=1)
+        hi = tl.max(bal, axis=1)
+        step = tl.maximum(tl.div_rn(hi - lo, float(qmax)), 1e-10)
+        y = tl.div_rn(bal - lo[:, None], step[:, None])
     # Round half to even: adding and removing 1.5 * 2**23 leaves the nearest-even integer
     # (y lies in [0, qmax] up to rounding, far inside the trick's [0, 2**22) range).
     y = (y + 12582912.0) - 12582912.0
@@ -719,6 +836,7 @@ def _flush_kernel(
     V3: tl.constexpr = False,
     SHADOW: tl.constexpr = 0,
     PART: tl.constexpr = -1,
+    V4: tl.constexpr = False,
 ):
     """Grid ``(N, Hk, 2)``: program ``(n, h, 0)`` quantizes tile n's K, ``(n, h, 1)`` its V.
 
@@ -805,6 +923,7 @@ def _flush_kernel(
             MASKED,
             V3,
             K_ORDER,
+            V4,
         )
     else:
         # V tile [R = G tokens, C = D channels]: rows are tokens (per-token RTN).
@@ -847,6 +966,7 @@ def _flush_kernel(
             MASKED,
             V3,
             V_ORDER,
+            V4,
         )
         if STRIDE > PAYLOAD:
             # Zero the record's padding so records are byte-identical to the reference.
@@ -978,6 +1098,7 @@ def _launch(
         PRECISE=not triton_interpret(),
         V2=variant == "v2",
         V3=variant == "v3",
+        V4=variant == "v4",
         ROW_SCALE=row_scale,
         HAS_HEAD=heads is not None,
         MASKED=masked,
@@ -1001,7 +1122,7 @@ def flush_tiles(
     *,
     sinkhorn_iters: int = 8,
     num_warps: int | None = None,
-    variant: str = "v3",
+    variant: str = "v4",
 ) -> None:
     """Quantize full side-pool tiles and scatter their records into the paged cache.
 
@@ -1021,14 +1142,17 @@ def flush_tiles(
             shadow rows must be the one its tile's slot belongs to).
         sinkhorn_iters: Sinkhorn iterations (the dense formats use 8).
         num_warps: tuning override (warps per tile program).
-        variant: ``"v3"`` (default: two one-pass tile statistics per Sinkhorn iteration,
-            from the homogeneity of stds, see :func:`_sinkhorn_v3`; 1.44x v1's speed on the
-            H200), ``"v1"`` (the reference's operations in order: byte-identical records up
-            to fp32 reduction order) or ``"v2"`` (one-pass pivoted stds and combined max/min
-            reductions, see :func:`_sinkhorn_v2`). v2 and v3 stds differ from the
+        variant: ``"v4"`` (default: v3's values in fewer instructions, the per-row and
+            per-column work once per entry, see :func:`_sinkhorn_v4`, and the correctly
+            rounded divisions through shared reciprocals, :func:`_div_by`; 0.62x v3's time
+            on the H200), ``"v3"`` (two one-pass tile statistics per Sinkhorn iteration,
+            from the homogeneity of stds, see :func:`_sinkhorn_v3`; 1.44x v1's speed),
+            ``"v1"`` (the reference's operations in order: byte-identical records up to
+            fp32 reduction order) or ``"v2"`` (one-pass pivoted stds and combined max/min
+            reductions, see :func:`_sinkhorn_v2`). v2, v3 and v4 stds differ from the
             reference's by fp32 rounding, which can flip a code or the Sinkhorn iteration
-            kept; the tests bound the decoded difference. Head dim 512 runs
-            the torch path for all.
+            kept; the tests bound the decoded difference. Head dim 512 runs the torch path
+            for all.
 
     One launch per call for head dims up to 256 (grid ``(N, Hk, 2)``: K and V tiles; two
     launches ``(N, Hk, 1)`` with shadow rows, see the module docstring); head dim 512 runs
@@ -1072,7 +1196,7 @@ def flush_token_tiles(
     head_lens: torch.Tensor | None = None,
     sinkhorn_iters: int = 8,
     num_warps: int | None = None,
-    variant: str = "v3",
+    variant: str = "v4",
     check: bool | None = None,
 ) -> None:
     """Quantize tiles whose tokens are consecutive rows of a ``[rows, Hk, D]`` tensor.
