@@ -1,0 +1,218 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+"""Static probe: the decode step's core written in Gluon (Triton's explicit-layout dialect).
+
+Compiled for sm_90a on any machine (no GPU) and counted like ``static_kernels.py`` counts
+the Triton kernels; nothing is launched and the values are not attention. It asks one
+question before a Gluon decode kernel is written: with the register layouts stated, do the
+code words unpack straight into the MMA operand registers (no shared-memory round trip, no
+register moves), and how many instructions does a 64-token step of a k4v2 record then take?
+
+The step (one warp, 16 query rows, head dim 128): the score MMAs of a chunk's even and odd
+tokens (4-bit K codes as B operands), an online softmax, and ``P V`` for the four 2-bit V
+fields. What makes the unpack cheap is a permuted code order, so that one 32-bit word holds
+exactly the bytes of two operand registers:
+
+* K: word ``w = 4 kt + t`` of a token pair holds channels ``16 kt + (2t, 2t + 8, 2t + 1,
+  2t + 9)``, so ``lop3`` on bytes (0, 2) is the register of channels ``2t, 2t + 1`` (the
+  MMA's ``k``) and on bytes (1, 3) that of ``2t + 8, 2t + 9``; the high nibbles come out as
+  ``1024 + 16 c`` (their scale takes the 1/16). Four ``lop3`` and one shift per 8 codes
+  (the current kernel's PTX: two ``prmt``, four ``lop3``, two shifts).
+* V: the same for token pairs within a byte column (the ``P V`` MMA's ``k`` is the token),
+  the four 2-bit fields by mask as ``1024 + 4^f c``: eight ``lop3`` and one shift per 16
+  codes (currently two ``prmt``, eight ``lop3``, six shifts).
+
+Left out, so the count is a lower bound for such a kernel: liveness and pool-block masks,
+the block-table walk, the pipelined copies (here plain loads), the query's normalization.
+The result and what it implies are in docs/kernel-notes.md (thirteenth session).
+
+    uv run python packages/kvarn-kernels/scripts/gluon_decode_probe.py
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import triton  # type: ignore[import-untyped]
+from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
+from triton.experimental import gluon  # type: ignore[import-untyped]
+from triton.experimental.gluon import language as gl  # type: ignore[import-untyped]
+from triton.experimental.gluon._runtime import GluonASTSource  # type: ignore[import-untyped]
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # type: ignore[import-untyped]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import static_kernels  # a sibling script, found through the path entry above
+
+# 4-bit codes: $0/$1 the low nibbles of bytes (0, 2) / (1, 3), $2/$3 the high ones (x 16)
+UNPACK4 = gl.constexpr("""
+{
+.reg .b32 s;
+lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $2, $4, 0x00F000F0, 0x64006400, 0xEA;
+shr.b32 s, $4, 8;
+lop3.b32 $1, s, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $3, s, 0x00F000F0, 0x64006400, 0xEA;
+}
+""")
+# 2-bit codes: field f of bytes (0, 2) -> $f, of bytes (1, 3) -> $(4 + f), as 1024 + 4^f c
+UNPACK2 = gl.constexpr("""
+{
+.reg .b32 s;
+lop3.b32 $0, $8, 0x00030003, 0x64006400, 0xEA;
+lop3.b32 $1, $8, 0x000C000C, 0x64006400, 0xEA;
+lop3.b32 $2, $8, 0x00300030, 0x64006400, 0xEA;
+lop3.b32 $3, $8, 0x00C000C0, 0x64006400, 0xEA;
+shr.b32 s, $8, 8;
+lop3.b32 $4, s, 0x00030003, 0x64006400, 0xEA;
+lop3.b32 $5, s, 0x000C000C, 0x64006400, 0xEA;
+lop3.b32 $6, s, 0x00300030, 0x64006400, 0xEA;
+lop3.b32 $7, s, 0x00C000C0, 0x64006400, 0xEA;
+}
+""")
+# an fp16x2 register seen as its two halves (a register-pair view: no instruction)
+HALVES = gl.constexpr("mov.b32 {$0, $1}, $2;")
+
+
+@gluon.jit
+def _halves(x):
+    h0, h1 = gl.inline_asm_elementwise(
+        HALVES, "=h,=h,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=1
+    )
+    return gl.join(h0, h1)
+
+
+@gluon.jit
+def _operand(r0, r1, K: gl.constexpr, N: gl.constexpr, layout: gl.constexpr):
+    """Registers ``[N, K / 4]`` of bytes (0, 2) and (1, 3) as the ``[K, N]`` B operand, ``k =
+    16 kt + 8 b + 2 t + h`` for word ``4 kt + t``, half ``h`` of ``r_b``. The layouts agree,
+    so the conversion is no instruction (the point of the probe)."""
+    x = gl.join(_halves(r0), _halves(r1))  # [n, word, h, b]
+    x = gl.reshape(gl.permute(gl.reshape(x, [N, K // 16, 4, 2, 2]), [1, 4, 2, 3, 0]), [K, N])
+    return gl.convert_layout(x, layout)
+
+
+@gluon.jit
+def probe_kernel(KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
+    )
+    bop: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    aop: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    words: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
+    )
+    # K words [32 token pairs, 32 words]; V words of one parity [32 byte columns, 8 words]
+    kj = gl.arange(0, 32, layout=gl.SliceLayout(1, words))
+    kw = gl.arange(0, 32, layout=gl.SliceLayout(0, words))
+    k_offs = kj[:, None] * 32 + kw[None, :]
+    vw = gl.arange(0, 8, layout=gl.SliceLayout(0, words))
+    v_offs = kj[:, None] * 8 + vw[None, :]
+    qr = gl.arange(0, 16, layout=gl.SliceLayout(1, aop))
+    qc = gl.arange(0, 128, layout=gl.SliceLayout(0, aop))
+    q = gl.load(Q + qr[:, None] * 128 + qc[None, :])
+    chan = gl.arange(0, 128, layout=gl.SliceLayout(1, bop))  # K's k: channels
+    pair = gl.arange(0, 32, layout=gl.SliceLayout(1, bop))  # V's k: token pairs
+    s_pair = gl.arange(0, 32, layout=gl.SliceLayout(0, mma))  # the scores' n
+    m = gl.full([16], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_sum = gl.zeros([16], gl.float32, gl.SliceLayout(1, mma))
+    zero = gl.zeros([16, 32], gl.float32, mma)
+    a0 = zero
+    a1 = zero
+    a2 = zero
+    a3 = zero
+    for ch in range(NCH):
+        kwords = gl.load(KW + ch * 1024 + k_offs)
+        lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
+            UNPACK4, "=r,=r,=r,=r,r", [kwords], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
+        ks = gl.load(KS + ch * 128 + chan)[:, None]
+        kz = gl.load(KZ + ch * 128 + chan)[:, None]
+        k_e = (_operand(lo0, lo1, 128, 32, bop) - 1024.0) * ks + kz
+        k_o = (_operand(hi0, hi1, 128, 32, bop) - 1024.0) * (ks * 0.0625) + kz
+        s_e = mma_v2(q, k_e, zero) * gl.load(KT + ch * 64 + s_pair)[None, :]
+        s_o = mma_v2(q, k_o, zero) * gl.load(KT + ch * 64 + 32 + s_pair)[None, :]
+        m_new = gl.maximum(m, gl.maximum(gl.max(s_e, axis=1), gl.max(s_o, axis=1)))
+        alpha = gl.exp2(m - m_new)
+        p_e = gl.exp2(s_e - m_new[:, None])
+        p_o = gl.exp2(s_o - m_new[:, None])
+        l_sum = l_sum * alpha + gl.sum(p_e, axis=1) + gl.sum(p_o, axis=1)
+        m = m_new
+        probs = (
+            gl.convert_layout(p_e.to(gl.float16), aop),
+            gl.convert_layout(p_o.to(gl.float16), aop),
+        )
+        a0 = a0 * alpha[:, None]
+        a1 = a1 * alpha[:, None]
+        a2 = a2 * alpha[:, None]
+        a3 = a3 * alpha[:, None]
+        for par in gl.static_range(2):
+            vwords = gl.load(VW + ch * 512 + par * 256 + v_offs)
+            f0, f1, f2, f3, g0, g1, g2, g3 = gl.inline_asm_elementwise(
+                UNPACK2,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r",
+                [vwords],
+                dtype=(gl.int32,) * 8,
+                is_pure=True,
+                pack=1,
+            )
+            vs = gl.load(VS + ch * 64 + par * 32 + pair)[:, None]
+            vz = gl.load(VZ + ch * 64 + par * 32 + pair)[:, None]
+            p = probs[par]
+            a0 = mma_v2(p, (_operand(f0, g0, 32, 32, bop) - 1024.0) * vs + vz, a0)
+            a1 = mma_v2(p, (_operand(f1, g1, 32, 32, bop) - 1024.0) * (vs * 0.25) + vz, a1)
+            a2 = mma_v2(p, (_operand(f2, g2, 32, 32, bop) - 1024.0) * (vs * 0.0625) + vz, a2)
+            a3 = mma_v2(p, (_operand(f3, g3, 32, 32, bop) - 1024.0) * (vs * 0.015625) + vz, a3)
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    cols = gl.arange(0, 32, layout=gl.SliceLayout(0, mma))
+    out = OUT + rows[:, None] * 128 + cols[None, :] * 4
+    inv = 1.0 / l_sum[:, None]
+    gl.store(out, a0 * inv)
+    gl.store(out + 1, a1 * inv)
+    gl.store(out + 2, a2 * inv)
+    gl.store(out + 3, a3 * inv)
+
+
+def main() -> None:
+    sig = {
+        "KW": "*i32",
+        "VW": "*i32",
+        "KS": "*fp16",
+        "KZ": "*fp16",
+        "KT": "*fp32",
+        "VS": "*fp16",
+        "VZ": "*fp16",
+        "Q": "*fp16",
+        "OUT": "*fp32",
+        "NCH": "i32",
+    }
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig) - 1)}
+    kernel = triton.compile(
+        GluonASTSource(probe_kernel, sig, constexprs={}, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 1},
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        r = static_kernels.analyse(kernel, Path(tmp), "probe")
+        sass = (Path(tmp) / "probe.sass").read_text()
+    keys = ("regs", "spill_bytes", "loop_sass", "loop_bar", "loop_lds_sts", "loop_shfl")
+    print({k: r[k] for k in (*keys, "loop_mma", "loop_ldg")})
+    ins = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)
+    addr = {int(a, 16): i for i, (a, _) in enumerate(ins)}
+    lo, hi = 0, 0
+    for i, (_a, text) in enumerate(ins):
+        jump = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if jump and int(jump.group(1), 16) in addr:
+            start = addr[int(jump.group(1), 16)]
+            if start < i and i - start > hi - lo:
+                lo, hi = start, i
+    ops = collections.Counter(
+        re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for _, text in ins[lo : hi + 1]
+    )
+    print("loop opcodes:", ops.most_common(20))
+
+
+if __name__ == "__main__":
+    main()
