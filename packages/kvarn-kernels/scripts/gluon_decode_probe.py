@@ -21,9 +21,13 @@ exactly the bytes of two operand registers:
   the four 2-bit fields by mask as ``1024 + 4^f c``: eight ``lop3`` and one shift per 16
   codes (currently two ``prmt``, eight ``lop3``, six shifts).
 
-Left out, so the count is a lower bound for such a kernel: liveness and pool-block masks,
-the block-table walk, the pipelined copies (here plain loads), the query's normalization.
-The result and what it implies are in docs/kernel-notes.md (thirteenth session).
+Counted twice: with plain global loads of the words, and (``PIPELINED``) with two stages of
+``cp.async`` copies into shared memory read back in the words' layout, as a real kernel
+would. Both have the liveness mask of the last chunk and the query's row scale; left out, so
+the count is a lower bound for such a kernel: the block-table walk, pool blocks (v4c masks
+their scales at the load, which costs nothing here either), several warps per program and
+their merge. The result and what it implies are in docs/kernel-notes.md (thirteenth
+session).
 
     uv run python packages/kvarn-kernels/scripts/gluon_decode_probe.py
 """
@@ -41,7 +45,10 @@ from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
 from triton.experimental import gluon  # type: ignore[import-untyped]
 from triton.experimental.gluon import language as gl  # type: ignore[import-untyped]
 from triton.experimental.gluon._runtime import GluonASTSource  # type: ignore[import-untyped]
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # type: ignore[import-untyped]
+from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[import-untyped]
+    async_copy,
+    mma_v2,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import static_kernels  # a sibling script, found through the path entry above
@@ -95,7 +102,15 @@ def _operand(r0, r1, K: gl.constexpr, N: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def probe_kernel(KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH):
+def _issue(KW, VW, k_offs, v_offs, k_buf, v_buf, ch):
+    """Start the copies of chunk ``ch``'s K and V words into stage ``ch % 2``."""
+    async_copy.async_copy_global_to_shared(k_buf.index(ch % 2), KW + ch * 1024 + k_offs)
+    async_copy.async_copy_global_to_shared(v_buf.index(ch % 2), VW + ch * 512 + v_offs)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def probe_kernel(KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH, SEQ, PIPELINED: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
     )
@@ -109,7 +124,15 @@ def probe_kernel(KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH):
     kw = gl.arange(0, 32, layout=gl.SliceLayout(0, words))
     k_offs = kj[:, None] * 32 + kw[None, :]
     vw = gl.arange(0, 8, layout=gl.SliceLayout(0, words))
-    v_offs = kj[:, None] * 8 + vw[None, :]
+    vn = gl.arange(0, 64, layout=gl.SliceLayout(1, words))  # both parities' byte columns
+    v_offs = vn[:, None] * 8 + vw[None, :]
+    if PIPELINED:
+        # (the probe's second form) two stages of cp.async copies into shared memory, read
+        # back in the words' blocked layout: the copy of chunk ch + 1 runs under chunk ch
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        k_buf = gl.allocate_shared_memory(gl.int32, [2, 32, 32], flat)
+        v_buf = gl.allocate_shared_memory(gl.int32, [2, 64, 8], flat)
+        _issue(KW, VW, k_offs, v_offs, k_buf, v_buf, 0)
     qr = gl.arange(0, 16, layout=gl.SliceLayout(1, aop))
     qc = gl.arange(0, 128, layout=gl.SliceLayout(0, aop))
     q = gl.load(Q + qr[:, None] * 128 + qc[None, :])
@@ -123,8 +146,16 @@ def probe_kernel(KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH):
     a1 = zero
     a2 = zero
     a3 = zero
+    qmax = gl.load(OUT + gl.arange(0, 16, layout=gl.SliceLayout(1, mma)))  # per-row scale
     for ch in range(NCH):
-        kwords = gl.load(KW + ch * 1024 + k_offs)
+        if PIPELINED:
+            _issue(KW, VW, k_offs, v_offs, k_buf, v_buf, ch + 1)
+            async_copy.wait_group(1)
+            kwords = k_buf.index(ch % 2).load(words)
+            vall = v_buf.index(ch % 2).load(words)
+        else:
+            kwords = gl.load(KW + ch * 1024 + k_offs)
+            vall = gl.load(VW + ch * 512 + v_offs)
         lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
             UNPACK4, "=r,=r,=r,=r,r", [kwords], dtype=(gl.int32,) * 4, is_pure=True, pack=1
         )
@@ -132,8 +163,12 @@ def probe_kernel(KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH):
         kz = gl.load(KZ + ch * 128 + chan)[:, None]
         k_e = (_operand(lo0, lo1, 128, 32, bop) - 1024.0) * ks + kz
         k_o = (_operand(hi0, hi1, 128, 32, bop) - 1024.0) * (ks * 0.0625) + kz
-        s_e = mma_v2(q, k_e, zero) * gl.load(KT + ch * 64 + s_pair)[None, :]
-        s_o = mma_v2(q, k_o, zero) * gl.load(KT + ch * 64 + 32 + s_pair)[None, :]
+        s_e = mma_v2(q, k_e, zero) * gl.load(KT + ch * 64 + s_pair)[None, :] * qmax[:, None]
+        s_o = mma_v2(q, k_o, zero) * gl.load(KT + ch * 64 + 32 + s_pair)[None, :] * qmax[:, None]
+        # tokens past the request's length (the last chunk's): -inf
+        live = (ch * 64 + 2 * s_pair) < SEQ
+        s_e = gl.where(live[None, :], s_e, float("-inf"))
+        s_o = gl.where((live & ((ch * 64 + 2 * s_pair + 1) < SEQ))[None, :], s_o, float("-inf"))
         m_new = gl.maximum(m, gl.maximum(gl.max(s_e, axis=1), gl.max(s_o, axis=1)))
         alpha = gl.exp2(m - m_new)
         p_e = gl.exp2(s_e - m_new[:, None])
@@ -148,8 +183,9 @@ def probe_kernel(KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH):
         a1 = a1 * alpha[:, None]
         a2 = a2 * alpha[:, None]
         a3 = a3 * alpha[:, None]
+        v_par = gl.split(gl.permute(gl.reshape(vall, [2, 32, 8]), [1, 2, 0]))
         for par in gl.static_range(2):
-            vwords = gl.load(VW + ch * 512 + par * 256 + v_offs)
+            vwords = v_par[par]
             f0, f1, f2, f3, g0, g1, g2, g3 = gl.inline_asm_elementwise(
                 UNPACK2,
                 "=r,=r,=r,=r,=r,=r,=r,=r,r",
@@ -175,7 +211,7 @@ def probe_kernel(KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH):
     gl.store(out + 3, a3 * inv)
 
 
-def main() -> None:
+def count(pipelined: bool) -> None:
     sig = {
         "KW": "*i32",
         "VW": "*i32",
@@ -187,10 +223,16 @@ def main() -> None:
         "Q": "*fp16",
         "OUT": "*fp32",
         "NCH": "i32",
+        "SEQ": "i32",
     }
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig) - 1)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig) - 2)}
     kernel = triton.compile(
-        GluonASTSource(probe_kernel, sig, constexprs={}, attrs=attrs),
+        GluonASTSource(
+            probe_kernel,
+            {**sig, "PIPELINED": "constexpr"},
+            constexprs={(len(sig),): pipelined},
+            attrs=attrs,
+        ),
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": 1},
     )
@@ -198,7 +240,10 @@ def main() -> None:
         r = static_kernels.analyse(kernel, Path(tmp), "probe")
         sass = (Path(tmp) / "probe.sass").read_text()
     keys = ("regs", "spill_bytes", "loop_sass", "loop_bar", "loop_lds_sts", "loop_shfl")
-    print({k: r[k] for k in (*keys, "loop_mma", "loop_ldg")})
+    print(
+        "pipelined" if pipelined else "plain loads",
+        {k: r[k] for k in (*keys, "loop_mma", "loop_ldg")},
+    )
     ins = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)
     addr = {int(a, 16): i for i, (a, _) in enumerate(ins)}
     lo, hi = 0, 0
@@ -211,8 +256,9 @@ def main() -> None:
     ops = collections.Counter(
         re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for _, text in ins[lo : hi + 1]
     )
-    print("loop opcodes:", ops.most_common(20))
+    print("  loop opcodes:", ops.most_common(20))
 
 
 if __name__ == "__main__":
-    main()
+    count(False)
+    count(True)
