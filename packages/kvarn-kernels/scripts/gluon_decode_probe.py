@@ -21,9 +21,11 @@ exactly the bytes of two operand registers:
   the four 2-bit fields by mask as ``1024 + 4^f c``: eight ``lop3`` and one shift per 16
   codes (currently two ``prmt``, eight ``lop3``, six shifts).
 
-Counted twice: with plain global loads of the words, and (``PIPELINED``) with two stages of
-``cp.async`` copies into shared memory read back in the words' layout, as a real kernel
-would. Both have the liveness mask of the last chunk and the query's row scale; left out, so
+Counted three times: with plain global loads of the words; (``PIPELINED``) with two stages
+of ``cp.async`` copies into shared memory read back in the words' layout, as a real kernel
+would; and the same with K in today's in-cache order (``NATURAL_K``, docs/format.md §7.1:
+each thread reads its two half-words and one ``prmt`` arranges them), which a first kernel
+could read without a format change. Both have the liveness mask of the last chunk and the query's row scale; left out, so
 the count is a lower bound for such a kernel: the block-table walk, pool blocks (v4c masks
 their scales at the load, which costs nothing here either), several warps per program and
 their merge. The result and what it implies are in docs/kernel-notes.md (thirteenth
@@ -79,6 +81,21 @@ lop3.b32 $6, s, 0x00300030, 0x64006400, 0xEA;
 lop3.b32 $7, s, 0x00C000C0, 0x64006400, 0xEA;
 }
 """)
+# today's K order (channels in natural order along a token pair's row): channels (2t, 2t + 1)
+# in half-word $4 and (2t + 8, 2t + 9) in $5, arranged as bytes (c2t, c2t+8, c2t+1, c2t+9)
+# by one prmt, then UNPACK4's lop3s
+UNPACK4_NATURAL = gl.constexpr("""
+{
+.reg .b32 s, w;
+mov.b32 w, {$4, $5};
+prmt.b32 w, w, 0, 0x3120;
+lop3.b32 $0, w, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $2, w, 0x00F000F0, 0x64006400, 0xEA;
+shr.b32 s, w, 8;
+lop3.b32 $1, s, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 $3, s, 0x00F000F0, 0x64006400, 0xEA;
+}
+""")
 # an fp16x2 register seen as its two halves (a register-pair view: no instruction)
 HALVES = gl.constexpr("mov.b32 {$0, $1}, $2;")
 
@@ -110,7 +127,9 @@ def _issue(KW, VW, k_offs, v_offs, k_buf, v_buf, ch):
 
 
 @gluon.jit
-def probe_kernel(KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH, SEQ, PIPELINED: gl.constexpr):
+def probe_kernel(
+    KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH, SEQ, PIPELINED: gl.constexpr, NATURAL_K: gl.constexpr
+):
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
     )
@@ -151,14 +170,29 @@ def probe_kernel(KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH, SEQ, PIPELINED: gl.con
         if PIPELINED:
             _issue(KW, VW, k_offs, v_offs, k_buf, v_buf, ch + 1)
             async_copy.wait_group(1)
-            kwords = k_buf.index(ch % 2).load(words)
+            if NATURAL_K:
+                # today's order: each thread reads the two half-words of its registers
+                halves = k_buf.index(ch % 2)._reinterpret(gl.uint16, [32, 64], flat).load(words)
+                k_lo, k_hi = gl.split(gl.permute(gl.reshape(halves, [32, 8, 2, 4]), [0, 1, 3, 2]))
+            else:
+                kwords = k_buf.index(ch % 2).load(words)
             vall = v_buf.index(ch % 2).load(words)
         else:
             kwords = gl.load(KW + ch * 1024 + k_offs)
             vall = gl.load(VW + ch * 512 + v_offs)
-        lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
-            UNPACK4, "=r,=r,=r,=r,r", [kwords], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-        )
+        if PIPELINED and NATURAL_K:
+            lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
+                UNPACK4_NATURAL,
+                "=r,=r,=r,=r,h,h",
+                [gl.reshape(k_lo, [32, 32]), gl.reshape(k_hi, [32, 32])],
+                dtype=(gl.int32,) * 4,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
+                UNPACK4, "=r,=r,=r,=r,r", [kwords], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+            )
         ks = gl.load(KS + ch * 128 + chan)[:, None]
         kz = gl.load(KZ + ch * 128 + chan)[:, None]
         k_e = (_operand(lo0, lo1, 128, 32, bop) - 1024.0) * ks + kz
@@ -211,7 +245,7 @@ def probe_kernel(KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH, SEQ, PIPELINED: gl.con
     gl.store(out + 3, a3 * inv)
 
 
-def count(pipelined: bool) -> None:
+def count(pipelined: bool, natural_k: bool = False) -> None:
     sig = {
         "KW": "*i32",
         "VW": "*i32",
@@ -229,8 +263,8 @@ def count(pipelined: bool) -> None:
     kernel = triton.compile(
         GluonASTSource(
             probe_kernel,
-            {**sig, "PIPELINED": "constexpr"},
-            constexprs={(len(sig),): pipelined},
+            {**sig, "PIPELINED": "constexpr", "NATURAL_K": "constexpr"},
+            constexprs={(len(sig),): pipelined, (len(sig) + 1,): natural_k},
             attrs=attrs,
         ),
         target=GPUTarget("cuda", 90, 32),
@@ -240,10 +274,10 @@ def count(pipelined: bool) -> None:
         r = static_kernels.analyse(kernel, Path(tmp), "probe")
         sass = (Path(tmp) / "probe.sass").read_text()
     keys = ("regs", "spill_bytes", "loop_sass", "loop_bar", "loop_lds_sts", "loop_shfl")
-    print(
-        "pipelined" if pipelined else "plain loads",
-        {k: r[k] for k in (*keys, "loop_mma", "loop_ldg")},
+    name = ("pipelined" if pipelined else "plain loads") + (
+        ", today's K order" if natural_k else ""
     )
+    print(name, {k: r[k] for k in (*keys, "loop_mma", "loop_ldg")})
     ins = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)
     addr = {int(a, 16): i for i, (a, _) in enumerate(ins)}
     lo, hi = 0, 0
@@ -262,3 +296,4 @@ def count(pipelined: bool) -> None:
 if __name__ == "__main__":
     count(False)
     count(True)
+    count(True, natural_k=True)
