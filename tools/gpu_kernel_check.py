@@ -12,7 +12,7 @@
    (the ceiling, same run); decode v1 and v4 at B = 64 and 256, 16K context, k4v2_g128 and
    k4v4_g128 (plus v4's plain-unpack shape at B = 64, k4v2_g128), and the same at B = 64, 16K
    for k4v2_g64 and for k4v2_g128 at head dim 256 (round 6 also timed v4 under register caps
-   of 168 and 128: slower at every shape, so the option was removed); store v1 vs v2 vs v3
+   of 168 and 128: slower at every shape, so the option was removed); store v3 vs v4
    (1024 tiles x 8 KV heads, g128 and g64); prefill (2048-token chunk after 14,336 cached
    tokens) fused vs dequant (varlen FlashAttention and per-request SDPA) next to torch SDPA
    fp16 over the same context, plus the dequantization alone (no-op attention; and the kernel
@@ -282,8 +282,9 @@ def _shadow_decode_rows(
     ]
 
 
-#: v1 and v2 left the check in the thirteenth session (v3 5.8 ms against their 8.6 and 9.5 at
-#: k4v2_g128, unchanged since the fourth session); v4 (store round 5) came in.
+#: v1 left the check in the thirteenth session (v3 5.8 ms against its 8.6 at k4v2_g128,
+#: unchanged since the fourth session), as did v2 (9.5; removed from kvarn-kernels); v4 (store
+#: round 5, the default since) came in.
 STORE_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v3"},
     {"variant": "v3", "num_warps": 8},

@@ -229,8 +229,8 @@ def _store(
         **geo.offsets(),
         ITERS=8,
         PRECISE=True,
-        V2=kernel == "v2",
         V3=kernel == "v3",
+        V4=kernel == "v4",
         ROW_SCALE=1 if tokens else geo.group,
         HAS_HEAD=tokens,
         MASKED=tokens,
@@ -240,7 +240,7 @@ def _store(
     return compile_kernel(fn, sig, consts, warps, 3)
 
 
-for _k in ("v1", "v2", "v3"):
+for _k in ("v1", "v3", "v4"):
     for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v2_g64", 2), ("kvarn_k4v2_g128", 8)):
         variant(f"store_{_k} {_n} w{_w}")(lambda _n=_n, _w=_w, _k=_k: _store(_n, 128, _w, _k))
 for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 4), ("kvarn_k5v5_g64", 2)):

@@ -101,14 +101,15 @@ CPU_CASES = [
 ]
 
 
-# v2's one-pass (pivoted) stds differ from the reference's two-pass ones by fp32 rounding
-# (v3's too, and it takes the products in another order: rowstd(x * c) * r for rowstd(x * c * r)).
+# One-pass (pivoted) stds differ from the reference's two-pass ones by fp32 rounding (v3's and
+# v4's, which also take the products in another order: rowstd(x * c) * r for rowstd(x * c * r);
+# the bars are named after v2, the first one-pass store, removed in the thirteenth session).
 # Sinkhorn keeps its best-imbalance iteration, and on the stress tiles (a constant tile, one
 # huge outlier token) near-equal scores then pick another iteration: a different, equally
 # balanced scaling whose decoded error can be a little larger on that tile.
 V2_BARS = {"min_identical": 0.6, "max_ratio": 1.25}
-VARIANTS = ["v1", "v2", "v3", "v4"]
-VARIANT_IDS = ["variant1", "variant2", "variant3", "variant4"]
+VARIANTS = ["v1", "v3", "v4"]
+VARIANT_IDS = ["variant1", "variant3", "variant4"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
@@ -138,7 +139,7 @@ def test_flush_tiles_matches_reference_bytes(
     assert torch.equal(kv.cpu()[untouched], before.cpu()[untouched])
 
 
-@pytest.mark.parametrize("variant", ["v2", "v3", "v4"])
+@pytest.mark.parametrize("variant", ["v3", "v4"])
 def test_flush_tiles_identity_rate(device: torch.device, variant: str) -> None:
     name, d, hk, n = "kvarn_k4v2_g64", 64, 2, 8
     pool_k, pool_v = _pool(64, hk, d, n, seed=21, device=device)
@@ -367,7 +368,7 @@ def _expected_records(
         ("kvarn_k4v2_g64", 64, 2, "v1"),
         ("kvarn_k5v5_g64", 64, 1, "v1"),
         ("kvarn_k4v4_g128", 64, 1, "v1"),
-        ("kvarn_k4v2_g64", 64, 1, "v2"),
+        ("kvarn_k4v2_g64", 64, 1, "v4"),
         ("kvarn_k4v4_g128", 64, 1, "v3"),
     ],
 )

@@ -84,13 +84,15 @@ __all__ = ["flush_tiles", "flush_token_tiles"]
 _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 
 #: Store variants (the ``variant`` argument): all write records in the same format. v1 follows
-#: the reference operation by operation; v2 and v3 take fewer instructions per Sinkhorn
-#: iteration at the price of fp32-rounding differences in the stds (bounded by the tests).
+#: the reference operation by operation; v3 takes fewer instructions per Sinkhorn iteration at
+#: the price of fp32-rounding differences in the stds (bounded by the tests). (v2, one-pass
+#: pivoted stds, slower than v3 on the H200 since the fourth session, was removed in the
+#: thirteenth.)
 #: v4, the default since the thirteenth session, computes v3's values with fewer
 #: instructions: the per-row and per-column work once per entry, and the divisions through
 #: shared reciprocals (H200, 1024 tiles x 8 heads: 3.6 ms against v3's 5.9 and v1's 8.6 at
 #: k4v2_g128, 1.5 against 2.7 at k4v2_g64; docs/kernel-notes.md, store round 5).
-STORE_VARIANTS = ("v1", "v2", "v3", "v4")
+STORE_VARIANTS = ("v1", "v3", "v4")
 
 
 @triton.jit
@@ -176,19 +178,6 @@ def _maxmin(a_hi, a_lo, b_hi, b_lo):
 
 
 @triton.jit
-def _std_pivot(x, pivot, AXIS: tl.constexpr, N: tl.constexpr, FUSED: tl.constexpr):
-    """Unbiased std along AXIS in one reduction of ``(sum d, sum d^2)``, ``d = x - pivot``.
-
-    ``var = (sum d^2 - (sum d)^2 / N) / (N - 1)``: exact in real arithmetic for any pivot; in
-    fp32 it loses ``~log2(1 + (mean - pivot)^2 / var)`` bits, nothing for a pivot near the
-    mean (the callers pass the previous estimate of the mean). Returns ``(std, mean)``; the
-    division by ``N - 1`` is a multiplication by its rounded reciprocal.
-    """
-    d = x - pivot[None, :] if AXIS == 0 else x - pivot[:, None]
-    return _std_of_deviations(d, pivot, AXIS, N, FUSED)
-
-
-@triton.jit
 def _std_of_deviations(d, pivot, AXIS: tl.constexpr, N: tl.constexpr, FUSED: tl.constexpr):
     """``(std, mean)`` along AXIS from the deviations ``d`` of the values from ``pivot``."""
     if FUSED:
@@ -204,7 +193,7 @@ def _std_of_deviations(d, pivot, AXIS: tl.constexpr, N: tl.constexpr, FUSED: tl.
 
 
 @triton.jit
-def _ratio_v2(std, FUSED: tl.constexpr):
+def _imbalance_ratio(std, FUSED: tl.constexpr):
     """``max / max(min, 1e-8)`` with max and min in one reduction."""
     if FUSED:
         hi, lo = tl.reduce((std, std), 0, _maxmin)
@@ -212,70 +201,6 @@ def _ratio_v2(std, FUSED: tl.constexpr):
         hi = tl.max(std, axis=0)
         lo = tl.min(std, axis=0)
     return tl.div_rn(hi, tl.maximum(lo, 1e-8))
-
-
-@triton.jit
-def _sinkhorn_v2(
-    x,
-    R: tl.constexpr,
-    C: tl.constexpr,
-    ITERS: tl.constexpr,
-    PRECISE: tl.constexpr,
-    FUSED: tl.constexpr = True,
-):
-    """The same iteration as :func:`_sinkhorn_v1` with fewer dependent reductions.
-
-    * stds in one pass (:func:`_std_pivot`) against the previous estimate of each row's or
-      column's mean: 3 reductions per iteration instead of 6;
-    * the max and min of each imbalance ratio in one reduction: 2 instead of 4;
-    * ``exp(-log_r)`` at the start of an iteration is the value computed at the end of the
-      previous one (same input), so it is reused (bit-identical);
-    * the divisions by N and N - 1 inside a std are multiplications by the (power-of-two,
-      resp. rounded) reciprocal, and the pivots are updated with fast divisions.
-
-    The first and last change alter numerics: the stds differ from the two-pass ones by fp32
-    rounding (a few ulp, like the reduction-order differences the GPU already has), so a
-    stored fp16 scale can move by one ulp in a few more tiles than with v1, and on degenerate
-    tiles (constant rows, one huge outlier) whose Sinkhorn iterations have near-equal
-    imbalance scores another iteration can be kept (a different, equally valid scaling; the
-    tests bound its decoded error). The reference codec itself is unchanged.
-    """
-    # The starting state needs exact means as pivots: one extra sum over each axis.
-    col_mean = tl.sum(x, axis=0) * (1.0 / R)
-    row_mean = tl.sum(x, axis=1) * (1.0 / C)
-    col_std, col_mean = _std_pivot(x, col_mean, 0, R, FUSED)
-    row_std, row_mean = _std_pivot(x, row_mean, 1, C, FUSED)
-    best = _ratio_v2(col_std, FUSED) + _ratio_v2(row_std, FUSED)
-    log_c = tl.zeros([C], dtype=tl.float32)
-    log_r = tl.zeros([R], dtype=tl.float32)
-    best_c = tl.zeros([C], dtype=tl.float32)
-    best_r = tl.zeros([R], dtype=tl.float32)
-    inv_c = tl.full([C], 1.0, dtype=tl.float32)
-    inv_r = tl.full([R], 1.0, dtype=tl.float32)
-    for _ in range(ITERS):
-        log_c = _log_step(log_c, col_std, PRECISE)
-        new_inv_c = _exp(-log_c, PRECISE)
-        # Means follow the scalings: column means scale with the new column scale, row
-        # means pick up the column change only approximately (good enough for a pivot).
-        col_mean = col_mean * tl.fdiv(new_inv_c, inv_c)
-        inv_c = new_inv_c
-        cur = x * inv_c[None, :]
-        cur = cur * inv_r[:, None]
-        row_std, row_mean = _std_pivot(cur, row_mean, 1, C, FUSED)
-        log_r = _log_step(log_r, row_std, PRECISE)
-        new_inv_r = _exp(-log_r, PRECISE)
-        row_mean = row_mean * tl.fdiv(new_inv_r, inv_r)
-        inv_r = new_inv_r
-        cur = x * inv_c[None, :]
-        cur = cur * inv_r[:, None]
-        col_std, col_mean = _std_pivot(cur, col_mean, 0, R, FUSED)
-        row_std, row_mean = _std_pivot(cur, row_mean, 1, C, FUSED)
-        score = _ratio_v2(col_std, FUSED) + _ratio_v2(row_std, FUSED)
-        take = score <= best
-        best = tl.where(take, score, best)
-        best_c = tl.where(take, log_c, best_c)
-        best_r = tl.where(take, log_r, best_r)
-    return best_c, best_r
 
 
 @triton.jit
@@ -294,7 +219,7 @@ def _scaled_std(x, scale, pivot, AXIS: tl.constexpr, N: tl.constexpr, FUSED: tl.
     One fused multiply-add per element forms ``d = x * scale - pivot`` (``pivot`` runs along
     the other axis), and one reduction sums ``(d, d^2)``: 3 instructions per element, the
     scaled tile is never stored. Exact in real arithmetic for any pivot; in fp32 it loses
-    ``~log2(1 + (mean - pivot)^2 / var)`` bits (see :func:`_std_pivot`). Returns
+    ``~log2(1 + (mean - pivot)^2 / var)`` bits, nothing for a pivot near the mean. Returns
     ``(std, mean)``.
     """
     d = x * scale[None, :] - pivot[:, None] if AXIS == 1 else x * scale[:, None] - pivot[None, :]
@@ -348,12 +273,12 @@ def _sinkhorn_v3(
     per iteration, plus a multiplication; v1 has two divisions and one to two more sqrts).
 
     Numerics: the stds differ from the two-pass stds of ``cur`` by fp32 rounding (products
-    taken in another order, one-pass sums about a pivot), like :func:`_sinkhorn_v2`; the
-    tests bound the effect with v2's bars.
+    taken in another order, one-pass sums about a pivot); the tests bound the effect
+    (``V2_BARS``, named after the removed v2, the first one-pass variant).
     """
     col_std, col_mean = _std_mean(x, 0, R)
     row_std, row_mean = _std_mean(x, 1, C)
-    best = _ratio_v2(col_std, FUSED) + _ratio_v2(row_std, FUSED)
+    best = _imbalance_ratio(col_std, FUSED) + _imbalance_ratio(row_std, FUSED)
     log_c = tl.zeros([C], dtype=tl.float32)
     log_r = tl.zeros([R], dtype=tl.float32)
     best_c = tl.zeros([C], dtype=tl.float32)
@@ -377,7 +302,7 @@ def _sinkhorn_v3(
             col_piv = _additive_mean(col_mean, row_dev, inv_r, R, FUSED)
         t_col, col_piv = _scaled_std(x, inv_r, col_piv, 0, R, FUSED)
         col_std = t_col * inv_c
-        score = _ratio_v2(col_std, FUSED) + _ratio_v2(s_row * inv_r, FUSED)
+        score = _imbalance_ratio(col_std, FUSED) + _imbalance_ratio(s_row * inv_r, FUSED)
         take = score <= best
         best = tl.where(take, score, best)
         best_c = tl.where(take, log_c, best_c)
@@ -449,7 +374,7 @@ def _sinkhorn_v4(
     row_std, row_mean = _std_mean(x, 1, C)
     col_std = _compact(col_std, SC, ok, C, MASKED)
     row_std = _compact(row_std, SR, ok, R, MASKED)
-    best = _ratio_v2(col_std, FUSED) + _ratio_v2(row_std, FUSED)
+    best = _imbalance_ratio(col_std, FUSED) + _imbalance_ratio(row_std, FUSED)
     row_dev = _compact(row_mean, SR, ok, R, MASKED)
     col_dev = _compact(col_mean, SC, ok, C, MASKED)
     grand = tl.sum(row_dev, axis=0) * (1.0 / R)
@@ -471,7 +396,7 @@ def _sinkhorn_v4(
         col_piv = _additive_mean(col_mean, row_dev, inv_r, R, FUSED)
         t_col, _ = _scaled_std(x, inv_r, col_piv, 0, R, FUSED)
         col_std = _compact(t_col, SC, ok, C, MASKED) * inv_c
-        score = _ratio_v2(col_std, FUSED) + _ratio_v2(s_row * inv_r, FUSED)
+        score = _imbalance_ratio(col_std, FUSED) + _imbalance_ratio(s_row * inv_r, FUSED)
         take = score <= best
         best = tl.where(take, score, best)
         best_c = tl.where(take, log_c, best_c)
@@ -674,7 +599,6 @@ def _quantize_tile(
     BITS: tl.constexpr,
     ITERS: tl.constexpr,
     PRECISE: tl.constexpr,
-    V2: tl.constexpr,
     MASKED: tl.constexpr,
     V3: tl.constexpr = False,
     ORDER: tl.constexpr = 0,
@@ -701,8 +625,6 @@ def _quantize_tile(
     elif V3:
         # PRECISE is off exactly under the interpreter: no tuple reductions there.
         best_c, best_r = _sinkhorn_v3(x, R, C, ITERS, PRECISE, PRECISE)
-    elif V2:
-        best_c, best_r = _sinkhorn_v2(x, R, C, ITERS, PRECISE, PRECISE)
     else:
         best_c, best_r = _sinkhorn_v1(x, R, C, ITERS, PRECISE)
 
@@ -829,7 +751,6 @@ def _flush_kernel(
     V_ORDER: tl.constexpr,
     ITERS: tl.constexpr,
     PRECISE: tl.constexpr,
-    V2: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     HAS_HEAD: tl.constexpr,
     MASKED: tl.constexpr,
@@ -919,7 +840,6 @@ def _flush_kernel(
             KB,
             ITERS,
             PRECISE,
-            V2,
             MASKED,
             V3,
             K_ORDER,
@@ -962,7 +882,6 @@ def _flush_kernel(
             VB,
             ITERS,
             PRECISE,
-            V2,
             MASKED,
             V3,
             V_ORDER,
@@ -1096,7 +1015,6 @@ def _launch(
         **geo.offsets(),
         ITERS=sinkhorn_iters,
         PRECISE=not triton_interpret(),
-        V2=variant == "v2",
         V3=variant == "v3",
         V4=variant == "v4",
         ROW_SCALE=row_scale,
@@ -1147,12 +1065,10 @@ def flush_tiles(
             rounded divisions through shared reciprocals, :func:`_div_by`; 0.62x v3's time
             on the H200), ``"v3"`` (two one-pass tile statistics per Sinkhorn iteration,
             from the homogeneity of stds, see :func:`_sinkhorn_v3`; 1.44x v1's speed),
-            ``"v1"`` (the reference's operations in order: byte-identical records up to
-            fp32 reduction order) or ``"v2"`` (one-pass pivoted stds and combined max/min
-            reductions, see :func:`_sinkhorn_v2`). v2, v3 and v4 stds differ from the
-            reference's by fp32 rounding, which can flip a code or the Sinkhorn iteration
-            kept; the tests bound the decoded difference. Head dim 512 runs the torch path
-            for all.
+            or ``"v1"`` (the reference's operations in order: byte-identical records up to
+            fp32 reduction order). v3 and v4 stds differ from the reference's by fp32
+            rounding, which can flip a code or the Sinkhorn iteration kept; the tests bound
+            the decoded difference. Head dim 512 runs the torch path for all.
 
     One launch per call for head dims up to 256 (grid ``(N, Hk, 2)``: K and V tiles; two
     launches ``(N, Hk, 1)`` with shadow rows, see the module docstring); head dim 512 runs
