@@ -31,7 +31,9 @@ their scales at the load, which costs nothing here either), several warps per pr
 their merge. The result and what it implies are in docs/kernel-notes.md (thirteenth
 session).
 
-    uv run python packages/kvarn-kernels/scripts/gluon_decode_probe.py
+    uv run python packages/kvarn-kernels/scripts/gluon_decode_probe.py            # counts
+    PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src \\
+        python3 packages/kvarn-kernels/scripts/gluon_decode_probe.py --check      # GPU: values
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import triton  # type: ignore[import-untyped]
 from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
@@ -128,7 +131,20 @@ def _issue(KW, VW, k_offs, v_offs, k_buf, v_buf, ch):
 
 @gluon.jit
 def probe_kernel(
-    KW, VW, KS, KZ, KT, VS, VZ, Q, OUT, NCH, SEQ, PIPELINED: gl.constexpr, NATURAL_K: gl.constexpr
+    KW,
+    VW,
+    KS,
+    KZ,
+    KT,
+    VS,
+    VZ,
+    Q,
+    QMAX,
+    OUT,
+    NCH,
+    SEQ,
+    PIPELINED: gl.constexpr,
+    NATURAL_K: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
@@ -165,7 +181,7 @@ def probe_kernel(
     a1 = zero
     a2 = zero
     a3 = zero
-    qmax = gl.load(OUT + gl.arange(0, 16, layout=gl.SliceLayout(1, mma)))  # per-row scale
+    qmax = gl.load(QMAX + gl.arange(0, 16, layout=gl.SliceLayout(1, mma)))  # per-row scale
     for ch in range(NCH):
         if PIPELINED:
             _issue(KW, VW, k_offs, v_offs, k_buf, v_buf, ch + 1)
@@ -255,6 +271,7 @@ def count(pipelined: bool, natural_k: bool = False) -> None:
         "VS": "*fp16",
         "VZ": "*fp16",
         "Q": "*fp16",
+        "QMAX": "*fp32",
         "OUT": "*fp32",
         "NCH": "i32",
         "SEQ": "i32",
@@ -293,7 +310,87 @@ def count(pipelined: bool, natural_k: bool = False) -> None:
     print("  loop opcodes:", ops.most_common(20))
 
 
+def _probe_inputs(nch: int, natural_k: bool, seed: int = 0) -> tuple[list[Any], Any]:
+    """Random codes and scales of ``nch`` chunks in the probe's layouts (words of the order the
+    module docstring gives; ``natural_k``: K in today's in-cache order), one spare chunk of
+    words for the pipelined form's last prefetch, and the float64 reference output."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randint(0, 16, (nch, 64, 128), generator=g)  # [chunk, token, channel]
+    vc = torch.randint(0, 4, (nch, 64, 128), generator=g)
+    ks = (torch.rand(nch, 128, generator=g) * 0.1 + 0.01).half()
+    kz = (torch.randn(nch, 128, generator=g) * 0.3).half()
+    kt = torch.rand(nch, 64, generator=g) * 0.5 + 0.75
+    vs = (torch.rand(nch, 64, generator=g) * 0.1 + 0.01).half()
+    vz = (torch.randn(nch, 64, generator=g) * 0.3).half()
+    q = (torch.randn(16, 128, generator=g) * 0.5).half()
+    qmax = torch.rand(16, generator=g) + 0.5
+    seq = nch * 64 - 5  # the last chunk's last tokens are dead
+
+    def in_word(n: int) -> torch.Tensor:
+        # position p of a 16-group holds item (2t, 2t + 8, 2t + 1, 2t + 9)[b] for p = 4 t + b
+        t, b = torch.arange(n) % 16 // 4, torch.arange(n) % 4
+        return (torch.arange(n) // 16) * 16 + 2 * t + (b % 2) * 8 + b // 2
+
+    kbytes = kc[:, 0::2] | (kc[:, 1::2] << 4)  # [chunk, pair, channel]
+    if not natural_k:
+        kbytes = kbytes[:, :, in_word(128)]
+    vfield = vc.view(nch, 64, 32, 4)  # [chunk, token, byte column, field]
+    vbytes = sum(vfield[..., f] << (2 * f) for f in range(4))  # [chunk, token, column]
+    vbytes = vbytes.view(nch, 32, 2, 32).permute(0, 2, 3, 1)  # [chunk, parity, column, pair]
+    vbytes = vbytes[..., in_word(32)]
+
+    def words(x: torch.Tensor) -> torch.Tensor:
+        flat = x.to(torch.uint8).reshape(nch, -1)
+        flat = torch.cat([flat, torch.zeros_like(flat[:1])])  # the spare chunk
+        return flat.view(torch.int32)
+
+    def by_parity(x: torch.Tensor) -> torch.Tensor:  # even tokens' pairs, then odd tokens'
+        return torch.cat([x[:, 0::2], x[:, 1::2]], dim=1)
+
+    kv = (kc.double() * ks.double()[:, None, :] + kz.double()[:, None, :]) * kt.double()[..., None]
+    vv = vc.double() * vs.double()[..., None] + vz.double()[..., None]
+    scores = (q.double() @ kv.reshape(-1, 128).T) * qmax.double()[:, None]
+    scores[:, seq:] = float("-inf")
+    p = torch.exp2(scores - scores.max(dim=1, keepdim=True).values)
+    ref = (p @ vv.reshape(-1, 128)) / p.sum(dim=1, keepdim=True)
+    cuda = [
+        words(kbytes),
+        words(vbytes),
+        ks,
+        kz,
+        by_parity(kt).float(),
+        by_parity(vs),
+        by_parity(vz),
+        q,
+        qmax.float(),
+    ]
+    return [x.cuda().contiguous() for x in cuda] + [seq], ref
+
+
+def check() -> None:
+    """(GPU) The probe's output against a float64 reference, in every form: shows that the
+    unpacked words land on the operand positions the relabelling claims."""
+    import torch
+
+    nch = 3
+    for pipelined, natural_k in ((False, False), (True, False), (True, True)):
+        args, ref = _probe_inputs(nch, natural_k)
+        out = torch.full((16, 128), float("nan"), device="cuda")
+        *ptrs, seq = args
+        probe_kernel[(1,)](
+            *ptrs, out, nch, seq, PIPELINED=pipelined, NATURAL_K=natural_k, num_warps=1
+        )
+        torch.cuda.synchronize()
+        err = float((out.double().cpu() - ref).norm() / ref.norm())
+        print(f"check pipelined={pipelined} natural_k={natural_k}: relative error {err:.2e}")
+
+
 if __name__ == "__main__":
-    count(False)
-    count(True)
-    count(True, natural_k=True)
+    if "--check" in sys.argv:
+        check()
+    else:
+        count(False)
+        count(True)
+        count(True, natural_k=True)
