@@ -250,6 +250,10 @@ def _sinkhorn_v3(
     PRECISE: tl.constexpr,
     FUSED: tl.constexpr = True,
     ADDITIVE_PIVOT: tl.constexpr = True,
+    COMPACT: tl.constexpr = False,
+    SCR=None,
+    ok=True,
+    MASKED: tl.constexpr = False,
 ):
     """:func:`_sinkhorn_v1`'s iteration with two tile statistics instead of three.
 
@@ -275,9 +279,18 @@ def _sinkhorn_v3(
     Numerics: the stds differ from the two-pass stds of ``cur`` by fp32 rounding (products
     taken in another order, one-pass sums about a pivot); the tests bound the effect
     (``V2_BARS``, named after the removed v2, the first one-pass variant).
+
+    ``COMPACT`` (v4): the per-row and per-column work in a compact layout (:func:`_compact`,
+    ``R + C`` fp32 of scratch at ``SCR``, rows first; ``ok`` and ``MASKED`` as for the record
+    stores): the stds, scales, pivots' sums, the score and the best state are computed once
+    per entry, not once per copy. The operations and their order are the same, except the
+    sums over entries in the pivots (another order of the same fp32 terms); under the
+    interpreter, whose sums are NumPy's either way, the result is the same exactly.
     """
     col_std, col_mean = _std_mean(x, 0, R)
     row_std, row_mean = _std_mean(x, 1, C)
+    col_std = _compacted(col_std, SCR, R, ok, C, MASKED, COMPACT)
+    row_std = _compacted(row_std, SCR, 0, ok, R, MASKED, COMPACT)
     best = _imbalance_ratio(col_std, FUSED) + _imbalance_ratio(row_std, FUSED)
     log_c = tl.zeros([C], dtype=tl.float32)
     log_r = tl.zeros([R], dtype=tl.float32)
@@ -287,21 +300,23 @@ def _sinkhorn_v3(
     row_piv = row_mean
     col_piv = col_mean
     if ADDITIVE_PIVOT:
-        grand = tl.sum(row_mean, axis=0) * (1.0 / R)
-        row_dev = row_mean - grand
-        col_dev = col_mean - grand
+        row_own = _compacted(row_mean, SCR, 0, ok, R, MASKED, COMPACT)
+        grand = tl.sum(row_own, axis=0) * (1.0 / R)
+        row_dev = row_own - grand
+        col_dev = _compacted(col_mean, SCR, R, ok, C, MASKED, COMPACT) - grand
     for _ in range(ITERS):
         log_c = _log_step(log_c, col_std, PRECISE)
         inv_c = _exp(-log_c, PRECISE)
         if ADDITIVE_PIVOT:
             row_piv = _additive_mean(row_mean, col_dev, inv_c, C, FUSED)
         s_row, row_piv = _scaled_std(x, inv_c, row_piv, 1, C, FUSED)
+        s_row = _compacted(s_row, SCR, 0, ok, R, MASKED, COMPACT)
         log_r = _log_step(log_r, s_row * inv_r, PRECISE)
         inv_r = _exp(-log_r, PRECISE)
         if ADDITIVE_PIVOT:
             col_piv = _additive_mean(col_mean, row_dev, inv_r, R, FUSED)
         t_col, col_piv = _scaled_std(x, inv_r, col_piv, 0, R, FUSED)
-        col_std = t_col * inv_c
+        col_std = _compacted(t_col, SCR, R, ok, C, MASKED, COMPACT) * inv_c
         score = _imbalance_ratio(col_std, FUSED) + _imbalance_ratio(s_row * inv_r, FUSED)
         take = score <= best
         best = tl.where(take, score, best)
@@ -333,6 +348,16 @@ def _compact(v, SCR, ok, N: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _compacted(v, SCR, OFFSET: tl.constexpr, ok, N: tl.constexpr, MASKED, COMPACT: tl.constexpr):
+    """``v`` through :func:`_compact` at ``SCR + OFFSET`` when ``COMPACT``, else as it is."""
+    if COMPACT:  # noqa: SIM108 (a constexpr branch, as everywhere here)
+        y = _compact(v, SCR + OFFSET, ok, N, MASKED)
+    else:
+        y = v
+    return y
+
+
+@triton.jit
 def _div_by(x, rcp, d, FAST: tl.constexpr):
     """(v4) ``x / d`` correctly rounded, from ``rcp``, the correctly rounded reciprocal of
     ``d``: ``q = x * rcp``, then one Newton correction with an exact fma residual, ``q + (x - q
@@ -348,60 +373,6 @@ def _div_by(x, rcp, d, FAST: tl.constexpr):
     else:
         y = tl.div_rn(x, d)
     return y
-
-
-@triton.jit
-def _sinkhorn_v4(
-    x,
-    R: tl.constexpr,
-    C: tl.constexpr,
-    ITERS: tl.constexpr,
-    PRECISE: tl.constexpr,
-    SCR,
-    ok,
-    MASKED: tl.constexpr,
-):
-    """:func:`_sinkhorn_v3` with the per-row and per-column work in a compact layout
-    (:func:`_compact`, ``R + C`` fp32 of scratch at ``SCR``): the stds, scales, pivots' sums,
-    the score and the best state are computed once per entry, not once per copy. The
-    operations and their order are v3's, except the sums over entries in the pivots (another
-    order of the same fp32 terms); under the interpreter, whose sums are NumPy's either way,
-    the result is v3's exactly."""
-    FUSED: tl.constexpr = PRECISE  # no tuple reductions under the interpreter (v3's reason)
-    SR = SCR
-    SC = SCR + R
-    col_std, col_mean = _std_mean(x, 0, R)
-    row_std, row_mean = _std_mean(x, 1, C)
-    col_std = _compact(col_std, SC, ok, C, MASKED)
-    row_std = _compact(row_std, SR, ok, R, MASKED)
-    best = _imbalance_ratio(col_std, FUSED) + _imbalance_ratio(row_std, FUSED)
-    row_dev = _compact(row_mean, SR, ok, R, MASKED)
-    col_dev = _compact(col_mean, SC, ok, C, MASKED)
-    grand = tl.sum(row_dev, axis=0) * (1.0 / R)
-    row_dev = row_dev - grand
-    col_dev = col_dev - grand
-    log_c = tl.zeros_like(col_std)
-    log_r = tl.zeros_like(row_std)
-    best_c = log_c
-    best_r = log_r
-    inv_r = log_r + 1.0
-    for _ in range(ITERS):
-        log_c = _log_step(log_c, col_std, PRECISE)
-        inv_c = _exp(-log_c, PRECISE)
-        row_piv = _additive_mean(row_mean, col_dev, inv_c, C, FUSED)
-        s_row, _ = _scaled_std(x, inv_c, row_piv, 1, C, FUSED)
-        s_row = _compact(s_row, SR, ok, R, MASKED)
-        log_r = _log_step(log_r, s_row * inv_r, PRECISE)
-        inv_r = _exp(-log_r, PRECISE)
-        col_piv = _additive_mean(col_mean, row_dev, inv_r, R, FUSED)
-        t_col, _ = _scaled_std(x, inv_r, col_piv, 0, R, FUSED)
-        col_std = _compact(t_col, SC, ok, C, MASKED) * inv_c
-        score = _imbalance_ratio(col_std, FUSED) + _imbalance_ratio(s_row * inv_r, FUSED)
-        take = score <= best
-        best = tl.where(take, score, best)
-        best_c = tl.where(take, log_c, best_c)
-        best_r = tl.where(take, log_r, best_r)
-    return best_c, best_r
 
 
 @triton.jit
@@ -621,7 +592,9 @@ def _quantize_tile(
     scratch = (REC + OFF_CODES).to(tl.pointer_type(tl.float32))
     if V4:
         tl.static_assert(OFF_CODES % 4 == 0, "v4's scratch is fp32 in the code section")
-        best_c, best_r = _sinkhorn_v4(x, R, C, ITERS, PRECISE, scratch, ok, MASKED)
+        best_c, best_r = _sinkhorn_v3(
+            x, R, C, ITERS, PRECISE, PRECISE, True, True, scratch, ok, MASKED
+        )
     elif V3:
         # PRECISE is off exactly under the interpreter: no tuple reductions there.
         best_c, best_r = _sinkhorn_v3(x, R, C, ITERS, PRECISE, PRECISE)
@@ -1061,9 +1034,9 @@ def flush_tiles(
         sinkhorn_iters: Sinkhorn iterations (the dense formats use 8).
         num_warps: tuning override (warps per tile program).
         variant: ``"v4"`` (default: v3's values in fewer instructions, the per-row and
-            per-column work once per entry, see :func:`_sinkhorn_v4`, and the correctly
-            rounded divisions through shared reciprocals, :func:`_div_by`; 0.62x v3's time
-            on the H200), ``"v3"`` (two one-pass tile statistics per Sinkhorn iteration,
+            per-column work once per entry, :func:`_sinkhorn_v3` with ``COMPACT``, and the
+            correctly rounded divisions through shared reciprocals, :func:`_div_by`; 0.62x
+            v3's time on the H200), ``"v3"`` (two one-pass tile statistics per Sinkhorn iteration,
             from the homogeneity of stds, see :func:`_sinkhorn_v3`; 1.44x v1's speed),
             or ``"v1"`` (the reference's operations in order: byte-identical records up to
             fp32 reduction order). v3 and v4 stds differ from the reference's by fp32
