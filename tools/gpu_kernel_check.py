@@ -51,7 +51,8 @@ _DEC = "gpu and decode and variant4 and "
 # one group as a regression check.
 TEST_GROUPS = {
     "decode_v4_a": ["test_kernels_attention.py", "-k", _DEC + "(k4v2_g128-128 or cuda_graph)"],
-    # store v3 (the default since the fourth session): 8 formats/head dims vs the reference.
+    # store v3 (the default from the fourth to the thirteenth session, v4's reference): 8
+    # formats/head dims vs the reference.
     "store_v3": ["test_kernels_store.py", "-k", "gpu and variant3"],
     # store v4 (thirteenth session): every store test of v4 on the GPU, its records against
     # v3's bars, and its shared-reciprocal division against IEEE division
