@@ -604,6 +604,7 @@ DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4c"},
     {"variant": "v4d", "mma_rows": 8},
+    {"variant": "v5"},
 ]
 
 

@@ -84,6 +84,8 @@ TEST_GROUPS = {
     "decode_mma_rows": ["test_kernels_attention.py", "-k", "mma_rows"],
     # v4d (tenth session): v4c with the pool phase in a launch of its own
     "decode_v4d": ["test_kernels_attention.py", "-k", "variant4d or v4d"],
+    # v5 (fourteenth session): the main loop in Gluon, v4d's pool phase
+    "decode_v5": ["test_kernels_attention.py", "-k", "variant5 or v5"],
     "shadow_pool_write": ["test_kernels_rotation.py", "-k", "shadow"],
     # verify_attention (seventh session): the fused verify pass against the reference and
     # against one decode row per token, every variant.
@@ -207,6 +209,7 @@ def decode_runs(
 
     from kvarn_format import parse_cache_dtype
     from kvarn_kernels import choose_decode_splits
+    from kvarn_kernels.decode_v5 import V5_HEAD_DIMS
 
     rows: list[dict[str, Any]] = []
     for fmt, d, batches in cases:
@@ -224,6 +227,8 @@ def decode_runs(
                 configs += DECODE_D256_SHAPES
             if (fmt, d) == ("kvarn_k4v2_g128", 128):
                 configs += DECODE_ROW_SHAPES
+            if d in V5_HEAD_DIMS:
+                configs += [{"variant": "v5"}]
             base = None
             for cfg in configs:
                 if warm:

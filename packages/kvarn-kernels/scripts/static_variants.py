@@ -373,3 +373,44 @@ for _n, _qpk, _r7 in (
 variant("decode_v4c verify4 kvarn_k4v2_g128 d128 qpk4")(
     lambda: _decode_v4_default("kvarn_k4v2_g128", 128, 4, True, verify_tokens=4, masked=True)
 )
+
+
+def _decode_v5(name: str, qpk: int = 4) -> Any:
+    """The Gluon v5 main loop (:mod:`kvarn_kernels.decode_v5`) at Qwen3-8B's decode shape."""
+    import triton  # type: ignore[import-untyped]
+    from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
+    from triton.experimental.gluon._runtime import GluonASTSource  # type: ignore[import-untyped]
+
+    from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
+
+    geo = _geo(name)
+    consts = {
+        "HQ": 8 * qpk,
+        "HK": 8,
+        "QPK": qpk,
+        "D": 128,
+        "G": geo.group,
+        "VB": geo.value_bits,
+        "STRIDE": geo.record_stride,
+        **{k: v for k, v in geo.offsets().items() if k.startswith("OFF_")},
+        "NUM_SPLITS": 2,
+    }
+    names = decode_v5_kernel.arg_names
+    sig = {n: "constexpr" if n in consts else DECODE_SIG.get(n, "i32") for n in names}
+    return triton.compile(
+        GluonASTSource(
+            decode_v5_kernel,
+            sig,
+            constexprs={(names.index(k),): v for k, v in consts.items()},
+            attrs={
+                (i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"
+            },
+        ),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": V5_WARPS},
+    )
+
+
+# v5 (fourteenth session): the main loop in Gluon, every register layout stated
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
+    variant(f"decode_v5 {_n} d128 qpk4")(lambda _n=_n: _decode_v5(_n))

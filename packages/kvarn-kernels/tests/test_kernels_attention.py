@@ -18,7 +18,11 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,6 +47,7 @@ from kvarn_kernels.attention import (
     verify_rows,
     verify_token_groups,
 )
+from kvarn_kernels.decode_v5 import V5_HEAD_DIMS
 from kvarn_kernels.reference import (
     decode_attention_ref,
     dequantize_records,
@@ -59,20 +64,29 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d"]
+VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d", "v5"]
 VARIANT_IDS = [f"variant{v[1:]}" for v in VARIANTS]
-# v4d (the pool phase in a launch of its own) is decode only
+# v4d and v5 (the pool phase in a launch of its own) are decode only
 VERIFY_VARIANTS = [v for v in VARIANTS if v not in POOL_SPLIT_VARIANTS]
 VERIFY_VARIANT_IDS = [f"variant{v[1:]}" for v in VERIFY_VARIANTS]
 
 
 def _v4_refuses(name: str, variant: str, d: int, device: torch.device) -> bool:
-    """v4 and v4b take k4 formats only: for the others, check that they say so."""
+    """The v4 family takes k4 formats only, and v5 (a Gluon kernel) head dim 128 on a GPU:
+    where a variant does not run, check that it says so."""
     fmt = parse_cache_dtype(name)
-    if variant == "v1" or fmt.key_bits == 4:
+    if variant == "v1":
         return False
-    case = build_case(name, d, 1, [fmt.group + 1], device=device, seed=0)
-    with pytest.raises(ValueError, match=f"variant='{variant}' takes 4-bit keys"):
+    if fmt.key_bits != 4:
+        message = f"variant='{variant}' takes 4-bit keys"
+    elif variant == "v5" and d not in V5_HEAD_DIMS:
+        message = "written for head dims"
+    elif variant == "v5" and INTERPRET:
+        message = "Triton interpreter"
+    else:
+        return False
+    case = shared_case(name, d, 1, [fmt.group + 1], device=device, seed=0)
+    with pytest.raises(ValueError, match=message):
         decode_attention(
             *case.decode_args(name, torch.zeros(1, 1, d, dtype=torch.float16, device=device), 1.0),
             variant=variant,
@@ -229,6 +243,8 @@ def test_decode_bf16_and_default_splits_against_fp16_attention(
 ) -> None:
     """bf16 queries; and the quantized attention stays close to unquantized attention."""
     name, d, hq, hk, lens = "kvarn_k4v4_g64", 64, 4, 2, [256, 150]
+    if _v4_refuses(name, variant, d, device):
+        return
     case = shared_case(
         name,
         d,
@@ -284,7 +300,8 @@ def test_decode_extreme_magnitudes(device: torch.device, scale_kind: str) -> Non
     args = case.decode_args(name, q, scale)
     ref = decode_attention_ref(*args)
     for variant in VARIANTS:
-        _assert_close(decode_attention(*args, variant=variant), ref)
+        if not _v4_refuses(name, variant, d, device):
+            _assert_close(decode_attention(*args, variant=variant), ref)
 
 
 # (format, head_dim, Hq, Hk, seq_lens, q_lens, num_splits)
@@ -1307,6 +1324,113 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
         torch.cuda.synchronize()
         ref = decode_attention_ref(*case.decode_args(name, q, scale, seq_lens=seq))
         _assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"])
+@pytest.mark.parametrize(("hq", "hk"), [(8, 8), (12, 4), (32, 8), (32, 2)], ids=lambda x: str(x))
+def test_decode_v5_gqa_ratios_and_shadow_rows(
+    device: torch.device, name: str, hq: int, hk: int
+) -> None:
+    """v5 at GQA 1, 3, 4 and 16 (its 16 MMA rows full), over contexts spanning many tiles,
+    in-progress tiles of 1 and G - 1 tokens, a split count that leaves splits without records,
+    and with shadow rows (equal bit for bit to the unshadowed twin)."""
+    g = parse_cache_dtype(name).group
+    lens = [5000, 1, g - 1, 2 * g + 1, 3 * g, 0, 700]
+    r = _shadow_rows(name, 128, "max")
+    gen = torch.Generator(device=device).manual_seed(hq + hk)
+    q = torch.randn(len(lens), hq, 128, device=device, generator=gen).half()
+    scale = 1.0 / math.sqrt(128)
+
+    def case_with(rows: int) -> PagedCase:
+        return shared_case(name, 128, hk, lens, device=device, seed=hq, shadow_rows=rows)
+
+    def run(case: PagedCase) -> torch.Tensor:
+        return decode_attention(*case.decode_args(name, q, scale), num_splits=7, variant="v5")
+
+    _check_reference_and_shadow_twin(
+        name, r, case_with, run, lambda c: decode_attention_ref(*c.decode_args(name, q, scale))
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g128"])
+@pytest.mark.parametrize("scale_kind", ["huge", "tiny"])
+def test_decode_v5_extreme_magnitudes(device: torch.device, name: str, scale_kind: str) -> None:
+    """Tokens near the fp16 limit or far below 1 at head dim 128 (v5's halved codes and
+    unhalved scales must neither overflow nor lose the small values), against v4c's result
+    and the reference."""
+    lens = [3000, 129]
+    value_scale = 20000.0 if scale_kind == "huge" else 1e-3
+    case = build_case(name, 128, 8, lens, device=device, seed=12, value_scale=value_scale)
+    q = torch.randn(len(lens), 32, 128, generator=torch.Generator().manual_seed(2)) * 0.05
+    q = (q / (value_scale * 0.05) if scale_kind == "huge" else q * 200).half().to(device)
+    args = case.decode_args(name, q, 1.0 / math.sqrt(128))
+    ref = decode_attention_ref(*args)
+    _assert_close(decode_attention(*args, variant="v5"), ref)
+    _assert_close(decode_attention(*args, variant="v4c"), ref)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("gqa_32", "up to 16 query heads per KV head"),
+        ("mma_rows", "mma_rows applies to the variants"),
+        ("num_stages", "num_stages applies to the variants"),
+        ("num_warps", "do not apply to variant='v5'"),
+        ("head_dim_64", "written for head dims"),
+        ("k5v5", "takes 4-bit keys"),
+    ],
+)
+def test_decode_v5_validation(device: torch.device, change: str, message: str) -> None:
+    """What v5 does not take is refused with a message naming the fallback, before any
+    launch (on the CPU the interpreter refusal comes first, so only the shape checks that
+    precede it are reached there)."""
+    name, d, hq, hk = "kvarn_k4v2_g128", 128, 32, 8
+    kw: dict[str, Any] = {"variant": "v5"}
+    if change == "gqa_32":
+        hq, hk = 32, 1
+    elif change == "head_dim_64":
+        d = 64
+    elif change == "k5v5":
+        name = "kvarn_k5v5_g64"
+    else:
+        kw[change] = 8 if change != "num_stages" else 2
+    if INTERPRET and change in ("gqa_32", "mma_rows", "num_stages", "num_warps"):
+        message = "Triton interpreter"
+    case = shared_case(name, d, hk, [parse_cache_dtype(name).group + 1], device=device, seed=0)
+    q = torch.zeros(1, hq, d, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match=message):
+        decode_attention(*case.decode_args(name, q, 1.0), **kw)
+
+
+def test_decode_v5_compiles_for_sm90() -> None:
+    """v5 compiles for sm_90a here, without a GPU: Gluon has no interpreter, so on the CPU
+    this is the test that catches a kernel the compiler rejects. ``static_kernels.py`` (in a
+    process of its own: this one runs the interpreter, under which Gluon's library functions
+    do not compile) counts each format's loop: the 128 ``m16n8k16`` MMAs of a 64-token chunk
+    per warp (2 x 8 for the scores, 2 x 4 fields x 8 for ``P V`` at k4v2; 2 x 2 x 16 at
+    k4v4), the pipeline's barriers, and no more than a few spilled registers."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "static_kernels.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(script), "--only", "decode_v5"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("decode_v5")]
+    assert len(rows) == 3, run.stdout + run.stderr
+    for row in rows:
+        assert "FAILED" not in row, " ".join(row)
+        # name (4 words), regs, spill, smem, loop, BAR, LDS/STS, SHFL, MMA, LDG
+        _regs, spill, _smem, loop, bar, _lds, _shfl, mma, _ldg = (int(x) for x in row[4:])
+        assert mma == 128, row
+        assert bar <= 4, row
+        assert spill <= 256, row
+        assert loop < 2000, row
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,7 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
+from kvarn_format.cache_order import CodeOrder
 from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import (
     ACT_DTYPES,
@@ -79,11 +80,11 @@ __all__ = [
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
-DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d")
+DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5")
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
 V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
 #: The variants whose pool phase runs in a launch of its own (a partial more to merge).
-POOL_SPLIT_VARIANTS = ("v4d",)
+POOL_SPLIT_VARIANTS = ("v4d", "v5")
 
 
 #: The query rows per program ``decode_attention(mma_rows=...)`` takes (v4 variants).
@@ -808,11 +809,13 @@ def _launch_v4(
     mma_rows: int | None = None,
     pool_split: bool = False,
     max_registers: int | None = None,
+    pool_only: bool = False,
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
     ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``);
     ``masked_scales``: with them, the tile scales of pool blocks masked at the load
-    (``variant="v4c"``).
+    (``variant="v4c"``); ``pool_only`` (with ``pool_split``): the pool-phase launch alone (v5
+    runs its own main loop).
     With ``query_start_loc`` (``[B + 1]``, speculative verify) request ``b`` has the query rows
     ``query_start_loc[b] ..`` (at most ``max_query_len``) and ``hq`` query heads."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
@@ -830,7 +833,8 @@ def _launch_v4(
     cap = {} if max_registers is None else {"maxnreg": max_registers}
     # v4d: the main loop alone over the splits, then the pool phase alone (one program per
     # request and KV head) into partial num_splits
-    for phases, splits_axis in ((1, num_splits), (2, 1)) if pool_split else ((0, num_splits),):
+    launches = ((1, num_splits), (2, 1)) if pool_split else ((0, num_splits),)
+    for phases, splits_axis in launches[1:] if pool_only else launches:
         decode_v4_kernel[(t * ntg, hk, splits_axis)](
             q_rot,
             kv_cache,
@@ -872,6 +876,51 @@ def _launch_v4(
             num_stages=num_stages or cfg["num_stages"],
             **(cap if phases < 2 else {}),
         )
+
+
+def _launch_v5(
+    geo: DenseGeometry,
+    q_rot: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    softmax_scale: float,
+    n_rows: int,
+    num_splits: int,
+    hq: int,
+    hk: int,
+) -> None:
+    """The v5 main loop (:mod:`kvarn_kernels.decode_v5`) into partials ``0 .. num_splits -
+    1``; the pool phase follows as v4d's (partial ``num_splits``)."""
+    from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
+
+    offsets = {k: v for k, v in geo.offsets().items() if k.startswith("OFF_")}
+    decode_v5_kernel[(int(block_table.shape[0]), hk, num_splits)](
+        q_rot,
+        kv_cache,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        o_part,
+        lse_part,
+        float(softmax_scale) * _LOG2E,
+        block_table.stride(0),
+        n_rows,
+        hq // hk,
+        HQ=hq,
+        HK=hk,
+        QPK=hq // hk,
+        D=geo.head_dim,
+        G=geo.group,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **offsets,
+        NUM_SPLITS=num_splits,
+        num_warps=V5_WARPS,
+    )
 
 
 def _launch(
@@ -918,7 +967,23 @@ def _launch(
     lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
-    if variant in V4_VARIANTS:
+    if variant == "v5":
+        _launch_v5(
+            geo,
+            q_rot,
+            kv_cache,
+            block_table,
+            seq_lens,
+            block_to_slot,
+            o_part,
+            lse_part,
+            softmax_scale,
+            n_rows,
+            num_splits,
+            hq,
+            hk,
+        )
+    if variant in V4_VARIANTS or variant == "v5":
         _launch_v4(
             geo,
             q_rot,
@@ -940,6 +1005,7 @@ def _launch(
             round7=variant in ("v4b", "v4c", "v4d"),
             masked_scales=variant in ("v4c", "v4d"),
             pool_split=variant in POOL_SPLIT_VARIANTS,
+            pool_only=variant == "v5",
             hq=hq,
             query_start_loc=query_start_loc,
             max_query_len=max_query_len,
@@ -1216,6 +1282,14 @@ def decode_attention(
     bsz, hq, d = (int(s) for s in q.shape)
     if mma_rows is not None:
         check_mma_rows(mma_rows, hq, int(pool_k.shape[2]))
+    if variant == "v5":
+        if hq // int(pool_k.shape[2]) > 16:
+            raise ValueError(
+                f"variant='v5' takes up to 16 query heads per KV head, got "
+                f"{hq // int(pool_k.shape[2])}: use variant='v4c'"
+            )
+        if block_n is not None or num_warps is not None:
+            raise ValueError("block_n and num_warps do not apply to variant='v5'")
     splits = num_splits or choose_decode_splits(
         bsz, int(pool_k.shape[2]), int(block_table.shape[1]), q.device
     )
@@ -1278,12 +1352,49 @@ def _resolve_decode_variant(
     ):
         if variant == "v1" and value is not None:
             raise ValueError(f"{option} applies to the variants {V4_VARIANTS} only")
-    if variant in V4_VARIANTS and not _v4_supports(geo):
+    if variant in (*V4_VARIANTS, "v5") and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
             f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
         )
+    if variant == "v5":
+        _check_v5(geo, num_stages, mma_rows, max_registers)
     return variant
+
+
+def _check_v5(
+    geo: DenseGeometry,
+    num_stages: int | None,
+    mma_rows: int | None,
+    max_registers: int | None,
+) -> None:
+    """Raise ``ValueError`` where ``variant="v5"`` (:mod:`kvarn_kernels.decode_v5`) does not
+    apply: its head dims, the in-cache code order, a GPU (Gluon has no interpreter), no v4
+    tuning options."""
+    from kvarn_kernels.decode_v5 import V5_HEAD_DIMS
+
+    if geo.head_dim not in V5_HEAD_DIMS:
+        raise ValueError(
+            f"variant='v5' is written for head dims {V5_HEAD_DIMS}, got {geo.head_dim}: use "
+            "variant='v4c'"
+        )
+    if (geo.k_order, geo.v_order) != (CodeOrder.TRANSPOSED, CodeOrder.PARITY):
+        raise ValueError(
+            f"variant='v5' reads the in-cache code order (docs/format.md §7.1), which "
+            f"{geo.fmt.name} does not use: use variant='v4c'"
+        )
+    if triton_interpret():
+        raise ValueError(
+            "variant='v5' is a Gluon kernel, which the Triton interpreter (TRITON_INTERPRET=1) "
+            "cannot run: use variant='v4c'"
+        )
+    for option, value in (
+        ("num_stages", num_stages),
+        ("mma_rows", mma_rows),
+        ("max_registers", max_registers),
+    ):
+        if value is not None:
+            raise ValueError(f"{option} applies to the variants {V4_VARIANTS} only, not 'v5'")
 
 
 def _check_varlen(

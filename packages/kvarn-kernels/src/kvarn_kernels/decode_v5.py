@@ -1,0 +1,574 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Gluon JIT kernels are untyped by nature.)
+"""Decode attention v5: v4's main loop in Gluon, with every register layout stated.
+
+v4 (:mod:`kvarn_kernels.decode_v4`) lets Triton choose which tensor elements share a register,
+and its loop pays for that in register moves and a shared-memory relayout around the inline
+PTX unpack (docs/kernel-notes.md, eleventh to thirteenth sessions). Here the layouts are
+written down (Triton's Gluon dialect), so a 32-bit word of codes unpacks straight into MMA
+operand registers. What makes that possible on today's cache (docs/format.md §7.1, no format
+change) are three free relabellings, all address arithmetic:
+
+* **Channels.** The score MMA reduces over channels, so their order is ours to choose as
+  long as the query and the per-channel scales follow it. Operand index ``k = 16 kt + 8 b +
+  2 t + h`` is channel ``16 kt + 4 t + 2 h + b`` (:func:`_perm16`): the ``mma.m16n8k16`` B
+  registers of lane ``t`` (``k = 2t, 2t+1`` and ``2t+8, 2t+9``) are then bytes (0, 2) and
+  (1, 3) of the in-cache word ``4 kt + t`` of a token pair's row, one ``lop3`` each.
+* **Token pairs.** Softmax and ``P V`` sum over tokens, so the same map on a chunk's token
+  pairs (score column ``n`` is pair ``_perm16(n)``) makes the V words (a byte column's four
+  consecutive pairs) the ``P V`` B registers in the same way; the K rows are copied into
+  shared memory in that order.
+* **Field magic.** Each field of a byte (a nibble, a 2-bit field) is OR-ed into the mantissa
+  of its own power of two, chosen so that ``x - magic`` is half the code, exactly: every field
+  shares one scale, and the halving that keeps operands inside fp16 (below) costs nothing.
+
+Structure as v4: one 64-token chunk per warp and step (a rank-3 MMA whose batch dimension lies
+along the warps, each warp with its own online softmax, merged once at the end), the chunks'
+code words copied into shared memory with ``cp.async`` one step ahead. Pool blocks (the fp16
+sink and in-progress tiles) are masked out here and attended by v4's pool-phase launch
+(``PHASES=2``), whose partial the merge takes, as ``variant="v4d"`` does. Numerics as v4:
+operands are dequantized cache values halved into fp16 (``(x - magic) * scale + zero / 2``,
+the same single rounding as v4's ``(code) * (scale / 2) + zero / 2``), the query
+row-normalized, fp32 scores and accumulators; the halvings come back as a factor 2 on the
+scores' row scale and on the output.
+
+GPU only (Gluon has no interpreter mode); 4-bit keys with 2- or 4-bit values, head dim 128,
+the in-cache code order, up to 16 query heads per KV head.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon  # type: ignore[import-untyped]
+from triton.experimental.gluon import language as gl  # type: ignore[import-untyped]
+from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[import-untyped]
+    async_copy,
+    mma_v2,
+)
+
+__all__ = ["V5_HEAD_DIMS", "V5_WARPS", "decode_v5_kernel"]
+
+#: Head dims the v5 kernel is written for.
+V5_HEAD_DIMS = (128,)
+#: Warps per program: one 64-token chunk each per step.
+V5_WARPS = 4
+
+# 4-bit codes of a word: $0 / $1 the low nibbles of bytes (0, 2) / (1, 3) as fp16x2 ``512 +
+# c / 2``, $2 / $3 the high nibbles as ``32 + c / 2``: the OR into the mantissa of a power of
+# two whose step at the field's bits is 1/2, so ``x - magic`` is the halved code (exact)
+_UNPACK4 = gl.constexpr("""
+{
+.reg .b32 s;
+lop3.b32 $0, $4, 0x000F000F, 0x60006000, 0xEA;
+lop3.b32 $2, $4, 0x00F000F0, 0x50005000, 0xEA;
+shr.b32 s, $4, 8;
+lop3.b32 $1, s, 0x000F000F, 0x60006000, 0xEA;
+lop3.b32 $3, s, 0x00F000F0, 0x50005000, 0xEA;
+}
+""")
+# 2-bit codes of a word: field f of bytes (0, 2) -> $f, of bytes (1, 3) -> $(4 + f), as
+# ``magic_f + c / 2`` with magic 512, 128, 32, 8
+_UNPACK2 = gl.constexpr("""
+{
+.reg .b32 s;
+lop3.b32 $0, $8, 0x00030003, 0x60006000, 0xEA;
+lop3.b32 $1, $8, 0x000C000C, 0x58005800, 0xEA;
+lop3.b32 $2, $8, 0x00300030, 0x50005000, 0xEA;
+lop3.b32 $3, $8, 0x00C000C0, 0x48004800, 0xEA;
+shr.b32 s, $8, 8;
+lop3.b32 $4, s, 0x00030003, 0x60006000, 0xEA;
+lop3.b32 $5, s, 0x000C000C, 0x58005800, 0xEA;
+lop3.b32 $6, s, 0x00300030, 0x50005000, 0xEA;
+lop3.b32 $7, s, 0x00C000C0, 0x48004800, 0xEA;
+}
+""")
+# four fp16 of a 64-bit word w (items 0..3) as the fp16x2 pairs (0, 2) and (1, 3)
+_PAIRS_OF_QUAD = gl.constexpr("""
+{
+.reg .b32 lo, hi;
+mov.b64 {lo, hi}, $2;
+prmt.b32 $0, lo, hi, 0x5410;
+prmt.b32 $1, lo, hi, 0x7632;
+}
+""")
+# two 64-bit words of token-pair scale words (pairs 0, 1 | 2, 3; each word: even token's fp16,
+# odd token's) as fp16x2: $0 even tokens of pairs (0, 2), $1 odd (0, 2), $2 even (1, 3), $3 odd
+_PARITIES_OF_QUADS = gl.constexpr("""
+{
+.reg .b32 a, b, c, d;
+mov.b64 {a, b}, $4;
+mov.b64 {c, d}, $5;
+prmt.b32 $0, a, c, 0x5410;
+prmt.b32 $1, a, c, 0x7632;
+prmt.b32 $2, b, d, 0x5410;
+prmt.b32 $3, b, d, 0x7632;
+}
+""")
+# an fp16x2 register as its two halves (a register-pair view: no instruction)
+_HALVES = gl.constexpr("mov.b32 {$0, $1}, $2;")
+# the four fp16 of a 64-bit word
+_QUARTERS = gl.constexpr("mov.b64 {$0, $1, $2, $3}, $4;")
+
+
+@gluon.jit
+def _perm16(k):
+    """Operand index ``k = 16 kt + 8 b + 2 t + h`` -> item ``16 kt + 4 t + 2 h + b`` (channel or
+    token pair): the item whose byte ``b + 2 h`` of word ``4 kt + t`` feeds position ``k``."""
+    return (k // 16) * 16 + ((k // 2) % 4) * 4 + (k % 2) * 2 + (k // 8) % 2
+
+
+@gluon.jit
+def _halves(x):
+    h0, h1 = gl.inline_asm_elementwise(
+        _HALVES, "=h,=h,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=1
+    )
+    return gl.join(h0, h1)
+
+
+@gluon.jit
+def _operand(r0, r1, W: gl.constexpr, K: gl.constexpr, N: gl.constexpr, layout: gl.constexpr):
+    """fp16x2 registers ``[W, N, K / 4]`` of bytes (0, 2) and (1, 3) of each word as the ``[W,
+    K, N]`` B operand (``k = 16 kt + 8 b + 2 t + h`` for word ``4 kt + t``, half ``h`` of
+    ``r_b``). The layouts agree: the conversion is no instruction."""
+    x = gl.join(_halves(r0), _halves(r1))  # [W, n, word, h, b]
+    x = gl.reshape(x, [W, N, K // 16, 4, 2, 2])
+    x = gl.reshape(gl.permute(x, [0, 2, 5, 3, 4, 1]), [W, K, N])
+    return gl.convert_layout(x, layout)
+
+
+@gluon.jit
+def _k_vector(p0, p1, W: gl.constexpr, K: gl.constexpr, layout: gl.constexpr):
+    """fp16x2 ``[W, K / 4]`` (items ``(4 q, 4 q + 2)`` and ``(4 q + 1, 4 q + 3)`` of quad ``q =
+    4 kt + t``) as the fp16 ``[W, K]`` vector along an operand's ``k`` (``_perm16`` order)."""
+    x = gl.join(_halves(p0), _halves(p1))  # [W, quad, h, b]
+    x = gl.reshape(x, [W, K // 16, 4, 2, 2])
+    x = gl.reshape(gl.permute(x, [0, 1, 4, 2, 3]), [W, K])
+    return gl.convert_layout(x, layout)
+
+
+@gluon.jit
+def _axis(n: gl.constexpr, axis: gl.constexpr, layout: gl.constexpr):
+    """``arange(n)`` along ``axis`` of a rank-3 ``layout``, expanded to rank 3."""
+    if axis == 0:
+        x = gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+        x = gl.expand_dims(gl.expand_dims(x, 1), 2)
+    elif axis == 1:
+        x = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+        x = gl.expand_dims(gl.expand_dims(x, 0), 2)
+    else:
+        x = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+        x = gl.expand_dims(gl.expand_dims(x, 0), 1)
+    return x
+
+
+@gluon.jit
+def _chunk(
+    it,
+    warp,
+    KV,
+    bt_row,
+    BLOCK_TO_SLOT,
+    h,
+    ch_lo,
+    ch_hi,
+    W: gl.constexpr,
+    HK: gl.constexpr,
+    NCH: gl.constexpr,
+    STRIDE: gl.constexpr,
+):
+    """Step ``it``'s chunk of each warp (``warp``: the warp index, broadcast as the result
+    should be): its record pointer, its block's index in the request, the chunk within the
+    block, and whether it is a packed record of this split (pool blocks and chunks past the
+    split are not)."""
+    ci = ch_lo + it * W + warp
+    valid = ci < ch_hi
+    bi = ci // NCH
+    blk = gl.load(bt_row + bi, mask=valid, other=0).to(gl.int64)
+    slot = gl.load(BLOCK_TO_SLOT + blk, mask=valid, other=0)
+    rec = KV + (blk * HK + h) * STRIDE
+    return rec, bi, ci % NCH, valid & (slot < 0)
+
+
+@gluon.jit
+def _issue(
+    it,
+    k_buf,
+    v_buf,
+    KV,
+    bt_row,
+    BLOCK_TO_SLOT,
+    h,
+    ch_lo,
+    ch_hi,
+    W: gl.constexpr,
+    HK: gl.constexpr,
+    NCH: gl.constexpr,
+    STRIDE: gl.constexpr,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    NC: gl.constexpr,
+    OFF_KC: gl.constexpr,
+    OFF_VC: gl.constexpr,
+    k_copy: gl.constexpr,
+    v_copy: gl.constexpr,
+):
+    """Start the copies of step ``it``'s code words into stage ``it % 2``: K rows in
+    ``_perm16`` order of the token pairs, V both parities' byte columns (the chunk's 32 pairs of
+    each, in order). Chunks past the split read block 0's record (valid memory, unused)."""
+    rec, _bi, c, _packed = _chunk(
+        it, _axis(W, 0, k_copy), KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
+    )
+    row = c * 32 + _perm16(_axis(32, 1, k_copy))
+    k_src = (rec + OFF_KC + row * D).to(gl.pointer_type(gl.int32)) + _axis(D // 4, 2, k_copy)
+    async_copy.async_copy_global_to_shared(k_buf.index(it % 2), k_src)
+    rec, _bi, c, _packed = _chunk(
+        it, _axis(W, 0, v_copy), KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
+    )
+    col = _axis(2 * NC, 1, v_copy)  # parity * NC + byte column
+    v_src = rec + OFF_VC + (col // NC) * (NC * (G // 2)) + (col % NC) * (G // 2) + c * 32
+    v_src = v_src.to(gl.pointer_type(gl.int32)) + _axis(8, 2, v_copy)
+    async_copy.async_copy_global_to_shared(v_buf.index(it % 2), v_src)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _pv(p, f, g, magic: gl.constexpr, vs, vz, pv, W: gl.constexpr, NC: gl.constexpr, bop):
+    """``pv + P V`` of one field of one parity: operand ``(x - magic) * vs + vz``."""
+    return mma_v2(p, (_operand(f, g, W, 32, NC, bop) - magic) * vs + vz, pv)
+
+
+@gluon.jit
+def decode_v5_kernel(
+    Q,
+    KV,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    BLOCK_TO_SLOT,
+    O_PART,
+    LSE_PART,
+    qk_scale,
+    stride_bt,
+    n_rows_total,
+    q_rows,
+    HQ: gl.constexpr,
+    HK: gl.constexpr,
+    QPK: gl.constexpr,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    VB: gl.constexpr,
+    STRIDE: gl.constexpr,
+    OFF_KC: gl.constexpr,
+    OFF_KS: gl.constexpr,
+    OFF_KZ: gl.constexpr,
+    OFF_KT: gl.constexpr,
+    OFF_VC: gl.constexpr,
+    OFF_VCS: gl.constexpr,
+    OFF_VS: gl.constexpr,
+    OFF_VZ: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+):
+    """One program per (request, KV head, split), ``V5_WARPS`` warps: the split's packed
+    records, 64 tokens per warp and step. Writes the split's normalized partial output
+    (``O_PART``, fp32, rotated frame, natural channel order) and base-2 LSE (``LSE_PART``), as
+    v4's kernel with ``PHASES=1``. ``q_rows``: ``QPK`` (see the query load)."""
+    W: gl.constexpr = 4
+    gl.static_assert(D == 128, "v5 is written for head dim 128")
+    gl.static_assert(VB == 2 or VB == 4, "v5 takes 2- or 4-bit values")
+    gl.static_assert(QPK <= 16, "v5 takes up to 16 query heads per KV head")
+    VG: gl.constexpr = 8 // VB  # V fields per byte
+    NC: gl.constexpr = D // VG  # byte columns of a V row (channels per field)
+    NCH: gl.constexpr = G // 64  # chunks per block
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8]
+    )
+    aop: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    bop: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # the words as registers: lane (g, t) holds rows g + 8 i and words t + 4 j of its warp's
+    words: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 1, 1],
+        threads_per_warp=[1, 8, 4],
+        warps_per_cta=[W, 1, 1],
+        order=[2, 1, 0],
+    )
+    k_copy: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 1, 4],
+        threads_per_warp=[1, 4, 8],
+        warps_per_cta=[W, 1, 1],
+        order=[2, 1, 0],
+    )
+    v_copy: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 1, 4],
+        threads_per_warp=[1, 16, 2],
+        warps_per_cta=[W, 1, 1],
+        order=[2, 1, 0],
+    )
+    k_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0])
+    v_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=2, order=[2, 1, 0])
+    kvec: gl.constexpr = gl.SliceLayout(2, bop)  # [W, K] along an operand's k
+    quads: gl.constexpr = gl.SliceLayout(1, words)  # [W, words] as lane t holds them
+    rows_l: gl.constexpr = gl.SliceLayout(2, mma)  # [W, 16] along the query rows
+
+    b = gl.program_id(0)
+    h = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(SEQ_LENS + b)
+
+    # the query, row-normalized, as the A operand in the _perm16 channel order
+    qr = _axis(16, 1, aop)
+    # q_rows == QPK, as a run-time value: with the bound known at compile time the rows past
+    # it become one shared zero register, and every MMA then copies its A operand into an
+    # aligned register quad (97 moves per step)
+    q_ok = qr < q_rows
+    q_ptr = Q + (b.to(gl.int64) * HQ + h * QPK + qr) * D + _perm16(_axis(D, 2, aop))
+    q = gl.load(q_ptr + 0 * _axis(W, 0, aop), mask=q_ok, other=0.0) * qk_scale  # [W, 16, D]
+    qmax = gl.max(gl.abs(q), axis=2)
+    qmax = gl.where(qmax > 0, qmax, 1.0)
+    q16 = (q / gl.expand_dims(qmax, 2)).to(gl.float16)
+    # the scores' row factor: the row maximum and K's halving
+    row_scale2 = gl.convert_layout(qmax, rows_l) * 2.0  # [W, 16]
+    row_scale = gl.expand_dims(row_scale2, 2)  # [W, 16, 1]
+
+    n_blocks = gl.cdiv(seq_len, G)
+    if NUM_SPLITS > 1:
+        per = gl.cdiv(n_blocks, NUM_SPLITS)
+        blk_lo = split * per
+        blk_hi = gl.minimum(blk_lo + per, n_blocks)
+    else:
+        blk_lo = 0
+        blk_hi = n_blocks
+    ch_lo = blk_lo * NCH
+    ch_hi = gl.maximum(blk_hi, blk_lo) * NCH
+    n_it = gl.cdiv(ch_hi - ch_lo, W)
+    bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
+
+    k_buf = gl.allocate_shared_memory(gl.int32, [2, W, 32, D // 4], k_smem)
+    v_buf = gl.allocate_shared_memory(gl.int32, [2, W, 2 * NC, 8], v_smem)
+    _issue(
+        0,
+        k_buf,
+        v_buf,
+        KV,
+        bt_row,
+        BLOCK_TO_SLOT,
+        h,
+        ch_lo,
+        ch_hi,
+        W,
+        HK,
+        NCH,
+        STRIDE,
+        D,
+        G,
+        NC,
+        OFF_KC,
+        OFF_VC,
+        k_copy,
+        v_copy,
+    )
+
+    n_col = _axis(32, 2, mma)  # score column n: token pair _perm16(n) of the chunk
+    pair_n = _perm16(n_col)
+    quad_k = gl.expand_dims(gl.arange(0, D // 4, layout=gl.SliceLayout(0, quads)), 0)
+    quad_v = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, quads)), 0)
+    warp_s = _axis(W, 0, mma)  # [W, 1, 1]
+    warp_q = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, quads)), 1)  # [W, 1]
+    out_col = _axis(NC, 2, mma)  # [1, 1, NC]: byte column of V, the outputs' n
+
+    m = gl.full([W, 16], float("-inf"), gl.float32, rows_l)
+    l_acc = gl.zeros([W, 16], gl.float32, rows_l)
+    zero = gl.zeros([W, 16, NC], gl.float32, mma)
+    zero_s = gl.zeros([W, 16, 32], gl.float32, mma)
+    acc0 = zero
+    acc1 = zero
+    acc2 = zero
+    acc3 = zero
+    for it in range(n_it):
+        _issue(
+            it + 1,
+            k_buf,
+            v_buf,
+            KV,
+            bt_row,
+            BLOCK_TO_SLOT,
+            h,
+            ch_lo,
+            ch_hi,
+            W,
+            HK,
+            NCH,
+            STRIDE,
+            D,
+            G,
+            NC,
+            OFF_KC,
+            OFF_VC,
+            k_copy,
+            v_copy,
+        )
+        # the chunk's scales (pool blocks' and chunks past the split's load as zeros)
+        rec, bi, c, packed = _chunk(
+            it, warp_s, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
+        )
+        rec_q, _bi, c_q, packed_q = _chunk(
+            it, warp_q, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
+        )
+        i64 = gl.pointer_type(gl.int64)
+        ksw = gl.load((rec_q + OFF_KS).to(i64) + quad_k, mask=packed_q, other=0)
+        kzw = gl.load((rec_q + OFF_KZ).to(i64) + quad_k, mask=packed_q, other=0)
+        ks0, ks1 = gl.inline_asm_elementwise(
+            _PAIRS_OF_QUAD, "=r,=r,l", [ksw], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+        )
+        kz0, kz1 = gl.inline_asm_elementwise(
+            _PAIRS_OF_QUAD, "=r,=r,l", [kzw], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+        )
+        ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, kvec), 2)  # [W, D, 1]
+        kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, kvec), 2) * 0.5
+        ktw = gl.load(
+            (rec + OFF_KT).to(gl.pointer_type(gl.int32)) + c * 32 + pair_n, mask=packed, other=0
+        )
+        kt_e, kt_o = gl.inline_asm_elementwise(
+            _HALVES, "=h,=h,r", [ktw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
+        )
+        # token-pair scale words of the V operand's k, quad q = pairs 4 q .. 4 q + 3
+        vpair = (rec_q + OFF_VS).to(i64) + c_q * 16 + 2 * quad_v
+        vs01 = gl.load(vpair, mask=packed_q, other=0)
+        vs23 = gl.load(vpair + 1, mask=packed_q, other=0)
+        zpair = (rec_q + OFF_VZ).to(i64) + c_q * 16 + 2 * quad_v
+        vz01 = gl.load(zpair, mask=packed_q, other=0)
+        vz23 = gl.load(zpair + 1, mask=packed_q, other=0)
+        se0, so0, se1, so1 = gl.inline_asm_elementwise(
+            _PARITIES_OF_QUADS,
+            "=r,=r,=r,=r,l,l",
+            [vs01, vs23],
+            dtype=(gl.int32,) * 4,
+            is_pure=True,
+            pack=1,
+        )
+        ze0, zo0, ze1, zo1 = gl.inline_asm_elementwise(
+            _PARITIES_OF_QUADS,
+            "=r,=r,=r,=r,l,l",
+            [vz01, vz23],
+            dtype=(gl.int32,) * 4,
+            is_pure=True,
+            pack=1,
+        )
+        vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, kvec), 2)  # [W, 32, 1]
+        vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, kvec), 2)
+        vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, kvec), 2) * 0.5
+        vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, kvec), 2) * 0.5
+        # V's per-channel scales of byte column n (channels VG n ..), one word per column
+        if VG == 4:
+            vcw = gl.load((rec + OFF_VCS).to(i64) + out_col, mask=packed, other=0)
+            vc0, vc1, vc2, vc3 = gl.inline_asm_elementwise(
+                _QUARTERS,
+                "=h,=h,=h,=h,l",
+                [vcw],
+                dtype=(gl.float16,) * 4,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            vcw = gl.load(
+                (rec + OFF_VCS).to(gl.pointer_type(gl.int32)) + out_col, mask=packed, other=0
+            )
+            vc0, vc1 = gl.inline_asm_elementwise(
+                _HALVES, "=h,=h,r", [vcw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
+            )
+
+        async_copy.wait_group(1)
+        kw = k_buf.index(it % 2).load(words)  # [W, 32, D / 4]
+        vw = v_buf.index(it % 2).load(words)  # [W, 2 NC, 8]
+
+        # --- scores [W, 16, 32] of the even and odd tokens of the chunk's pairs ---
+        lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
+            _UNPACK4, "=r,=r,=r,=r,r", [kw], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
+        k_e = (_operand(lo0, lo1, W, D, 32, bop) - 512.0) * ks + kz
+        s_e = mma_v2(q16, k_e, zero_s)
+        k_o = (_operand(hi0, hi1, W, D, 32, bop) - 32.0) * ks + kz
+        s_o = mma_v2(q16, k_o, zero_s)
+        pos = (bi * G + c * 64 + 2 * pair_n).to(gl.int32)  # [W, 1, 32], the even token
+        # scores without their row factor (positive: the maximum commutes with it), so that
+        # each probability is one fma and an exp2
+        s_e = gl.where(packed & (pos < seq_len), s_e * kt_e.to(gl.float32), float("-inf"))
+        s_o = gl.where(packed & (pos + 1 < seq_len), s_o * kt_o.to(gl.float32), float("-inf"))
+
+        s_max = gl.maximum(gl.max(s_e, axis=2), gl.max(s_o, axis=2))
+        m_new = gl.maximum(m, s_max * row_scale2)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m - m_use)
+        m3 = gl.expand_dims(m_use, 2)
+        p_e = gl.exp2(gl.fma(s_e, row_scale, -m3))
+        p_o = gl.exp2(gl.fma(s_o, row_scale, -m3))
+        l_acc = l_acc * alpha + gl.sum(p_e, axis=2) + gl.sum(p_o, axis=2)
+        m = m_new
+        pe16 = gl.convert_layout(p_e.to(gl.float16), aop)
+        po16 = gl.convert_layout(p_o.to(gl.float16), aop)
+        a3 = gl.expand_dims(alpha, 2)
+
+        # --- P V [W, 16, NC] per V field, both parities into one MMA chain ---
+        v_e, v_o = gl.split(gl.permute(gl.reshape(vw, [W, 2, NC, 8]), [0, 2, 3, 1]))
+        if VG == 4:
+            e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+                _UNPACK2,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r",
+                [v_e],
+                dtype=(gl.int32,) * 8,
+                is_pure=True,
+                pack=1,
+            )
+            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+                _UNPACK2,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r",
+                [v_o],
+                dtype=(gl.int32,) * 8,
+                is_pure=True,
+                pack=1,
+            )
+            pv = _pv(pe16, e0, e4, 512.0, vs_e, vz_e, zero, W, NC, bop)
+            pv = _pv(po16, o0, o4, 512.0, vs_o, vz_o, pv, W, NC, bop)
+            acc0 = acc0 * a3 + pv * vc0.to(gl.float32)
+            pv = _pv(pe16, e1, e5, 128.0, vs_e, vz_e, zero, W, NC, bop)
+            pv = _pv(po16, o1, o5, 128.0, vs_o, vz_o, pv, W, NC, bop)
+            acc1 = acc1 * a3 + pv * vc1.to(gl.float32)
+            pv = _pv(pe16, e2, e6, 32.0, vs_e, vz_e, zero, W, NC, bop)
+            pv = _pv(po16, o2, o6, 32.0, vs_o, vz_o, pv, W, NC, bop)
+            acc2 = acc2 * a3 + pv * vc2.to(gl.float32)
+            pv = _pv(pe16, e3, e7, 8.0, vs_e, vz_e, zero, W, NC, bop)
+            pv = _pv(po16, o3, o7, 8.0, vs_o, vz_o, pv, W, NC, bop)
+            acc3 = acc3 * a3 + pv * vc3.to(gl.float32)
+        else:
+            e0, e1, e2, e3 = gl.inline_asm_elementwise(
+                _UNPACK4, "=r,=r,=r,=r,r", [v_e], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+            )
+            o0, o1, o2, o3 = gl.inline_asm_elementwise(
+                _UNPACK4, "=r,=r,=r,=r,r", [v_o], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+            )
+            pv = _pv(pe16, e0, e1, 512.0, vs_e, vz_e, zero, W, NC, bop)
+            pv = _pv(po16, o0, o1, 512.0, vs_o, vz_o, pv, W, NC, bop)
+            acc0 = acc0 * a3 + pv * vc0.to(gl.float32)
+            pv = _pv(pe16, e2, e3, 32.0, vs_e, vz_e, zero, W, NC, bop)
+            pv = _pv(po16, o2, o3, 32.0, vs_o, vz_o, pv, W, NC, bop)
+            acc1 = acc1 * a3 + pv * vc1.to(gl.float32)
+    async_copy.wait_group(0)
+
+    # --- merge the W warps' states; V's halving comes back as the factor 2 ---
+    m_all = gl.max(m, axis=0)  # [16]
+    m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+    wscale = gl.exp2(m - gl.expand_dims(m_safe, 0))  # [W, 16]; 0 for warps without tokens
+    l_tot = gl.sum(l_acc * wscale, axis=0)
+    l_safe = gl.where(l_tot > 0, l_tot, 1.0)
+    lse = gl.where(l_tot > 0, m_all + gl.log2(l_safe), float("-inf"))
+    out_scale = gl.expand_dims(wscale * gl.expand_dims(2.0 / l_safe, 0), 2)  # [W, 16, 1]
+    rows = _axis(16, 1, mma)
+    prow = split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + rows
+    obase = O_PART + prow * D + out_col * VG  # [1, 16, NC]
+    row_ok = rows < QPK
+    gl.store(obase, gl.expand_dims(gl.sum(acc0 * out_scale, axis=0), 0), mask=row_ok)
+    gl.store(obase + 1, gl.expand_dims(gl.sum(acc1 * out_scale, axis=0), 0), mask=row_ok)
+    if VG == 4:
+        gl.store(obase + 2, gl.expand_dims(gl.sum(acc2 * out_scale, axis=0), 0), mask=row_ok)
+        gl.store(obase + 3, gl.expand_dims(gl.sum(acc3 * out_scale, axis=0), 0), mask=row_ok)
+    lrow = gl.arange(0, 16, layout=gl.SliceLayout(0, rows_l))
+    lptr = LSE_PART + split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + lrow
+    gl.store(lptr, lse, mask=lrow < QPK)
