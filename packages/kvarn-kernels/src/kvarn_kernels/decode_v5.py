@@ -190,43 +190,71 @@ def _chunk(
 
 @gluon.jit
 def _issue(
-    it,
-    k_buf,
-    v_buf,
-    KV,
-    bt_row,
-    BLOCK_TO_SLOT,
-    h,
-    ch_lo,
-    ch_hi,
-    W: gl.constexpr,
-    HK: gl.constexpr,
-    NCH: gl.constexpr,
-    STRIDE: gl.constexpr,
+    stage,
+    rk,
+    ck,
+    rv,
+    cv,
+    rs,
+    cs,
+    ps,
+    bufs,
     D: gl.constexpr,
     G: gl.constexpr,
     NC: gl.constexpr,
+    VG: gl.constexpr,
     OFF_KC: gl.constexpr,
+    OFF_KS: gl.constexpr,
+    OFF_KZ: gl.constexpr,
+    OFF_KT: gl.constexpr,
     OFF_VC: gl.constexpr,
+    OFF_VCS: gl.constexpr,
+    OFF_VS: gl.constexpr,
+    OFF_VZ: gl.constexpr,
     k_copy: gl.constexpr,
     v_copy: gl.constexpr,
+    s_copy: gl.constexpr,
 ):
-    """Start the copies of step ``it``'s code words into stage ``it % 2``: K rows in
-    ``_perm16`` order of the token pairs, V both parities' byte columns (the chunk's 32 pairs of
-    each, in order). Chunks past the split read block 0's record (valid memory, unused)."""
-    rec, _bi, c, _packed = _chunk(
-        it, _axis(W, 0, k_copy), KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
-    )
-    row = c * 32 + _perm16(_axis(32, 1, k_copy))
-    k_src = (rec + OFF_KC + row * D).to(gl.pointer_type(gl.int32)) + _axis(D // 4, 2, k_copy)
-    async_copy.async_copy_global_to_shared(k_buf.index(it % 2), k_src)
-    rec, _bi, c, _packed = _chunk(
-        it, _axis(W, 0, v_copy), KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
-    )
+    """Start the copies of a step's chunks into ``stage``: the code words (K rows in
+    ``_perm16`` order of the token pairs; V both parities' byte columns, the chunk's 32 pairs
+    of each in order) and every scale the step reads, in the order its reads want them.
+    ``rk, ck`` / ``rv, cv`` / ``rs, cs, ps``: record pointer and chunk (and, for the scales,
+    whether the record is packed: pool blocks' scales land as zeros) of each warp's chunk in
+    the three copy layouts. Chunks past the split read block 0's record (valid, unused)."""
+    k_buf, v_buf, ks_buf, kz_buf, kt_buf, vsa_buf, vsb_buf, vza_buf, vzb_buf, vc_buf = bufs
+    i32 = gl.pointer_type(gl.int32)
+    i64 = gl.pointer_type(gl.int64)
+    row = ck * 32 + _perm16(_axis(32, 1, k_copy))
+    k_src = (rk + OFF_KC + row * D).to(i32) + _axis(D // 4, 2, k_copy)
+    async_copy.async_copy_global_to_shared(k_buf.index(stage), k_src)
     col = _axis(2 * NC, 1, v_copy)  # parity * NC + byte column
-    v_src = rec + OFF_VC + (col // NC) * (NC * (G // 2)) + (col % NC) * (G // 2) + c * 32
-    v_src = v_src.to(gl.pointer_type(gl.int32)) + _axis(8, 2, v_copy)
-    async_copy.async_copy_global_to_shared(v_buf.index(it % 2), v_src)
+    v_src = rv + OFF_VC + (col // NC) * (NC * (G // 2)) + (col % NC) * (G // 2) + cv * 32
+    v_src = v_src.to(i32) + _axis(8, 2, v_copy)
+    async_copy.async_copy_global_to_shared(v_buf.index(stage), v_src)
+    quad = gl.expand_dims(gl.arange(0, D // 4, layout=gl.SliceLayout(0, s_copy)), 0)
+    async_copy.async_copy_global_to_shared(
+        ks_buf.index(stage), (rs + OFF_KS).to(i64) + quad, mask=ps
+    )
+    async_copy.async_copy_global_to_shared(
+        kz_buf.index(stage), (rs + OFF_KZ).to(i64) + quad, mask=ps
+    )
+    n = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, s_copy)), 0)
+    kt_src = (rs + OFF_KT).to(i32) + cs * 32 + _perm16(n)  # score column n: pair _perm16(n)
+    async_copy.async_copy_global_to_shared(kt_buf.index(stage), kt_src, mask=ps)
+    q = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, s_copy)), 0)
+    pairs = cs * 16 + 2 * q  # the 64-bit word of pairs (4 q, 4 q + 1); + 1: (4 q + 2, 4 q + 3)
+    vs = (rs + OFF_VS).to(i64) + pairs
+    vz = (rs + OFF_VZ).to(i64) + pairs
+    async_copy.async_copy_global_to_shared(vsa_buf.index(stage), vs, mask=ps)
+    async_copy.async_copy_global_to_shared(vsb_buf.index(stage), vs + 1, mask=ps)
+    async_copy.async_copy_global_to_shared(vza_buf.index(stage), vz, mask=ps)
+    async_copy.async_copy_global_to_shared(vzb_buf.index(stage), vz + 1, mask=ps)
+    ncol = gl.expand_dims(gl.arange(0, NC, layout=gl.SliceLayout(0, s_copy)), 0)
+    if VG == 4:  # noqa: SIM108 (a constexpr branch) the four channel scales of column n: 64 bits
+        vc_src = (rs + OFF_VCS).to(i64) + ncol
+    else:
+        vc_src = (rs + OFF_VCS).to(i32) + ncol
+    async_copy.async_copy_global_to_shared(vc_buf.index(stage), vc_src, mask=ps)
     async_copy.commit_group()
 
 
@@ -302,6 +330,9 @@ def decode_v5_kernel(
         warps_per_cta=[W, 1, 1],
         order=[2, 1, 0],
     )
+    s_copy: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[W, 1], order=[1, 0]
+    )
     k_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0])
     v_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=2, order=[2, 1, 0])
     kvec: gl.constexpr = gl.SliceLayout(2, bop)  # [W, K] along an operand's k
@@ -341,38 +372,67 @@ def decode_v5_kernel(
     n_it = gl.cdiv(ch_hi - ch_lo, W)
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
-    k_buf = gl.allocate_shared_memory(gl.int32, [2, W, 32, D // 4], k_smem)
-    v_buf = gl.allocate_shared_memory(gl.int32, [2, W, 2 * NC, 8], v_smem)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    vc_dtype: gl.constexpr = gl.int64 if VG == 4 else gl.int32
+    bufs = (
+        gl.allocate_shared_memory(gl.int32, [2, W, 32, D // 4], k_smem),
+        gl.allocate_shared_memory(gl.int32, [2, W, 2 * NC, 8], v_smem),
+        gl.allocate_shared_memory(gl.int64, [2, W, D // 4], flat),  # k_scale, quads
+        gl.allocate_shared_memory(gl.int64, [2, W, D // 4], flat),  # k_zero
+        gl.allocate_shared_memory(gl.int32, [2, W, 32], flat),  # k_token_scale, pair words
+        gl.allocate_shared_memory(gl.int64, [2, W, 8], flat),  # v_scale, pairs 4q, 4q + 1
+        gl.allocate_shared_memory(gl.int64, [2, W, 8], flat),  # v_scale, pairs 4q + 2, 4q + 3
+        gl.allocate_shared_memory(gl.int64, [2, W, 8], flat),  # v_zero, as v_scale
+        gl.allocate_shared_memory(gl.int64, [2, W, 8], flat),
+        gl.allocate_shared_memory(vc_dtype, [2, W, NC], flat),  # v_channel_scale by column
+    )
+    k_buf, v_buf, ks_buf, kz_buf, kt_buf, vsa_buf, vsb_buf, vza_buf, vzb_buf, vc_buf = bufs
+    # Each step's block-table walk (two dependent loads per layout) is issued two steps
+    # before its copies and one step before its masks, so no step waits on it.
+    wk = _axis(W, 0, k_copy)
+    wv = _axis(W, 0, v_copy)
+    ws = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, s_copy)), 1)
+    warp_s = _axis(W, 0, mma)
+    rk, _bi, ck, _p = _chunk(0, wk, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
+    rv, _bi, cv, _p = _chunk(0, wv, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
+    rs, _bi, cs, ps = _chunk(0, ws, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
     _issue(
         0,
-        k_buf,
-        v_buf,
-        KV,
-        bt_row,
-        BLOCK_TO_SLOT,
-        h,
-        ch_lo,
-        ch_hi,
-        W,
-        HK,
-        NCH,
-        STRIDE,
+        rk,
+        ck,
+        rv,
+        cv,
+        rs,
+        cs,
+        ps,
+        bufs,
         D,
         G,
         NC,
+        VG,
         OFF_KC,
+        OFF_KS,
+        OFF_KZ,
+        OFF_KT,
         OFF_VC,
+        OFF_VCS,
+        OFF_VS,
+        OFF_VZ,
         k_copy,
         v_copy,
+        s_copy,
+    )
+    rk, _bi, ck, _p = _chunk(1, wk, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
+    rv, _bi, cv, _p = _chunk(1, wv, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
+    rs, _bi, cs, ps = _chunk(1, ws, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
+    _r, bi, c, packed = _chunk(
+        0, warp_s, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
     )
 
     n_col = _axis(32, 2, mma)  # score column n: token pair _perm16(n) of the chunk
     pair_n = _perm16(n_col)
-    quad_k = gl.expand_dims(gl.arange(0, D // 4, layout=gl.SliceLayout(0, quads)), 0)
-    quad_v = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, quads)), 0)
-    warp_s = _axis(W, 0, mma)  # [W, 1, 1]
-    warp_q = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, quads)), 1)  # [W, 1]
     out_col = _axis(NC, 2, mma)  # [1, 1, NC]: byte column of V, the outputs' n
+    cols: gl.constexpr = gl.SliceLayout(1, mma)  # [W, N] along the scores' / outputs' n
 
     m = gl.full([W, 16], float("-inf"), gl.float32, rows_l)
     l_acc = gl.zeros([W, 16], gl.float32, rows_l)
@@ -384,62 +444,75 @@ def decode_v5_kernel(
     acc3 = zero
     for it in range(n_it):
         _issue(
-            it + 1,
-            k_buf,
-            v_buf,
-            KV,
-            bt_row,
-            BLOCK_TO_SLOT,
-            h,
-            ch_lo,
-            ch_hi,
-            W,
-            HK,
-            NCH,
-            STRIDE,
+            (it + 1) % 2,
+            rk,
+            ck,
+            rv,
+            cv,
+            rs,
+            cs,
+            ps,
+            bufs,
             D,
             G,
             NC,
+            VG,
             OFF_KC,
+            OFF_KS,
+            OFF_KZ,
+            OFF_KT,
             OFF_VC,
+            OFF_VCS,
+            OFF_VS,
+            OFF_VZ,
             k_copy,
             v_copy,
+            s_copy,
         )
-        # the chunk's scales (pool blocks' and chunks past the split's load as zeros)
-        rec, bi, c, packed = _chunk(
-            it, warp_s, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
+        rk, _bi, ck, _p = _chunk(
+            it + 2, wk, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
         )
-        rec_q, _bi, c_q, packed_q = _chunk(
-            it, warp_q, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
+        rv, _bi, cv, _p = _chunk(
+            it + 2, wv, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
         )
-        i64 = gl.pointer_type(gl.int64)
-        ksw = gl.load((rec_q + OFF_KS).to(i64) + quad_k, mask=packed_q, other=0)
-        kzw = gl.load((rec_q + OFF_KZ).to(i64) + quad_k, mask=packed_q, other=0)
+        rs, _bi, cs, ps = _chunk(
+            it + 2, ws, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
+        )
+        _r, bi_next, c_next, packed_next = _chunk(
+            it + 1, warp_s, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
+        )
+
+        async_copy.wait_group(1)
+        stage = it % 2
+        kw = k_buf.index(stage).load(words)  # [W, 32, D / 4]
+        vw = v_buf.index(stage).load(words)  # [W, 2 NC, 8]
+        # the chunk's scales (pool blocks' and chunks past the split's landed as zeros)
         ks0, ks1 = gl.inline_asm_elementwise(
-            _PAIRS_OF_QUAD, "=r,=r,l", [ksw], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+            _PAIRS_OF_QUAD,
+            "=r,=r,l",
+            [ks_buf.index(stage).load(quads)],
+            dtype=(gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
         )
         kz0, kz1 = gl.inline_asm_elementwise(
-            _PAIRS_OF_QUAD, "=r,=r,l", [kzw], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+            _PAIRS_OF_QUAD,
+            "=r,=r,l",
+            [kz_buf.index(stage).load(quads)],
+            dtype=(gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
         )
         ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, kvec), 2)  # [W, D, 1]
         kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, kvec), 2) * 0.5
-        ktw = gl.load(
-            (rec + OFF_KT).to(gl.pointer_type(gl.int32)) + c * 32 + pair_n, mask=packed, other=0
-        )
+        ktw = gl.expand_dims(kt_buf.index(stage).load(cols), 1)  # [W, 1, 32]
         kt_e, kt_o = gl.inline_asm_elementwise(
             _HALVES, "=h,=h,r", [ktw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
         )
-        # token-pair scale words of the V operand's k, quad q = pairs 4 q .. 4 q + 3
-        vpair = (rec_q + OFF_VS).to(i64) + c_q * 16 + 2 * quad_v
-        vs01 = gl.load(vpair, mask=packed_q, other=0)
-        vs23 = gl.load(vpair + 1, mask=packed_q, other=0)
-        zpair = (rec_q + OFF_VZ).to(i64) + c_q * 16 + 2 * quad_v
-        vz01 = gl.load(zpair, mask=packed_q, other=0)
-        vz23 = gl.load(zpair + 1, mask=packed_q, other=0)
         se0, so0, se1, so1 = gl.inline_asm_elementwise(
             _PARITIES_OF_QUADS,
             "=r,=r,=r,=r,l,l",
-            [vs01, vs23],
+            [vsa_buf.index(stage).load(quads), vsb_buf.index(stage).load(quads)],
             dtype=(gl.int32,) * 4,
             is_pure=True,
             pack=1,
@@ -447,7 +520,7 @@ def decode_v5_kernel(
         ze0, zo0, ze1, zo1 = gl.inline_asm_elementwise(
             _PARITIES_OF_QUADS,
             "=r,=r,=r,=r,l,l",
-            [vz01, vz23],
+            [vza_buf.index(stage).load(quads), vzb_buf.index(stage).load(quads)],
             dtype=(gl.int32,) * 4,
             is_pure=True,
             pack=1,
@@ -456,9 +529,8 @@ def decode_v5_kernel(
         vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, kvec), 2)
         vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, kvec), 2) * 0.5
         vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, kvec), 2) * 0.5
-        # V's per-channel scales of byte column n (channels VG n ..), one word per column
+        vcw = gl.expand_dims(vc_buf.index(stage).load(cols), 1)  # [W, 1, NC]
         if VG == 4:
-            vcw = gl.load((rec + OFF_VCS).to(i64) + out_col, mask=packed, other=0)
             vc0, vc1, vc2, vc3 = gl.inline_asm_elementwise(
                 _QUARTERS,
                 "=h,=h,=h,=h,l",
@@ -468,16 +540,9 @@ def decode_v5_kernel(
                 pack=1,
             )
         else:
-            vcw = gl.load(
-                (rec + OFF_VCS).to(gl.pointer_type(gl.int32)) + out_col, mask=packed, other=0
-            )
             vc0, vc1 = gl.inline_asm_elementwise(
                 _HALVES, "=h,=h,r", [vcw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
             )
-
-        async_copy.wait_group(1)
-        kw = k_buf.index(it % 2).load(words)  # [W, 32, D / 4]
-        vw = v_buf.index(it % 2).load(words)  # [W, 2 NC, 8]
 
         # --- scores [W, 16, 32] of the even and odd tokens of the chunk's pairs ---
         lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
@@ -550,6 +615,9 @@ def decode_v5_kernel(
             pv = _pv(pe16, e2, e3, 32.0, vs_e, vz_e, zero, W, NC, bop)
             pv = _pv(po16, o2, o3, 32.0, vs_o, vz_o, pv, W, NC, bop)
             acc1 = acc1 * a3 + pv * vc1.to(gl.float32)
+        bi = bi_next
+        c = c_next
+        packed = packed_next
     async_copy.wait_group(0)
 
     # --- merge the W warps' states; V's halving comes back as the factor 2 ---
