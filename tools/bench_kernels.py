@@ -605,6 +605,7 @@ DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v4c"},
     {"variant": "v4d", "mma_rows": 8},
     {"variant": "v5"},
+    {"variant": "v5", "max_registers": 168},  # 3 programs per SM instead of 2
 ]
 
 

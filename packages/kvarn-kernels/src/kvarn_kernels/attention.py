@@ -892,9 +892,11 @@ def _launch_v5(
     num_splits: int,
     hq: int,
     hk: int,
+    max_registers: int | None,
 ) -> None:
     """The v5 main loop (:mod:`kvarn_kernels.decode_v5`) into partials ``0 .. num_splits -
-    1``; the pool phase follows as v4d's (partial ``num_splits``)."""
+    1``; the pool phase follows as v4d's (partial ``num_splits``). ``max_registers`` caps the
+    main loop's registers per thread (``maxnreg``)."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
 
     offsets = {k: v for k, v in geo.offsets().items() if k.startswith("OFF_")}
@@ -920,6 +922,7 @@ def _launch_v5(
         **offsets,
         NUM_SPLITS=num_splits,
         num_warps=V5_WARPS,
+        **({} if max_registers is None else {"maxnreg": max_registers}),
     )
 
 
@@ -982,6 +985,7 @@ def _launch(
             num_splits,
             hq,
             hk,
+            max_registers,
         )
     if variant in V4_VARIANTS or variant == "v5":
         _launch_v4(
@@ -1002,8 +1006,8 @@ def _launch(
             block_n,
             num_warps,
             num_stages,
-            round7=variant in ("v4b", "v4c", "v4d"),
-            masked_scales=variant in ("v4c", "v4d"),
+            round7=variant in ("v4b", "v4c", "v4d", "v5"),  # v5: v4d's pool phase
+            masked_scales=variant in ("v4c", "v4d", "v5"),
             pool_split=variant in POOL_SPLIT_VARIANTS,
             pool_only=variant == "v5",
             hq=hq,
@@ -1358,19 +1362,14 @@ def _resolve_decode_variant(
             f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
         )
     if variant == "v5":
-        _check_v5(geo, num_stages, mma_rows, max_registers)
+        _check_v5(geo, num_stages, mma_rows)
     return variant
 
 
-def _check_v5(
-    geo: DenseGeometry,
-    num_stages: int | None,
-    mma_rows: int | None,
-    max_registers: int | None,
-) -> None:
+def _check_v5(geo: DenseGeometry, num_stages: int | None, mma_rows: int | None) -> None:
     """Raise ``ValueError`` where ``variant="v5"`` (:mod:`kvarn_kernels.decode_v5`) does not
     apply: its head dims, the in-cache code order, a GPU (Gluon has no interpreter), no v4
-    tuning options."""
+    tuning options but ``max_registers``."""
     from kvarn_kernels.decode_v5 import V5_HEAD_DIMS
 
     if geo.head_dim not in V5_HEAD_DIMS:
@@ -1388,11 +1387,7 @@ def _check_v5(
             "variant='v5' is a Gluon kernel, which the Triton interpreter (TRITON_INTERPRET=1) "
             "cannot run: use variant='v4c'"
         )
-    for option, value in (
-        ("num_stages", num_stages),
-        ("mma_rows", mma_rows),
-        ("max_registers", max_registers),
-    ):
+    for option, value in (("num_stages", num_stages), ("mma_rows", mma_rows)):
         if value is not None:
             raise ValueError(f"{option} applies to the variants {V4_VARIANTS} only, not 'v5'")
 
