@@ -133,3 +133,29 @@ def test_length_defaults_follow_the_workload(
     assert (got["prompt_len"], got["output_len"]) == (6144, 512)
     bs.main(["--workload", "agents", "--prompt-len", "1000"])
     assert got["prompt_len"] == 1000
+
+
+def test_the_first_engine_gets_more_time_and_candidate_kernels_their_own_rows(
+    bs: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first engine process of a call gets ``--timeout + 120`` s (or ``--first-timeout``):
+    on a fresh machine it also fills vLLM's and FlashInfer's caches. With
+    ``KVARN_DECODE_VARIANT`` set, KVarN rows name the decode kernel they ran."""
+    limits: list[float] = []
+
+    def fake_run_child(cmd: list[str], env: object, log: Path, limit: float) -> tuple[int, str]:
+        limits.append(limit)
+        return 1, "Traceback ...\nRuntimeError: no GPU here\n"
+
+    monkeypatch.setattr(bs.common, "run_child", fake_run_child)
+    monkeypatch.setattr(bs.common, "check_plugin_entry_point", lambda: None)
+    monkeypatch.setattr(bs.common, "gpu_name", lambda: "test")
+    monkeypatch.setenv("KVARN_DECODE_VARIANT", "v5")
+    out = tmp_path / "bs"
+    argv = ["--dtypes", "auto,kvarn_k4v2_g128", "--timeout", "100", "--out", str(out)]
+    bs.main(argv)
+    assert limits == [220, 100]
+    labels = sorted(json.loads(p.read_text())["label"] for p in out.glob("row_*.json"))
+    assert labels == ["auto", "kvarn_k4v2_g128[decode v5]"]
+    bs.main([*argv, "--first-timeout", "300"])
+    assert limits[2:] == [300, 100]

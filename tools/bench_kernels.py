@@ -605,7 +605,9 @@ DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v4c"},
     {"variant": "v4d", "mma_rows": 8},
     {"variant": "v5"},
-    {"variant": "v5", "max_registers": 168},  # 3 programs per SM instead of 2
+    # fewer warps per program (more splits): barriers on fewer warps (fourteenth session)
+    {"variant": "v5", "num_warps": 1},
+    {"variant": "v5", "num_warps": 2},
 ]
 
 

@@ -24,7 +24,7 @@ import torch
 from kvarn_format import parse_cache_dtype, record_layout
 from kvarn_format.geometry import shadow_rows
 from kvarn_kernels import decode_attention, flush_tiles
-from kvarn_kernels.attention import DECODE_VARIANTS
+from kvarn_kernels.attention import DECODE_VARIANTS, GPU_ONLY_DECODE_VARIANTS
 from kvarn_kernels.store import STORE_VARIANTS
 from kvarn_kernels.testing import build_case
 
@@ -36,20 +36,29 @@ def main() -> int:
         "--store-variants", default=",".join(STORE_VARIANTS), help="flush_tiles variants"
     )
     ap.add_argument(
-        "--decode-variants", default=",".join(DECODE_VARIANTS), help="decode_attention variants"
+        "--decode-variants",
+        help="decode_attention variants (default: all; on the CPU those the interpreter runs)",
     )
     ap.add_argument("--device", default="cuda", help="cpu runs under TRITON_INTERPRET=1")
+    ap.add_argument(
+        "--small",
+        action="store_true",
+        help="2 KV heads and shorter requests (the CPU test's case: the interpreter is slow)",
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
-    hk, hq, d = 8, 32, 128
+    cpu_only = dev.type == "cpu"
+    decode_variants = args.decode_variants or ",".join(
+        v for v in DECODE_VARIANTS if not (cpu_only and v in GPU_ONLY_DECODE_VARIANTS)
+    )
+    hk, hq, d = (2, 8, 128) if args.small else (8, 32, 128)
+    lens = [300, 3, 129] if args.small else [1000, 3, 517]
     fmt = parse_cache_dtype(args.format)
     q = torch.randn(3, hq, d, device=dev, dtype=torch.float16)
     ok = True
     for shadow in (0, shadow_rows(fmt.group, d, record_layout(fmt, d).tile_bytes)):
-        case = build_case(
-            args.format, d, hk, [1000, 3, 517], device=dev, seed=1, shadow_rows=shadow
-        )
-        for variant in args.decode_variants.split(","):
+        case = build_case(args.format, d, hk, lens, device=dev, seed=1, shadow_rows=shadow)
+        for variant in decode_variants.split(","):
             out = decode_attention(
                 *case.decode_args(args.format, q, 1.0 / math.sqrt(d)),
                 variant=variant,
@@ -59,7 +68,7 @@ def main() -> int:
             finite = bool(torch.isfinite(out).all())
             ok &= finite
             print(f"decode {variant}, shadow rows {shadow}: launched, output finite: {finite}")
-        # Request 0's sink: a full pool tile (1000 tokens). Whole-tile slots: its record goes
+        # Request 0's sink: a full pool tile (1000 or 300 tokens). Whole-tile slots: its record goes
         # to a spare block; shadowed: to its own block (which holds its first rows), each
         # variant on a fresh copy of the cache.
         sink = case.block_table[0, :1].long()

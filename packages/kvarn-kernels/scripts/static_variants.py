@@ -375,13 +375,13 @@ variant("decode_v4c verify4 kvarn_k4v2_g128 d128 qpk4")(
 )
 
 
-def _decode_v5(name: str, qpk: int = 4) -> Any:
+def _decode_v5(name: str, qpk: int = 4, warps: int = 4) -> Any:
     """The Gluon v5 main loop (:mod:`kvarn_kernels.decode_v5`) at Qwen3-8B's decode shape."""
     import triton  # type: ignore[import-untyped]
     from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
     from triton.experimental.gluon._runtime import GluonASTSource  # type: ignore[import-untyped]
 
-    from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
+    from kvarn_kernels.decode_v5 import decode_v5_kernel
 
     geo = _geo(name)
     consts = {
@@ -394,6 +394,7 @@ def _decode_v5(name: str, qpk: int = 4) -> Any:
         "STRIDE": geo.record_stride,
         **{k: v for k, v in geo.offsets().items() if k.startswith("OFF_")},
         "NUM_SPLITS": 2,
+        "W": warps,
     }
     names = decode_v5_kernel.arg_names
     sig = {n: "constexpr" if n in consts else DECODE_SIG.get(n, "i32") for n in names}
@@ -407,10 +408,17 @@ def _decode_v5(name: str, qpk: int = 4) -> Any:
             },
         ),
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": V5_WARPS},
+        options={"num_warps": warps},
     )
 
 
-# v5 (fourteenth session): the main loop in Gluon, every register layout stated
-for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
-    variant(f"decode_v5 {_n} d128 qpk4")(lambda _n=_n: _decode_v5(_n))
+# v5 (fourteenth session): the main loop in Gluon, every register layout stated; and with
+# fewer warps per program (the pipeline's barriers then wait on fewer warps)
+for _n, _w in (
+    ("kvarn_k4v2_g128", 4),
+    ("kvarn_k4v4_g128", 4),
+    ("kvarn_k4v2_g64", 4),
+    ("kvarn_k4v2_g128", 2),
+    ("kvarn_k4v2_g128", 1),
+):
+    variant(f"decode_v5 {_n} d128 qpk4 w{_w}")(lambda _n=_n, _w=_w: _decode_v5(_n, warps=_w))

@@ -706,7 +706,10 @@ def test_decode_attention_mma_rows(
         ("max_registers_range", "max_registers must lie in \\[64, 255\\], got 300"),
         ("mma_rows_below_gqa", "mma_rows must be a power of two from 4 to 16"),
         ("mma_rows_odd", "mma_rows must be a power of two"),
-        ("v3_removed", "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c', 'v4d'\\)"),
+        (
+            "v3_removed",
+            "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c', 'v4d', 'v5'\\)",
+        ),
     ],
 )
 def test_decode_validation(device: torch.device, change: str, message: str) -> None:
@@ -1354,6 +1357,22 @@ def test_decode_v5_gqa_ratios_and_shadow_rows(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warps", [1, 2])
+def test_decode_v5_with_fewer_warps(device: torch.device, warps: int) -> None:
+    """v5 with 1 or 2 warps per program (its default split count then scaled up by 4 / warps,
+    with the workspace to match) and with a given split count."""
+    name, hq, hk = "kvarn_k4v2_g128", 32, 8
+    lens = [5000, 1, 127, 257, 384, 0, 700]
+    case = shared_case(name, 128, hk, lens, device=device, seed=5)
+    q = torch.randn(len(lens), hq, 128, device=device).half()
+    args = case.decode_args(name, q, 1.0 / math.sqrt(128))
+    ref = decode_attention_ref(*args)
+    for splits in (None, 3):
+        out = decode_attention(*args, num_splits=splits, num_warps=warps, variant="v5")
+        _assert_close(out, ref)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g128"])
 @pytest.mark.parametrize("scale_kind", ["huge", "tiny"])
 def test_decode_v5_extreme_magnitudes(device: torch.device, name: str, scale_kind: str) -> None:
@@ -1377,7 +1396,7 @@ def test_decode_v5_extreme_magnitudes(device: torch.device, name: str, scale_kin
         ("gqa_32", "up to 16 query heads per KV head"),
         ("mma_rows", "mma_rows applies to the variants"),
         ("num_stages", "num_stages applies to the variants"),
-        ("num_warps", "do not apply to variant='v5'"),
+        ("num_warps", "warps per program"),
         ("head_dim_64", "written for head dims"),
         ("k5v5", "takes 4-bit keys"),
     ],
@@ -1422,11 +1441,11 @@ def test_decode_v5_compiles_for_sm90() -> None:
         check=True,
     )
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("decode_v5")]
-    assert len(rows) == 3, run.stdout + run.stderr
+    assert len(rows) == 5, run.stdout + run.stderr  # three formats; 2 and 1 warps at k4v2
     for row in rows:
         assert "FAILED" not in row, " ".join(row)
-        # name (4 words), regs, spill, smem, loop, BAR, LDS/STS, SHFL, MMA, LDG
-        _regs, spill, _smem, loop, bar, _lds, _shfl, mma, _ldg = (int(x) for x in row[4:])
+        # name (5 words), regs, spill, smem, loop, BAR, LDS/STS, SHFL, MMA, LDG
+        _regs, spill, _smem, loop, bar, _lds, _shfl, mma, _ldg = (int(x) for x in row[5:])
         assert mma == 128, row
         assert bar <= 4, row
         assert spill <= 256, row

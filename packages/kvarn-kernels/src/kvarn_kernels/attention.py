@@ -83,6 +83,8 @@ __all__ = [
 DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5")
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
 V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
+#: The variants written in Gluon, which Triton's interpreter cannot run (GPU only).
+GPU_ONLY_DECODE_VARIANTS = ("v5",)
 #: The variants whose pool phase runs in a launch of its own (a partial more to merge).
 POOL_SPLIT_VARIANTS = ("v4d", "v5")
 
@@ -893,10 +895,12 @@ def _launch_v5(
     hq: int,
     hk: int,
     max_registers: int | None,
+    num_warps: int | None,
 ) -> None:
     """The v5 main loop (:mod:`kvarn_kernels.decode_v5`) into partials ``0 .. num_splits -
     1``; the pool phase follows as v4d's (partial ``num_splits``). ``max_registers`` caps the
-    main loop's registers per thread (``maxnreg``)."""
+    main loop's registers per thread (``maxnreg``); ``num_warps``: warps per program (default
+    ``V5_WARPS``)."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
 
     offsets = {k: v for k, v in geo.offsets().items() if k.startswith("OFF_")}
@@ -921,7 +925,8 @@ def _launch_v5(
         STRIDE=geo.record_stride,
         **offsets,
         NUM_SPLITS=num_splits,
-        num_warps=V5_WARPS,
+        W=num_warps or V5_WARPS,
+        num_warps=num_warps or V5_WARPS,
         **({} if max_registers is None else {"maxnreg": max_registers}),
     )
 
@@ -986,6 +991,7 @@ def _launch(
             hq,
             hk,
             max_registers,
+            num_warps,
         )
     if variant in V4_VARIANTS or variant == "v5":
         _launch_v4(
@@ -1004,7 +1010,7 @@ def _launch(
             num_splits,
             fast,
             block_n,
-            num_warps,
+            None if variant == "v5" else num_warps,  # v5's pool phase: v4d's own shape
             num_stages,
             round7=variant in ("v4b", "v4c", "v4d", "v5"),  # v5: v4d's pool phase
             masked_scales=variant in ("v4c", "v4d", "v5"),
@@ -1235,8 +1241,10 @@ def decode_attention(
         workspace: optional contiguous fp32 tensor with at least
             ``decode_workspace_numel(B, Hq, D, decode_partials(variant, num_splits))``
             elements (preallocate it, with a fixed ``num_splits``, for CUDA-graph capture).
-        num_splits: split-K factor; default :func:`choose_decode_splits` (static shapes only).
-        block_n, num_warps: tuning overrides (tokens per inner step, warps per program).
+        num_splits: split-K factor; default :func:`choose_decode_splits` (static shapes only;
+            for ``variant="v5"`` with fewer than its 4 warps, that times ``4 / num_warps``).
+        block_n, num_warps: tuning overrides (tokens per inner step, warps per program;
+            ``variant="v5"`` takes ``num_warps`` only).
             Experimental: only the defaults are covered by the GPU tests (see
             docs/kernel-notes.md).
         fast_unpack: unpack 2/4-bit codes with inline PTX (default: on for GPUs, off in the
@@ -1260,6 +1268,12 @@ def decode_attention(
             B = 64 and 9% slower at B = 256, eleventh session, 2-3% faster at six shapes in
             the twelfth; a preallocated workspace needs ``decode_partials("v4d",
             num_splits)`` splits' room).
+            ``"v5"`` (:mod:`kvarn_kernels.decode_v5`, experimental, GPU only): v4d with its
+            main loop written in Gluon, every register layout stated, so the in-cache code
+            words unpack straight into MMA operands (0.80x v4c's loop instructions); head dim
+            128, up to 16 query heads per KV head. H200, fourteenth session: 0.94x v4c's time
+            at B = 64 / 16K and at B = 256 / 6K, 1.14x at B = 1. ``num_warps`` (1, 2 or 4, the
+            default) and ``max_registers`` apply to its main loop.
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads
             (default: the launch config's, 2 at head dim 128, 1 from 256:
             ``decode_v4.decode_v4_config``).
@@ -1268,7 +1282,7 @@ def decode_attention(
             ratio's power of two above 8): Triton pads the MMA's 16 rows inside the MMA, and
             the smaller tile keeps fewer accumulator registers (H200: 0.76-0.93x the time of
             16 rows at every shape timed, :func:`decode_mma_rows`).
-        max_registers: the v4 kernels only: registers per thread of the main-loop kernel
+        max_registers: the v4 kernels and v5: registers per thread of the main-loop kernel
             (Triton's ``maxnreg``; experimental). Round 6 found caps slower where they made
             v4 spill; v4d with 4 rows at 168 registers took 1.17x / 1.11x the time of
             uncapped v4d with 8 rows at k4v2_g128 B = 64 / 256 (eleventh session).
@@ -1292,11 +1306,22 @@ def decode_attention(
                 f"variant='v5' takes up to 16 query heads per KV head, got "
                 f"{hq // int(pool_k.shape[2])}: use variant='v4c'"
             )
-        if block_n is not None or num_warps is not None:
-            raise ValueError("block_n and num_warps do not apply to variant='v5'")
+        from kvarn_kernels.decode_v5 import V5_WARP_COUNTS
+
+        if block_n is not None:
+            raise ValueError("block_n does not apply to variant='v5' (64-token chunks)")
+        if num_warps is not None and num_warps not in V5_WARP_COUNTS:
+            raise ValueError(
+                f"variant='v5' runs {V5_WARP_COUNTS} warps per program, got num_warps={num_warps}"
+            )
     splits = num_splits or choose_decode_splits(
         bsz, int(pool_k.shape[2]), int(block_table.shape[1]), q.device
     )
+    if variant == "v5" and num_splits is None and num_warps is not None:
+        # fewer warps per program: as many more splits, the same warps in flight
+        from kvarn_kernels.decode_v5 import V5_WARPS
+
+        splits *= V5_WARPS // num_warps
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     need = decode_workspace_numel(bsz, hq, d, decode_partials(variant, splits))
@@ -1349,13 +1374,13 @@ def _resolve_decode_variant(
         raise ValueError(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
-    for option, value in (
-        ("num_stages", num_stages),
-        ("mma_rows", mma_rows),
-        ("max_registers", max_registers),
+    for option, value, takers in (
+        ("num_stages", num_stages, V4_VARIANTS),
+        ("mma_rows", mma_rows, V4_VARIANTS),
+        ("max_registers", max_registers, (*V4_VARIANTS, "v5")),
     ):
         if variant == "v1" and value is not None:
-            raise ValueError(f"{option} applies to the variants {V4_VARIANTS} only")
+            raise ValueError(f"{option} applies to the variants {takers} only")
     if variant in (*V4_VARIANTS, "v5") and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
@@ -1382,7 +1407,7 @@ def _check_v5(geo: DenseGeometry, num_stages: int | None, mma_rows: int | None) 
             f"variant='v5' reads the in-cache code order (docs/format.md §7.1), which "
             f"{geo.fmt.name} does not use: use variant='v4c'"
         )
-    if triton_interpret():
+    if triton_interpret():  # GPU_ONLY_DECODE_VARIANTS
         raise ValueError(
             "variant='v5' is a Gluon kernel, which the Triton interpreter (TRITON_INTERPRET=1) "
             "cannot run: use variant='v4c'"

@@ -45,12 +45,16 @@ from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[i
     mma_v2,
 )
 
-__all__ = ["V5_HEAD_DIMS", "V5_WARPS", "decode_v5_kernel"]
+__all__ = ["V5_HEAD_DIMS", "V5_WARPS", "V5_WARP_COUNTS", "decode_v5_kernel"]
 
 #: Head dims the v5 kernel is written for.
 V5_HEAD_DIMS = (128,)
-#: Warps per program: one 64-token chunk each per step.
+#: Warps per program by default: one 64-token chunk each per step.
 V5_WARPS = 4
+#: The warp counts a program may have (``decode_attention(num_warps=...)``). With fewer warps
+#: per program the barriers the shared-memory pipeline needs wait on fewer warps, and more
+#: programs (splits) share an SM.
+V5_WARP_COUNTS = (1, 2, 4)
 
 # 4-bit codes of a word: $0 / $1 the low nibbles of bytes (0, 2) / (1, 3) as fp16x2 ``512 +
 # c / 2``, $2 / $3 the high nibbles as ``32 + c / 2``: the OR into the mantissa of a power of
@@ -293,12 +297,13 @@ def decode_v5_kernel(
     OFF_VS: gl.constexpr,
     OFF_VZ: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
+    W: gl.constexpr,
 ):
-    """One program per (request, KV head, split), ``V5_WARPS`` warps: the split's packed
-    records, 64 tokens per warp and step. Writes the split's normalized partial output
+    """One program per (request, KV head, split), ``W`` warps (one of :data:`V5_WARP_COUNTS`):
+    the split's packed records, 64 tokens per warp and step. Writes the split's normalized partial output
     (``O_PART``, fp32, rotated frame, natural channel order) and base-2 LSE (``LSE_PART``), as
     v4's kernel with ``PHASES=1``. ``q_rows``: ``QPK`` (see the query load)."""
-    W: gl.constexpr = 4
+    gl.static_assert(W == 1 or W == 2 or W == 4, "v5 runs 1, 2 or 4 warps per program")
     gl.static_assert(D == 128, "v5 is written for head dim 128")
     gl.static_assert(VB == 2 or VB == 4, "v5 takes 2- or 4-bit values")
     gl.static_assert(QPK <= 16, "v5 takes up to 16 query heads per KV head")
