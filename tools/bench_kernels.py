@@ -608,6 +608,9 @@ DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     # fewer warps per program (more splits): barriers on fewer warps (fourteenth session)
     {"variant": "v5", "num_warps": 1},
     {"variant": "v5", "num_warps": 2},
+    # three pipeline stages (copies two steps ahead)
+    {"variant": "v5", "num_stages": 3},
+    {"variant": "v5", "num_warps": 1, "num_stages": 3},
 ]
 
 

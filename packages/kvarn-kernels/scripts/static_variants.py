@@ -375,7 +375,7 @@ variant("decode_v4c verify4 kvarn_k4v2_g128 d128 qpk4")(
 )
 
 
-def _decode_v5(name: str, qpk: int = 4, warps: int = 4) -> Any:
+def _decode_v5(name: str, qpk: int = 4, warps: int = 4, stages: int = 2) -> Any:
     """The Gluon v5 main loop (:mod:`kvarn_kernels.decode_v5`) at Qwen3-8B's decode shape."""
     import triton  # type: ignore[import-untyped]
     from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
@@ -395,6 +395,7 @@ def _decode_v5(name: str, qpk: int = 4, warps: int = 4) -> Any:
         **{k: v for k, v in geo.offsets().items() if k.startswith("OFF_")},
         "NUM_SPLITS": 2,
         "W": warps,
+        "STAGES": stages,
     }
     names = decode_v5_kernel.arg_names
     sig = {n: "constexpr" if n in consts else DECODE_SIG.get(n, "i32") for n in names}
@@ -414,11 +415,16 @@ def _decode_v5(name: str, qpk: int = 4, warps: int = 4) -> Any:
 
 # v5 (fourteenth session): the main loop in Gluon, every register layout stated; and with
 # fewer warps per program (the pipeline's barriers then wait on fewer warps)
-for _n, _w in (
-    ("kvarn_k4v2_g128", 4),
-    ("kvarn_k4v4_g128", 4),
-    ("kvarn_k4v2_g64", 4),
-    ("kvarn_k4v2_g128", 2),
-    ("kvarn_k4v2_g128", 1),
+# and with three pipeline stages (copies two steps ahead)
+for _n, _w, _s in (
+    ("kvarn_k4v2_g128", 4, 2),
+    ("kvarn_k4v4_g128", 4, 2),
+    ("kvarn_k4v2_g64", 4, 2),
+    ("kvarn_k4v2_g128", 2, 2),
+    ("kvarn_k4v2_g128", 1, 2),
+    ("kvarn_k4v2_g128", 4, 3),
+    ("kvarn_k4v2_g128", 1, 3),
 ):
-    variant(f"decode_v5 {_n} d128 qpk4 w{_w}")(lambda _n=_n, _w=_w: _decode_v5(_n, warps=_w))
+    variant(f"decode_v5 {_n} d128 qpk4 w{_w} s{_s}")(
+        lambda _n=_n, _w=_w, _s=_s: _decode_v5(_n, warps=_w, stages=_s)
+    )

@@ -700,7 +700,7 @@ def test_decode_attention_mma_rows(
         ("workspace", "workspace must be"),
         ("variant", "variant must be"),
         ("v4_prefetch", "applies to variant='v1' only"),
-        ("v1_stages", "num_stages applies to the variants \\('v4', 'v4b', 'v4c', 'v4d'\\) only"),
+        ("v1_stages", "num_stages applies to the variants \\('v4', 'v4b', 'v4c', 'v4d', 'v5'\\)"),
         ("v1_mma_rows", "mma_rows applies to the variants \\('v4', 'v4b', 'v4c', 'v4d'\\) only"),
         ("v1_max_registers", "max_registers applies to the variants"),
         ("max_registers_range", "max_registers must lie in \\[64, 255\\], got 300"),
@@ -1357,10 +1357,11 @@ def test_decode_v5_gqa_ratios_and_shadow_rows(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warps", [1, 2])
-def test_decode_v5_with_fewer_warps(device: torch.device, warps: int) -> None:
+@pytest.mark.parametrize(("warps", "stages"), [(1, 2), (2, 2), (4, 3), (1, 3)])
+def test_decode_v5_warps_and_stages(device: torch.device, warps: int, stages: int) -> None:
     """v5 with 1 or 2 warps per program (its default split count then scaled up by 4 / warps,
-    with the workspace to match) and with a given split count."""
+    with the workspace to match) and with three pipeline stages, at the default and at a given
+    split count."""
     name, hq, hk = "kvarn_k4v2_g128", 32, 8
     lens = [5000, 1, 127, 257, 384, 0, 700]
     case = shared_case(name, 128, hk, lens, device=device, seed=5)
@@ -1368,7 +1369,9 @@ def test_decode_v5_with_fewer_warps(device: torch.device, warps: int) -> None:
     args = case.decode_args(name, q, 1.0 / math.sqrt(128))
     ref = decode_attention_ref(*args)
     for splits in (None, 3):
-        out = decode_attention(*args, num_splits=splits, num_warps=warps, variant="v5")
+        out = decode_attention(
+            *args, num_splits=splits, num_warps=warps, num_stages=stages, variant="v5"
+        )
         _assert_close(out, ref)
 
 
@@ -1395,7 +1398,7 @@ def test_decode_v5_extreme_magnitudes(device: torch.device, name: str, scale_kin
     [
         ("gqa_32", "up to 16 query heads per KV head"),
         ("mma_rows", "mma_rows applies to the variants"),
-        ("num_stages", "num_stages applies to the variants"),
+        ("num_stages", "pipelines \\(2, 3\\) stages"),
         ("num_warps", "warps per program"),
         ("head_dim_64", "written for head dims"),
         ("k5v5", "takes 4-bit keys"),
@@ -1414,7 +1417,7 @@ def test_decode_v5_validation(device: torch.device, change: str, message: str) -
     elif change == "k5v5":
         name = "kvarn_k5v5_g64"
     else:
-        kw[change] = 8 if change != "num_stages" else 2
+        kw[change] = 8 if change != "num_stages" else 4
     if INTERPRET and change in ("gqa_32", "mma_rows", "num_stages", "num_warps"):
         message = "Triton interpreter"
     case = shared_case(name, d, hk, [parse_cache_dtype(name).group + 1], device=device, seed=0)
@@ -1441,11 +1444,12 @@ def test_decode_v5_compiles_for_sm90() -> None:
         check=True,
     )
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("decode_v5")]
-    assert len(rows) == 5, run.stdout + run.stderr  # three formats; 2 and 1 warps at k4v2
+    # three formats; 2 and 1 warps, and 3 stages at 4 and 1 warps, at k4v2_g128
+    assert len(rows) == 7, run.stdout + run.stderr
     for row in rows:
         assert "FAILED" not in row, " ".join(row)
-        # name (5 words), regs, spill, smem, loop, BAR, LDS/STS, SHFL, MMA, LDG
-        _regs, spill, _smem, loop, bar, _lds, _shfl, mma, _ldg = (int(x) for x in row[5:])
+        # name (6 words), regs, spill, smem, loop, BAR, LDS/STS, SHFL, MMA, LDG
+        _regs, spill, _smem, loop, bar, _lds, _shfl, mma, _ldg = (int(x) for x in row[6:])
         assert mma == 128, row
         assert bar <= 4, row
         assert spill <= 256, row

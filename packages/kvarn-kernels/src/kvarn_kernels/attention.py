@@ -896,11 +896,12 @@ def _launch_v5(
     hk: int,
     max_registers: int | None,
     num_warps: int | None,
+    num_stages: int | None,
 ) -> None:
     """The v5 main loop (:mod:`kvarn_kernels.decode_v5`) into partials ``0 .. num_splits -
     1``; the pool phase follows as v4d's (partial ``num_splits``). ``max_registers`` caps the
     main loop's registers per thread (``maxnreg``); ``num_warps``: warps per program (default
-    ``V5_WARPS``)."""
+    ``V5_WARPS``); ``num_stages``: pipeline stages (default 2)."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
 
     offsets = {k: v for k, v in geo.offsets().items() if k.startswith("OFF_")}
@@ -926,6 +927,7 @@ def _launch_v5(
         **offsets,
         NUM_SPLITS=num_splits,
         W=num_warps or V5_WARPS,
+        STAGES=num_stages or 2,
         num_warps=num_warps or V5_WARPS,
         **({} if max_registers is None else {"maxnreg": max_registers}),
     )
@@ -992,6 +994,7 @@ def _launch(
             hk,
             max_registers,
             num_warps,
+            num_stages,
         )
     if variant in V4_VARIANTS or variant == "v5":
         _launch_v4(
@@ -1011,7 +1014,7 @@ def _launch(
             fast,
             block_n,
             None if variant == "v5" else num_warps,  # v5's pool phase: v4d's own shape
-            num_stages,
+            None if variant == "v5" else num_stages,
             round7=variant in ("v4b", "v4c", "v4d", "v5"),  # v5: v4d's pool phase
             masked_scales=variant in ("v4c", "v4d", "v5"),
             pool_split=variant in POOL_SPLIT_VARIANTS,
@@ -1273,7 +1276,8 @@ def decode_attention(
             words unpack straight into MMA operands (0.80x v4c's loop instructions); head dim
             128, up to 16 query heads per KV head. H200, fourteenth session: 0.94x v4c's time
             at B = 64 / 16K and at B = 256 / 6K, 1.14x at B = 1. ``num_warps`` (1, 2 or 4, the
-            default) and ``max_registers`` apply to its main loop.
+            default), ``num_stages`` (2, the default, or 3) and ``max_registers`` apply to its
+            main loop.
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads
             (default: the launch config's, 2 at head dim 128, 1 from 256:
             ``decode_v4.decode_v4_config``).
@@ -1375,7 +1379,7 @@ def _resolve_decode_variant(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
     for option, value, takers in (
-        ("num_stages", num_stages, V4_VARIANTS),
+        ("num_stages", num_stages, (*V4_VARIANTS, "v5")),
         ("mma_rows", mma_rows, V4_VARIANTS),
         ("max_registers", max_registers, (*V4_VARIANTS, "v5")),
     ):
@@ -1393,9 +1397,9 @@ def _resolve_decode_variant(
 
 def _check_v5(geo: DenseGeometry, num_stages: int | None, mma_rows: int | None) -> None:
     """Raise ``ValueError`` where ``variant="v5"`` (:mod:`kvarn_kernels.decode_v5`) does not
-    apply: its head dims, the in-cache code order, a GPU (Gluon has no interpreter), no v4
-    tuning options but ``max_registers``."""
-    from kvarn_kernels.decode_v5 import V5_HEAD_DIMS
+    apply: its head dims, the in-cache code order, a GPU (Gluon has no interpreter), its
+    stage counts, ``mma_rows`` (v5's tile has the MMA's 16 rows)."""
+    from kvarn_kernels.decode_v5 import V5_HEAD_DIMS, V5_STAGES
 
     if geo.head_dim not in V5_HEAD_DIMS:
         raise ValueError(
@@ -1412,9 +1416,10 @@ def _check_v5(geo: DenseGeometry, num_stages: int | None, mma_rows: int | None) 
             "variant='v5' is a Gluon kernel, which the Triton interpreter (TRITON_INTERPRET=1) "
             "cannot run: use variant='v4c'"
         )
-    for option, value in (("num_stages", num_stages), ("mma_rows", mma_rows)):
-        if value is not None:
-            raise ValueError(f"{option} applies to the variants {V4_VARIANTS} only, not 'v5'")
+    if mma_rows is not None:
+        raise ValueError(f"mma_rows applies to the variants {V4_VARIANTS} only, not 'v5'")
+    if num_stages is not None and num_stages not in V5_STAGES:
+        raise ValueError(f"variant='v5' pipelines {V5_STAGES} stages, got num_stages={num_stages}")
 
 
 def _check_varlen(

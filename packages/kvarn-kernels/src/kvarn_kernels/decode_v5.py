@@ -24,7 +24,8 @@ change) are three free relabellings, all address arithmetic:
 
 Structure as v4: one 64-token chunk per warp and step (a rank-3 MMA whose batch dimension lies
 along the warps, each warp with its own online softmax, merged once at the end), the chunks'
-code words copied into shared memory with ``cp.async`` one step ahead. Pool blocks (the fp16
+code words and scales copied into shared memory with ``cp.async`` ``STAGES - 1`` steps ahead
+(2 or 3 stages). Pool blocks (the fp16
 sink and in-progress tiles) are masked out here and attended by v4's pool-phase launch
 (``PHASES=2``), whose partial the merge takes, as ``variant="v4d"`` does. Numerics as v4:
 operands are dequantized cache values halved into fp16 (``(x - magic) * scale + zero / 2``,
@@ -45,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[i
     mma_v2,
 )
 
-__all__ = ["V5_HEAD_DIMS", "V5_WARPS", "V5_WARP_COUNTS", "decode_v5_kernel"]
+__all__ = ["V5_HEAD_DIMS", "V5_STAGES", "V5_WARPS", "V5_WARP_COUNTS", "decode_v5_kernel"]
 
 #: Head dims the v5 kernel is written for.
 V5_HEAD_DIMS = (128,)
@@ -55,6 +56,9 @@ V5_WARPS = 4
 #: per program the barriers the shared-memory pipeline needs wait on fewer warps, and more
 #: programs (splits) share an SM.
 V5_WARP_COUNTS = (1, 2, 4)
+#: Pipeline stages (``decode_attention(num_stages=...)``): 2 by default, or 3 (copies two steps
+#: ahead, 1.5x the shared memory).
+V5_STAGES = (2, 3)
 
 # 4-bit codes of a word: $0 / $1 the low nibbles of bytes (0, 2) / (1, 3) as fp16x2 ``512 +
 # c / 2``, $2 / $3 the high nibbles as ``32 + c / 2``: the OR into the mantissa of a power of
@@ -193,15 +197,39 @@ def _chunk(
 
 
 @gluon.jit
+def _copy_meta(
+    it,
+    KV,
+    bt_row,
+    BLOCK_TO_SLOT,
+    h,
+    ch_lo,
+    ch_hi,
+    W: gl.constexpr,
+    HK: gl.constexpr,
+    NCH: gl.constexpr,
+    STRIDE: gl.constexpr,
+    k_copy: gl.constexpr,
+    v_copy: gl.constexpr,
+    s_copy: gl.constexpr,
+):
+    """Step ``it``'s chunks as :func:`_issue` needs them, one block-table walk per copy
+    layout (their loads are the step's only wait before its copies, so they run ahead)."""
+    ws = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, s_copy)), 1)
+    rk, _bi, ck, _p = _chunk(
+        it, _axis(W, 0, k_copy), KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
+    )
+    rv, _bi, cv, _p = _chunk(
+        it, _axis(W, 0, v_copy), KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
+    )
+    rs, _bi, cs, ps = _chunk(it, ws, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
+    return rk, ck, rv, cv, rs, cs, ps
+
+
+@gluon.jit
 def _issue(
     stage,
-    rk,
-    ck,
-    rv,
-    cv,
-    rs,
-    cs,
-    ps,
+    meta,
     bufs,
     D: gl.constexpr,
     G: gl.constexpr,
@@ -222,9 +250,10 @@ def _issue(
     """Start the copies of a step's chunks into ``stage``: the code words (K rows in
     ``_perm16`` order of the token pairs; V both parities' byte columns, the chunk's 32 pairs
     of each in order) and every scale the step reads, in the order its reads want them.
-    ``rk, ck`` / ``rv, cv`` / ``rs, cs, ps``: record pointer and chunk (and, for the scales,
-    whether the record is packed: pool blocks' scales land as zeros) of each warp's chunk in
-    the three copy layouts. Chunks past the split read block 0's record (valid, unused)."""
+    ``meta`` (:func:`_copy_meta`): record pointer and chunk (and, for the scales, whether the
+    record is packed: pool blocks' scales land as zeros) of each warp's chunk in the three
+    copy layouts. Chunks past the split read block 0's record (valid, unused)."""
+    rk, ck, rv, cv, rs, cs, ps = meta
     k_buf, v_buf, ks_buf, kz_buf, kt_buf, vsa_buf, vsb_buf, vza_buf, vzb_buf, vc_buf = bufs
     i32 = gl.pointer_type(gl.int32)
     i64 = gl.pointer_type(gl.int64)
@@ -298,12 +327,14 @@ def decode_v5_kernel(
     OFF_VZ: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     W: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     """One program per (request, KV head, split), ``W`` warps (one of :data:`V5_WARP_COUNTS`):
     the split's packed records, 64 tokens per warp and step. Writes the split's normalized partial output
     (``O_PART``, fp32, rotated frame, natural channel order) and base-2 LSE (``LSE_PART``), as
     v4's kernel with ``PHASES=1``. ``q_rows``: ``QPK`` (see the query load)."""
     gl.static_assert(W == 1 or W == 2 or W == 4, "v5 runs 1, 2 or 4 warps per program")
+    gl.static_assert(STAGES == 2 or STAGES == 3, "v5 pipelines 2 or 3 stages")
     gl.static_assert(D == 128, "v5 is written for head dim 128")
     gl.static_assert(VB == 2 or VB == 4, "v5 takes 2- or 4-bit values")
     gl.static_assert(QPK <= 16, "v5 takes up to 16 query heads per KV head")
@@ -380,56 +411,74 @@ def decode_v5_kernel(
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     vc_dtype: gl.constexpr = gl.int64 if VG == 4 else gl.int32
     bufs = (
-        gl.allocate_shared_memory(gl.int32, [2, W, 32, D // 4], k_smem),
-        gl.allocate_shared_memory(gl.int32, [2, W, 2 * NC, 8], v_smem),
-        gl.allocate_shared_memory(gl.int64, [2, W, D // 4], flat),  # k_scale, quads
-        gl.allocate_shared_memory(gl.int64, [2, W, D // 4], flat),  # k_zero
-        gl.allocate_shared_memory(gl.int32, [2, W, 32], flat),  # k_token_scale, pair words
-        gl.allocate_shared_memory(gl.int64, [2, W, 8], flat),  # v_scale, pairs 4q, 4q + 1
-        gl.allocate_shared_memory(gl.int64, [2, W, 8], flat),  # v_scale, pairs 4q + 2, 4q + 3
-        gl.allocate_shared_memory(gl.int64, [2, W, 8], flat),  # v_zero, as v_scale
-        gl.allocate_shared_memory(gl.int64, [2, W, 8], flat),
-        gl.allocate_shared_memory(vc_dtype, [2, W, NC], flat),  # v_channel_scale by column
+        gl.allocate_shared_memory(gl.int32, [STAGES, W, 32, D // 4], k_smem),
+        gl.allocate_shared_memory(gl.int32, [STAGES, W, 2 * NC, 8], v_smem),
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_scale, quads
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_zero
+        gl.allocate_shared_memory(gl.int32, [STAGES, W, 32], flat),  # k_token_scale, pair words
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_scale, pairs 4q, 4q + 1
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_scale, pairs 4q + 2, 4q + 3
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_zero, as v_scale
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),
+        gl.allocate_shared_memory(vc_dtype, [STAGES, W, NC], flat),  # v_channel_scale by column
     )
     k_buf, v_buf, ks_buf, kz_buf, kt_buf, vsa_buf, vsb_buf, vza_buf, vzb_buf, vc_buf = bufs
-    # Each step's block-table walk (two dependent loads per layout) is issued two steps
-    # before its copies and one step before its masks, so no step waits on it.
-    wk = _axis(W, 0, k_copy)
-    wv = _axis(W, 0, v_copy)
-    ws = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, s_copy)), 1)
-    warp_s = _axis(W, 0, mma)
-    rk, _bi, ck, _p = _chunk(0, wk, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
-    rv, _bi, cv, _p = _chunk(0, wv, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
-    rs, _bi, cs, ps = _chunk(0, ws, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
-    _issue(
-        0,
-        rk,
-        ck,
-        rv,
-        cv,
-        rs,
-        cs,
-        ps,
-        bufs,
-        D,
-        G,
-        NC,
-        VG,
-        OFF_KC,
-        OFF_KS,
-        OFF_KZ,
-        OFF_KT,
-        OFF_VC,
-        OFF_VCS,
-        OFF_VS,
-        OFF_VZ,
+    # STAGES - 1 steps' copies in flight; each step's block-table walk is issued a step before
+    # its copies and one step before its masks, so no step waits on it
+    for st in gl.static_range(STAGES - 1):
+        meta = _copy_meta(
+            st,
+            KV,
+            bt_row,
+            BLOCK_TO_SLOT,
+            h,
+            ch_lo,
+            ch_hi,
+            W,
+            HK,
+            NCH,
+            STRIDE,
+            k_copy,
+            v_copy,
+            s_copy,
+        )
+        _issue(
+            st,
+            meta,
+            bufs,
+            D,
+            G,
+            NC,
+            VG,
+            OFF_KC,
+            OFF_KS,
+            OFF_KZ,
+            OFF_KT,
+            OFF_VC,
+            OFF_VCS,
+            OFF_VS,
+            OFF_VZ,
+            k_copy,
+            v_copy,
+            s_copy,
+        )
+    meta = _copy_meta(
+        STAGES - 1,
+        KV,
+        bt_row,
+        BLOCK_TO_SLOT,
+        h,
+        ch_lo,
+        ch_hi,
+        W,
+        HK,
+        NCH,
+        STRIDE,
         k_copy,
         v_copy,
         s_copy,
     )
-    rk, _bi, ck, _p = _chunk(1, wk, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
-    rv, _bi, cv, _p = _chunk(1, wv, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
-    rs, _bi, cs, ps = _chunk(1, ws, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
+    warp_s = _axis(W, 0, mma)
     _r, bi, c, packed = _chunk(
         0, warp_s, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
     )
@@ -449,14 +498,8 @@ def decode_v5_kernel(
     acc3 = zero
     for it in range(n_it):
         _issue(
-            (it + 1) % 2,
-            rk,
-            ck,
-            rv,
-            cv,
-            rs,
-            cs,
-            ps,
+            (it + STAGES - 1) % STAGES,
+            meta,
             bufs,
             D,
             G,
@@ -474,21 +517,28 @@ def decode_v5_kernel(
             v_copy,
             s_copy,
         )
-        rk, _bi, ck, _p = _chunk(
-            it + 2, wk, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
-        )
-        rv, _bi, cv, _p = _chunk(
-            it + 2, wv, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
-        )
-        rs, _bi, cs, ps = _chunk(
-            it + 2, ws, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
+        meta = _copy_meta(
+            it + STAGES,
+            KV,
+            bt_row,
+            BLOCK_TO_SLOT,
+            h,
+            ch_lo,
+            ch_hi,
+            W,
+            HK,
+            NCH,
+            STRIDE,
+            k_copy,
+            v_copy,
+            s_copy,
         )
         _r, bi_next, c_next, packed_next = _chunk(
             it + 1, warp_s, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
         )
 
-        async_copy.wait_group(1)
-        stage = it % 2
+        async_copy.wait_group(STAGES - 1)
+        stage = it % STAGES
         kw = k_buf.index(stage).load(words)  # [W, 32, D / 4]
         vw = v_buf.index(stage).load(words)  # [W, 2 NC, 8]
         # the chunk's scales (pool blocks' and chunks past the split's landed as zeros)
