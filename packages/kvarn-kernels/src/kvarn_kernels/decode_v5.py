@@ -25,11 +25,11 @@ change) are three free relabellings, all address arithmetic:
 Structure as v4: one 64-token chunk per warp and step (a rank-3 MMA whose batch dimension lies
 along the warps, each warp with its own online softmax, merged once at the end), the chunks'
 code words and scales copied into shared memory with ``cp.async`` ``STAGES - 1`` steps ahead
-(2 or 3 stages). Pool blocks (the fp16
-sink and in-progress tiles) are masked out here and attended by v4's pool-phase launch
-(``PHASES=2``), whose partial the merge takes, as ``variant="v4d"`` does. Numerics as v4:
+(2 or 3 stages). Pool blocks (the fp16 sink and in-progress tiles) are masked out here and
+attended by v4's pool-phase launch (``PHASES=2``), whose partial the merge takes, as
+``variant="v4d"`` does. Numerics as v4:
 operands are dequantized cache values halved into fp16 (``(x - magic) * scale + zero / 2``,
-the same single rounding as v4's ``(code) * (scale / 2) + zero / 2``), the query
+the same single rounding as v4's ``code * (scale / 2) + zero / 2``), the query
 row-normalized, fp32 scores and accumulators; the halvings come back as a factor 2 on the
 scores' row scale and on the output.
 
@@ -330,9 +330,10 @@ def decode_v5_kernel(
     STAGES: gl.constexpr,
 ):
     """One program per (request, KV head, split), ``W`` warps (one of :data:`V5_WARP_COUNTS`):
-    the split's packed records, 64 tokens per warp and step. Writes the split's normalized partial output
-    (``O_PART``, fp32, rotated frame, natural channel order) and base-2 LSE (``LSE_PART``), as
-    v4's kernel with ``PHASES=1``. ``q_rows``: ``QPK`` (see the query load)."""
+    the split's packed records, 64 tokens per warp and step, ``STAGES`` pipeline stages (one
+    of :data:`V5_STAGES`). Writes the split's normalized partial output (``O_PART``, fp32,
+    rotated frame, natural channel order) and base-2 LSE (``LSE_PART``), as v4's kernel with
+    ``PHASES=1``. ``q_rows``: ``QPK`` (see the query load)."""
     gl.static_assert(W == 1 or W == 2 or W == 4, "v5 runs 1, 2 or 4 warps per program")
     gl.static_assert(STAGES == 2 or STAGES == 3, "v5 pipelines 2 or 3 stages")
     gl.static_assert(D == 128, "v5 is written for head dim 128")
@@ -347,7 +348,8 @@ def decode_v5_kernel(
     )
     aop: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     bop: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    # the words as registers: lane (g, t) holds rows g + 8 i and words t + 4 j of its warp's
+    # the code words as registers: lane (g, t) holds rows g + 8 i and words t + 4 j of its
+    # warp's chunk
     words: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 1, 1],
         threads_per_warp=[1, 8, 4],
