@@ -169,24 +169,17 @@ def _axis(n: gl.constexpr, axis: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _chunk(
-    it,
-    warp,
-    KV,
-    bt_row,
-    BLOCK_TO_SLOT,
-    h,
-    ch_lo,
-    ch_hi,
-    W: gl.constexpr,
-    HK: gl.constexpr,
-    NCH: gl.constexpr,
-    STRIDE: gl.constexpr,
-):
+def _chunk(it, warp, walk, geo: gl.constexpr):
     """Step ``it``'s chunk of each warp (``warp``: the warp index, broadcast as the result
     should be): its record pointer, its block's index in the request, the chunk within the
     block, and whether it is a packed record of this split (pool blocks and chunks past the
-    split are not)."""
+    split are not). ``walk``: the cache, the request's block-table row, the block-to-slot map,
+    the KV head and the split's chunk range; ``geo``: ``(W, HK, NCH, STRIDE)``."""
+    KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi = walk
+    W: gl.constexpr = geo[0]
+    HK: gl.constexpr = geo[1]
+    NCH: gl.constexpr = geo[2]
+    STRIDE: gl.constexpr = geo[3]
     ci = ch_lo + it * W + warp
     valid = ci < ch_hi
     bi = ci // NCH
@@ -197,32 +190,15 @@ def _chunk(
 
 
 @gluon.jit
-def _copy_meta(
-    it,
-    KV,
-    bt_row,
-    BLOCK_TO_SLOT,
-    h,
-    ch_lo,
-    ch_hi,
-    W: gl.constexpr,
-    HK: gl.constexpr,
-    NCH: gl.constexpr,
-    STRIDE: gl.constexpr,
-    k_copy: gl.constexpr,
-    v_copy: gl.constexpr,
-    s_copy: gl.constexpr,
-):
+def _copy_meta(it, walk, geo: gl.constexpr, copies: gl.constexpr):
     """Step ``it``'s chunks as :func:`_issue` needs them, one block-table walk per copy
-    layout (their loads are the step's only wait before its copies, so they run ahead)."""
-    ws = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, s_copy)), 1)
-    rk, _bi, ck, _p = _chunk(
-        it, _axis(W, 0, k_copy), KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
-    )
-    rv, _bi, cv, _p = _chunk(
-        it, _axis(W, 0, v_copy), KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
-    )
-    rs, _bi, cs, ps = _chunk(it, ws, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE)
+    layout (``copies``: K's, V's, the scales'; their loads are the step's only wait before its
+    copies, so they run ahead)."""
+    W: gl.constexpr = geo[0]
+    ws = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, copies[2])), 1)
+    rk, _bi, ck, _p = _chunk(it, _axis(W, 0, copies[0]), walk, geo)
+    rv, _bi, cv, _p = _chunk(it, _axis(W, 0, copies[1]), walk, geo)
+    rs, _bi, cs, ps = _chunk(it, ws, walk, geo)
     return rk, ck, rv, cv, rs, cs, ps
 
 
@@ -235,24 +211,27 @@ def _issue(
     G: gl.constexpr,
     NC: gl.constexpr,
     VG: gl.constexpr,
-    OFF_KC: gl.constexpr,
-    OFF_KS: gl.constexpr,
-    OFF_KZ: gl.constexpr,
-    OFF_KT: gl.constexpr,
-    OFF_VC: gl.constexpr,
-    OFF_VCS: gl.constexpr,
-    OFF_VS: gl.constexpr,
-    OFF_VZ: gl.constexpr,
-    k_copy: gl.constexpr,
-    v_copy: gl.constexpr,
-    s_copy: gl.constexpr,
+    offs: gl.constexpr,
+    copies: gl.constexpr,
 ):
     """Start the copies of a step's chunks into ``stage``: the code words (K rows in
     ``_perm16`` order of the token pairs; V both parities' byte columns, the chunk's 32 pairs
     of each in order) and every scale the step reads, in the order its reads want them.
     ``meta`` (:func:`_copy_meta`): record pointer and chunk (and, for the scales, whether the
     record is packed: pool blocks' scales land as zeros) of each warp's chunk in the three
-    copy layouts. Chunks past the split read block 0's record (valid, unused)."""
+    copy layouts. ``offs``: the record's field offsets, ``copies``: the copy layouts. Chunks
+    past the split read block 0's record (valid, unused)."""
+    OFF_KC: gl.constexpr = offs[0]
+    OFF_KS: gl.constexpr = offs[1]
+    OFF_KZ: gl.constexpr = offs[2]
+    OFF_KT: gl.constexpr = offs[3]
+    OFF_VC: gl.constexpr = offs[4]
+    OFF_VCS: gl.constexpr = offs[5]
+    OFF_VS: gl.constexpr = offs[6]
+    OFF_VZ: gl.constexpr = offs[7]
+    k_copy: gl.constexpr = copies[0]
+    v_copy: gl.constexpr = copies[1]
+    s_copy: gl.constexpr = copies[2]
     rk, ck, rv, cv, rs, cs, ps = meta
     k_buf, v_buf, ks_buf, kz_buf, kt_buf, vsa_buf, vsb_buf, vza_buf, vzb_buf, vc_buf = bufs
     i32 = gl.pointer_type(gl.int32)
@@ -427,63 +406,15 @@ def decode_v5_kernel(
     k_buf, v_buf, ks_buf, kz_buf, kt_buf, vsa_buf, vsb_buf, vza_buf, vzb_buf, vc_buf = bufs
     # STAGES - 1 steps' copies in flight; each step's block-table walk is issued a step before
     # its copies and one step before its masks, so no step waits on it
+    walk = (KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi)
+    geo: gl.constexpr = (W, HK, NCH, STRIDE)
+    offs: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
+    copies: gl.constexpr = (k_copy, v_copy, s_copy)
     for st in gl.static_range(STAGES - 1):
-        meta = _copy_meta(
-            st,
-            KV,
-            bt_row,
-            BLOCK_TO_SLOT,
-            h,
-            ch_lo,
-            ch_hi,
-            W,
-            HK,
-            NCH,
-            STRIDE,
-            k_copy,
-            v_copy,
-            s_copy,
-        )
-        _issue(
-            st,
-            meta,
-            bufs,
-            D,
-            G,
-            NC,
-            VG,
-            OFF_KC,
-            OFF_KS,
-            OFF_KZ,
-            OFF_KT,
-            OFF_VC,
-            OFF_VCS,
-            OFF_VS,
-            OFF_VZ,
-            k_copy,
-            v_copy,
-            s_copy,
-        )
-    meta = _copy_meta(
-        STAGES - 1,
-        KV,
-        bt_row,
-        BLOCK_TO_SLOT,
-        h,
-        ch_lo,
-        ch_hi,
-        W,
-        HK,
-        NCH,
-        STRIDE,
-        k_copy,
-        v_copy,
-        s_copy,
-    )
+        _issue(st, _copy_meta(st, walk, geo, copies), bufs, D, G, NC, VG, offs, copies)
+    meta = _copy_meta(STAGES - 1, walk, geo, copies)
     warp_s = _axis(W, 0, mma)
-    _r, bi, c, packed = _chunk(
-        0, warp_s, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
-    )
+    _r, bi, c, packed = _chunk(0, warp_s, walk, geo)
 
     n_col = _axis(32, 2, mma)  # score column n: token pair _perm16(n) of the chunk
     pair_n = _perm16(n_col)
@@ -499,45 +430,9 @@ def decode_v5_kernel(
     acc2 = zero
     acc3 = zero
     for it in range(n_it):
-        _issue(
-            (it + STAGES - 1) % STAGES,
-            meta,
-            bufs,
-            D,
-            G,
-            NC,
-            VG,
-            OFF_KC,
-            OFF_KS,
-            OFF_KZ,
-            OFF_KT,
-            OFF_VC,
-            OFF_VCS,
-            OFF_VS,
-            OFF_VZ,
-            k_copy,
-            v_copy,
-            s_copy,
-        )
-        meta = _copy_meta(
-            it + STAGES,
-            KV,
-            bt_row,
-            BLOCK_TO_SLOT,
-            h,
-            ch_lo,
-            ch_hi,
-            W,
-            HK,
-            NCH,
-            STRIDE,
-            k_copy,
-            v_copy,
-            s_copy,
-        )
-        _r, bi_next, c_next, packed_next = _chunk(
-            it + 1, warp_s, KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi, W, HK, NCH, STRIDE
-        )
+        _issue((it + STAGES - 1) % STAGES, meta, bufs, D, G, NC, VG, offs, copies)
+        meta = _copy_meta(it + STAGES, walk, geo, copies)
+        _r, bi_next, c_next, packed_next = _chunk(it + 1, warp_s, walk, geo)
 
         async_copy.wait_group(STAGES - 1)
         stage = it % STAGES
