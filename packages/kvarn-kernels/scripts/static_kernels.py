@@ -35,7 +35,8 @@ def compile_kernel(
     num_warps: int,
     num_stages: int = 3,
 ) -> Any:
-    """``fn`` compiled for sm_90a; pointers get the 16-byte divisibility the JIT gives them."""
+    """``fn`` (a Triton or a Gluon kernel) compiled for sm_90a; pointers get the 16-byte
+    divisibility the JIT gives them."""
     full = {}
     attrs = {}
     for i, name in enumerate(fn.arg_names):
@@ -45,7 +46,12 @@ def compile_kernel(
             full[name] = sig.get(name, "i32")
             if full[name].startswith("*"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn, full, constexprs=consts, attrs=attrs)
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource  # type: ignore[import-untyped]
+
+        src = GluonASTSource(fn, full, constexprs=consts, attrs=attrs)
+    else:
+        src = ASTSource(fn, full, constexprs=consts, attrs=attrs)
     return triton.compile(
         src,
         target=GPUTarget("cuda", 90, 32),

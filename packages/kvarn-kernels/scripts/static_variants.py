@@ -377,10 +377,6 @@ variant("decode_v4c verify4 kvarn_k4v2_g128 d128 qpk4")(
 
 def _decode_v5(name: str, qpk: int = 4, warps: int = 4, stages: int = 2) -> Any:
     """The Gluon v5 main loop (:mod:`kvarn_kernels.decode_v5`) at Qwen3-8B's decode shape."""
-    import triton  # type: ignore[import-untyped]
-    from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
-    from triton.experimental.gluon._runtime import GluonASTSource  # type: ignore[import-untyped]
-
     from kvarn_kernels.decode_v5 import decode_v5_kernel
 
     geo = _geo(name)
@@ -397,25 +393,12 @@ def _decode_v5(name: str, qpk: int = 4, warps: int = 4, stages: int = 2) -> Any:
         "W": warps,
         "STAGES": stages,
     }
-    names = decode_v5_kernel.arg_names
-    sig = {n: "constexpr" if n in consts else DECODE_SIG.get(n, "i32") for n in names}
-    return triton.compile(
-        GluonASTSource(
-            decode_v5_kernel,
-            sig,
-            constexprs={(names.index(k),): v for k, v in consts.items()},
-            attrs={
-                (i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*"
-            },
-        ),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": warps},
-    )
+    return compile_kernel(decode_v5_kernel, DECODE_SIG, consts, warps)
 
 
-# v5 (fourteenth session): the main loop in Gluon, every register layout stated; and with
-# fewer warps per program (the pipeline's barriers then wait on fewer warps)
-# and with three pipeline stages (copies two steps ahead)
+# v5 (fourteenth session): the main loop in Gluon, every register layout stated; also with
+# fewer warps per program (the pipeline's barriers then wait on fewer warps) and with three
+# pipeline stages (copies two steps ahead)
 for _n, _w, _s in (
     ("kvarn_k4v2_g128", 4, 2),
     ("kvarn_k4v4_g128", 4, 2),
