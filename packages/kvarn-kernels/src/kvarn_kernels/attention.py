@@ -1304,28 +1304,12 @@ def decode_attention(
     bsz, hq, d = (int(s) for s in q.shape)
     if mma_rows is not None:
         check_mma_rows(mma_rows, hq, int(pool_k.shape[2]))
+    split_factor = 1
     if variant == "v5":
-        if hq // int(pool_k.shape[2]) > 16:
-            raise ValueError(
-                f"variant='v5' takes up to 16 query heads per KV head, got "
-                f"{hq // int(pool_k.shape[2])}: use variant='v4c'"
-            )
-        from kvarn_kernels.decode_v5 import V5_WARP_COUNTS
-
-        if block_n is not None:
-            raise ValueError("block_n does not apply to variant='v5' (64-token chunks)")
-        if num_warps is not None and num_warps not in V5_WARP_COUNTS:
-            raise ValueError(
-                f"variant='v5' runs {V5_WARP_COUNTS} warps per program, got num_warps={num_warps}"
-            )
-    splits = num_splits or choose_decode_splits(
+        split_factor = _v5_split_factor(hq // int(pool_k.shape[2]), block_n, num_warps)
+    splits = num_splits or split_factor * choose_decode_splits(
         bsz, int(pool_k.shape[2]), int(block_table.shape[1]), q.device
     )
-    if variant == "v5" and num_splits is None and num_warps is not None:
-        # fewer warps per program: as many more splits, the same warps in flight
-        from kvarn_kernels.decode_v5 import V5_WARPS
-
-        splits *= V5_WARPS // num_warps
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     need = decode_workspace_numel(bsz, hq, d, decode_partials(variant, splits))
@@ -1393,6 +1377,25 @@ def _resolve_decode_variant(
     if variant == "v5":
         _check_v5(geo, num_stages, mma_rows)
     return variant
+
+
+def _v5_split_factor(qpk: int, block_n: int | None, num_warps: int | None) -> int:
+    """Check a v5 launch's shape options (``ValueError``) and return the factor on its default
+    split count: with fewer warps per program than ``V5_WARPS``, as many more splits keep the
+    same warps in flight."""
+    from kvarn_kernels.decode_v5 import V5_WARP_COUNTS, V5_WARPS
+
+    if qpk > 16:
+        raise ValueError(
+            f"variant='v5' takes up to 16 query heads per KV head, got {qpk}: use variant='v4c'"
+        )
+    if block_n is not None:
+        raise ValueError("block_n does not apply to variant='v5' (64-token chunks)")
+    if num_warps is not None and num_warps not in V5_WARP_COUNTS:
+        raise ValueError(
+            f"variant='v5' runs {V5_WARP_COUNTS} warps per program, got num_warps={num_warps}"
+        )
+    return V5_WARPS // (num_warps or V5_WARPS)
 
 
 def _check_v5(geo: DenseGeometry, num_stages: int | None, mma_rows: int | None) -> None:
