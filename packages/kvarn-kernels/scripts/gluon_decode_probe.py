@@ -58,6 +58,8 @@ from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import static_kernels  # a sibling script, found through the path entry above
 
+from kvarn_kernels.decode_v5 import _halves  # an fp16x2 register as its two halves
+
 # 4-bit codes: $0/$1 the low nibbles of bytes (0, 2) / (1, 3), $2/$3 the high ones (x 16)
 UNPACK4 = gl.constexpr("""
 {
@@ -99,16 +101,6 @@ lop3.b32 $1, s, 0x000F000F, 0x64006400, 0xEA;
 lop3.b32 $3, s, 0x00F000F0, 0x64006400, 0xEA;
 }
 """)
-# an fp16x2 register seen as its two halves (a register-pair view: no instruction)
-HALVES = gl.constexpr("mov.b32 {$0, $1}, $2;")
-
-
-@gluon.jit
-def _halves(x):
-    h0, h1 = gl.inline_asm_elementwise(
-        HALVES, "=h,=h,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=1
-    )
-    return gl.join(h0, h1)
 
 
 @gluon.jit
