@@ -604,13 +604,10 @@ DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v1"},
     {"variant": "v4c"},
     {"variant": "v4d", "mma_rows": 8},
-    {"variant": "v5"},
-    # fewer warps per program (more splits): barriers on fewer warps (fourteenth session)
-    {"variant": "v5", "num_warps": 1},
+    {"variant": "v5"},  # one warp per program (fifteenth session)
+    # more warps per program (fewer splits): the fourteenth session's default was 4
     {"variant": "v5", "num_warps": 2},
-    # three pipeline stages (copies two steps ahead)
-    {"variant": "v5", "num_stages": 3},
-    {"variant": "v5", "num_warps": 1, "num_stages": 3},
+    {"variant": "v5", "num_warps": 4},
 ]
 
 

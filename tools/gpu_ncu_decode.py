@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--variant", default="auto", choices=["auto", *DECODE_VARIANTS])
+    ap.add_argument("--num-warps", type=int, help="v5 only: warps per program")
+    ap.add_argument("--num-stages", type=int, help="v5 only: copy pipeline depth")
     args = ap.parse_args(argv)
 
     import torch
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     inp = bk.decode_inputs(args.format, args.batch, args.ctx)
     kw: dict[str, object] = {"variant": args.variant}
+    if args.num_warps is not None:
+        kw["num_warps"] = args.num_warps
+    if args.num_stages is not None:
+        kw["num_stages"] = args.num_stages
     for launch in ("compile + warm-up", "profiled"):
         torch.cuda.synchronize()
         t = time.perf_counter()

@@ -1381,9 +1381,9 @@ def _resolve_decode_variant(
 
 def _v5_split_factor(qpk: int, block_n: int | None, num_warps: int | None) -> int:
     """Check a v5 launch's shape options (``ValueError``) and return the factor on its default
-    split count: with fewer warps per program than ``V5_WARPS``, as many more splits keep the
-    same warps in flight."""
-    from kvarn_kernels.decode_v5 import V5_WARP_COUNTS, V5_WARPS
+    split count: ``V5_SPLIT_WARPS / num_warps``, so that as many warps are in flight as the
+    split rule's 4-warp programs give."""
+    from kvarn_kernels.decode_v5 import V5_SPLIT_WARPS, V5_WARP_COUNTS, V5_WARPS
 
     if qpk > 16:
         raise ValueError(
@@ -1395,7 +1395,7 @@ def _v5_split_factor(qpk: int, block_n: int | None, num_warps: int | None) -> in
         raise ValueError(
             f"variant='v5' runs {V5_WARP_COUNTS} warps per program, got num_warps={num_warps}"
         )
-    return V5_WARPS // (num_warps or V5_WARPS)
+    return V5_SPLIT_WARPS // (num_warps or V5_WARPS)
 
 
 def _check_v5(geo: DenseGeometry, num_stages: int | None, mma_rows: int | None) -> None:

@@ -46,12 +46,24 @@ from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[i
     mma_v2,
 )
 
-__all__ = ["V5_HEAD_DIMS", "V5_STAGES", "V5_WARPS", "V5_WARP_COUNTS", "decode_v5_kernel"]
+__all__ = [
+    "V5_HEAD_DIMS",
+    "V5_SPLIT_WARPS",
+    "V5_STAGES",
+    "V5_WARPS",
+    "V5_WARP_COUNTS",
+    "decode_v5_kernel",
+]
 
 #: Head dims the v5 kernel is written for.
 V5_HEAD_DIMS = (128,)
-#: Warps per program by default: one 64-token chunk each per step.
-V5_WARPS = 4
+#: Warps per program by default: one, so that no warp waits for another at the pipeline's
+#: barriers (fifteenth session, H200: 0.83-0.85x the time of four warps at B >= 64).
+V5_WARPS = 1
+#: The warps per program :func:`kvarn_kernels.attention.choose_decode_splits` sizes its split
+#: count for: a v5 program of ``W`` warps takes ``V5_SPLIT_WARPS / W`` times as many splits, so
+#: that as many warps are in flight.
+V5_SPLIT_WARPS = 4
 #: The warp counts a program may have (``decode_attention(num_warps=...)``). With fewer warps
 #: per program the barriers the shared-memory pipeline needs wait on fewer warps, and more
 #: programs (splits) share an SM.
