@@ -1482,6 +1482,107 @@ def test_auto_decode_variant(name: str, d: int, kw: dict[str, object], expected:
     assert got == expected
 
 
+@pytest.fixture
+def h200(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """A CUDA device that ``variant="auto"`` takes for an H200 (capability 9.0, compiled
+    kernels): what v5's default rule reads, without a GPU. Nothing is launched on it."""
+    from kvarn_kernels import attention
+
+    monkeypatch.setattr(attention, "triton_interpret", lambda: False)
+    monkeypatch.setattr(attention, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    return torch.device("cuda", 0)
+
+
+def _geo(name: str, d: int) -> Any:
+    from kvarn_kernels._common import dense_geometry
+
+    fmt = parse_cache_dtype(name)
+    return dense_geometry(fmt, d, record_layout(fmt, d).tile_bytes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "d", "kw", "expected"),
+    [
+        ("kvarn_k4v2_g128", 128, {}, "v5"),
+        ("kvarn_k4v4_g128", 128, {}, "v5"),
+        ("kvarn_k4v2_g64", 128, {"batch": 256}, "v5"),
+        ("kvarn_k4v2_g128", 128, {"batch": 7}, "v4c"),  # the pool-phase launch costs more
+        ("kvarn_k4v2_g128", 128, {"qpk": 32}, "v4c"),  # more heads than v5's 16 MMA rows
+        ("kvarn_k4v2_g128", 64, {}, "v4c"),  # v5 is written for head dim 128
+        ("kvarn_k4v2_g128", 128, {"shape_option": True}, "v4c"),  # another kernel's tuning
+        ("kvarn_k4v2_g128", 128, {"v4_option": True}, "v4c"),
+        ("kvarn_k4v2_g128", 128, {"capability": (8, 0)}, "v4c"),  # not timed there
+        ("kvarn_k4v2_g128", 128, {"interpret": True}, "v4c"),  # Gluon has no interpreter
+        ("kvarn_k5v5_g64", 128, {}, "v1"),
+    ],
+)
+def test_auto_decode_variant_takes_v5_where_it_was_timed(
+    h200: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    d: int,
+    kw: dict[str, Any],
+    expected: str,
+) -> None:
+    from kvarn_kernels import attention
+
+    if "capability" in kw:
+        monkeypatch.setattr(attention, "_capability", lambda index: kw["capability"])
+    if kw.get("interpret"):
+        monkeypatch.setattr(attention, "triton_interpret", lambda: True)
+    got = attention.default_decode_variant(
+        _geo(name, d),
+        True,
+        bool(kw.get("v4_option")),
+        batch=int(kw.get("batch", 8)),
+        qpk=int(kw.get("qpk", 4)),
+        device=h200,
+        shape_option=bool(kw.get("shape_option")),
+    )
+    assert got == expected
+
+
+def test_decode_plan_gives_v5_its_splits_and_pool_partial(h200: torch.device) -> None:
+    """On an H200 a batch of 8 or more plans v5 at four times the split count (one warp per
+    program) plus its pool-phase partial; smaller batches plan v4c at the plain count; the
+    tuning option of another kernel keeps v4c; the workspace follows the plan."""
+    from kvarn_kernels import DecodePlan, choose_decode_splits, decode_plan, decode_workspace_numel
+
+    args = ("kvarn_k4v2_g128", 32, 8, 128, 1024, h200)
+    for batch in (1, 8, 64, 256):
+        plan = decode_plan(args[0], batch, *args[1:])
+        base = choose_decode_splits(batch, 8, 1024, h200)
+        if batch < 8:
+            assert plan == DecodePlan("v4c", base)
+            assert plan.partials == base
+        else:
+            assert plan == DecodePlan("v5", 4 * base)
+            assert plan.partials == 4 * base + 1
+        assert decode_workspace_numel(batch, 32, 128, plan.partials) >= decode_workspace_numel(
+            batch, 32, 128, base
+        )
+    assert decode_plan(*args[:1], 64, *args[1:], mma_rows=8).variant == "v4c"
+    assert decode_plan(*args[:1], 64, *args[1:], variant="v1").variant == "v1"
+
+
+def test_decode_plan_refuses_what_decode_attention_refuses() -> None:
+    from kvarn_kernels import decode_plan
+
+    cpu = torch.device("cpu")
+    assert decode_plan("kvarn_k4v2_g128", 64, 32, 8, 128, 1024, cpu).variant == "v4c"
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        decode_plan("kvarn_k4v2_g128", 64, 30, 8, 128, 1024, cpu)
+    with pytest.raises(ValueError, match="head_dim"):
+        decode_plan("kvarn_k4v2_g128", 64, 32, 8, 96, 1024, cpu)
+    with pytest.raises(ValueError, match="variant must be"):
+        decode_plan("kvarn_k4v2_g128", 64, 32, 8, 128, 1024, cpu, variant="v9")
+    with pytest.raises(ValueError, match="takes 4-bit keys"):
+        decode_plan("kvarn_k5v5_g64", 64, 32, 8, 128, 1024, cpu, variant="v5")
+    with pytest.raises(ValueError, match="unknown|not a KVarN|kvarn"):
+        decode_plan("kvarn_k3v3_g128", 64, 32, 8, 128, 1024, cpu)
+
+
 @pytest.mark.parametrize(("num_kv_heads", "max_blocks"), [(8, 128), (8, 1024), (1, 32), (4, 16)])
 def test_decode_splits_are_few_and_met_by_capture_sizes(
     monkeypatch: pytest.MonkeyPatch, num_kv_heads: int, max_blocks: int

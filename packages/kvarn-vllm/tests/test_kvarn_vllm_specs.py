@@ -668,6 +668,32 @@ def test_decode_kernel_setting_reaches_the_workspace_and_fails_closed(
             _serving_builder(qwen3_dir)
 
 
+def test_v5_plans_reach_the_workspace_and_the_engines_charge(
+    kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ``variant="auto"`` picks v5 (batches of 8 or more on an H200, faked here), the
+    worker's decode plan runs it at v5's split count, its workspace holds v5's extra
+    partial, and the engine's charge (decode_workspace_bytes) still bounds it."""
+    from kvarn_kernels import attention
+
+    from kvarn_vllm.budget import decode_workspace_bytes
+
+    base = _serving_builder(qwen3_dir).runtime
+    plain = 4 * base.decode_workspace_numel(base.max_num_seqs)
+    assert base.decode_plan(64).variant == "v4c"  # a CPU
+    monkeypatch.setattr(attention, "_v5_serves", lambda geo, qpk, device: True)
+    monkeypatch.setattr(attention, "triton_interpret", lambda: False)  # nothing is launched
+    rt = _serving_builder(qwen3_dir).runtime
+    assert rt.decode_plan(1).variant == "v4c"
+    plan = rt.decode_plan(64)
+    assert plan.variant == "v5"
+    assert plan.num_splits == 4 * base.decode_plan(64).num_splits
+    with_v5 = 4 * rt.decode_workspace_numel(rt.max_num_seqs)
+    assert with_v5 > plain
+    shape = (rt.max_num_seqs, rt.num_q_heads, rt.num_kv_heads, rt.head_size, rt.max_blocks)
+    assert decode_workspace_bytes(*shape) >= with_v5
+
+
 def test_decode_mma_rows_below_the_gqa_group_fail_at_start_up(
     kvarn: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,7 +10,8 @@ Serving data model (per attention layer):
 
 Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from pool slots),
 :func:`flush_token_tiles` (store straight from a step's rotated K/V rows),
-:func:`decode_attention`, :func:`verify_attention` (speculative verify: a few query tokens
+:func:`decode_attention` (with :func:`decode_plan`, the kernel and split count it runs for a
+batch shape), :func:`verify_attention` (speculative verify: a few query tokens
 per request in one decode-kernel pass), :func:`prefill_attention` (with
 :func:`plan_prefill_context`, its per-batch schedule shared by a step's layers), plus
 :func:`hadamard_matrix` and :func:`warmup` (compiles the serving kernels before serving).
@@ -18,9 +19,11 @@ Pure-torch references live in :mod:`kvarn_kernels.reference`.
 """
 
 from kvarn_kernels.attention import (
+    DecodePlan,
     choose_decode_splits,
     decode_attention,
     decode_partials,
+    decode_plan,
     decode_workspace_numel,
     prefill_attention,
     verify_attention,
@@ -34,9 +37,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ContextPlan",
+    "DecodePlan",
     "choose_decode_splits",
     "decode_attention",
     "decode_partials",
+    "decode_plan",
     "decode_workspace_numel",
     "flush_tiles",
     "flush_token_tiles",

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from itertools import pairwise
 from typing import TYPE_CHECKING
@@ -45,6 +46,7 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
+from kvarn_format import record_layout
 from kvarn_format.cache_order import CodeOrder
 from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import (
@@ -53,6 +55,7 @@ from kvarn_kernels._common import (
     cdiv,
     check_device,
     check_dtype,
+    check_head_dim,
     check_index_tensor,
     check_ndim,
     code_offsets,
@@ -72,9 +75,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DECODE_VARIANTS",
+    "DecodePlan",
     "choose_decode_splits",
     "decode_attention",
     "decode_partials",
+    "decode_plan",
     "decode_workspace_numel",
     "prefill_attention",
 ]
@@ -1176,9 +1181,57 @@ def _v4_supports(geo: DenseGeometry) -> bool:
     return geo.key_bits == 4 and geo.value_bits in (2, 4)
 
 
-def default_decode_variant(geo: DenseGeometry, prefetch: bool, v4_option: bool) -> str:
+#: The smallest decode batch ``variant="auto"`` runs v5 for: below it v5's second launch (the
+#: pool phase) costs more than its loop saves (H200, fifteenth session, k4v2_g128 at 16K:
+#: 1.21x v4c's time at B = 1, 0.87x at B = 8, 0.78x at B = 64).
+V5_MIN_BATCH = 8
+#: The GPUs (CUDA compute capabilities) ``variant="auto"`` runs v5 on: where it was timed.
+V5_AUTO_CAPABILITIES = ((9, 0),)
+
+
+@cache
+def _capability(device_index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return int(major), int(minor)
+
+
+def _v5_serves(geo: DenseGeometry, qpk: int, device: torch.device | None) -> bool:
+    """Whether v5 runs this geometry on ``device`` and was timed there (``variant="auto"``)."""
+    from kvarn_kernels.decode_v5 import V5_HEAD_DIMS
+
+    if device is None or device.type != "cuda" or triton_interpret():
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return (
+        geo.head_dim in V5_HEAD_DIMS
+        and (geo.k_order, geo.v_order) == (CodeOrder.TRANSPOSED, CodeOrder.PARITY)
+        and qpk <= 16
+        and _capability(index) in V5_AUTO_CAPABILITIES
+    )
+
+
+def default_decode_variant(
+    geo: DenseGeometry,
+    prefetch: bool,
+    v4_option: bool,
+    *,
+    batch: int = 0,
+    qpk: int = 1,
+    device: torch.device | None = None,
+    shape_option: bool = False,
+) -> str:
     """The decode kernel ``variant="auto"`` runs.
 
+    v5 (:mod:`kvarn_kernels.decode_v5`, one warp per program) for batches of
+    :data:`V5_MIN_BATCH` or more on the GPUs of :data:`V5_AUTO_CAPABILITIES`, at head dim 128
+    with the in-cache code order and up to 16 query heads per KV head, unless a tuning option
+    of another kernel was given (``v4_option``; ``shape_option``: ``block_n``, ``num_warps``
+    or ``fast_unpack``). H200, fifteenth session (µs per layer at 16K, v5 against v4c, one
+    kernel-check run): k4v2_g128 460 vs 591 at B = 64 and 1,740 vs 2,280 at B = 256;
+    k4v4_g128 467 vs 609 and 1,804 vs 2,507; k4v2_g64 445 vs 561; all 68 tests of the
+    ``decode_v5`` group passed in the same run.
+
+    Otherwise:
     v4c at head dims up to 256, wherever the v4 family can read the codes (4-bit keys with
     2/4-bit values). The H200 (tenth session, one kernel-check run, 16K context, µs per
     layer) measured v4c against v4b: k4v2_g128 B = 64 886 vs 904, B = 256 3,164 vs 3,412;
@@ -1195,6 +1248,8 @@ def default_decode_variant(geo: DenseGeometry, prefetch: bool, v4_option: bool) 
     """
     if not _v4_supports(geo) or not prefetch:
         return "v1"
+    if not (v4_option or shape_option) and batch >= V5_MIN_BATCH and _v5_serves(geo, qpk, device):
+        return "v5"
     if v4_option or geo.head_dim <= 256:
         return "v4c"
     return "v1"
@@ -1245,16 +1300,18 @@ def decode_attention(
             ``decode_workspace_numel(B, Hq, D, decode_partials(variant, num_splits))``
             elements (preallocate it, with a fixed ``num_splits``, for CUDA-graph capture).
         num_splits: split-K factor; default :func:`choose_decode_splits` (static shapes only;
-            for ``variant="v5"`` with fewer than its 4 warps, that times ``4 / num_warps``).
+            for ``variant="v5"``, that times ``4 / num_warps``: :func:`decode_plan` says what a
+            shape gets).
         block_n, num_warps: tuning overrides (tokens per inner step, warps per program;
-            ``variant="v5"`` takes ``num_warps`` only).
+            ``variant="v5"`` takes ``num_warps`` only; with either, ``"auto"`` leaves v5 out).
             Experimental: only the defaults are covered by the GPU tests (see
             docs/kernel-notes.md).
         fast_unpack: unpack 2/4-bit codes with inline PTX (default: on for GPUs, off in the
             Triton interpreter, which cannot run PTX).
         prefetch: load the next chunk's record bytes into registers before computing the
             current one (default on; v1 only).
-        variant: ``"auto"`` (default: :func:`default_decode_variant`), ``"v1"`` (this
+        variant: ``"auto"`` (default: :func:`default_decode_variant`: v5 for batches of 8
+            or more on an H100/H200 at head dim 128, v4c otherwise), ``"v1"`` (this
             module's kernel: any format) or ``"v4"`` (:mod:`kvarn_kernels.decode_v4`: one
             chunk per warp, codes unpacked in the MMA operand layout; 4-bit keys with 2/4-bit
             values only). Both compute the same attention. On the H200 at B = 64, 16K, v4
@@ -1271,13 +1328,14 @@ def decode_attention(
             B = 64 and 9% slower at B = 256, eleventh session, 2-3% faster at six shapes in
             the twelfth; a preallocated workspace needs ``decode_partials("v4d",
             num_splits)`` splits' room).
-            ``"v5"`` (:mod:`kvarn_kernels.decode_v5`, experimental, GPU only): v4d with its
-            main loop written in Gluon, every register layout stated, so the in-cache code
-            words unpack straight into MMA operands (0.80x v4c's loop instructions); head dim
-            128, up to 16 query heads per KV head. H200, fourteenth session: 0.94x v4c's time
-            at B = 64 / 16K and at B = 256 / 6K, 1.14x at B = 1. ``num_warps`` (1, 2 or 4, the
-            default), ``num_stages`` (2, the default, or 3) and ``max_registers`` apply to its
-            main loop.
+            ``"v5"`` (:mod:`kvarn_kernels.decode_v5`, GPU only): v4d with its main loop
+            written in Gluon, every register layout stated, so the in-cache code words unpack
+            straight into MMA operands (0.75x v4c's loop instructions at one warp); head dim
+            128, up to 16 query heads per KV head. H200, fifteenth session, one warp per
+            program (the default): 0.72-0.80x v4c's time at B = 64 and 256 (16K) at the
+            three formats it reads, 0.87x at B = 8, 1.21x at B = 1. ``num_warps`` (1, the
+            default, 2 or 4), ``num_stages`` (2, the default, or 3) and ``max_registers``
+            apply to its main loop.
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads
             (default: the launch config's, 2 at head dim 128, 1 from 256:
             ``decode_v4.decode_v4_config``).
@@ -1298,17 +1356,26 @@ def decode_attention(
     )
     if q.shape[0] != block_table.shape[0]:
         raise ValueError(f"q has {q.shape[0]} requests but block_table has {block_table.shape[0]}")
-    variant = _resolve_decode_variant(geo, variant, prefetch, num_stages, mma_rows, max_registers)
+    bsz, hq, d = (int(s) for s in q.shape)
+    hk = int(pool_k.shape[2])
+    variant = _resolve_decode_variant(
+        geo,
+        variant,
+        prefetch,
+        num_stages,
+        mma_rows,
+        max_registers,
+        batch=bsz,
+        qpk=hq // hk,
+        device=q.device,
+        shape_option=any(o is not None for o in (block_n, num_warps, fast_unpack)),
+    )
     if max_registers is not None and not 64 <= max_registers <= 255:
         raise ValueError(f"max_registers must lie in [64, 255], got {max_registers}")
-    bsz, hq, d = (int(s) for s in q.shape)
     if mma_rows is not None:
-        check_mma_rows(mma_rows, hq, int(pool_k.shape[2]))
-    split_factor = 1
-    if variant == "v5":
-        split_factor = _v5_split_factor(hq // int(pool_k.shape[2]), block_n, num_warps)
-    splits = num_splits or split_factor * choose_decode_splits(
-        bsz, int(pool_k.shape[2]), int(block_table.shape[1]), q.device
+        check_mma_rows(mma_rows, hq, hk)
+    splits = num_splits or _default_splits(
+        variant, bsz, hq, hk, int(block_table.shape[1]), q.device, block_n, num_warps
     )
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
@@ -1341,6 +1408,74 @@ def decode_attention(
     return out
 
 
+def _default_splits(
+    variant: str,
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    device: torch.device,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> int:
+    """A decode launch's split count when none is given: :func:`choose_decode_splits`, times
+    v5's factor for its warps per program."""
+    factor = 1
+    if variant == "v5":
+        factor = _v5_split_factor(num_q_heads // num_kv_heads, block_n, num_warps)
+    return factor * choose_decode_splits(batch, num_kv_heads, max_blocks, device)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """What :func:`decode_attention` runs for a batch shape with its default options: the
+    kernel variant and its split count. Preallocating callers (a serving engine with
+    CUDA-graph capture) pass both, and size the workspace for :attr:`partials`."""
+
+    variant: str
+    num_splits: int
+
+    @property
+    def partials(self) -> int:
+        """Partial outputs the launch merges (:func:`decode_partials`)."""
+        return decode_partials(self.variant, self.num_splits)
+
+
+def decode_plan(
+    fmt: KVarNFormat | str,
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_blocks: int,
+    device: torch.device,
+    *,
+    variant: str = "auto",
+    mma_rows: int | None = None,
+) -> DecodePlan:
+    """The variant and split count :func:`decode_attention` picks for ``batch`` requests of
+    ``num_q_heads`` query heads over block tables ``max_blocks`` wide on ``device`` (static
+    shapes only, so CUDA-graph safe), with ``variant`` and ``mma_rows`` as given to it.
+    Raises ``ValueError`` where :func:`decode_attention` would."""
+    dense = resolve_format(fmt)
+    check_head_dim(head_dim)
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    geo = dense_geometry(dense, head_dim, record_layout(dense, head_dim).tile_bytes)
+    chosen = _resolve_decode_variant(
+        geo,
+        variant,
+        mma_rows=mma_rows,
+        batch=batch,
+        qpk=num_q_heads // num_kv_heads,
+        device=device,
+    )
+    splits = _default_splits(chosen, batch, num_q_heads, num_kv_heads, max_blocks, device)
+    return DecodePlan(chosen, splits)
+
+
 def _resolve_decode_variant(
     geo: DenseGeometry,
     variant: str,
@@ -1348,15 +1483,27 @@ def _resolve_decode_variant(
     num_stages: int | None = None,
     mma_rows: int | None = None,
     max_registers: int | None = None,
+    *,
+    batch: int = 0,
+    qpk: int = 1,
+    device: torch.device | None = None,
+    shape_option: bool = False,
 ) -> str:
     """The decode kernel a call runs: ``variant`` checked against the format and the
-    variant-only options, ``"auto"`` resolved by :func:`default_decode_variant`."""
+    variant-only options, ``"auto"`` resolved by :func:`default_decode_variant` (``batch``,
+    ``qpk``: query heads per KV head, ``device``, ``shape_option``: its inputs)."""
     if variant != "auto" and variant not in DECODE_VARIANTS:
         raise ValueError(f"variant must be 'auto' or one of {DECODE_VARIANTS}, got {variant!r}")
     if variant == "auto":
         v4_only = (num_stages, mma_rows, max_registers)
         variant = default_decode_variant(
-            geo, prefetch, v4_option=any(o is not None for o in v4_only)
+            geo,
+            prefetch,
+            v4_option=any(o is not None for o in v4_only),
+            batch=batch,
+            qpk=qpk,
+            device=device,
+            shape_option=shape_option,
         )
     if variant != "v1" and not prefetch:
         raise ValueError(

@@ -47,9 +47,9 @@ from kvarn_format import record_layout
 from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import resolve_format
 from kvarn_kernels.attention import (
-    choose_decode_splits,
     choose_verify_splits,
     decode_attention,
+    decode_plan,
     prefill_attention,
     verify_attention,
 )
@@ -193,10 +193,24 @@ def warmup(
         paged = (kv_cache, pool_k, pool_v, server_table[:reqs])
         return partial(op, dense, q, *paged, *lens, block_to_slot, scale, **kw)
 
-    # Decode: the split count is a compile-time constant. Engines that capture FULL decode
-    # graphs compile these while capturing; without them (eager mode, or verify batches
-    # left out of graphs) the first decode steps would compile them.
-    for n in sorted({choose_decode_splits(b, hk, block_table_width, dev) for b in batches}):
+    # Decode: the kernel and its split count (a compile-time constant) follow the batch size.
+    # Engines that capture FULL decode graphs compile these while capturing; without them
+    # (eager mode, or verify batches left out of graphs) the first decode steps would.
+    plans = {
+        decode_plan(
+            dense,
+            b,
+            hq,
+            hk,
+            d,
+            block_table_width,
+            dev,
+            variant=decode_variant,
+            mma_rows=decode_mma_rows,
+        )
+        for b in batches
+    }
+    for plan in sorted(plans, key=lambda p: (p.variant, p.num_splits)):
         for reqs in (1, 16):
             # a packed tile and one pool row when the table is that wide
             lens = torch.full(
@@ -209,8 +223,8 @@ def warmup(
                     q,
                     reqs,
                     lens,
-                    num_splits=n,
-                    variant=decode_variant,
+                    num_splits=plan.num_splits,
+                    variant=plan.variant,
                     mma_rows=decode_mma_rows,
                 )
             )

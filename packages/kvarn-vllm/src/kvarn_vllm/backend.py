@@ -726,6 +726,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
 
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
         if nd:
+            plan = meta.runtime.decode_plan(nd)
             with _prof_range("kvarn: decode"):
                 kk.decode_attention(
                     self.fmt,
@@ -739,8 +740,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                     self.scale,
                     out=out[:ndt],
                     workspace=meta.runtime.decode_workspace,
-                    num_splits=meta.runtime.decode_splits(nd),
-                    variant=meta.runtime.decode_variant,
+                    num_splits=plan.num_splits,
+                    variant=plan.variant,
                     mma_rows=meta.runtime.decode_mma_rows,
                 )
         if meta.prefill_runs:

@@ -257,23 +257,29 @@ def decode_workspace_bytes(
     """
     import kvarn_kernels
     from kvarn_kernels.attention import verify_token_groups
+    from kvarn_kernels.decode_v5 import V5_SPLIT_WARPS
 
-    # decode partials beyond the split count (a variant's pool-phase launch); verify has none
-    widths = [(1, 1, kvarn_kernels.decode_partials(decode_variant, 0))]
+    # (rows per request, programs per request, split factor, partials beyond the splits): v5
+    # (which "auto" may pick) takes up to V5_SPLIT_WARPS times the split count and, as v4d,
+    # one partial more (its pool-phase launch); verify has neither
+    if decode_variant in ("auto", "v5"):
+        widths = [(1, 1, V5_SPLIT_WARPS, kvarn_kernels.decode_partials("v5", 0))]
+    else:
+        widths = [(1, 1, 1, kvarn_kernels.decode_partials(decode_variant, 0))]
     if verify_width:
         groups = verify_token_groups(num_q_heads, num_kv_heads, verify_width)
-        widths.append((verify_width, groups, 0))
+        widths.append((verify_width, groups, 1, 0))
     return 4 * max(
         int(
             kvarn_kernels.decode_workspace_numel(
                 b * rows,
                 num_q_heads,
                 head_size,
-                _splits_bound(b * groups, num_kv_heads, max_blocks) + extra,
+                factor * _splits_bound(b * groups, num_kv_heads, max_blocks) + extra,
             )
         )
         for b in range(1, max(max_batch, 1) + 1)
-        for rows, groups, extra in widths
+        for rows, groups, factor, extra in widths
     )
 
 

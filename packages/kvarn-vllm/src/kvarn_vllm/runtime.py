@@ -179,7 +179,7 @@ class KvarnGroupRuntime:
                     f"kvarn: KVARN_DECODE_MMA_ROWS={self.decode_mma_rows} is below this model's "
                     f"{self.num_q_heads // self.num_kv_heads} query heads per KV head: {exc}"
                 ) from exc
-        self._splits: dict[int, int] = {}
+        self._plans: dict[int, Any] = {}
         self._workspace_batch = 0
         _RUNTIMES.add(self)
         if not self.profiling:
@@ -276,16 +276,26 @@ class KvarnGroupRuntime:
             )
         return self.block_to_slot
 
-    def decode_splits(self, batch: int) -> int:
-        """The decode kernel's split-K factor for ``batch`` requests (static shapes only)."""
-        splits = self._splits.get(batch)
-        if splits is None:
+    def decode_plan(self, batch: int) -> Any:
+        """The decode kernel variant and split count for ``batch`` requests
+        (``kvarn_kernels.DecodePlan``; static shapes only, so the same in every CUDA graph of
+        that size and in the workspace sized for it)."""
+        plan = self._plans.get(batch)
+        if plan is None:
             kk: Any = importlib.import_module("kvarn_kernels")
-            splits = int(
-                kk.choose_decode_splits(batch, self.num_kv_heads, self.max_blocks, self.device)
+            plan = kk.decode_plan(
+                self.fmt,
+                batch,
+                self.num_q_heads,
+                self.num_kv_heads,
+                self.head_size,
+                self.max_blocks,
+                self.device,
+                variant=self.decode_variant,
+                mma_rows=self.decode_mma_rows,
             )
-            self._splits[batch] = splits
-        return splits
+            self._plans[batch] = plan
+        return plan
 
     def decode_workspace_numel(self, max_batch: int) -> int:
         """fp32 elements of the decode workspace for batches of up to ``max_batch`` requests;
@@ -298,7 +308,7 @@ class KvarnGroupRuntime:
                 b,
                 self.num_q_heads,
                 self.head_size,
-                kk.decode_partials(self.decode_variant, self.decode_splits(b)),
+                self.decode_plan(b).partials,
             )
             for b in batches
         ]
