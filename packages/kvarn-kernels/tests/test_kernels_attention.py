@@ -1579,7 +1579,7 @@ def test_decode_plan_refuses_what_decode_attention_refuses() -> None:
         decode_plan("kvarn_k4v2_g128", 64, 32, 8, 128, 1024, cpu, variant="v9")
     with pytest.raises(ValueError, match="takes 4-bit keys"):
         decode_plan("kvarn_k5v5_g64", 64, 32, 8, 128, 1024, cpu, variant="v5")
-    with pytest.raises(ValueError, match="unknown|not a KVarN|kvarn"):
+    with pytest.raises(ValueError, match="kvarn_k3v3_g128"):
         decode_plan("kvarn_k3v3_g128", 64, 32, 8, 128, 1024, cpu)
 
 

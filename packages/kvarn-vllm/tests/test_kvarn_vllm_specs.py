@@ -675,7 +675,6 @@ def test_v5_plans_reach_the_workspace_and_the_engines_charge(
     worker's decode plan runs it at v5's split count, its workspace holds v5's extra
     partial, and the engine's charge (decode_workspace_bytes) still bounds it."""
     from kvarn_kernels import attention
-
     from kvarn_vllm.budget import decode_workspace_bytes
 
     base = _serving_builder(qwen3_dir).runtime
