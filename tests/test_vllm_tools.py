@@ -204,6 +204,14 @@ def test_report_reads_a_fetched_results_file(
     }
     (fetched / "results.json").write_text(json.dumps({"meta": meta, "rows": [row]}))
     assert e2e.load_rows(fetched) == [row]
+    # a fetch that kept some row files: results.json's other rows stay, a row file wins
+    late = {**row, "label": "kvarn_k4v2_g128", "total_tok_s": 7.0, "order": 2}
+    (fetched / "results.json").write_text(json.dumps({"meta": meta, "rows": [row, late]}))
+    newer = {**row, "total_tok_s": 6.0}
+    (fetched / "row_auto.json").write_text(json.dumps(newer))
+    assert e2e.load_rows(fetched) == [newer, late]
+    (fetched / "row_auto.json").unlink()
+    (fetched / "results.json").write_text(json.dumps({"meta": meta, "rows": [row]}))
     docs = tmp_path / "benchmarks.md"
     monkeypatch.setattr(bench, "DOCS", docs)
     assert bench.main(["--report", "--out", str(fetched), "--write-docs"]) == 0

@@ -452,16 +452,21 @@ def summarize(rows: list[dict[str, Any]], baseline_label: str | None) -> str:
 
 
 def load_rows(out: Path) -> list[dict[str, Any]]:
-    """Rows of ``out``: its ``row_*.json`` files, else the ``results.json`` a device run left.
+    """Rows of ``out``: those of the ``results.json`` a device run left, each replaced by its
+    ``row_*.json`` file where there is one (a later run's row of the same label).
 
     ``results.json`` (meta and every row in one file) is what to copy to the device tool's
-    ``$OUT`` (which returns at most 8 files); ``--report --out DIR`` reads it back here.
+    ``$OUT``, which returns only so many files (the fifteenth session's fetch kept one row
+    file of two); ``--report --out DIR`` reads it back here.
     """
-    rows = [json.loads(f.read_text()) for f in sorted(out.glob("row_*.json"))]
-    if not rows and (out / "results.json").is_file():
-        rows = json.loads((out / "results.json").read_text())["rows"]
-    rows.sort(key=lambda r: r.get("order", 0))
-    return rows
+    by_label: dict[str, dict[str, Any]] = {}
+    if (out / "results.json").is_file():
+        for row in json.loads((out / "results.json").read_text())["rows"]:
+            by_label[str(row.get("label"))] = row
+    for f in sorted(out.glob("row_*.json")):
+        row = json.loads(f.read_text())
+        by_label[str(row.get("label"))] = row
+    return sorted(by_label.values(), key=lambda r: r.get("order", 0))
 
 
 def write_results(out: Path, rows: list[dict[str, Any]]) -> None:
