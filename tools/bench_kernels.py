@@ -605,6 +605,7 @@ DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v4c"},
     {"variant": "v4d", "mma_rows": 8},
     {"variant": "v5"},  # one warp per program (fifteenth session)
+    {"variant": "v5f"},  # v5 with its scales folded out of the operands
     # more warps per program (fewer splits): the fourteenth session's default was 4
     {"variant": "v5", "num_warps": 2},
     {"variant": "v5", "num_warps": 4},

@@ -86,6 +86,8 @@ TEST_GROUPS = {
     "decode_v4d": ["test_kernels_attention.py", "-k", "variant4d or v4d"],
     # v5 (fourteenth session): the main loop in Gluon, v4d's pool phase
     "decode_v5": ["test_kernels_attention.py", "-k", "variant5 or v5"],
+    # v5f (fifteenth session) alone: v5 with its scales folded out of the operands
+    "decode_v5f": ["test_kernels_attention.py", "-k", "variant5f or v5f"],
     "shadow_pool_write": ["test_kernels_rotation.py", "-k", "shadow"],
     # verify_attention (seventh session): the fused verify pass against the reference and
     # against one decode row per token, every variant.
@@ -209,6 +211,7 @@ def decode_runs(
 
     from kvarn_format import parse_cache_dtype
     from kvarn_kernels import choose_decode_splits
+    from kvarn_kernels.attention import V5_VARIANTS
     from kvarn_kernels.decode_v5 import V5_HEAD_DIMS
 
     rows: list[dict[str, Any]] = []
@@ -222,7 +225,7 @@ def decode_runs(
             )
             # v5 (head dim 128 only) is in bench_kernels' list at its tuning options
             configs: list[dict[str, Any]] = [
-                c for c in DECODE_CONFIGS if c["variant"] != "v5" or d in V5_HEAD_DIMS
+                c for c in DECODE_CONFIGS if c["variant"] not in V5_VARIANTS or d in V5_HEAD_DIMS
             ]
             if (fmt, d, bsz) == ("kvarn_k4v2_g128", 128, 64):
                 configs += [{"variant": "v4", **c} for c in DECODE_V4_SHAPES]

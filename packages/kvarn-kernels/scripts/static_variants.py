@@ -375,7 +375,7 @@ variant("decode_v4c verify4 kvarn_k4v2_g128 d128 qpk4")(
 )
 
 
-def _decode_v5(name: str, qpk: int = 4, warps: int = 4, stages: int = 2) -> Any:
+def _decode_v5(name: str, qpk: int = 4, warps: int = 4, stages: int = 2, fold: bool = False) -> Any:
     """The Gluon v5 main loop (:mod:`kvarn_kernels.decode_v5`) at Qwen3-8B's decode shape."""
     from kvarn_kernels.decode_v5 import decode_v5_kernel
 
@@ -392,6 +392,7 @@ def _decode_v5(name: str, qpk: int = 4, warps: int = 4, stages: int = 2) -> Any:
         "NUM_SPLITS": 2,
         "W": warps,
         "STAGES": stages,
+        "FOLD": fold,
     }
     return compile_kernel(decode_v5_kernel, DECODE_SIG, consts, warps)
 
@@ -410,4 +411,12 @@ for _n, _w, _s in (
 ):
     variant(f"decode_v5 {_n} d128 qpk4 w{_w} s{_s}")(
         lambda _n=_n, _w=_w, _s=_s: _decode_v5(_n, warps=_w, stages=_s)
+    )
+
+
+# v5f (fifteenth session): v5 with the raw codes as operands, the scales folded into the query
+# and the probabilities, the zeros and magics into per-row terms
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
+    variant(f"decode_v5f {_n} d128 qpk4 w1 s2")(
+        lambda _n=_n: _decode_v5(_n, warps=1, stages=2, fold=True)
     )

@@ -43,6 +43,7 @@ from kvarn_kernels._common import next_pow2
 from kvarn_kernels.attention import (
     POOL_SPLIT_VARIANTS,
     UNSAFE_HEAD_DIM_512_ENV,
+    V5_VARIANTS,
     decode_partials,
     verify_rows,
     verify_token_groups,
@@ -64,7 +65,7 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d", "v5"]
+VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f"]
 VARIANT_IDS = [f"variant{v[1:]}" for v in VARIANTS]
 # v4d and v5 (the pool phase in a launch of its own) are decode only
 VERIFY_VARIANTS = [v for v in VARIANTS if v not in POOL_SPLIT_VARIANTS]
@@ -79,9 +80,9 @@ def _v4_refuses(name: str, variant: str, d: int, device: torch.device) -> bool:
         return False
     if fmt.key_bits != 4:
         message = f"variant='{variant}' takes 4-bit keys"
-    elif variant == "v5" and d not in V5_HEAD_DIMS:
+    elif variant in V5_VARIANTS and d not in V5_HEAD_DIMS:
         message = "written for head dims"
-    elif variant == "v5" and INTERPRET:
+    elif variant in V5_VARIANTS and INTERPRET:
         message = "Triton interpreter"
     else:
         return False
@@ -700,7 +701,10 @@ def test_decode_attention_mma_rows(
         ("workspace", "workspace must be"),
         ("variant", "variant must be"),
         ("v4_prefetch", "applies to variant='v1' only"),
-        ("v1_stages", "num_stages applies to the variants \\('v4', 'v4b', 'v4c', 'v4d', 'v5'\\)"),
+        (
+            "v1_stages",
+            "num_stages applies to the variants \\('v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f'\\)",
+        ),
         ("v1_mma_rows", "mma_rows applies to the variants \\('v4', 'v4b', 'v4c', 'v4d'\\) only"),
         ("v1_max_registers", "max_registers applies to the variants"),
         ("max_registers_range", "max_registers must lie in \\[64, 255\\], got 300"),
@@ -708,7 +712,7 @@ def test_decode_attention_mma_rows(
         ("mma_rows_odd", "mma_rows must be a power of two"),
         (
             "v3_removed",
-            "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c', 'v4d', 'v5'\\)",
+            "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f'\\)",
         ),
     ],
 )
@@ -1330,10 +1334,11 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", V5_VARIANTS)
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"])
 @pytest.mark.parametrize(("hq", "hk"), [(8, 8), (12, 4), (32, 8), (32, 2)], ids=lambda x: str(x))
 def test_decode_v5_gqa_ratios_and_shadow_rows(
-    device: torch.device, name: str, hq: int, hk: int
+    device: torch.device, variant: str, name: str, hq: int, hk: int
 ) -> None:
     """v5 at GQA 1, 3, 4 and 16 (its 16 MMA rows full), over contexts spanning many tiles,
     in-progress tiles of 1 and G - 1 tokens, a split count that leaves splits without records,
@@ -1349,7 +1354,7 @@ def test_decode_v5_gqa_ratios_and_shadow_rows(
         return shared_case(name, 128, hk, lens, device=device, seed=hq, shadow_rows=rows)
 
     def run(case: PagedCase) -> torch.Tensor:
-        return decode_attention(*case.decode_args(name, q, scale), num_splits=7, variant="v5")
+        return decode_attention(*case.decode_args(name, q, scale), num_splits=7, variant=variant)
 
     _check_reference_and_shadow_twin(
         name, r, case_with, run, lambda c: decode_attention_ref(*c.decode_args(name, q, scale))
@@ -1376,9 +1381,12 @@ def test_decode_v5_warps_and_stages(device: torch.device, warps: int, stages: in
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", V5_VARIANTS)
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g128"])
 @pytest.mark.parametrize("scale_kind", ["huge", "tiny"])
-def test_decode_v5_extreme_magnitudes(device: torch.device, name: str, scale_kind: str) -> None:
+def test_decode_v5_extreme_magnitudes(
+    device: torch.device, variant: str, name: str, scale_kind: str
+) -> None:
     """Tokens near the fp16 limit or far below 1 at head dim 128 (v5's halved codes and
     unhalved scales must neither overflow nor lose the small values), against v4c's result
     and the reference."""
@@ -1389,7 +1397,7 @@ def test_decode_v5_extreme_magnitudes(device: torch.device, name: str, scale_kin
     q = (q / (value_scale * 0.05) if scale_kind == "huge" else q * 200).half().to(device)
     args = case.decode_args(name, q, 1.0 / math.sqrt(128))
     ref = decode_attention_ref(*args)
-    _assert_close(decode_attention(*args, variant="v5"), ref)
+    _assert_close(decode_attention(*args, variant=variant), ref)
     _assert_close(decode_attention(*args, variant="v4c"), ref)
 
 
@@ -1444,13 +1452,14 @@ def test_decode_v5_compiles_for_sm90() -> None:
         check=True,
     )
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("decode_v5")]
-    # three formats; 2 and 1 warps, and 3 stages at 4 and 1 warps, at k4v2_g128
-    assert len(rows) == 7, run.stdout + run.stderr
+    # three formats; 2 and 1 warps, and 3 stages at 4 and 1 warps, at k4v2_g128; v5f at the
+    # three formats (152 MMAs: 24 more for its per-row terms)
+    assert len(rows) == 10, run.stdout + run.stderr
     for row in rows:
         assert "FAILED" not in row, " ".join(row)
         # name (6 words), regs, spill, smem, loop, BAR, LDS/STS, SHFL, MMA, LDG
         _regs, spill, _smem, loop, bar, _lds, _shfl, mma, _ldg = (int(x) for x in row[6:])
-        assert mma == 128, row
+        assert mma == (152 if row[0] == "decode_v5f" else 128), row
         assert bar <= 4, row
         assert spill <= 256, row
         assert loop < 2000, row

@@ -85,13 +85,15 @@ __all__ = [
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
-DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5")
+DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f")
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
 V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
+#: The variants that run :mod:`kvarn_kernels.decode_v5` (``"v5f"``: its folded scales).
+V5_VARIANTS = ("v5", "v5f")
 #: The variants written in Gluon, which Triton's interpreter cannot run (GPU only).
-GPU_ONLY_DECODE_VARIANTS = ("v5",)
+GPU_ONLY_DECODE_VARIANTS = V5_VARIANTS
 #: The variants whose pool phase runs in a launch of its own (a partial more to merge).
-POOL_SPLIT_VARIANTS = ("v4d", "v5")
+POOL_SPLIT_VARIANTS = ("v4d", *V5_VARIANTS)
 
 
 #: The query rows per program ``decode_attention(mma_rows=...)`` takes (v4 variants).
@@ -902,11 +904,12 @@ def _launch_v5(
     max_registers: int | None,
     num_warps: int | None,
     num_stages: int | None,
+    fold: bool = False,
 ) -> None:
     """The v5 main loop (:mod:`kvarn_kernels.decode_v5`) into partials ``0 .. num_splits -
     1``; the pool phase follows as v4d's (partial ``num_splits``). ``max_registers`` caps the
     main loop's registers per thread (``maxnreg``); ``num_warps``: warps per program (default
-    ``V5_WARPS``); ``num_stages``: pipeline stages (default 2)."""
+    ``V5_WARPS``); ``num_stages``: pipeline stages (default 2); ``fold``: ``variant="v5f"``."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
 
     offsets = {k: v for k, v in geo.offsets().items() if k.startswith("OFF_")}
@@ -933,6 +936,7 @@ def _launch_v5(
         NUM_SPLITS=num_splits,
         W=num_warps or V5_WARPS,
         STAGES=num_stages or 2,
+        FOLD=fold,
         num_warps=num_warps or V5_WARPS,
         **({} if max_registers is None else {"maxnreg": max_registers}),
     )
@@ -982,7 +986,7 @@ def _launch(
     lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
-    if variant == "v5":
+    if variant in V5_VARIANTS:
         _launch_v5(
             geo,
             q_rot,
@@ -1000,8 +1004,9 @@ def _launch(
             max_registers,
             num_warps,
             num_stages,
+            fold=variant == "v5f",
         )
-    if variant in V4_VARIANTS or variant == "v5":
+    if variant in V4_VARIANTS or variant in V5_VARIANTS:
         _launch_v4(
             geo,
             q_rot,
@@ -1018,12 +1023,12 @@ def _launch(
             num_splits,
             fast,
             block_n,
-            None if variant == "v5" else num_warps,  # v5's pool phase: v4d's own shape
-            None if variant == "v5" else num_stages,
-            round7=variant in ("v4b", "v4c", "v4d", "v5"),  # v5: v4d's pool phase
-            masked_scales=variant in ("v4c", "v4d", "v5"),
+            None if variant in V5_VARIANTS else num_warps,  # v5's pool phase: v4d's own shape
+            None if variant in V5_VARIANTS else num_stages,
+            round7=variant in ("v4b", "v4c", "v4d", *V5_VARIANTS),  # v5: v4d's pool phase
+            masked_scales=variant in ("v4c", "v4d", *V5_VARIANTS),
             pool_split=variant in POOL_SPLIT_VARIANTS,
-            pool_only=variant == "v5",
+            pool_only=variant in V5_VARIANTS,
             hq=hq,
             query_start_loc=query_start_loc,
             max_query_len=max_query_len,
@@ -1335,7 +1340,10 @@ def decode_attention(
             program (the default): 0.72-0.80x v4c's time at B = 64 and 256 (16K) at the
             three formats it reads, 0.87x at B = 8, 1.21x at B = 1. ``num_warps`` (1, the
             default, 2 or 4), ``num_stages`` (2, the default, or 3) and ``max_registers``
-            apply to its main loop.
+            apply to its main loop. ``"v5f"`` (experimental): v5 with the raw codes as MMA
+            operands, K's channel scales folded into the query and V's token scales into
+            the probabilities, their zeros and magics into per-row terms (0.81x v5's loop
+            instructions at one warp, static count).
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads
             (default: the launch config's, 2 at head dim 128, 1 from 256:
             ``decode_v4.decode_v4_config``).
@@ -1421,7 +1429,7 @@ def _default_splits(
     """A decode launch's split count when none is given: :func:`choose_decode_splits`, times
     v5's factor for its warps per program."""
     factor = 1
-    if variant == "v5":
+    if variant in V5_VARIANTS:
         factor = _v5_split_factor(num_q_heads // num_kv_heads, block_n, num_warps)
     return factor * choose_decode_splits(batch, num_kv_heads, max_blocks, device)
 
@@ -1510,18 +1518,18 @@ def _resolve_decode_variant(
             f"prefetch=False applies to variant='v1' only ({variant} pipelines its loads)"
         )
     for option, value, takers in (
-        ("num_stages", num_stages, (*V4_VARIANTS, "v5")),
+        ("num_stages", num_stages, (*V4_VARIANTS, *V5_VARIANTS)),
         ("mma_rows", mma_rows, V4_VARIANTS),
-        ("max_registers", max_registers, (*V4_VARIANTS, "v5")),
+        ("max_registers", max_registers, (*V4_VARIANTS, *V5_VARIANTS)),
     ):
         if variant == "v1" and value is not None:
             raise ValueError(f"{option} applies to the variants {takers} only")
-    if variant in (*V4_VARIANTS, "v5") and not _v4_supports(geo):
+    if variant in (*V4_VARIANTS, *V5_VARIANTS) and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
             f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
         )
-    if variant == "v5":
+    if variant in V5_VARIANTS:
         _check_v5(geo, num_stages, mma_rows)
     return variant
 

@@ -85,6 +85,22 @@ lop3.b32 $1, s, 0x000F000F, 0x60006000, 0xEA;
 lop3.b32 $3, s, 0x00F000F0, 0x50005000, 0xEA;
 }
 """)
+# _UNPACK4 with each field's two registers as one 64-bit pair ($0: the low nibbles, $1: the
+# high): a pair is what an MMA's B operand takes, so it can stay where the unpack puts it
+_UNPACK4_PAIRS = gl.constexpr("""
+{
+.reg .b32 s, a, b, c, d;
+lop3.b32 a, $2, 0x000F000F, 0x60006000, 0xEA;
+lop3.b32 c, $2, 0x00F000F0, 0x50005000, 0xEA;
+shr.b32 s, $2, 8;
+lop3.b32 b, s, 0x000F000F, 0x60006000, 0xEA;
+lop3.b32 d, s, 0x00F000F0, 0x50005000, 0xEA;
+mov.b64 $0, {a, b};
+mov.b64 $1, {c, d};
+}
+""")
+# the two 32-bit halves of a 64-bit register pair (no instruction)
+_WORDS = gl.constexpr("mov.b64 {$0, $1}, $2;")
 # 2-bit codes of a word: field f of bytes (0, 2) -> $f, of bytes (1, 3) -> $(4 + f), as
 # ``magic_f + c / 2`` with magic 512, 128, 32, 8
 _UNPACK2 = gl.constexpr("""
@@ -142,6 +158,27 @@ def _halves(x):
         _HALVES, "=h,=h,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=1
     )
     return gl.join(h0, h1)
+
+
+@gluon.jit
+def _unpack4(w, PAIRS: gl.constexpr):
+    """:data:`_UNPACK4` of code words ``w``: ``(lo0, lo1, hi0, hi1)``; with ``PAIRS`` through
+    64-bit register pairs (:data:`_UNPACK4_PAIRS`)."""
+    if PAIRS:
+        lo, hi = gl.inline_asm_elementwise(
+            _UNPACK4_PAIRS, "=l,=l,r", [w], dtype=(gl.int64, gl.int64), is_pure=True, pack=1
+        )
+        lo0, lo1 = gl.inline_asm_elementwise(
+            _WORDS, "=r,=r,l", [lo], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+        )
+        hi0, hi1 = gl.inline_asm_elementwise(
+            _WORDS, "=r,=r,l", [hi], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+        )
+    else:
+        lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
+            _UNPACK4, "=r,=r,=r,=r,r", [w], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
+    return lo0, lo1, hi0, hi1
 
 
 @gluon.jit
@@ -283,9 +320,29 @@ def _issue(
 
 
 @gluon.jit
-def _pv(p, f, g, magic: gl.constexpr, vs, vz, pv, W: gl.constexpr, NC: gl.constexpr, bop):
-    """``pv + P V`` of one field of one parity: operand ``(x - magic) * vs + vz``."""
-    return mma_v2(p, (_operand(f, g, W, 32, NC, bop) - magic) * vs + vz, pv)
+def _pv(p, f, g, magic: gl.constexpr, vs, vz, pv, FOLD: gl.constexpr, W: gl.constexpr, NC, bop):
+    """``pv + P V`` of one field of one parity: operand ``(x - magic) * vs + vz``, or with
+    ``FOLD`` the raw ``x`` (the scale is in ``p``, the rest in :func:`_accumulate`)."""
+    x = _operand(f, g, W, 32, NC, bop)
+    if not FOLD:
+        x = (x - magic) * vs + vz
+    return mma_v2(p, x, pv)
+
+
+@gluon.jit
+def _pv_init(zero, magic: gl.constexpr, pz, ps, FOLD: gl.constexpr):
+    """Where a field's ``P V`` chain starts: 0, or with ``FOLD`` the row terms of the raw
+    codes, ``pz - magic * ps`` (the probabilities' zeros, the magic on their scaled sum)."""
+    if FOLD:
+        zero = gl.broadcast(pz - magic * ps, zero)[0]
+    return zero
+
+
+@gluon.jit
+def _accumulate(acc, a3, pv, vc):
+    """A field's accumulator after a step: rescaled by ``a3``, plus the step's ``P V`` in the
+    field's channel scales ``vc``."""
+    return acc * a3 + pv * vc.to(gl.float32)
 
 
 @gluon.jit
@@ -319,12 +376,15 @@ def decode_v5_kernel(
     NUM_SPLITS: gl.constexpr,
     W: gl.constexpr,
     STAGES: gl.constexpr,
+    FOLD: gl.constexpr = False,
 ):
     """One program per (request, KV head, split), ``W`` warps (one of :data:`V5_WARP_COUNTS`):
     the split's packed records, 64 tokens per warp and step, ``STAGES`` pipeline stages (one
     of :data:`V5_STAGES`). Writes the split's normalized partial output (``O_PART``, fp32,
     rotated frame, natural channel order) and base-2 LSE (``LSE_PART``), as v4's kernel with
-    ``PHASES=1``. ``q_rows``: ``QPK`` (see the query load)."""
+    ``PHASES=1``. ``q_rows``: ``QPK`` (see the query load). ``FOLD``: the operands are the raw
+    codes (``magic + code / 2``), their scales folded into the query and the probabilities and
+    their zeros and magics into per-row terms (``variant="v5f"``, :func:`_folded_scores`)."""
     gl.static_assert(W == 1 or W == 2 or W == 4, "v5 runs 1, 2 or 4 warps per program")
     gl.static_assert(STAGES == 2 or STAGES == 3, "v5 pipelines 2 or 3 stages")
     gl.static_assert(D == 128, "v5 is written for head dim 128")
@@ -365,6 +425,7 @@ def decode_v5_kernel(
     k_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0])
     v_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=2, order=[2, 1, 0])
     kvec: gl.constexpr = gl.SliceLayout(2, bop)  # [W, K] along an operand's k
+    avec: gl.constexpr = gl.SliceLayout(1, aop)  # [W, K] along the A operand's k (same lanes)
     quads: gl.constexpr = gl.SliceLayout(1, words)  # [W, words] as lane t holds them
     rows_l: gl.constexpr = gl.SliceLayout(2, mma)  # [W, 16] along the query rows
 
@@ -467,8 +528,6 @@ def decode_v5_kernel(
             is_pure=True,
             pack=1,
         )
-        ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, kvec), 2)  # [W, D, 1]
-        kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, kvec), 2) * 0.5
         ktw = gl.expand_dims(kt_buf.index(stage).load(cols), 1)  # [W, 1, 32]
         kt_e, kt_o = gl.inline_asm_elementwise(
             _HALVES, "=h,=h,r", [ktw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
@@ -489,10 +548,6 @@ def decode_v5_kernel(
             is_pure=True,
             pack=1,
         )
-        vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, kvec), 2)  # [W, 32, 1]
-        vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, kvec), 2)
-        vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, kvec), 2) * 0.5
-        vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, kvec), 2) * 0.5
         vcw = gl.expand_dims(vc_buf.index(stage).load(cols), 1)  # [W, 1, NC]
         if VG == 4:
             vc0, vc1, vc2, vc3 = gl.inline_asm_elementwise(
@@ -509,13 +564,26 @@ def decode_v5_kernel(
             )
 
         # --- scores [W, 16, 32] of the even and odd tokens of the chunk's pairs ---
-        lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
-            _UNPACK4, "=r,=r,=r,=r,r", [kw], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-        )
-        k_e = (_operand(lo0, lo1, W, D, 32, bop) - 512.0) * ks + kz
-        s_e = mma_v2(q16, k_e, zero_s)
-        k_o = (_operand(hi0, hi1, W, D, 32, bop) - 32.0) * ks + kz
-        s_o = mma_v2(q16, k_o, zero_s)
+        lo0, lo1, hi0, hi1 = _unpack4(kw, FOLD)
+        x_e = _operand(lo0, lo1, W, D, 32, bop)  # magic + code / 2 of the even tokens
+        x_o = _operand(hi0, hi1, W, D, 32, bop)
+        if FOLD:
+            # q . ((x - magic) ks + kz / 2) = (q ks) . x + (q . kz / 2 - magic sum(q ks)): the
+            # per-channel scale on the query, the rest one number per row (two small MMAs
+            # against broadcast columns, so q ks is summed exactly as the big MMA uses it)
+            q_s = q16 * gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)
+            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, kvec), 2)  # [W, D, 1]
+            ones_k = gl.full([W, D, 8], 1.0, gl.float16, bop)
+            zero8 = gl.zeros([W, 16, 8], gl.float32, mma)
+            qz = gl.max(mma_v2(q16, gl.broadcast(kz, ones_k)[0], zero8), axis=2) * 0.5
+            qs = gl.max(mma_v2(q_s, ones_k, zero8), axis=2)
+            s_e = mma_v2(q_s, x_e, gl.broadcast(gl.expand_dims(qz - 512.0 * qs, 2), zero_s)[0])
+            s_o = mma_v2(q_s, x_o, gl.broadcast(gl.expand_dims(qz - 32.0 * qs, 2), zero_s)[0])
+        else:
+            ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, kvec), 2)  # [W, D, 1]
+            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, kvec), 2) * 0.5
+            s_e = mma_v2(q16, (x_e - 512.0) * ks + kz, zero_s)
+            s_o = mma_v2(q16, (x_o - 32.0) * ks + kz, zero_s)
         pos = (bi * G + c * 64 + 2 * pair_n).to(gl.int32)  # [W, 1, 32], the even token
         # scores without their row factor (positive: the maximum commutes with it), so that
         # each probability is one fma and an exp2
@@ -534,6 +602,30 @@ def decode_v5_kernel(
         pe16 = gl.convert_layout(p_e.to(gl.float16), aop)
         po16 = gl.convert_layout(p_o.to(gl.float16), aop)
         a3 = gl.expand_dims(alpha, 2)
+        if FOLD:
+            # P . ((x - magic) vs + vz / 2) = (P vs) . x + (P . vz / 2 - magic sum(P vs)) per
+            # field: the per-token scale on the probabilities, two per-row sums for all fields
+            pe_s = pe16 * gl.expand_dims(_k_vector(se0, se1, W, 32, avec), 1)
+            po_s = po16 * gl.expand_dims(_k_vector(so0, so1, W, 32, avec), 1)
+            ones_v = gl.full([W, 32, 8], 1.0, gl.float16, bop)
+            zero8v = gl.zeros([W, 16, 8], gl.float32, mma)
+            vz_e = gl.broadcast(gl.expand_dims(_k_vector(ze0, ze1, W, 32, kvec), 2), ones_v)[0]
+            vz_o = gl.broadcast(gl.expand_dims(_k_vector(zo0, zo1, W, 32, kvec), 2), ones_v)[0]
+            pz = mma_v2(po16, vz_o, mma_v2(pe16, vz_e, zero8v))
+            pz = gl.expand_dims(gl.max(pz, axis=2) * 0.5, 2)  # [W, 16, 1]
+            ps = mma_v2(po_s, ones_v, mma_v2(pe_s, ones_v, zero8v))
+            ps = gl.expand_dims(gl.max(ps, axis=2), 2)
+            vs_e = 1.0  # unused with FOLD
+            vs_o = 1.0
+            pe16 = pe_s
+            po16 = po_s
+        else:
+            pz = 0.0
+            ps = 0.0
+            vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, kvec), 2)  # [W, 32, 1]
+            vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, kvec), 2)
+            vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, kvec), 2) * 0.5
+            vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, kvec), 2) * 0.5
 
         # --- P V [W, 16, NC] per V field, both parities into one MMA chain ---
         v_e, v_o = gl.split(gl.permute(gl.reshape(vw, [W, 2, NC, 8]), [0, 2, 3, 1]))
@@ -554,18 +646,46 @@ def decode_v5_kernel(
                 is_pure=True,
                 pack=1,
             )
-            pv = _pv(pe16, e0, e4, 512.0, vs_e, vz_e, zero, W, NC, bop)
-            pv = _pv(po16, o0, o4, 512.0, vs_o, vz_o, pv, W, NC, bop)
-            acc0 = acc0 * a3 + pv * vc0.to(gl.float32)
-            pv = _pv(pe16, e1, e5, 128.0, vs_e, vz_e, zero, W, NC, bop)
-            pv = _pv(po16, o1, o5, 128.0, vs_o, vz_o, pv, W, NC, bop)
-            acc1 = acc1 * a3 + pv * vc1.to(gl.float32)
-            pv = _pv(pe16, e2, e6, 32.0, vs_e, vz_e, zero, W, NC, bop)
-            pv = _pv(po16, o2, o6, 32.0, vs_o, vz_o, pv, W, NC, bop)
-            acc2 = acc2 * a3 + pv * vc2.to(gl.float32)
-            pv = _pv(pe16, e3, e7, 8.0, vs_e, vz_e, zero, W, NC, bop)
-            pv = _pv(po16, o3, o7, 8.0, vs_o, vz_o, pv, W, NC, bop)
-            acc3 = acc3 * a3 + pv * vc3.to(gl.float32)
+            pv = _pv(
+                pe16,
+                e0,
+                e4,
+                512.0,
+                vs_e,
+                vz_e,
+                _pv_init(zero, 512.0, pz, ps, FOLD),
+                FOLD,
+                W,
+                NC,
+                bop,
+            )
+            pv = _pv(po16, o0, o4, 512.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
+            acc0 = _accumulate(acc0, a3, pv, vc0)
+            pv = _pv(
+                pe16,
+                e1,
+                e5,
+                128.0,
+                vs_e,
+                vz_e,
+                _pv_init(zero, 128.0, pz, ps, FOLD),
+                FOLD,
+                W,
+                NC,
+                bop,
+            )
+            pv = _pv(po16, o1, o5, 128.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
+            acc1 = _accumulate(acc1, a3, pv, vc1)
+            pv = _pv(
+                pe16, e2, e6, 32.0, vs_e, vz_e, _pv_init(zero, 32.0, pz, ps, FOLD), FOLD, W, NC, bop
+            )
+            pv = _pv(po16, o2, o6, 32.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
+            acc2 = _accumulate(acc2, a3, pv, vc2)
+            pv = _pv(
+                pe16, e3, e7, 8.0, vs_e, vz_e, _pv_init(zero, 8.0, pz, ps, FOLD), FOLD, W, NC, bop
+            )
+            pv = _pv(po16, o3, o7, 8.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
+            acc3 = _accumulate(acc3, a3, pv, vc3)
         else:
             e0, e1, e2, e3 = gl.inline_asm_elementwise(
                 _UNPACK4, "=r,=r,=r,=r,r", [v_e], dtype=(gl.int32,) * 4, is_pure=True, pack=1
@@ -573,12 +693,26 @@ def decode_v5_kernel(
             o0, o1, o2, o3 = gl.inline_asm_elementwise(
                 _UNPACK4, "=r,=r,=r,=r,r", [v_o], dtype=(gl.int32,) * 4, is_pure=True, pack=1
             )
-            pv = _pv(pe16, e0, e1, 512.0, vs_e, vz_e, zero, W, NC, bop)
-            pv = _pv(po16, o0, o1, 512.0, vs_o, vz_o, pv, W, NC, bop)
-            acc0 = acc0 * a3 + pv * vc0.to(gl.float32)
-            pv = _pv(pe16, e2, e3, 32.0, vs_e, vz_e, zero, W, NC, bop)
-            pv = _pv(po16, o2, o3, 32.0, vs_o, vz_o, pv, W, NC, bop)
-            acc1 = acc1 * a3 + pv * vc1.to(gl.float32)
+            pv = _pv(
+                pe16,
+                e0,
+                e1,
+                512.0,
+                vs_e,
+                vz_e,
+                _pv_init(zero, 512.0, pz, ps, FOLD),
+                FOLD,
+                W,
+                NC,
+                bop,
+            )
+            pv = _pv(po16, o0, o1, 512.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
+            acc0 = _accumulate(acc0, a3, pv, vc0)
+            pv = _pv(
+                pe16, e2, e3, 32.0, vs_e, vz_e, _pv_init(zero, 32.0, pz, ps, FOLD), FOLD, W, NC, bop
+            )
+            pv = _pv(po16, o2, o3, 32.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
+            acc1 = _accumulate(acc1, a3, pv, vc1)
         bi = bi_next
         c = c_next
         packed = packed_next

@@ -256,13 +256,13 @@ def decode_workspace_bytes(
     share it (``verify_width`` rows per request).
     """
     import kvarn_kernels
-    from kvarn_kernels.attention import verify_token_groups
+    from kvarn_kernels.attention import V5_VARIANTS, verify_token_groups
     from kvarn_kernels.decode_v5 import V5_SPLIT_WARPS
 
     # (rows per request, programs per request, split factor, partials beyond the splits): v5
     # (which "auto" may pick) takes up to V5_SPLIT_WARPS times the split count and, as v4d,
     # one partial more (its pool-phase launch); verify has neither
-    if decode_variant in ("auto", "v5"):
+    if decode_variant in ("auto", *V5_VARIANTS):
         widths = [(1, 1, V5_SPLIT_WARPS, kvarn_kernels.decode_partials("v5", 0))]
     else:
         widths = [(1, 1, 1, kvarn_kernels.decode_partials(decode_variant, 0))]
