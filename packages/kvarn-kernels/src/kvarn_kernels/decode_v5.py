@@ -384,13 +384,16 @@ def decode_v5_kernel(
     rotated frame, natural channel order) and base-2 LSE (``LSE_PART``), as v4's kernel with
     ``PHASES=1``. ``q_rows``: ``QPK`` (see the query load). ``FOLD``: the operands are the raw
     codes (``magic + code / 2``), their scales folded into the query and the probabilities and
-    their zeros and magics into per-row terms (``variant="v5f"``, :func:`_folded_scores`)."""
+    their zeros and magics into per-row terms, and with one warp the accumulators rescaled
+    only in steps where a row's maximum grew (``variant="v5f"``)."""
     gl.static_assert(W == 1 or W == 2 or W == 4, "v5 runs 1, 2 or 4 warps per program")
     gl.static_assert(STAGES == 2 or STAGES == 3, "v5 pipelines 2 or 3 stages")
     gl.static_assert(D == 128, "v5 is written for head dim 128")
     gl.static_assert(VB == 2 or VB == 4, "v5 takes 2- or 4-bit values")
     gl.static_assert(QPK <= 16, "v5 takes up to 16 query heads per KV head")
     VG: gl.constexpr = 8 // VB  # V fields per byte
+    # v5f with one warp per program rescales lazily (several warps would need a CTA-wide vote)
+    LAZY: gl.constexpr = FOLD and W == 1
     NC: gl.constexpr = D // VG  # byte columns of a V row (channels per field)
     NCH: gl.constexpr = G // 64  # chunks per block
 
@@ -592,16 +595,36 @@ def decode_v5_kernel(
 
         s_max = gl.maximum(gl.max(s_e, axis=2), gl.max(s_o, axis=2))
         m_new = gl.maximum(m, s_max * row_scale2)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m - m_use)
-        m3 = gl.expand_dims(m_use, 2)
-        p_e = gl.exp2(gl.fma(s_e, row_scale, -m3))
-        p_o = gl.exp2(gl.fma(s_o, row_scale, -m3))
-        l_acc = l_acc * alpha + gl.sum(p_e, axis=2) + gl.sum(p_o, axis=2)
-        m = m_new
+        if LAZY:
+            # rescale only in the steps where some row's maximum grew (alpha is exactly 1 in
+            # the others; past the first chunks a new maximum is rare), so the accumulators
+            # take one fma per element and step instead of a multiply and an fma
+            if gl.max(gl.max((m_new > m).to(gl.int32), axis=1), axis=0) > 0:
+                alpha = gl.exp2(m - gl.where(m_new == float("-inf"), 0.0, m_new))
+                a3 = gl.expand_dims(alpha, 2)
+                acc0 = acc0 * a3
+                acc1 = acc1 * a3
+                if VG == 4:
+                    acc2 = acc2 * a3
+                    acc3 = acc3 * a3
+                l_acc = l_acc * alpha
+                m = m_new
+            m3 = gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 2)
+            p_e = gl.exp2(gl.fma(s_e, row_scale, -m3))
+            p_o = gl.exp2(gl.fma(s_o, row_scale, -m3))
+            l_acc = l_acc + gl.sum(p_e, axis=2) + gl.sum(p_o, axis=2)
+            a3 = 1.0
+        else:
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_use)
+            m3 = gl.expand_dims(m_use, 2)
+            p_e = gl.exp2(gl.fma(s_e, row_scale, -m3))
+            p_o = gl.exp2(gl.fma(s_o, row_scale, -m3))
+            l_acc = l_acc * alpha + gl.sum(p_e, axis=2) + gl.sum(p_o, axis=2)
+            m = m_new
+            a3 = gl.expand_dims(alpha, 2)
         pe16 = gl.convert_layout(p_e.to(gl.float16), aop)
         po16 = gl.convert_layout(p_o.to(gl.float16), aop)
-        a3 = gl.expand_dims(alpha, 2)
         if FOLD:
             # P . ((x - magic) vs + vz / 2) = (P vs) . x + (P . vz / 2 - magic sum(P vs)) per
             # field: the per-token scale on the probabilities, two per-row sums for all fields
