@@ -375,7 +375,14 @@ variant("decode_v4c verify4 kvarn_k4v2_g128 d128 qpk4")(
 )
 
 
-def _decode_v5(name: str, qpk: int = 4, warps: int = 4, stages: int = 2, fold: bool = False) -> Any:
+def _decode_v5(
+    name: str,
+    qpk: int = 4,
+    warps: int = 4,
+    stages: int = 2,
+    fold: bool = False,
+    lazy: bool = False,
+) -> Any:
     """The Gluon v5 main loop (:mod:`kvarn_kernels.decode_v5`) at Qwen3-8B's decode shape."""
     from kvarn_kernels.decode_v5 import decode_v5_kernel
 
@@ -393,6 +400,7 @@ def _decode_v5(name: str, qpk: int = 4, warps: int = 4, stages: int = 2, fold: b
         "W": warps,
         "STAGES": stages,
         "FOLD": fold,
+        "LAZY": lazy,
     }
     return compile_kernel(decode_v5_kernel, DECODE_SIG, consts, warps)
 
@@ -420,3 +428,8 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
     variant(f"decode_v5f {_n} d128 qpk4 w1 s2")(
         lambda _n=_n: _decode_v5(_n, warps=1, stages=2, fold=True)
     )
+
+# v5f with lazy rescaling (not launched yet): the common path's count
+variant("decode_v5f kvarn_k4v2_g128 d128 qpk4 w1 s2 lazy")(
+    lambda: _decode_v5("kvarn_k4v2_g128", warps=1, stages=2, fold=True, lazy=True)
+)

@@ -377,6 +377,7 @@ def decode_v5_kernel(
     W: gl.constexpr,
     STAGES: gl.constexpr,
     FOLD: gl.constexpr = False,
+    LAZY: gl.constexpr = False,
 ):
     """One program per (request, KV head, split), ``W`` warps (one of :data:`V5_WARP_COUNTS`):
     the split's packed records, 64 tokens per warp and step, ``STAGES`` pipeline stages (one
@@ -384,16 +385,17 @@ def decode_v5_kernel(
     rotated frame, natural channel order) and base-2 LSE (``LSE_PART``), as v4's kernel with
     ``PHASES=1``. ``q_rows``: ``QPK`` (see the query load). ``FOLD``: the operands are the raw
     codes (``magic + code / 2``), their scales folded into the query and the probabilities and
-    their zeros and magics into per-row terms, and with one warp the accumulators rescaled
-    only in steps where a row's maximum grew (``variant="v5f"``)."""
+    their zeros and magics into per-row terms (``variant="v5f"``). ``LAZY`` (with ``FOLD`` and
+    one warp; not launched yet, docs/kernel-notes.md): the accumulators rescaled only in steps
+    where a row's maximum grew."""
     gl.static_assert(W == 1 or W == 2 or W == 4, "v5 runs 1, 2 or 4 warps per program")
     gl.static_assert(STAGES == 2 or STAGES == 3, "v5 pipelines 2 or 3 stages")
     gl.static_assert(D == 128, "v5 is written for head dim 128")
     gl.static_assert(VB == 2 or VB == 4, "v5 takes 2- or 4-bit values")
     gl.static_assert(QPK <= 16, "v5 takes up to 16 query heads per KV head")
     VG: gl.constexpr = 8 // VB  # V fields per byte
-    # v5f with one warp per program rescales lazily (several warps would need a CTA-wide vote)
-    LAZY: gl.constexpr = FOLD and W == 1
+    # several warps would need a CTA-wide vote on the rescale
+    gl.static_assert(not LAZY or (FOLD and W == 1), "LAZY takes FOLD and one warp")
     NC: gl.constexpr = D // VG  # byte columns of a V row (channels per field)
     NCH: gl.constexpr = G // 64  # chunks per block
 
