@@ -1190,7 +1190,8 @@ def _v4_supports(geo: DenseGeometry) -> bool:
 #: pool phase) costs more than its loop saves (H200, fifteenth session, k4v2_g128 at 16K:
 #: 1.21x v4c's time at B = 1, 0.87x at B = 8, 0.78x at B = 64).
 V5_MIN_BATCH = 8
-#: The GPUs (CUDA compute capabilities) ``variant="auto"`` runs v5 on: where it was timed.
+#: The GPUs (CUDA compute capabilities) ``variant="auto"`` runs v5 on: sm_90 (H100, H200),
+#: the architecture it was timed on (an H200).
 V5_AUTO_CAPABILITIES = ((9, 0),)
 
 

@@ -85,22 +85,6 @@ lop3.b32 $1, s, 0x000F000F, 0x60006000, 0xEA;
 lop3.b32 $3, s, 0x00F000F0, 0x50005000, 0xEA;
 }
 """)
-# _UNPACK4 with each field's two registers as one 64-bit pair ($0: the low nibbles, $1: the
-# high): a pair is what an MMA's B operand takes, so it can stay where the unpack puts it
-_UNPACK4_PAIRS = gl.constexpr("""
-{
-.reg .b32 s, a, b, c, d;
-lop3.b32 a, $2, 0x000F000F, 0x60006000, 0xEA;
-lop3.b32 c, $2, 0x00F000F0, 0x50005000, 0xEA;
-shr.b32 s, $2, 8;
-lop3.b32 b, s, 0x000F000F, 0x60006000, 0xEA;
-lop3.b32 d, s, 0x00F000F0, 0x50005000, 0xEA;
-mov.b64 $0, {a, b};
-mov.b64 $1, {c, d};
-}
-""")
-# the two 32-bit halves of a 64-bit register pair (no instruction)
-_WORDS = gl.constexpr("mov.b64 {$0, $1}, $2;")
 # 2-bit codes of a word: field f of bytes (0, 2) -> $f, of bytes (1, 3) -> $(4 + f), as
 # ``magic_f + c / 2`` with magic 512, 128, 32, 8
 _UNPACK2 = gl.constexpr("""
@@ -158,27 +142,6 @@ def _halves(x):
         _HALVES, "=h,=h,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=1
     )
     return gl.join(h0, h1)
-
-
-@gluon.jit
-def _unpack4(w, PAIRS: gl.constexpr):
-    """:data:`_UNPACK4` of code words ``w``: ``(lo0, lo1, hi0, hi1)``; with ``PAIRS`` through
-    64-bit register pairs (:data:`_UNPACK4_PAIRS`)."""
-    if PAIRS:
-        lo, hi = gl.inline_asm_elementwise(
-            _UNPACK4_PAIRS, "=l,=l,r", [w], dtype=(gl.int64, gl.int64), is_pure=True, pack=1
-        )
-        lo0, lo1 = gl.inline_asm_elementwise(
-            _WORDS, "=r,=r,l", [lo], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
-        )
-        hi0, hi1 = gl.inline_asm_elementwise(
-            _WORDS, "=r,=r,l", [hi], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
-        )
-    else:
-        lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
-            _UNPACK4, "=r,=r,=r,=r,r", [w], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-        )
-    return lo0, lo1, hi0, hi1
 
 
 @gluon.jit
@@ -533,6 +496,9 @@ def decode_v5_kernel(
             is_pure=True,
             pack=1,
         )
+        if not FOLD:  # (v5f takes them in other layouts, below)
+            ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, kvec), 2)  # [W, D, 1]
+            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, kvec), 2) * 0.5
         ktw = gl.expand_dims(kt_buf.index(stage).load(cols), 1)  # [W, 1, 32]
         kt_e, kt_o = gl.inline_asm_elementwise(
             _HALVES, "=h,=h,r", [ktw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
@@ -553,6 +519,11 @@ def decode_v5_kernel(
             is_pure=True,
             pack=1,
         )
+        if not FOLD:
+            vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, kvec), 2)  # [W, 32, 1]
+            vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, kvec), 2)
+            vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, kvec), 2) * 0.5
+            vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, kvec), 2) * 0.5
         vcw = gl.expand_dims(vc_buf.index(stage).load(cols), 1)  # [W, 1, NC]
         if VG == 4:
             vc0, vc1, vc2, vc3 = gl.inline_asm_elementwise(
@@ -569,9 +540,9 @@ def decode_v5_kernel(
             )
 
         # --- scores [W, 16, 32] of the even and odd tokens of the chunk's pairs ---
-        lo0, lo1, hi0, hi1 = _unpack4(kw, FOLD)
-        x_e = _operand(lo0, lo1, W, D, 32, bop)  # magic + code / 2 of the even tokens
-        x_o = _operand(hi0, hi1, W, D, 32, bop)
+        lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
+            _UNPACK4, "=r,=r,=r,=r,r", [kw], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
         if FOLD:
             # q . ((x - magic) ks + kz / 2) = (q ks) . x + (q . kz / 2 - magic sum(q ks)): the
             # per-channel scale on the query, the rest one number per row (two small MMAs
@@ -582,13 +553,15 @@ def decode_v5_kernel(
             zero8 = gl.zeros([W, 16, 8], gl.float32, mma)
             qz = gl.max(mma_v2(q16, gl.broadcast(kz, ones_k)[0], zero8), axis=2) * 0.5
             qs = gl.max(mma_v2(q_s, ones_k, zero8), axis=2)
+            x_e = _operand(lo0, lo1, W, D, 32, bop)  # magic + code / 2 of the even tokens
             s_e = mma_v2(q_s, x_e, gl.broadcast(gl.expand_dims(qz - 512.0 * qs, 2), zero_s)[0])
+            x_o = _operand(hi0, hi1, W, D, 32, bop)
             s_o = mma_v2(q_s, x_o, gl.broadcast(gl.expand_dims(qz - 32.0 * qs, 2), zero_s)[0])
         else:
-            ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, kvec), 2)  # [W, D, 1]
-            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, kvec), 2) * 0.5
-            s_e = mma_v2(q16, (x_e - 512.0) * ks + kz, zero_s)
-            s_o = mma_v2(q16, (x_o - 32.0) * ks + kz, zero_s)
+            k_e = (_operand(lo0, lo1, W, D, 32, bop) - 512.0) * ks + kz
+            s_e = mma_v2(q16, k_e, zero_s)
+            k_o = (_operand(hi0, hi1, W, D, 32, bop) - 32.0) * ks + kz
+            s_o = mma_v2(q16, k_o, zero_s)
         pos = (bi * G + c * 64 + 2 * pair_n).to(gl.int32)  # [W, 1, 32], the even token
         # scores without their row factor (positive: the maximum commutes with it), so that
         # each probability is one fma and an exp2
@@ -624,9 +597,10 @@ def decode_v5_kernel(
             p_o = gl.exp2(gl.fma(s_o, row_scale, -m3))
             l_acc = l_acc * alpha + gl.sum(p_e, axis=2) + gl.sum(p_o, axis=2)
             m = m_new
-            a3 = gl.expand_dims(alpha, 2)
         pe16 = gl.convert_layout(p_e.to(gl.float16), aop)
         po16 = gl.convert_layout(p_o.to(gl.float16), aop)
+        if not LAZY:
+            a3 = gl.expand_dims(alpha, 2)
         if FOLD:
             # P . ((x - magic) vs + vz / 2) = (P vs) . x + (P . vz / 2 - magic sum(P vs)) per
             # field: the per-token scale on the probabilities, two per-row sums for all fields
@@ -647,10 +621,6 @@ def decode_v5_kernel(
         else:
             pz = 0.0
             ps = 0.0
-            vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, kvec), 2)  # [W, 32, 1]
-            vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, kvec), 2)
-            vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, kvec), 2) * 0.5
-            vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, kvec), 2) * 0.5
 
         # --- P V [W, 16, NC] per V field, both parities into one MMA chain ---
         v_e, v_o = gl.split(gl.permute(gl.reshape(vw, [W, 2, NC, 8]), [0, 2, 3, 1]))
