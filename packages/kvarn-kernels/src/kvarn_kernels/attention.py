@@ -1985,7 +1985,8 @@ def _workspace(ws: torch.Tensor | None, need: int, device: torch.device) -> torc
     if ws.dtype != torch.float32 or not ws.is_contiguous() or ws.numel() < need:
         raise ValueError(
             f"workspace must be a contiguous fp32 tensor of at least {need} elements "
-            f"(decode_workspace_numel); got {str(ws.dtype).removeprefix('torch.')} with "
+            f"(decode_workspace_numel; for decode, of decode_plan(...).partials); got "
+            f"{str(ws.dtype).removeprefix('torch.')} with "
             f"{ws.numel()} elements"
         )
     if ws.device != device:
