@@ -285,7 +285,8 @@ def _issue(
 @gluon.jit
 def _pv(p, f, g, magic: gl.constexpr, vs, vz, pv, FOLD: gl.constexpr, W: gl.constexpr, NC, bop):
     """``pv + P V`` of one field of one parity: operand ``(x - magic) * vs + vz``, or with
-    ``FOLD`` the raw ``x`` (the scale is in ``p``, the rest in :func:`_accumulate`)."""
+    ``FOLD`` the raw ``x`` (the scale is in ``p``, the rest in the chain's start,
+    :func:`_pv_init`)."""
     x = _operand(f, g, W, 32, NC, bop)
     if not FOLD:
         x = (x - magic) * vs + vz
