@@ -303,9 +303,17 @@ def _pv_init(zero, magic: gl.constexpr, pz, ps, FOLD: gl.constexpr):
 
 
 @gluon.jit
-def _accumulate(acc, a3, pv, vc):
-    """A field's accumulator after a step: rescaled by ``a3``, plus the step's ``P V`` in the
-    field's channel scales ``vc``."""
+def _field(acc, a3, p, codes, magic: gl.constexpr, vc, terms, zero, FOLD: gl.constexpr, W, NC, bop):
+    """A V field's accumulator after a step: rescaled by ``a3``, plus the step's ``P V`` of
+    both parities (one MMA chain) in the field's channel scales ``vc``. ``p``: the even and
+    odd tokens' probabilities; ``codes``: the field's registers of bytes (0, 2) and (1, 3),
+    even then odd; ``terms``: the operands' scales and zeros (``vs_e, vz_e, vs_o, vz_o``) and
+    v5f's row terms (``pz, ps``)."""
+    pe, po = p
+    fe, ge, fo, go = codes
+    vs_e, vz_e, vs_o, vz_o, pz, ps = terms
+    pv = _pv(pe, fe, ge, magic, vs_e, vz_e, _pv_init(zero, magic, pz, ps, FOLD), FOLD, W, NC, bop)
+    pv = _pv(po, fo, go, magic, vs_o, vz_o, pv, FOLD, W, NC, bop)
     return acc * a3 + pv * vc.to(gl.float32)
 
 
@@ -419,6 +427,8 @@ def decode_v5_kernel(
     row_scale = gl.expand_dims(row_scale2, 2)  # [W, 16, 1]
 
     n_blocks = gl.cdiv(seq_len, G)
+    # the split's blocks as attention._split_blocks gives them to v4's pool phase (a Triton
+    # function, which a Gluon kernel cannot call): both phases must see the same ranges
     if NUM_SPLITS > 1:
         per = gl.cdiv(n_blocks, NUM_SPLITS)
         blk_lo = split * per
@@ -624,6 +634,8 @@ def decode_v5_kernel(
             ps = 0.0
 
         # --- P V [W, 16, NC] per V field, both parities into one MMA chain ---
+        p = (pe16, po16)
+        terms = (vs_e, vz_e, vs_o, vz_o, pz, ps)
         v_e, v_o = gl.split(gl.permute(gl.reshape(vw, [W, 2, NC, 8]), [0, 2, 3, 1]))
         if VG == 4:
             e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
@@ -642,46 +654,10 @@ def decode_v5_kernel(
                 is_pure=True,
                 pack=1,
             )
-            pv = _pv(
-                pe16,
-                e0,
-                e4,
-                512.0,
-                vs_e,
-                vz_e,
-                _pv_init(zero, 512.0, pz, ps, FOLD),
-                FOLD,
-                W,
-                NC,
-                bop,
-            )
-            pv = _pv(po16, o0, o4, 512.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
-            acc0 = _accumulate(acc0, a3, pv, vc0)
-            pv = _pv(
-                pe16,
-                e1,
-                e5,
-                128.0,
-                vs_e,
-                vz_e,
-                _pv_init(zero, 128.0, pz, ps, FOLD),
-                FOLD,
-                W,
-                NC,
-                bop,
-            )
-            pv = _pv(po16, o1, o5, 128.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
-            acc1 = _accumulate(acc1, a3, pv, vc1)
-            pv = _pv(
-                pe16, e2, e6, 32.0, vs_e, vz_e, _pv_init(zero, 32.0, pz, ps, FOLD), FOLD, W, NC, bop
-            )
-            pv = _pv(po16, o2, o6, 32.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
-            acc2 = _accumulate(acc2, a3, pv, vc2)
-            pv = _pv(
-                pe16, e3, e7, 8.0, vs_e, vz_e, _pv_init(zero, 8.0, pz, ps, FOLD), FOLD, W, NC, bop
-            )
-            pv = _pv(po16, o3, o7, 8.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
-            acc3 = _accumulate(acc3, a3, pv, vc3)
+            acc0 = _field(acc0, a3, p, (e0, e4, o0, o4), 512.0, vc0, terms, zero, FOLD, W, NC, bop)
+            acc1 = _field(acc1, a3, p, (e1, e5, o1, o5), 128.0, vc1, terms, zero, FOLD, W, NC, bop)
+            acc2 = _field(acc2, a3, p, (e2, e6, o2, o6), 32.0, vc2, terms, zero, FOLD, W, NC, bop)
+            acc3 = _field(acc3, a3, p, (e3, e7, o3, o7), 8.0, vc3, terms, zero, FOLD, W, NC, bop)
         else:
             e0, e1, e2, e3 = gl.inline_asm_elementwise(
                 _UNPACK4, "=r,=r,=r,=r,r", [v_e], dtype=(gl.int32,) * 4, is_pure=True, pack=1
@@ -689,26 +665,8 @@ def decode_v5_kernel(
             o0, o1, o2, o3 = gl.inline_asm_elementwise(
                 _UNPACK4, "=r,=r,=r,=r,r", [v_o], dtype=(gl.int32,) * 4, is_pure=True, pack=1
             )
-            pv = _pv(
-                pe16,
-                e0,
-                e1,
-                512.0,
-                vs_e,
-                vz_e,
-                _pv_init(zero, 512.0, pz, ps, FOLD),
-                FOLD,
-                W,
-                NC,
-                bop,
-            )
-            pv = _pv(po16, o0, o1, 512.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
-            acc0 = _accumulate(acc0, a3, pv, vc0)
-            pv = _pv(
-                pe16, e2, e3, 32.0, vs_e, vz_e, _pv_init(zero, 32.0, pz, ps, FOLD), FOLD, W, NC, bop
-            )
-            pv = _pv(po16, o2, o3, 32.0, vs_o, vz_o, pv, FOLD, W, NC, bop)
-            acc1 = _accumulate(acc1, a3, pv, vc1)
+            acc0 = _field(acc0, a3, p, (e0, e1, o0, o1), 512.0, vc0, terms, zero, FOLD, W, NC, bop)
+            acc1 = _field(acc1, a3, p, (e2, e3, o2, o3), 32.0, vc1, terms, zero, FOLD, W, NC, bop)
         bi = bi_next
         c = c_next
         packed = packed_next

@@ -42,6 +42,7 @@ from kvarn_vllm.tracker import CachedRequest, NewRequest, SidePoolTracker, StepI
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+    from kvarn_kernels import DecodePlan
     from kvarn_vllm.specs import KvarnFullAttentionSpec
 
 __all__ = [
@@ -179,7 +180,7 @@ class KvarnGroupRuntime:
                     f"kvarn: KVARN_DECODE_MMA_ROWS={self.decode_mma_rows} is below this model's "
                     f"{self.num_q_heads // self.num_kv_heads} query heads per KV head: {exc}"
                 ) from exc
-        self._plans: dict[int, Any] = {}
+        self._plans: dict[int, DecodePlan] = {}
         self._workspace_batch = 0
         _RUNTIMES.add(self)
         if not self.profiling:
@@ -276,10 +277,9 @@ class KvarnGroupRuntime:
             )
         return self.block_to_slot
 
-    def decode_plan(self, batch: int) -> Any:
-        """The decode kernel variant and split count for ``batch`` requests
-        (``kvarn_kernels.DecodePlan``; static shapes only, so the same in every CUDA graph of
-        that size and in the workspace sized for it)."""
+    def decode_plan(self, batch: int) -> DecodePlan:
+        """The decode kernel variant and split count for ``batch`` requests (static shapes
+        only, so the same in every CUDA graph of that size and in the workspace sized for it)."""
         plan = self._plans.get(batch)
         if plan is None:
             kk: Any = importlib.import_module("kvarn_kernels")
