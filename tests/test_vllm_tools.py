@@ -167,10 +167,17 @@ def test_bench_docs_section_replaces_only_its_own_section(
         "max_num_seqs": 256,
         "gpu_mem_util": 0.9,
         "tp": 1,
-        "commands": ["python3 tools/bench_serving.py --dtypes auto"],
+        "commands": [
+            "python3 tools/bench_serving.py --dtypes auto",
+            "python3 tools/bench_serving.py --dtypes fp8:bfloat16",
+            "python3 tools/bench_serving.py --dtypes auto",
+        ],
     }
     bench.write_docs(bench.section(rows, meta, "auto"))
     first = docs.read_text()
+    # a run split over calls lists its commands once each, in the order they ran
+    assert first.index("--dtypes auto\n") < first.index("--dtypes fp8:bfloat16\n")
+    assert first.count("--dtypes auto\n") == 1
     assert "keep me" in first and first.count(bench.START) == 1
     assert "| kvarn_k4v2_g128 | 3,300,000 | 4.17 | 23,000 | 1.05 |" in first
     assert "| fp8:bfloat16 | | | | | | | timeout: boom |" in first

@@ -337,7 +337,7 @@ def table(rows: list[dict[str, Any]], baseline: str) -> str:
 
 
 def section(rows: list[dict[str, Any]], meta: dict[str, Any], baseline: str) -> str:
-    cmds = sorted({m for m in meta.get("commands", [])})
+    cmds = list(dict.fromkeys(meta.get("commands", [])))  # run order: a split run reads in sequence
     first = rows[0] if rows else {}
     workload = meta.get("workload", "burst")
     start, end = MARKERS[workload]
