@@ -1576,6 +1576,35 @@ def test_decode_plan_gives_v5_its_splits_and_pool_partial(h200: torch.device) ->
     assert decode_plan(*args[:1], 64, *args[1:], variant="v1").variant == "v1"
 
 
+def test_max_decode_partials_bounds_every_plan_without_a_device(
+    h200: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device-free bound (what vLLM's engine charges before a GPU is known) covers the
+    partials decode_plan gives on any GPU of up to its SM count, for "auto" and a named
+    variant, and is reached by one of them; the split rule grows with the SM count."""
+    from kvarn_kernels import attention, decode_plan, decode_splits_for_sms, max_decode_partials
+
+    for name, qpk in (("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 32), ("kvarn_k5v5_g64", 4)):
+        for batch in (1, 3, 8, 64, 256):
+            for variant in ("auto", "v1") if name == "kvarn_k5v5_g64" else ("auto", "v4d"):
+                bound = max_decode_partials(variant, batch, 8 * qpk, 8, 512, max_sms=160)
+                planned = []
+                for sms in (16, 78, 132, 160):
+                    monkeypatch.setattr(attention, "_num_sms", lambda device, n=sms: n)
+                    plan = decode_plan(name, batch, 8 * qpk, 8, 128, 512, h200, variant=variant)
+                    planned.append(plan.partials)
+                assert max(planned) <= bound, (name, batch, variant, planned, bound)
+                # reached at 160 SMs unless "auto" plans a kernel other than v5 where v5 may
+                # serve (the bound knows neither the format nor the GPU's v5 rule)
+                v5_may_serve = variant == "auto" and qpk <= 16
+                if not v5_may_serve or (batch >= 8 and name != "kvarn_k5v5_g64"):
+                    assert bound == planned[-1], (name, batch, variant, planned, bound)
+    by_sms = [decode_splits_for_sms(3, 8, 512, n) for n in range(1, 300)]
+    assert by_sms == sorted(by_sms)
+    with pytest.raises(ValueError, match="variant must be"):
+        max_decode_partials("v9", 1, 32, 8, 512, max_sms=160)
+
+
 def test_decode_plan_refuses_what_decode_attention_refuses() -> None:
     from kvarn_kernels import decode_plan
 

@@ -764,8 +764,16 @@ def choose_decode_splits(
     eagerly at any size): unrounded, that is ~15 values, most first seen while serving; the
     powers of two (at most 7) are all met by vLLM's CUDA-graph capture sizes at start-up.
     """
+    return decode_splits_for_sms(batch, num_kv_heads, max_blocks, _num_sms(device))
+
+
+def decode_splits_for_sms(batch: int, num_kv_heads: int, max_blocks: int, num_sms: int) -> int:
+    """:func:`choose_decode_splits`'s rule for a GPU of ``num_sms`` SMs, without a device.
+
+    Non-decreasing in ``num_sms``: its value at an SM count bounds every GPU with fewer (what
+    a process that must not initialize CUDA, vLLM's engine, sizes workspaces with)."""
     progs = max(1, batch * num_kv_heads)
-    want = cdiv(4 * _num_sms(device), progs)
+    want = cdiv(4 * num_sms, progs)
     cap = max(1, cdiv(max_blocks, 4))
     splits = int(max(1, min(want, cap, 64)))
     return 1 << (splits.bit_length() - 1)
@@ -1433,6 +1441,32 @@ def _default_splits(
     if variant in V5_VARIANTS:
         factor = _v5_split_factor(num_q_heads // num_kv_heads, block_n, num_warps)
     return factor * choose_decode_splits(batch, num_kv_heads, max_blocks, device)
+
+
+def max_decode_partials(
+    variant: str,
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    *,
+    max_sms: int,
+) -> int:
+    """The most partial outputs :func:`decode_plan` can plan for ``batch`` requests with
+    ``variant`` (``"auto"``: any kernel it may pick) on a GPU of up to ``max_sms`` SMs, from
+    shapes only (no device): a bound for a workspace sized before the GPU is known."""
+    if variant != "auto" and variant not in DECODE_VARIANTS:
+        raise ValueError(f"variant must be 'auto' or one of {DECODE_VARIANTS}, got {variant!r}")
+    qpk = num_q_heads // num_kv_heads
+    if variant != "auto":
+        candidates: tuple[str, ...] = (variant,)
+    else:  # v1 and v4c write no extra partial; v5 only serves up to 16 heads per KV head
+        candidates = ("v4c", "v5") if qpk <= 16 else ("v4c",)
+    splits = decode_splits_for_sms(batch, num_kv_heads, max_blocks, max_sms)
+    return max(
+        decode_partials(v, splits * (_v5_split_factor(qpk, None, None) if v in V5_VARIANTS else 1))
+        for v in candidates
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -230,15 +230,6 @@ def pool_slots_for(fmt: DenseFormat, limits: ServingLimits) -> int:
 MAX_SMS_BOUND = 160
 
 
-def _splits_bound(batch: int, num_kv_heads: int, max_blocks: int) -> int:
-    # Upper bound of kvarn_kernels.choose_decode_splits (about four programs per SM, at
-    # least four blocks per split, at most 64 splits) for GPUs with <= MAX_SMS_BOUND SMs.
-    progs = max(1, batch * num_kv_heads)
-    want = -(-4 * MAX_SMS_BOUND // progs)
-    cap = max(1, -(-max_blocks // 4))
-    return max(1, min(want, cap, 64))
-
-
 def decode_workspace_bytes(
     max_batch: int,
     num_q_heads: int,
@@ -256,31 +247,24 @@ def decode_workspace_bytes(
     share it (``verify_width`` rows per request).
     """
     import kvarn_kernels
-    from kvarn_kernels.attention import V5_VARIANTS, verify_token_groups
-    from kvarn_kernels.decode_v5 import V5_SPLIT_WARPS
+    from kvarn_kernels.attention import verify_token_groups
 
-    # (rows per request, programs per request, split factor, partials beyond the splits): v5
-    # (which "auto" may pick) takes up to V5_SPLIT_WARPS times the split count and, as v4d,
-    # one partial more (its pool-phase launch); verify has neither
-    if decode_variant in ("auto", *V5_VARIANTS):
-        widths = [(1, 1, V5_SPLIT_WARPS, kvarn_kernels.decode_partials("v5", 0))]
-    else:
-        widths = [(1, 1, 1, kvarn_kernels.decode_partials(decode_variant, 0))]
-    if verify_width:
-        groups = verify_token_groups(num_q_heads, num_kv_heads, verify_width)
-        widths.append((verify_width, groups, 1, 0))
-    return 4 * max(
-        int(
-            kvarn_kernels.decode_workspace_numel(
-                b * rows,
-                num_q_heads,
-                head_size,
-                factor * _splits_bound(b * groups, num_kv_heads, max_blocks) + extra,
-            )
+    def numel(rows: int, partials: int) -> int:
+        return int(kvarn_kernels.decode_workspace_numel(rows, num_q_heads, head_size, partials))
+
+    largest = 0
+    for b in range(1, max(max_batch, 1) + 1):
+        partials = kvarn_kernels.max_decode_partials(
+            decode_variant, b, num_q_heads, num_kv_heads, max_blocks, max_sms=MAX_SMS_BOUND
         )
-        for b in range(1, max(max_batch, 1) + 1)
-        for rows, groups, factor, extra in widths
-    )
+        largest = max(largest, numel(b, partials))
+        if verify_width:  # verify_width rows per request, no extra partial
+            groups = verify_token_groups(num_q_heads, num_kv_heads, verify_width)
+            splits = kvarn_kernels.decode_splits_for_sms(
+                b * groups, num_kv_heads, max_blocks, MAX_SMS_BOUND
+            )
+            largest = max(largest, numel(b * verify_width, splits))
+    return 4 * largest
 
 
 @dataclass(frozen=True, slots=True)
