@@ -61,7 +61,7 @@ def _decode_v1(name: str, bn: int = 64, warps: int = 4, fast: bool = True, pf: b
     return compile_kernel(_attn_kernel, sig, consts, warps)
 
 
-for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k5v5_g64"):
     variant(f"decode_v1 {_n} bn64 w4")(lambda _n=_n: _decode_v1(_n))
 
 

@@ -140,23 +140,30 @@ def _load_codes(
 ):
     """Raw bytes of ``N`` codes starting at byte ``byte0`` of rows ``row0 .. row0 + R - 1`` of
     a code section of ``ROWS`` rows of ``ROW_BYTES`` bytes, in the section's in-cache order
-    ``ORDER`` (:func:`code_offsets`; ``row0`` even for order 2).
+    ``ORDER`` (:func:`code_offsets`; ``row0`` even for order 2), as two tensors.
 
-    2/4 bits: the packed bytes ``[R, N*BITS/8]`` (16-byte loads) and four unused dummies.
-    5 bits (order 0 only): eight codes span five bytes, so byte ``k`` of every 5-byte group is
-    loaded as its own plane ``[R, N/8]`` (k = 0..4); each code is then built from at most two
-    planes.
+    2/4 bits: the packed bytes ``[R, N*BITS/8]`` (16-byte loads) and an unused dummy.
+    5 bits (order 0 only): eight codes span five bytes (group ``g``: bytes ``5g .. 5g + 4``,
+    low bits first), returned as ``[R, N/8]`` uint32 words of each group's bits 0-31 and
+    32-39. Rows and sections start on 4-byte boundaries (records are 8-byte aligned, rows a
+    multiple of 40 bytes), so a group lies in the two aligned words around its first byte,
+    both inside the row: two 32-bit loads and a funnel shift per group, where one load per
+    byte took five (and the planes' registers spilled: docs/kernel-notes.md, sixteenth
+    session).
     """
     r = tl.arange(0, R)
     if BITS == 5:
         tl.static_assert(ORDER == 0, "5-bit codes keep the official order")
-        j = tl.arange(0, N // 8) * 5
-        ptr = section + (row0 + r)[:, None] * ROW_BYTES + byte0 + j[None, :]
-        p0 = tl.load(ptr, mask=valid, other=0)
-        p1 = tl.load(ptr + 1, mask=valid, other=0)
-        p2 = tl.load(ptr + 2, mask=valid, other=0)
-        p3 = tl.load(ptr + 3, mask=valid, other=0)
-        p4 = tl.load(ptr + 4, mask=valid, other=0)
+        tl.static_assert(ROW_BYTES % 4 == 0, "5-bit rows are whole 32-bit words")
+        first = byte0 + tl.arange(0, N // 8) * 5
+        word = (section + (row0 + r)[:, None] * ROW_BYTES + (first - first % 4)[None, :]).to(
+            tl.pointer_type(tl.uint32)
+        )
+        w0 = tl.load(word, mask=valid, other=0).to(tl.uint64)
+        w1 = tl.load(word + 1, mask=valid, other=0).to(tl.uint64)
+        bits = ((w1 << 32) | w0) >> (8 * (first % 4)).to(tl.uint64)[None, :]
+        p0 = bits.to(tl.uint32)
+        p1 = (bits >> 32).to(tl.uint32)
     else:
         NB: tl.constexpr = N * BITS // 8
         j = tl.arange(0, NB)
@@ -181,10 +188,7 @@ def _load_codes(
             off = code_offsets((row0 + r)[:, None], byte0 + j[None, :], ROWS, ROW_BYTES, ORDER)
             p0 = tl.load(section + off, mask=valid, other=0)
         p1 = tl.zeros([1, 1], dtype=tl.uint8)
-        p2 = p1
-        p3 = p1
-        p4 = p1
-    return p0, p1, p2, p3, p4
+    return p0, p1
 
 
 # PTX for the GPU fast path: four packed code bytes in, their codes out as fp16 pairs holding
@@ -227,7 +231,7 @@ lop3.b32 $7, u1, 0x00030003, 0x64006400, 0xEA;
 
 
 @triton.jit
-def _codes_f16(b0, b1, b2, b3, b4, N: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr):
+def _codes_f16(b0, b1, N: tl.constexpr, BITS: tl.constexpr, FAST: tl.constexpr):
     """Unpack to ``[R, N]`` fp16 holding ``1024 + code`` (exact: the code sits in the mantissa).
 
     ``FAST`` (GPU only) unpacks four bytes per PTX block, about one instruction per code.
@@ -259,20 +263,15 @@ def _codes_f16(b0, b1, b2, b3, b4, N: tl.constexpr, BITS: tl.constexpr, FAST: tl
             c = tl.interleave(
                 tl.interleave(b0 & 3, (b0 >> 4) & 3), tl.interleave((b0 >> 2) & 3, b0 >> 6)
             )
-        else:
-            x0 = b0.to(tl.int16)
-            x1 = b1.to(tl.int16)
-            x2 = b2.to(tl.int16)
-            x3 = b3.to(tl.int16)
-            x4 = b4.to(tl.int16)
-            c0 = x0 & 31
-            c1 = ((x0 >> 5) | (x1 << 3)) & 31
-            c2 = (x1 >> 2) & 31
-            c3 = ((x1 >> 7) | (x2 << 1)) & 31
-            c4 = ((x2 >> 4) | (x3 << 4)) & 31
-            c5 = (x3 >> 1) & 31
-            c6 = ((x3 >> 6) | (x4 << 2)) & 31
-            c7 = x4 >> 3
+        else:  # b0, b1: each group's bits 0-31 and 32-39 (_load_codes)
+            c0 = b0 & 31
+            c1 = (b0 >> 5) & 31
+            c2 = (b0 >> 10) & 31
+            c3 = (b0 >> 15) & 31
+            c4 = (b0 >> 20) & 31
+            c5 = (b0 >> 25) & 31
+            c6 = ((b0 >> 30) | (b1 << 2)) & 31
+            c7 = (b1 >> 3) & 31
             c = tl.interleave(
                 tl.interleave(tl.interleave(c0, c4), tl.interleave(c2, c6)),
                 tl.interleave(tl.interleave(c1, c5), tl.interleave(c3, c7)),
@@ -310,19 +309,17 @@ def _load_chunk(
     """Everything chunk ``c`` (tokens ``c*BN ..``) of record ``rec`` contributes."""
     dd = tl.arange(0, D)
     tt = c * BN + tl.arange(0, BN)
-    k0, k1, k2, k3, k4 = _load_codes(
+    k0, k1 = _load_codes(
         rec + OFF_KC, 0, D, D, G * KB // 8, c * (BN * KB // 8), BN, KB, K_ORDER, valid
     )
-    v0, v1, v2, v3, v4 = _load_codes(
-        rec + OFF_VC, c * BN, BN, G, D * VB // 8, 0, D, VB, V_ORDER, valid
-    )
+    v0, v1 = _load_codes(rec + OFF_VC, c * BN, BN, G, D * VB // 8, 0, D, VB, V_ORDER, valid)
     ks = _load_f16((rec + OFF_KS).to(tl.pointer_type(tl.float16)) + dd, valid)
     kz = _load_f16((rec + OFF_KZ).to(tl.pointer_type(tl.float16)) + dd, valid)
     kt = _load_f16((rec + OFF_KT).to(tl.pointer_type(tl.float16)) + tt, valid)
     vcs = _load_f16((rec + OFF_VCS).to(tl.pointer_type(tl.float16)) + dd, valid)
     vs = _load_f16((rec + OFF_VS).to(tl.pointer_type(tl.float16)) + tt, valid)
     vz = _load_f16((rec + OFF_VZ).to(tl.pointer_type(tl.float16)) + tt, valid)
-    return k0, k1, k2, k3, k4, v0, v1, v2, v3, v4, ks, kz, kt, vcs, vs, vz
+    return k0, k1, v0, v1, ks, kz, kt, vcs, vs, vz
 
 
 @triton.jit
@@ -462,7 +459,7 @@ def _attn_kernel(
         ok = n_it > 0
         blk = tl.load(bt_row + blk_lo, mask=ok & (blk_lo < max_blocks), other=0).to(tl.int64)
         slot = tl.load(BLOCK_TO_SLOT + blk, mask=ok, other=0)
-        (k0, k1, k2, k3, k4, v0, v1, v2, v3, v4, ks, kz, kt, vcs, vs, vz) = _load_chunk(
+        (k0, k1, v0, v1, ks, kz, kt, vcs, vs, vz) = _load_chunk(
             KV + (blk * HK + h) * STRIDE,
             0,
             ok,
@@ -488,14 +485,8 @@ def _attn_kernel(
         if PREFETCH:
             c_k0 = k0
             c_k1 = k1
-            c_k2 = k2
-            c_k3 = k3
-            c_k4 = k4
             c_v0 = v0
             c_v1 = v1
-            c_v2 = v2
-            c_v3 = v3
-            c_v4 = v4
             c_ks = ks
             c_kz = kz
             c_kt = kt
@@ -512,7 +503,7 @@ def _attn_kernel(
             n_c = nit % NCH
             blk = tl.load(bt_row + n_bi, mask=n_ok & (n_bi < max_blocks), other=0).to(tl.int64)
             slot = tl.load(BLOCK_TO_SLOT + blk, mask=n_ok, other=0)
-            (k0, k1, k2, k3, k4, v0, v1, v2, v3, v4, ks, kz, kt, vcs, vs, vz) = _load_chunk(
+            (k0, k1, v0, v1, ks, kz, kt, vcs, vs, vz) = _load_chunk(
                 KV + (blk * HK + h) * STRIDE,
                 n_c,
                 n_ok,
@@ -539,14 +530,8 @@ def _attn_kernel(
             (
                 c_k0,
                 c_k1,
-                c_k2,
-                c_k3,
-                c_k4,
                 c_v0,
                 c_v1,
-                c_v2,
-                c_v3,
-                c_v4,
                 c_ks,
                 c_kz,
                 c_kt,
@@ -580,7 +565,7 @@ def _attn_kernel(
         qk16 = (qn * (c_ks / ksn)[None, :]).to(tl.float16)
         # zero-point term minus the 1024 offset of the codes, in one reduction
         zt = tl.sum(qn * c_kz[None, :] - (1024.0 * ksn) * qk16.to(tl.float32), axis=1)
-        kcodes = _codes_f16(c_k0, c_k1, c_k2, c_k3, c_k4, BN, KB, FAST_UNPACK)  # [D, BN]
+        kcodes = _codes_f16(c_k0, c_k1, BN, KB, FAST_UNPACK)  # [D, BN]
         raw = tl.dot(qk16, kcodes)
         s = (raw * ksn + zt[:, None]) * (c_kt[None, :] * qmax[:, None])
         if c_slot >= 0:
@@ -616,7 +601,7 @@ def _attn_kernel(
         vsn = _norm(c_vs)
         pw16 = (p * (c_vs / vsn)[None, :]).to(tl.float16)
         zs = tl.sum(p * c_vz[None, :] - (1024.0 * vsn) * pw16.to(tl.float32), axis=1)
-        vcodes = _codes_f16(c_v0, c_v1, c_v2, c_v3, c_v4, D, VB, FAST_UNPACK)  # [BN, D]
+        vcodes = _codes_f16(c_v0, c_v1, D, VB, FAST_UNPACK)  # [BN, D]
         rawv = tl.dot(pw16, vcodes)
         pv = (rawv * vsn + zs[:, None]) * c_vcs[None, :]
         if c_slot >= 0:

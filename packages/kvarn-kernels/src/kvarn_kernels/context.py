@@ -147,10 +147,10 @@ def _dequant_context_kernel(
             tl.store(OUT_V + dst, vp * 0.5, mask=ok[:, None])
         else:
             # K: codes [D, BT] along tokens; k = (code * k_scale + k_zero) * k_token_scale.
-            k0, k1, k2, k3, k4 = _load_codes(
+            k0, k1 = _load_codes(
                 rec + OFF_KC, 0, D, D, G * KB // 8, c * (BT * KB // 8), BT, KB, K_ORDER, True
             )
-            kc = _codes_f16(k0, k1, k2, k3, k4, BT, KB, FAST_UNPACK).to(tl.float32) - 1024.0
+            kc = _codes_f16(k0, k1, BT, KB, FAST_UNPACK).to(tl.float32) - 1024.0
             ks = tl.load((rec + OFF_KS).to(f16) + dd).to(tl.float32)
             kz = tl.load((rec + OFF_KZ).to(f16) + dd).to(tl.float32)
             kt = tl.load((rec + OFF_KT).to(f16) + tok).to(tl.float32)
@@ -160,10 +160,8 @@ def _dequant_context_kernel(
             k = tl.minimum(tl.maximum(k, -_FP16_MAX), _FP16_MAX)
             tl.store(OUT_K + tl.trans(dst), k.to(tl.float16), mask=ok[None, :])
             # V: codes [BT, D] along channels; v = (code * v_scale + v_zero) * v_channel_scale.
-            v0, v1, v2, v3, v4 = _load_codes(
-                rec + OFF_VC, c * BT, BT, G, D * VB // 8, 0, D, VB, V_ORDER, True
-            )
-            vc = _codes_f16(v0, v1, v2, v3, v4, D, VB, FAST_UNPACK).to(tl.float32) - 1024.0
+            v0, v1 = _load_codes(rec + OFF_VC, c * BT, BT, G, D * VB // 8, 0, D, VB, V_ORDER, True)
+            vc = _codes_f16(v0, v1, D, VB, FAST_UNPACK).to(tl.float32) - 1024.0
             vs = tl.load((rec + OFF_VS).to(f16) + tok).to(tl.float32)
             vz = tl.load((rec + OFF_VZ).to(f16) + tok).to(tl.float32)
             vcs = tl.load((rec + OFF_VCS).to(f16) + dd).to(tl.float32)
