@@ -159,3 +159,37 @@ def test_the_first_engine_gets_more_time_and_candidate_kernels_their_own_rows(
     assert labels == ["auto", "kvarn_k4v2_g128[decode v5]"]
     bs.main([*argv, "--first-timeout", "300"])
     assert limits[2:] == [300, 100]
+
+
+def test_resume_skips_the_rows_already_measured(
+    bs: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--resume`` re-issues a cut-short call unchanged: dtypes with an ``ok`` row in
+    ``--out`` are skipped, a failed one runs again, and the first engine it starts still
+    gets the first engine's time."""
+    started: list[tuple[str, float]] = []
+
+    def fake_run_child(cmd: list[str], env: object, log: Path, limit: float) -> tuple[int, str]:
+        dtype = cmd[cmd.index("--child-dtype") + 1]
+        started.append((dtype, limit))
+        out_file = Path(cmd[cmd.index("--child-out") + 1])
+        if dtype != "turboquant_k3v4_nc":  # that one fails, as a timeout would
+            out_file.write_text(json.dumps({**RESULT, "cache_dtype": dtype}))
+            return 0, "ok"
+        return 1, "Traceback ...\nRuntimeError: timed out\n"
+
+    monkeypatch.setattr(bs.common, "run_child", fake_run_child)
+    monkeypatch.setattr(bs.common, "check_plugin_entry_point", lambda: None)
+    monkeypatch.setattr(bs.common, "gpu_name", lambda: "test")
+    monkeypatch.delenv("KVARN_DECODE_VARIANT", raising=False)
+    out = tmp_path / "bs"
+    argv = ["--dtypes", "auto,turboquant_k3v4_nc,kvarn_k4v2_g128", "--timeout", "100"]
+    argv += ["--out", str(out)]
+    bs.main(argv)
+    assert [d for d, _ in started] == ["auto", "turboquant_k3v4_nc", "kvarn_k4v2_g128"]
+    started.clear()
+    bs.main([*argv, "--resume"])
+    assert started == [("turboquant_k3v4_nc", 220)]
+    started.clear()
+    bs.main(argv)  # without --resume every row runs again
+    assert len(started) == 3

@@ -13,7 +13,9 @@ kernels of every path: first chunk, continuation, decode, flush), untimed.
 Each row is written to ``--out`` as JSON as soon as it finishes, so a run can be split over
 several calls (each engine start costs about 150 s the first time and about 30 s with a warm
 compile cache); the table is rebuilt from every row in ``--out`` and ``results.json`` holds
-them all in one file. ``--write-docs`` replaces the serving section of docs/benchmarks.md
+them all in one file. With ``--resume`` a call skips the dtypes whose row in ``--out`` is
+already ``ok``, so a call that the device's 600 s limit cut short is re-issued unchanged and
+goes on where it stopped (sixteenth session: the full table took four calls). ``--write-docs`` replaces the serving section of docs/benchmarks.md
 with the table (other sections are kept). On the device tool, copy ``results.json`` to
 ``$OUT`` and write the docs here with ``--report``:
 
@@ -432,12 +434,19 @@ def parent_main(args: argparse.Namespace) -> int:
             meta["commands"].append(command)
         meta_path.write_text(json.dumps(meta, indent=2))
         specs = [s for s in args.dtypes.split(",") if s.strip()]
-        for i, spec in enumerate(specs):
+        done = {str(r.get("label")) for r in common.load_rows(out) if r.get("status") == "ok"}
+        started = 0
+        for spec in specs:
             cache_dtype, model_dtype = common.parse_dtype(spec, args.model_dtype)
             label = common.row_label(cache_dtype, model_dtype, args.runner, args.model_dtype)
             decode_variant = os.environ.get("KVARN_DECODE_VARIANT", "").strip()
             if decode_variant and cache_dtype.startswith("kvarn_"):
                 label += f"[decode {decode_variant}]"  # a candidate kernel (kvarn-vllm's env)
+            if args.resume and label in done:
+                print(f"[{label}] already measured in {out} (--resume): skipped", flush=True)
+                continue
+            i = started
+            started += 1
             safe = re.sub(r"[^A-Za-z0-9._-]", "_", label)
             child_out = out / f"child_{safe}.json"
             child_out.unlink(missing_ok=True)
@@ -584,6 +593,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default="bench_serving_out")
     ap.add_argument("--report", action="store_true", help="only rebuild the table from --out")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip the dtypes whose row in --out is already ok (re-issue a call the device's "
+        "time limit cut short, unchanged)",
+    )
     ap.add_argument(
         "--write-docs",
         action="store_true",
