@@ -50,24 +50,61 @@ def test_warmup_runs_every_prefill_op(device: torch.device) -> None:
     assert n == 2 + 3 * len(_token_counts(16, 8)) + 2
 
 
-def test_warmup_compiles_decode_and_verify_for_every_split_count(device: torch.device) -> None:
-    """Decode, and with drafts verify_attention, run once per split count a batch can take
-    (two row counts each), through their argument checks."""
+def test_warmup_compiles_decode_and_verify_for_every_split_count(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode, and with drafts verify_attention, launch once per split count a batch can take
+    (two row counts each). The ops are recorded, not run: test_warmup_runs_every_prefill_op
+    runs a whole warm-up, and the interpreter took 150 s for these server-sized ones (every
+    launch pays for the scratch context of the wide table)."""
+    import importlib
+
     from kvarn_kernels.attention import verify_token_groups
 
+    warmup_module = importlib.import_module("kvarn_kernels.warmup")
+    launches: list[tuple[str, int | None]] = []
+
+    def recorder(name: str) -> Any:
+        def record(*args: Any, **kw: Any) -> None:
+            launches.append((name, kw.get("num_splits")))
+
+        return record
+
+    for name in (
+        "flush_tiles",
+        "flush_token_tiles",
+        "rotate",
+        "write_side_pool",
+        "prefill_attention",
+        "decode_attention",
+        "verify_attention",
+    ):
+        monkeypatch.setattr(warmup_module, name, recorder(name))
     kw: dict[str, Any] = dict(head_dim=64, num_q_heads=8, num_kv_heads=2, device=device)
-    # a 32-block table still takes four split counts (1 to 8) and a quarter of the scratch
-    # context of 128 blocks, which the interpreter pays for in every launch
     server: dict[str, Any] = dict(max_num_seqs=64, block_table_width=32)
-    base = warmup("kvarn_k4v2_g64", **kw) - 2  # without its one decode split
     dev = torch.device(device)
     decode_splits = {choose_decode_splits(b, 2, 32, dev) for b in range(1, 65)}
     assert len(decode_splits) > 1
-    assert warmup("kvarn_k4v2_g64", **kw, **server) == base + 2 * len(decode_splits)
-    n = warmup("kvarn_k4v2_g64", **kw, **server, verify_width=4)
+
+    def run(**extra: Any) -> dict[str, list[int | None]]:
+        launches.clear()
+        n = warmup("kvarn_k4v2_g64", **kw, **server, **extra)
+        assert n == len(launches) - 2  # the direct-flush job rotates its K and V rows first
+        by_op: dict[str, list[int | None]] = {}
+        for op, splits in launches:
+            by_op.setdefault(op, []).append(splits)
+        return by_op
+
+    plain = run()
+    assert sorted(plain["decode_attention"]) == sorted([*decode_splits] * 2)  # type: ignore[type-var]
+    assert "verify_attention" not in plain
+    with_drafts = run(verify_width=4)
     groups = verify_token_groups(8, 2, 4)
     splits = {choose_decode_splits(b * groups, 2, 32, dev) for b in range(1, 65)}
-    assert n == base + 2 * len(decode_splits) + 2 * len(splits)
+    assert sorted(with_drafts["verify_attention"]) == sorted([*splits] * 2)  # type: ignore[type-var]
+    assert with_drafts["decode_attention"] == plain["decode_attention"]
+    assert len(with_drafts["prefill_attention"]) == len(_token_counts(8, 2))
+    assert len(with_drafts["rotate"]) == len(_token_counts(8, 2)) + 2
 
 
 def test_warmup_runs_the_servers_decode_variant(
@@ -86,6 +123,9 @@ def test_warmup_runs_the_servers_decode_variant(
         return real(*args, **kw)
 
     monkeypatch.setattr(warmup_module, "decode_attention", spy)
+    # only decode runs (the whole warm-up runs in test_warmup_runs_every_prefill_op)
+    for name in ("flush_tiles", "flush_token_tiles", "write_side_pool", "prefill_attention"):
+        monkeypatch.setattr(warmup_module, name, lambda *args, **kw: None)
     kw: dict[str, Any] = dict(head_dim=64, num_q_heads=8, num_kv_heads=2, device=device)
     warmup("kvarn_k4v2_g64", **kw, decode_variant="v4d", decode_mma_rows=4)
     assert seen and all(s == {"variant": "v4d", "mma_rows": 4} for s in seen)
