@@ -89,6 +89,10 @@ TEST_GROUPS = {
     # v5f (fifteenth session) alone: v5 with its scales folded out of the operands
     "decode_v5f": ["test_kernels_attention.py", "-k", "variant5f or v5f"],
     "shadow_pool_write": ["test_kernels_rotation.py", "-k", "shadow"],
+    # 5-bit codes (sixteenth session: read as two 32-bit words per 8-code group) in decode,
+    # verify and prefill with context at real sizes (the context dequantization's cases are
+    # in "dequant")
+    "codes5": ["test_kernels_attention.py", "-k", "k5v5"],
     # verify_attention (seventh session): the fused verify pass against the reference and
     # against one decode row per token, every variant.
     "verify": ["test_kernels_attention.py", "-k", "verify"],
