@@ -109,9 +109,11 @@ WORKLOAD_DEFAULTS = {
     "agents": {"prompt_len": 4096, "output_len": 128},
 }
 #: What issue 4's table needs in one run: fp16, fp8 (bf16 model: vLLM's FA3 fp8 path needs
-#: it), TurboQuant's k3v4_nc preset and every dense KVarN format. About 40 minutes of H200
-#: time in all (TurboQuant's timed run alone ~4 min): split it over device calls with
-#: ``--dtypes`` and merge the folders with ``--report``.
+#: it), TurboQuant's k3v4_nc preset and every dense KVarN format. Measured walls per row on
+#: an H200 (sixteenth session): fp16 296 s as a fresh machine's first engine, KVarN 160-173
+#: s, TurboQuant 326 s with warm caches and ~480 s without (217 s of start-up: its Triton
+#: kernels compile during graph capture), so ~2,000 s in all: split it over device calls
+#: (each at most 600 s) with ``--dtypes`` and ``--resume`` into one ``--out``.
 DEFAULT_DTYPES = ",".join(
     (
         "auto",
