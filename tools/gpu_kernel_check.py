@@ -88,6 +88,8 @@ TEST_GROUPS = {
     "decode_v5": ["test_kernels_attention.py", "-k", "variant5 or v5"],
     # v5f (fifteenth session) alone: v5 with its scales folded out of the operands
     "decode_v5f": ["test_kernels_attention.py", "-k", "variant5f or v5f"],
+    # v6 (sixteenth session) alone: v5 transposed, the tokens in the MMA's M
+    "decode_v6": ["test_kernels_attention.py", "-k", "variant6 or v6"],
     "shadow_pool_write": ["test_kernels_rotation.py", "-k", "shadow"],
     # 5-bit codes (sixteenth session: read as two 32-bit words per 8-code group) in decode,
     # verify and prefill with context at real sizes (the context dequantization's cases are

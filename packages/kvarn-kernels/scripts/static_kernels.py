@@ -159,7 +159,9 @@ def variant(name: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", help="substring of the variant names to run")
+    ap.add_argument(
+        "--only", help="substring of the variant names to run (a comma list: any of them)"
+    )
     ap.add_argument("--sass", type=Path, help="write each variant's SASS here")
     ap.add_argument(
         "--whole",
@@ -189,7 +191,7 @@ def _analysed(args: argparse.Namespace, width: int) -> Iterator[tuple[str, dict[
     import static_variants
 
     for name, fn in static_variants.VARIANTS.items():
-        if args.only and args.only not in name:
+        if args.only and not any(part in name for part in args.only.split(",")):
             continue
         try:
             r = analyse(fn(), args.sass, name)

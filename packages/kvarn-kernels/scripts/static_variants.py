@@ -433,3 +433,30 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
 variant("decode_v5f kvarn_k4v2_g128 d128 qpk4 w1 s2 lazy")(
     lambda: _decode_v5("kvarn_k4v2_g128", warps=1, stages=2, fold=True, lazy=True)
 )
+
+
+def _decode_v6(name: str, qpk: int = 4, warps: int = 1, stages: int = 2) -> Any:
+    """The Gluon v6 main loop (:mod:`kvarn_kernels.decode_v6`: tokens in the MMA's M) at
+    Qwen3-8B's decode shape."""
+    from kvarn_kernels.decode_v6 import decode_v6_kernel
+
+    geo = _geo(name)
+    consts = {
+        "HQ": 8 * qpk,
+        "HK": 8,
+        "QPK": qpk,
+        "D": 128,
+        "G": geo.group,
+        "VB": geo.value_bits,
+        "STRIDE": geo.record_stride,
+        **{k: v for k, v in geo.offsets().items() if k.startswith("OFF_")},
+        "NUM_SPLITS": 2,
+        "W": warps,
+        "STAGES": stages,
+    }
+    return compile_kernel(decode_v6_kernel, DECODE_SIG, consts, warps)
+
+
+# v6 (sixteenth session, not yet run on a GPU): v5 transposed, tokens in the MMA's M
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
+    variant(f"decode_v6 {_n} d128 qpk4 w1 s2")(lambda _n=_n: _decode_v6(_n))

@@ -65,7 +65,7 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
     return build_case(*args, **kw)  # type: ignore[arg-type]
 
 
-VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f"]
+VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6"]
 VARIANT_IDS = [f"variant{v[1:]}" for v in VARIANTS]
 # v4d and v5 (the pool phase in a launch of its own) are decode only
 VERIFY_VARIANTS = [v for v in VARIANTS if v not in POOL_SPLIT_VARIANTS]
@@ -703,7 +703,7 @@ def test_decode_attention_mma_rows(
         ("v4_prefetch", "applies to variant='v1' only"),
         (
             "v1_stages",
-            "num_stages applies to the variants \\('v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f'\\)",
+            "num_stages applies to the variants \\('v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f', 'v6'\\)",
         ),
         ("v1_mma_rows", "mma_rows applies to the variants \\('v4', 'v4b', 'v4c', 'v4d'\\) only"),
         ("v1_max_registers", "max_registers applies to the variants"),
@@ -712,7 +712,8 @@ def test_decode_attention_mma_rows(
         ("mma_rows_odd", "mma_rows must be a power of two"),
         (
             "v3_removed",
-            "variant must be 'auto' or one of \\('v1', 'v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f'\\)",
+            "variant must be 'auto' or one of "
+            "\\('v1', 'v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f', 'v6'\\)",
         ),
     ],
 )
@@ -1356,6 +1357,10 @@ def test_decode_v5_gqa_ratios_and_shadow_rows(
     def run(case: PagedCase) -> torch.Tensor:
         return decode_attention(*case.decode_args(name, q, scale), num_splits=7, variant=variant)
 
+    if variant == "v6" and hq // hk > 8:  # v6's 8 query columns
+        with pytest.raises(ValueError, match="takes up to 8 query heads per KV head"):
+            run(case_with(0))
+        return
     _check_reference_and_shadow_twin(
         name, r, case_with, run, lambda c: decode_attention_ref(*c.decode_args(name, q, scale))
     )
@@ -1405,6 +1410,7 @@ def test_decode_v5_extreme_magnitudes(
     ("change", "message"),
     [
         ("gqa_32", "up to 16 query heads per KV head"),
+        ("v6_gqa_16", "variant='v6' takes up to 8 query heads per KV head"),
         ("mma_rows", "mma_rows applies to the variants"),
         ("num_stages", "pipelines \\(2, 3\\) stages"),
         ("num_warps", "warps per program"),
@@ -1420,13 +1426,16 @@ def test_decode_v5_validation(device: torch.device, change: str, message: str) -
     kw: dict[str, Any] = {"variant": "v5"}
     if change == "gqa_32":
         hq, hk = 32, 1
+    elif change == "v6_gqa_16":
+        hq, hk = 32, 2
+        kw["variant"] = "v6"
     elif change == "head_dim_64":
         d = 64
     elif change == "k5v5":
         name = "kvarn_k5v5_g64"
     else:
         kw[change] = 8 if change != "num_stages" else 4
-    if INTERPRET and change in ("gqa_32", "mma_rows", "num_stages", "num_warps"):
+    if INTERPRET and change in ("gqa_32", "v6_gqa_16", "mma_rows", "num_stages", "num_warps"):
         message = "Triton interpreter"
     case = shared_case(name, d, hk, [parse_cache_dtype(name).group + 1], device=device, seed=0)
     q = torch.zeros(1, hq, d, dtype=torch.float16, device=device)
@@ -1435,32 +1444,34 @@ def test_decode_v5_validation(device: torch.device, change: str, message: str) -
 
 
 def test_decode_v5_compiles_for_sm90() -> None:
-    """v5 compiles for sm_90a here, without a GPU: Gluon has no interpreter, so on the CPU
-    this is the test that catches a kernel the compiler rejects. ``static_kernels.py`` (in a
-    process of its own: this one runs the interpreter, under which Gluon's library functions
-    do not compile) counts each format's loop: the 128 ``m16n8k16`` MMAs of a 64-token chunk
-    per warp (2 x 8 for the scores, 2 x 4 fields x 8 for ``P V`` at k4v2; 2 x 2 x 16 at
-    k4v4), the pipeline's barriers, and no more than a few spilled registers."""
+    """v5 and v6 compile for sm_90a here, without a GPU: Gluon has no interpreter, so on the
+    CPU this is the test that catches a kernel the compiler rejects. ``static_kernels.py``
+    (in a process of its own: this one runs the interpreter, under which Gluon's library
+    functions do not compile) counts each format's loop: v5's 128 ``m16n8k16`` MMAs of a
+    64-token chunk per warp (2 x 8 for the scores, 2 x 4 fields x 8 for ``P V`` at k4v2; 2 x
+    2 x 16 at k4v4), v6's 64 (its tokens in M), the pipeline's barriers, and no more than a
+    few spilled registers."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "static_kernels.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
-        [sys.executable, str(script), "--only", "decode_v5"],
+        [sys.executable, str(script), "--only", "decode_v5,decode_v6"],
         capture_output=True,
         text=True,
         env=env,
         timeout=600,
         check=True,
     )
-    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("decode_v5")]
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("decode_v")]
     # three formats; 2 and 1 warps, and 3 stages at 4 and 1 warps, at k4v2_g128; v5f at the
-    # three formats (152 MMAs: 24 more for its per-row terms) and lazily rescaled at one
-    assert len(rows) == 11, run.stdout + run.stderr
+    # three formats (152 MMAs: 24 more for its per-row terms) and lazily rescaled at one; v6
+    # at the three formats
+    assert len(rows) == 14, run.stdout + run.stderr
     for row in rows:
         assert "FAILED" not in row, " ".join(row)
         # name (6 words, 7 with "lazy"), regs, spill, smem, loop, BAR, LDS/STS, SHFL, MMA, LDG
         counts = row[7:] if row[6] == "lazy" else row[6:]
         _regs, spill, _smem, loop, bar, _lds, _shfl, mma, _ldg = (int(x) for x in counts)
-        assert mma == (152 if row[0] == "decode_v5f" else 128), row
+        assert mma == {"decode_v5": 128, "decode_v5f": 152, "decode_v6": 64}[row[0]], row
         assert bar <= 4, row
         assert spill <= 256, row
         assert loop < 2000, row

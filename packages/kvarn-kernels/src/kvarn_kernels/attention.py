@@ -85,11 +85,13 @@ __all__ = [
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
-DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f")
+DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6")
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
 V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
-#: The variants that run :mod:`kvarn_kernels.decode_v5` (``"v5f"``: its folded scales).
-V5_VARIANTS = ("v5", "v5f")
+#: The Gluon variants with v5's copies, split counts and pool-phase launch:
+#: :mod:`kvarn_kernels.decode_v5` (``"v5f"``: its folded scales) and
+#: :mod:`kvarn_kernels.decode_v6` (``"v6"``: tokens in the MMA's M).
+V5_VARIANTS = ("v5", "v5f", "v6")
 #: The variants written in Gluon, which Triton's interpreter cannot run (GPU only).
 GPU_ONLY_DECODE_VARIANTS = V5_VARIANTS
 #: The variants whose pool phase runs in a launch of its own (a partial more to merge).
@@ -897,16 +899,22 @@ def _launch_v5(
     max_registers: int | None,
     num_warps: int | None,
     num_stages: int | None,
-    fold: bool = False,
+    variant: str = "v5",
 ) -> None:
-    """The v5 main loop (:mod:`kvarn_kernels.decode_v5`) into partials ``0 .. num_splits -
-    1``; the pool phase follows as v4d's (partial ``num_splits``). ``max_registers`` caps the
-    main loop's registers per thread (``maxnreg``); ``num_warps``: warps per program (default
-    ``V5_WARPS``); ``num_stages``: pipeline stages (default 2); ``fold``: ``variant="v5f"``."""
+    """The main loop of ``variant`` (:data:`V5_VARIANTS`: :mod:`kvarn_kernels.decode_v5`,
+    ``"v5f"`` its folded form, ``"v6"`` :mod:`kvarn_kernels.decode_v6`) into partials ``0 ..
+    num_splits - 1``; the pool phase follows as v4d's (partial ``num_splits``).
+    ``max_registers`` caps the main loop's registers per thread (``maxnreg``);
+    ``num_warps``: warps per program (default ``V5_WARPS``); ``num_stages``: pipeline stages
+    (default 2)."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
+    from kvarn_kernels.decode_v6 import decode_v6_kernel
 
     offsets = {k: v for k, v in geo.offsets().items() if k.startswith("OFF_")}
-    decode_v5_kernel[(int(block_table.shape[0]), hk, num_splits)](
+    kernel, options = decode_v5_kernel, {"FOLD": variant == "v5f"}
+    if variant == "v6":
+        kernel, options = decode_v6_kernel, {}
+    kernel[(int(block_table.shape[0]), hk, num_splits)](
         q_rot,
         kv_cache,
         block_table,
@@ -929,7 +937,7 @@ def _launch_v5(
         NUM_SPLITS=num_splits,
         W=num_warps or V5_WARPS,
         STAGES=num_stages or 2,
-        FOLD=fold,
+        **options,
         num_warps=num_warps or V5_WARPS,
         **({} if max_registers is None else {"maxnreg": max_registers}),
     )
@@ -997,7 +1005,7 @@ def _launch(
             max_registers,
             num_warps,
             num_stages,
-            fold=variant == "v5f",
+            variant,
         )
     if variant in V4_VARIANTS or variant in V5_VARIANTS:
         _launch_v4(
@@ -1337,7 +1345,10 @@ def decode_attention(
             apply to its main loop. ``"v5f"`` (experimental): v5 with the raw codes as MMA
             operands, K's channel scales folded into the query and V's token scales into
             the probabilities, their zeros and magics into per-row terms (0.81x v5's loop
-            instructions at one warp, static count).
+            instructions at one warp, static count). ``"v6"`` (experimental, not yet run on
+            a GPU; :mod:`kvarn_kernels.decode_v6`): v5 with both MMAs transposed, the tokens
+            in the MMA's M, up to 8 query heads per KV head (half v5's MMAs, 168 registers
+            instead of 231 at one warp, static count).
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads
             (default: the launch config's, 2 at head dim 128, 1 from 256:
             ``decode_v4.decode_v4_config``).
@@ -1424,7 +1435,7 @@ def _default_splits(
     v5's factor for its warps per program."""
     factor = 1
     if variant in V5_VARIANTS:
-        factor = _v5_split_factor(num_q_heads // num_kv_heads, block_n, num_warps)
+        factor = _v5_split_factor(num_q_heads // num_kv_heads, block_n, num_warps, variant)
     return factor * choose_decode_splits(batch, num_kv_heads, max_blocks, device)
 
 
@@ -1449,7 +1460,9 @@ def max_decode_partials(
         candidates = ("v4c", "v5") if qpk <= 16 else ("v4c",)
     splits = decode_splits_for_sms(batch, num_kv_heads, max_blocks, max_sms)
     return max(
-        decode_partials(v, splits * (_v5_split_factor(qpk, None, None) if v in V5_VARIANTS else 1))
+        decode_partials(
+            v, splits * (_v5_split_factor(qpk, None, None, v) if v in V5_VARIANTS else 1)
+        )
         for v in candidates
     )
 
@@ -1550,54 +1563,66 @@ def _resolve_decode_variant(
             f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
         )
     if variant in V5_VARIANTS:
-        _check_v5(geo, num_stages, mma_rows)
+        _check_v5(geo, num_stages, mma_rows, variant)
     return variant
 
 
-def _v5_split_factor(qpk: int, block_n: int | None, num_warps: int | None) -> int:
-    """Check a v5 launch's shape options (``ValueError``) and return the factor on its default
-    split count: ``V5_SPLIT_WARPS / num_warps``, so that as many warps are in flight as the
-    split rule's 4-warp programs give."""
+def _v5_split_factor(
+    qpk: int, block_n: int | None, num_warps: int | None, variant: str = "v5"
+) -> int:
+    """Check a launch's shape options for ``variant`` (one of :data:`V5_VARIANTS`;
+    ``ValueError``) and return the factor on its default split count: ``V5_SPLIT_WARPS /
+    num_warps``, so that as many warps are in flight as the split rule's 4-warp programs
+    give."""
     from kvarn_kernels.decode_v5 import V5_SPLIT_WARPS, V5_WARP_COUNTS, V5_WARPS
+    from kvarn_kernels.decode_v6 import V6_MAX_QPK
 
-    if qpk > 16:
+    most = V6_MAX_QPK if variant == "v6" else 16
+    if qpk > most:
         raise ValueError(
-            f"variant='v5' takes up to 16 query heads per KV head, got {qpk}: use variant='v4c'"
+            f"variant={variant!r} takes up to {most} query heads per KV head, got {qpk}: use "
+            "variant='v4c'"
         )
     if block_n is not None:
-        raise ValueError("block_n does not apply to variant='v5' (64-token chunks)")
+        raise ValueError(f"block_n does not apply to variant={variant!r} (64-token chunks)")
     if num_warps is not None and num_warps not in V5_WARP_COUNTS:
         raise ValueError(
-            f"variant='v5' runs {V5_WARP_COUNTS} warps per program, got num_warps={num_warps}"
+            f"variant={variant!r} runs {V5_WARP_COUNTS} warps per program, got "
+            f"num_warps={num_warps}"
         )
     return V5_SPLIT_WARPS // (num_warps or V5_WARPS)
 
 
-def _check_v5(geo: DenseGeometry, num_stages: int | None, mma_rows: int | None) -> None:
-    """Raise ``ValueError`` where ``variant="v5"`` (:mod:`kvarn_kernels.decode_v5`) does not
-    apply: its head dims, the in-cache code order, a GPU (Gluon has no interpreter), its
-    stage counts, ``mma_rows`` (v5's tile has the MMA's 16 rows)."""
+def _check_v5(
+    geo: DenseGeometry, num_stages: int | None, mma_rows: int | None, variant: str = "v5"
+) -> None:
+    """Raise ``ValueError`` where ``variant`` (one of :data:`V5_VARIANTS`, the Gluon kernels)
+    does not apply: its head dims, the in-cache code order, a GPU (Gluon has no
+    interpreter), its stage counts, ``mma_rows`` (v5's tile has the MMA's 16 rows)."""
     from kvarn_kernels.decode_v5 import V5_HEAD_DIMS, V5_STAGES
 
+    name = repr(variant)
     if geo.head_dim not in V5_HEAD_DIMS:
         raise ValueError(
-            f"variant='v5' is written for head dims {V5_HEAD_DIMS}, got {geo.head_dim}: use "
+            f"variant={name} is written for head dims {V5_HEAD_DIMS}, got {geo.head_dim}: use "
             "variant='v4c'"
         )
     if (geo.k_order, geo.v_order) != (CodeOrder.TRANSPOSED, CodeOrder.PARITY):
         raise ValueError(
-            f"variant='v5' reads the in-cache code order (docs/format.md §7.1), which "
+            f"variant={name} reads the in-cache code order (docs/format.md §7.1), which "
             f"{geo.fmt.name} does not use: use variant='v4c'"
         )
     if triton_interpret():  # GPU_ONLY_DECODE_VARIANTS
         raise ValueError(
-            "variant='v5' is a Gluon kernel, which the Triton interpreter (TRITON_INTERPRET=1) "
+            f"variant={name} is a Gluon kernel, which the Triton interpreter (TRITON_INTERPRET=1) "
             "cannot run: use variant='v4c'"
         )
     if mma_rows is not None:
-        raise ValueError(f"mma_rows applies to the variants {V4_VARIANTS} only, not 'v5'")
+        raise ValueError(f"mma_rows applies to the variants {V4_VARIANTS} only, not {name}")
     if num_stages is not None and num_stages not in V5_STAGES:
-        raise ValueError(f"variant='v5' pipelines {V5_STAGES} stages, got num_stages={num_stages}")
+        raise ValueError(
+            f"variant={name} pipelines {V5_STAGES} stages, got num_stages={num_stages}"
+        )
 
 
 def _check_varlen(

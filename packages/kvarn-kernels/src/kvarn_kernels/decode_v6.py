@@ -1,0 +1,396 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Gluon JIT kernels are untyped by nature.)
+"""Decode attention v6: v5's loop transposed, tokens in the MMA's M dimension.
+
+v5 (:mod:`kvarn_kernels.decode_v5`) puts the query rows in the ``mma.m16n8k16`` M dimension:
+at Qwen3-8B's 4 query heads per KV head, 12 of its 16 rows are padding, in every score and
+``P V`` MMA, in the score registers and in the softmax. Here both products are transposed,
+
+* scores ``S^T = K Q^T``: the K codes of a chunk's 32 token pairs (one parity) are the A
+  operand ``[32 pairs, D]``, the query the B operand ``[D, 8]`` (8 columns: up to 8 query
+  heads per KV head);
+* outputs ``O^T = V^T P^T``: the V codes of one field are the A operand ``[NC channels, 32
+  pairs]``, the probabilities the B operand ``[32 pairs, 8]``;
+
+so the MMAs per 64-token step halve (64 instead of 128 at k4v2_g128) and so do the score values
+per lane (16 instead of 32). The code words unpack into operand registers as in v5: an A
+fragment holds, for rows ``g`` and ``g + 8``, what the B fragments of columns ``g`` and ``g +
+8`` hold, so v5's relabellings (:func:`kvarn_kernels.decode_v5._perm16`) and its shared-memory
+copies carry over unchanged (:func:`_operand_a` is :func:`kvarn_kernels.decode_v5._operand`
+with the other permutation). New is the probabilities' way from the score accumulator (C
+layout: a lane holds pairs ``g, g + 8, ...`` at query columns ``2t, 2t + 1``) to the B operand
+(pairs ``2t, 2t + 1, ...`` at column ``g``), a layout conversion the compiler does with lane
+shuffles, and the softmax, which reduces over the tokens, now along M (three shuffle rounds
+per column pair and step).
+
+Numerics as v5 (the same halved operands, fp32 scores and accumulators). GPU only (Gluon has
+no interpreter); 4-bit keys with 2- or 4-bit values, head dim 128, the in-cache code order, up
+to 8 query heads per KV head. Experimental (``variant="v6"``): compiled and counted on the CPU
+(docs/kernel-notes.md, sixteenth session), not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon  # type: ignore[import-untyped]
+from triton.experimental.gluon import language as gl  # type: ignore[import-untyped]
+from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[import-untyped]
+    async_copy,
+    mma_v2,
+)
+
+from kvarn_kernels.decode_v5 import (
+    _HALVES,
+    _PAIRS_OF_QUAD,
+    _PARITIES_OF_QUADS,
+    _QUARTERS,
+    _UNPACK2,
+    _UNPACK4,
+    _axis,
+    _chunk,
+    _copy_meta,
+    _halves,
+    _issue,
+    _k_vector,
+    _perm16,
+)
+
+__all__ = ["V6_MAX_QPK", "decode_v6_kernel"]
+
+#: Query heads per KV head v6 takes: the 8 columns of one ``m16n8k16`` N tile.
+V6_MAX_QPK = 8
+
+
+@gluon.jit
+def _operand_a(r0, r1, W: gl.constexpr, M: gl.constexpr, K: gl.constexpr, layout: gl.constexpr):
+    """fp16x2 registers ``[W, M, K / 4]`` of bytes (0, 2) and (1, 3) of each word as the ``[W,
+    M, K]`` A operand (``k = 16 kt + 8 b + 2 t + h`` for word ``4 kt + t``, half ``h`` of
+    ``r_b``), as :func:`kvarn_kernels.decode_v5._operand` builds the B operand."""
+    x = gl.join(_halves(r0), _halves(r1))  # [W, m, word, h, b]
+    x = gl.reshape(x, [W, M, K // 16, 4, 2, 2])
+    x = gl.reshape(gl.permute(x, [0, 1, 2, 5, 3, 4]), [W, M, K])
+    return gl.convert_layout(x, layout)
+
+
+@gluon.jit
+def _pv_t(x, magic: gl.constexpr, vs, vz, pb, acc, NC: gl.constexpr, W: gl.constexpr, aop):
+    """``acc + V^T P^T`` of one field and parity: fp16x2 code registers ``x = (f, g)``
+    dequantized as ``(x - magic) * vs + vz`` (per token, along k) against the probabilities
+    ``pb`` (B operand)."""
+    f, g = x
+    a = (_operand_a(f, g, W, NC, 32, aop) - magic) * vs + vz
+    return mma_v2(a, pb, acc)
+
+
+@gluon.jit
+def _field_t(acc, a3, pb, codes, magic: gl.constexpr, vc, terms, zero, NC: gl.constexpr, W, aop):
+    """A V field's ``[W, NC, 8]`` accumulator after a step: rescaled by ``a3`` (per query
+    column), plus both parities' ``V^T P^T`` (one MMA chain) in the field's channel scales
+    ``vc`` (per row). ``codes``: the field's registers of bytes (0, 2) and (1, 3), even then
+    odd; ``terms``: the operands' scales and zeros (``vs_e, vz_e, vs_o, vz_o``)."""
+    pb_e, pb_o = pb
+    fe, ge, fo, go = codes
+    vs_e, vz_e, vs_o, vz_o = terms
+    pv = _pv_t((fe, ge), magic, vs_e, vz_e, pb_e, zero, NC, W, aop)
+    pv = _pv_t((fo, go), magic, vs_o, vz_o, pb_o, pv, NC, W, aop)
+    return acc * a3 + pv * vc.to(gl.float32)
+
+
+@gluon.jit
+def decode_v6_kernel(
+    Q,
+    KV,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    BLOCK_TO_SLOT,
+    O_PART,
+    LSE_PART,
+    qk_scale,
+    stride_bt,
+    n_rows_total,
+    q_rows,
+    HQ: gl.constexpr,
+    HK: gl.constexpr,
+    QPK: gl.constexpr,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    VB: gl.constexpr,
+    STRIDE: gl.constexpr,
+    OFF_KC: gl.constexpr,
+    OFF_KS: gl.constexpr,
+    OFF_KZ: gl.constexpr,
+    OFF_KT: gl.constexpr,
+    OFF_VC: gl.constexpr,
+    OFF_VCS: gl.constexpr,
+    OFF_VS: gl.constexpr,
+    OFF_VZ: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    W: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One program per (request, KV head, split), ``W`` warps, 64 tokens per warp and step,
+    as :func:`kvarn_kernels.decode_v5.decode_v5_kernel` (same grid, copies, partial outputs
+    and LSE; the pool phase is v4d's launch), with both MMAs transposed."""
+    gl.static_assert(W == 1 or W == 2 or W == 4, "v6 runs 1, 2 or 4 warps per program")
+    gl.static_assert(STAGES == 2 or STAGES == 3, "v6 pipelines 2 or 3 stages")
+    gl.static_assert(D == 128, "v6 is written for head dim 128")
+    gl.static_assert(VB == 2 or VB == 4, "v6 takes 2- or 4-bit values")
+    gl.static_assert(QPK <= 8, "v6 takes up to 8 query heads per KV head")
+    VG: gl.constexpr = 8 // VB  # V fields per byte
+    NC: gl.constexpr = D // VG  # byte columns of a V row (channels per field)
+    NCH: gl.constexpr = G // 64  # chunks per block
+    NQ: gl.constexpr = 8  # query columns
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8]
+    )
+    aop: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    bop: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    words: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 1, 1],
+        threads_per_warp=[1, 8, 4],
+        warps_per_cta=[W, 1, 1],
+        order=[2, 1, 0],
+    )
+    k_copy: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 1, 4],
+        threads_per_warp=[1, 4, 8],
+        warps_per_cta=[W, 1, 1],
+        order=[2, 1, 0],
+    )
+    v_copy: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 1, 4],
+        threads_per_warp=[1, 16, 2],
+        warps_per_cta=[W, 1, 1],
+        order=[2, 1, 0],
+    )
+    s_copy: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[W, 1], order=[1, 0]
+    )
+    k_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0])
+    v_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=2, order=[2, 1, 0])
+    avec: gl.constexpr = gl.SliceLayout(1, aop)  # [W, K] along the A operand's k
+    quads: gl.constexpr = gl.SliceLayout(1, words)  # [W, words] as lane t holds them
+    rows_l: gl.constexpr = gl.SliceLayout(2, mma)  # [W, M] along the accumulators' rows
+    cols_l: gl.constexpr = gl.SliceLayout(1, mma)  # [W, 8] along the query columns
+
+    b = gl.program_id(0)
+    h = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(SEQ_LENS + b)
+
+    # the query, column-normalized, as the B operand [W, D, 8] in the _perm16 channel order
+    qc = _axis(NQ, 2, bop)
+    q_ok = qc < q_rows
+    q_ptr = Q + (b.to(gl.int64) * HQ + h * QPK + qc) * D + _perm16(_axis(D, 1, bop))
+    q = gl.load(q_ptr + 0 * _axis(W, 0, bop), mask=q_ok, other=0.0) * qk_scale
+    qmax = gl.max(gl.abs(q), axis=1)  # [W, 8]
+    qmax = gl.where(qmax > 0, qmax, 1.0)
+    q16 = (q / gl.expand_dims(qmax, 1)).to(gl.float16)
+    col_scale2 = gl.convert_layout(qmax, cols_l) * 2.0  # the scores' column factor, K's halving
+    col_scale = gl.expand_dims(col_scale2, 1)  # [W, 1, 8]
+
+    n_blocks = gl.cdiv(seq_len, G)
+    # the split's blocks as attention._split_blocks gives them to v4's pool phase
+    if NUM_SPLITS > 1:
+        per = gl.cdiv(n_blocks, NUM_SPLITS)
+        blk_lo = split * per
+        blk_hi = gl.minimum(blk_lo + per, n_blocks)
+    else:
+        blk_lo = 0
+        blk_hi = n_blocks
+    ch_lo = blk_lo * NCH
+    ch_hi = gl.maximum(blk_hi, blk_lo) * NCH
+    n_it = gl.cdiv(ch_hi - ch_lo, W)
+    bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
+
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    vc_dtype: gl.constexpr = gl.int64 if VG == 4 else gl.int32
+    bufs = (
+        gl.allocate_shared_memory(gl.int32, [STAGES, W, 32, D // 4], k_smem),
+        gl.allocate_shared_memory(gl.int32, [STAGES, W, 2 * NC, 8], v_smem),
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_scale, quads
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_zero
+        gl.allocate_shared_memory(gl.int32, [STAGES, W, 32], flat),  # k_token_scale, pair words
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_scale, pairs 4q, 4q + 1
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_scale, pairs 4q + 2, 4q + 3
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_zero, as v_scale
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),
+        gl.allocate_shared_memory(vc_dtype, [STAGES, W, NC], flat),  # v_channel_scale by column
+    )
+    k_buf, v_buf, ks_buf, kz_buf, kt_buf, vsa_buf, vsb_buf, vza_buf, vzb_buf, vc_buf = bufs
+    walk = (KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi)
+    geo: gl.constexpr = (W, HK, NCH, STRIDE)
+    offs: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
+    copies: gl.constexpr = (k_copy, v_copy, s_copy)
+    for st in gl.static_range(STAGES - 1):
+        _issue(st, _copy_meta(st, walk, geo, copies), bufs, D, G, NC, VG, offs, copies)
+    meta = _copy_meta(STAGES - 1, walk, geo, copies)
+    warp_s = _axis(W, 0, mma)
+    _r, bi, c, packed = _chunk(0, warp_s, walk, geo)
+
+    pair_m = _perm16(_axis(32, 1, mma))  # score row m: token pair _perm16(m) of the chunk
+    out_row = _axis(NC, 1, mma)  # [1, NC, 1]: byte column of V, the outputs' m
+
+    m = gl.full([W, NQ], float("-inf"), gl.float32, cols_l)
+    l_acc = gl.zeros([W, NQ], gl.float32, cols_l)
+    zero = gl.zeros([W, NC, NQ], gl.float32, mma)
+    zero_s = gl.zeros([W, 32, NQ], gl.float32, mma)
+    acc0 = zero
+    acc1 = zero
+    acc2 = zero
+    acc3 = zero
+    for it in range(n_it):
+        _issue((it + STAGES - 1) % STAGES, meta, bufs, D, G, NC, VG, offs, copies)
+        meta = _copy_meta(it + STAGES, walk, geo, copies)
+        _r, bi_next, c_next, packed_next = _chunk(it + 1, warp_s, walk, geo)
+
+        async_copy.wait_group(STAGES - 1)
+        stage = it % STAGES
+        kw = k_buf.index(stage).load(words)  # [W, 32, D / 4]
+        vw = v_buf.index(stage).load(words)  # [W, 2 NC, 8]
+        ks0, ks1 = gl.inline_asm_elementwise(
+            _PAIRS_OF_QUAD,
+            "=r,=r,l",
+            [ks_buf.index(stage).load(quads)],
+            dtype=(gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+        kz0, kz1 = gl.inline_asm_elementwise(
+            _PAIRS_OF_QUAD,
+            "=r,=r,l",
+            [kz_buf.index(stage).load(quads)],
+            dtype=(gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+        ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)  # [W, 1, D]
+        kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
+        ktw = gl.expand_dims(kt_buf.index(stage).load(rows_l), 2)  # [W, 32, 1]
+        kt_e, kt_o = gl.inline_asm_elementwise(
+            _HALVES, "=h,=h,r", [ktw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
+        )
+        se0, so0, se1, so1 = gl.inline_asm_elementwise(
+            _PARITIES_OF_QUADS,
+            "=r,=r,=r,=r,l,l",
+            [vsa_buf.index(stage).load(quads), vsb_buf.index(stage).load(quads)],
+            dtype=(gl.int32,) * 4,
+            is_pure=True,
+            pack=1,
+        )
+        ze0, zo0, ze1, zo1 = gl.inline_asm_elementwise(
+            _PARITIES_OF_QUADS,
+            "=r,=r,=r,=r,l,l",
+            [vza_buf.index(stage).load(quads), vzb_buf.index(stage).load(quads)],
+            dtype=(gl.int32,) * 4,
+            is_pure=True,
+            pack=1,
+        )
+        vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, avec), 1)  # [W, 1, 32]
+        vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, avec), 1)
+        vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, avec), 1) * 0.5
+        vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, avec), 1) * 0.5
+        vcw = gl.expand_dims(vc_buf.index(stage).load(rows_l), 2)  # [W, NC, 1]
+        if VG == 4:
+            vc0, vc1, vc2, vc3 = gl.inline_asm_elementwise(
+                _QUARTERS,
+                "=h,=h,=h,=h,l",
+                [vcw],
+                dtype=(gl.float16,) * 4,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            vc0, vc1 = gl.inline_asm_elementwise(
+                _HALVES, "=h,=h,r", [vcw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
+            )
+
+        # --- scores [W, 32 pairs, 8 columns] of the even and odd tokens of the chunk ---
+        lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
+            _UNPACK4, "=r,=r,=r,=r,r", [kw], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
+        k_e = (_operand_a(lo0, lo1, W, 32, D, aop) - 512.0) * ks + kz
+        s_e = mma_v2(k_e, q16, zero_s)
+        k_o = (_operand_a(hi0, hi1, W, 32, D, aop) - 32.0) * ks + kz
+        s_o = mma_v2(k_o, q16, zero_s)
+        pos = (bi * G + c * 64 + 2 * pair_m).to(gl.int32)  # [W, 32, 1], the even token
+        s_e = gl.where(packed & (pos < seq_len), s_e * kt_e.to(gl.float32), float("-inf"))
+        s_o = gl.where(packed & (pos + 1 < seq_len), s_o * kt_o.to(gl.float32), float("-inf"))
+
+        # --- online softmax over the tokens (M), per query column ---
+        s_max = gl.maximum(gl.max(s_e, axis=1), gl.max(s_o, axis=1))  # [W, 8]
+        m_new = gl.maximum(m, s_max * col_scale2)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m - m_use)
+        m3 = gl.expand_dims(m_use, 1)
+        p_e = gl.exp2(gl.fma(s_e, col_scale, -m3))
+        p_o = gl.exp2(gl.fma(s_o, col_scale, -m3))
+        l_acc = l_acc * alpha + gl.sum(p_e + p_o, axis=1)
+        m = m_new
+        # the probabilities from the accumulator layout to the B operand's (lane shuffles;
+        # a movmatrix.trans per 8 x 8 block with relabelled registers counted 21 fewer
+        # instructions, not worth a layout claim no interpreter can check)
+        pb = (
+            gl.convert_layout(p_e.to(gl.float16), bop),
+            gl.convert_layout(p_o.to(gl.float16), bop),
+        )
+        a3 = gl.expand_dims(alpha, 1)  # [W, 1, 8]
+
+        # --- V^T P^T [W, NC, 8] per V field, both parities into one MMA chain ---
+        terms = (vs_e, vz_e, vs_o, vz_o)
+        v_e, v_o = gl.split(gl.permute(gl.reshape(vw, [W, 2, NC, 8]), [0, 2, 3, 1]))
+        if VG == 4:
+            e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+                _UNPACK2,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r",
+                [v_e],
+                dtype=(gl.int32,) * 8,
+                is_pure=True,
+                pack=1,
+            )
+            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+                _UNPACK2,
+                "=r,=r,=r,=r,=r,=r,=r,=r,r",
+                [v_o],
+                dtype=(gl.int32,) * 8,
+                is_pure=True,
+                pack=1,
+            )
+            acc0 = _field_t(acc0, a3, pb, (e0, e4, o0, o4), 512.0, vc0, terms, zero, NC, W, aop)
+            acc1 = _field_t(acc1, a3, pb, (e1, e5, o1, o5), 128.0, vc1, terms, zero, NC, W, aop)
+            acc2 = _field_t(acc2, a3, pb, (e2, e6, o2, o6), 32.0, vc2, terms, zero, NC, W, aop)
+            acc3 = _field_t(acc3, a3, pb, (e3, e7, o3, o7), 8.0, vc3, terms, zero, NC, W, aop)
+        else:
+            e0, e1, e2, e3 = gl.inline_asm_elementwise(
+                _UNPACK4, "=r,=r,=r,=r,r", [v_e], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+            )
+            o0, o1, o2, o3 = gl.inline_asm_elementwise(
+                _UNPACK4, "=r,=r,=r,=r,r", [v_o], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+            )
+            acc0 = _field_t(acc0, a3, pb, (e0, e1, o0, o1), 512.0, vc0, terms, zero, NC, W, aop)
+            acc1 = _field_t(acc1, a3, pb, (e2, e3, o2, o3), 32.0, vc1, terms, zero, NC, W, aop)
+        bi = bi_next
+        c = c_next
+        packed = packed_next
+    async_copy.wait_group(0)
+
+    # --- merge the W warps' states; V's halving comes back as the factor 2 ---
+    m_all = gl.max(m, axis=0)  # [8]
+    m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+    wscale = gl.exp2(m - gl.expand_dims(m_safe, 0))  # [W, 8]; 0 for warps without tokens
+    l_tot = gl.sum(l_acc * wscale, axis=0)
+    l_safe = gl.where(l_tot > 0, l_tot, 1.0)
+    lse = gl.where(l_tot > 0, m_all + gl.log2(l_safe), float("-inf"))
+    out_scale = gl.expand_dims(wscale * gl.expand_dims(2.0 / l_safe, 0), 1)  # [W, 1, 8]
+    cols = _axis(NQ, 2, mma)
+    prow = split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + cols
+    obase = O_PART + prow * D + out_row * VG  # [1, NC, 8]
+    col_ok = cols < QPK
+    gl.store(obase, gl.expand_dims(gl.sum(acc0 * out_scale, axis=0), 0), mask=col_ok)
+    gl.store(obase + 1, gl.expand_dims(gl.sum(acc1 * out_scale, axis=0), 0), mask=col_ok)
+    if VG == 4:
+        gl.store(obase + 2, gl.expand_dims(gl.sum(acc2 * out_scale, axis=0), 0), mask=col_ok)
+        gl.store(obase + 3, gl.expand_dims(gl.sum(acc3 * out_scale, axis=0), 0), mask=col_ok)
+    lcol = gl.arange(0, NQ, layout=gl.SliceLayout(0, cols_l))
+    lptr = LSE_PART + split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + lcol
+    gl.store(lptr, lse, mask=lcol < QPK)
