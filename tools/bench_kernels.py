@@ -607,6 +607,7 @@ DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v5"},  # one warp per program (fifteenth session)
     {"variant": "v5f"},  # v5 with its scales folded out of the operands
     {"variant": "v6"},  # v5 transposed, tokens in the MMA's M (sixteenth session, 168 regs)
+    {"variant": "v6f"},  # v6 with v5f's folding
     # 168 registers: 12 one-warp programs per SM instead of 8 (~100 B spilled; not yet timed)
     {"variant": "v5", "max_registers": 168},
     {"variant": "v5f", "max_registers": 168},

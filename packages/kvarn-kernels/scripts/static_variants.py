@@ -435,7 +435,7 @@ variant("decode_v5f kvarn_k4v2_g128 d128 qpk4 w1 s2 lazy")(
 )
 
 
-def _decode_v6(name: str, qpk: int = 4, warps: int = 1, stages: int = 2) -> Any:
+def _decode_v6(name: str, qpk: int = 4, warps: int = 1, stages: int = 2, fold: bool = False) -> Any:
     """The Gluon v6 main loop (:mod:`kvarn_kernels.decode_v6`: tokens in the MMA's M) at
     Qwen3-8B's decode shape."""
     from kvarn_kernels.decode_v6 import decode_v6_kernel
@@ -453,6 +453,7 @@ def _decode_v6(name: str, qpk: int = 4, warps: int = 1, stages: int = 2) -> Any:
         "NUM_SPLITS": 2,
         "W": warps,
         "STAGES": stages,
+        "FOLD": fold,
     }
     return compile_kernel(decode_v6_kernel, DECODE_SIG, consts, warps)
 
@@ -460,3 +461,5 @@ def _decode_v6(name: str, qpk: int = 4, warps: int = 1, stages: int = 2) -> Any:
 # v6 (sixteenth session, not yet run on a GPU): v5 transposed, tokens in the MMA's M
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
     variant(f"decode_v6 {_n} d128 qpk4 w1 s2")(lambda _n=_n: _decode_v6(_n))
+    # v6f: v5f's folding on v6 (the scales on the B operands, a quarter of the values)
+    variant(f"decode_v6f {_n} d128 qpk4 w1 s2")(lambda _n=_n: _decode_v6(_n, fold=True))

@@ -85,13 +85,16 @@ __all__ = [
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
-DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6")
+DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6", "v6f")
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
 V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
 #: The Gluon variants with v5's copies, split counts and pool-phase launch:
 #: :mod:`kvarn_kernels.decode_v5` (``"v5f"``: its folded scales) and
-#: :mod:`kvarn_kernels.decode_v6` (``"v6"``: tokens in the MMA's M).
-V5_VARIANTS = ("v5", "v5f", "v6")
+#: :mod:`kvarn_kernels.decode_v6` (``"v6"``: tokens in the MMA's M; ``"v6f"``: folded).
+V5_VARIANTS = ("v5", "v5f", "v6", "v6f")
+#: The variants of :mod:`kvarn_kernels.decode_v6` (up to ``V6_MAX_QPK`` query heads per KV
+#: head).
+V6_VARIANTS = ("v6", "v6f")
 #: The variants written in Gluon, which Triton's interpreter cannot run (GPU only).
 GPU_ONLY_DECODE_VARIANTS = V5_VARIANTS
 #: The variants whose pool phase runs in a launch of its own (a partial more to merge).
@@ -911,9 +914,8 @@ def _launch_v5(
     from kvarn_kernels.decode_v6 import decode_v6_kernel
 
     offsets = {k: v for k, v in geo.offsets().items() if k.startswith("OFF_")}
-    kernel, options = decode_v5_kernel, {"FOLD": variant == "v5f"}
-    if variant == "v6":
-        kernel, options = decode_v6_kernel, {}
+    kernel = decode_v6_kernel if variant in V6_VARIANTS else decode_v5_kernel
+    options = {"FOLD": variant in ("v5f", "v6f")}
     kernel[(int(block_table.shape[0]), hk, num_splits)](
         q_rot,
         kv_cache,
@@ -1348,7 +1350,7 @@ def decode_attention(
             instructions at one warp, static count). ``"v6"`` (experimental, not yet run on
             a GPU; :mod:`kvarn_kernels.decode_v6`): v5 with both MMAs transposed, the tokens
             in the MMA's M, up to 8 query heads per KV head (half v5's MMAs, 168 registers
-            instead of 231 at one warp, static count).
+            instead of 231 at one warp, static count); ``"v6f"``: v6 with v5f's folding.
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads
             (default: the launch config's, 2 at head dim 128, 1 from 256:
             ``decode_v4.decode_v4_config``).
@@ -1577,7 +1579,7 @@ def _v5_split_factor(
     from kvarn_kernels.decode_v5 import V5_SPLIT_WARPS, V5_WARP_COUNTS, V5_WARPS
     from kvarn_kernels.decode_v6 import V6_MAX_QPK
 
-    most = V6_MAX_QPK if variant == "v6" else 16
+    most = V6_MAX_QPK if variant in V6_VARIANTS else 16
     if qpk > most:
         raise ValueError(
             f"variant={variant!r} takes up to {most} query heads per KV head, got {qpk}: use "

@@ -72,27 +72,42 @@ def _operand_a(r0, r1, W: gl.constexpr, M: gl.constexpr, K: gl.constexpr, layout
 
 
 @gluon.jit
-def _pv_t(x, magic: gl.constexpr, vs, vz, pb, acc, NC: gl.constexpr, W: gl.constexpr, aop):
+def _pv_t(x, magic: gl.constexpr, vs, vz, pb, acc, FOLD: gl.constexpr, NC: gl.constexpr, W, aop):
     """``acc + V^T P^T`` of one field and parity: fp16x2 code registers ``x = (f, g)``
-    dequantized as ``(x - magic) * vs + vz`` (per token, along k) against the probabilities
+    dequantized as ``(x - magic) * vs + vz`` (per token, along k), or with ``FOLD`` the raw
+    codes (the scale is in ``pb``, the rest in the chain's start), against the probabilities
     ``pb`` (B operand)."""
     f, g = x
-    a = (_operand_a(f, g, W, NC, 32, aop) - magic) * vs + vz
+    a = _operand_a(f, g, W, NC, 32, aop)
+    if not FOLD:
+        a = (a - magic) * vs + vz
     return mma_v2(a, pb, acc)
 
 
 @gluon.jit
-def _field_t(acc, a3, pb, codes, magic: gl.constexpr, vc, terms, zero, NC: gl.constexpr, W, aop):
+def _field_t(
+    acc, a3, pb, codes, magic: gl.constexpr, vc, terms, zero, FOLD: gl.constexpr, NC, W, aop
+):
     """A V field's ``[W, NC, 8]`` accumulator after a step: rescaled by ``a3`` (per query
     column), plus both parities' ``V^T P^T`` (one MMA chain) in the field's channel scales
     ``vc`` (per row). ``codes``: the field's registers of bytes (0, 2) and (1, 3), even then
-    odd; ``terms``: the operands' scales and zeros (``vs_e, vz_e, vs_o, vz_o``)."""
+    odd; ``terms``: the operands' scales and zeros (``vs_e, vz_e, vs_o, vz_o``) and, with
+    ``FOLD``, the columns' sums ``pz, ps`` whose ``pz - magic * ps`` starts the chain."""
     pb_e, pb_o = pb
     fe, ge, fo, go = codes
-    vs_e, vz_e, vs_o, vz_o = terms
-    pv = _pv_t((fe, ge), magic, vs_e, vz_e, pb_e, zero, NC, W, aop)
-    pv = _pv_t((fo, go), magic, vs_o, vz_o, pb_o, pv, NC, W, aop)
+    vs_e, vz_e, vs_o, vz_o, pz, ps = terms
+    start = zero
+    if FOLD:
+        start = gl.broadcast(gl.expand_dims(pz - magic * ps, 1), zero)[0]
+    pv = _pv_t((fe, ge), magic, vs_e, vz_e, pb_e, start, FOLD, NC, W, aop)
+    pv = _pv_t((fo, go), magic, vs_o, vz_o, pb_o, pv, FOLD, NC, W, aop)
     return acc * a3 + pv * vc.to(gl.float32)
+
+
+@gluon.jit
+def _column_sum(x):
+    """``[W, K, 8]`` (a B operand) summed over ``k`` in fp32: ``[W, 8]``."""
+    return gl.sum(x.to(gl.float32), axis=1)
 
 
 @gluon.jit
@@ -126,10 +141,15 @@ def decode_v6_kernel(
     NUM_SPLITS: gl.constexpr,
     W: gl.constexpr,
     STAGES: gl.constexpr,
+    FOLD: gl.constexpr = False,
 ):
     """One program per (request, KV head, split), ``W`` warps, 64 tokens per warp and step,
     as :func:`kvarn_kernels.decode_v5.decode_v5_kernel` (same grid, copies, partial outputs
-    and LSE; the pool phase is v4d's launch), with both MMAs transposed."""
+    and LSE; the pool phase is v4d's launch), with both MMAs transposed. ``FOLD``
+    (``variant="v6f"``): v5f's folding, the raw codes as A operands, K's channel scales on
+    the query and V's token scales on the probabilities (both B operands, a quarter of the
+    values they would scale on the A side), the zeros and magics as per-column sums that
+    start the MMA chains."""
     gl.static_assert(W == 1 or W == 2 or W == 4, "v6 runs 1, 2 or 4 warps per program")
     gl.static_assert(STAGES == 2 or STAGES == 3, "v6 pipelines 2 or 3 stages")
     gl.static_assert(D == 128, "v6 is written for head dim 128")
@@ -169,6 +189,7 @@ def decode_v6_kernel(
     k_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0])
     v_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=2, order=[2, 1, 0])
     avec: gl.constexpr = gl.SliceLayout(1, aop)  # [W, K] along the A operand's k
+    bvec: gl.constexpr = gl.SliceLayout(2, bop)  # [W, K] along the B operand's k
     quads: gl.constexpr = gl.SliceLayout(1, words)  # [W, words] as lane t holds them
     rows_l: gl.constexpr = gl.SliceLayout(2, mma)  # [W, M] along the accumulators' rows
     cols_l: gl.constexpr = gl.SliceLayout(1, mma)  # [W, 8] along the query columns
@@ -264,8 +285,12 @@ def decode_v6_kernel(
             is_pure=True,
             pack=1,
         )
-        ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)  # [W, 1, D]
-        kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
+        if FOLD:  # on the query's k: [W, D, 1]
+            ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, bvec), 2)
+            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, bvec), 2)
+        else:  # on the codes' k: [W, 1, D]
+            ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)
+            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
         ktw = gl.expand_dims(kt_buf.index(stage).load(rows_l), 2)  # [W, 32, 1]
         kt_e, kt_o = gl.inline_asm_elementwise(
             _HALVES, "=h,=h,r", [ktw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
@@ -286,10 +311,16 @@ def decode_v6_kernel(
             is_pure=True,
             pack=1,
         )
-        vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, avec), 1)  # [W, 1, 32]
-        vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, avec), 1)
-        vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, avec), 1) * 0.5
-        vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, avec), 1) * 0.5
+        if FOLD:  # on the probabilities' k: [W, 32, 1]
+            vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, bvec), 2)
+            vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, bvec), 2)
+            vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, bvec), 2)
+            vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, bvec), 2)
+        else:  # on the codes' k: [W, 1, 32]
+            vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, avec), 1)
+            vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, avec), 1)
+            vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, avec), 1) * 0.5
+            vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, avec), 1) * 0.5
         vcw = gl.expand_dims(vc_buf.index(stage).load(rows_l), 2)  # [W, NC, 1]
         if VG == 4:
             vc0, vc1, vc2, vc3 = gl.inline_asm_elementwise(
@@ -309,10 +340,21 @@ def decode_v6_kernel(
         lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
             _UNPACK4, "=r,=r,=r,=r,r", [kw], dtype=(gl.int32,) * 4, is_pure=True, pack=1
         )
-        k_e = (_operand_a(lo0, lo1, W, 32, D, aop) - 512.0) * ks + kz
-        s_e = mma_v2(k_e, q16, zero_s)
-        k_o = (_operand_a(hi0, hi1, W, 32, D, aop) - 32.0) * ks + kz
-        s_o = mma_v2(k_o, q16, zero_s)
+        if FOLD:
+            # q . ((x - magic) ks + kz / 2) = x . (q ks) + (q . kz / 2 - magic sum(q ks)): the
+            # channel scale on the query, the rest one number per query column
+            q_s = q16 * ks
+            qs = gl.convert_layout(_column_sum(q_s), cols_l)
+            qz = gl.convert_layout(_column_sum(q16 * kz), cols_l) * 0.5
+            start_e = gl.broadcast(gl.expand_dims(qz - 512.0 * qs, 1), zero_s)[0]
+            start_o = gl.broadcast(gl.expand_dims(qz - 32.0 * qs, 1), zero_s)[0]
+            s_e = mma_v2(_operand_a(lo0, lo1, W, 32, D, aop), q_s, start_e)
+            s_o = mma_v2(_operand_a(hi0, hi1, W, 32, D, aop), q_s, start_o)
+        else:
+            k_e = (_operand_a(lo0, lo1, W, 32, D, aop) - 512.0) * ks + kz
+            s_e = mma_v2(k_e, q16, zero_s)
+            k_o = (_operand_a(hi0, hi1, W, 32, D, aop) - 32.0) * ks + kz
+            s_o = mma_v2(k_o, q16, zero_s)
         pos = (bi * G + c * 64 + 2 * pair_m).to(gl.int32)  # [W, 32, 1], the even token
         s_e = gl.where(packed & (pos < seq_len), s_e * kt_e.to(gl.float32), float("-inf"))
         s_o = gl.where(packed & (pos + 1 < seq_len), s_o * kt_o.to(gl.float32), float("-inf"))
@@ -330,14 +372,24 @@ def decode_v6_kernel(
         # the probabilities from the accumulator layout to the B operand's (lane shuffles;
         # a movmatrix.trans per 8 x 8 block with relabelled registers counted 21 fewer
         # instructions, not worth a layout claim no interpreter can check)
-        pb = (
-            gl.convert_layout(p_e.to(gl.float16), bop),
-            gl.convert_layout(p_o.to(gl.float16), bop),
-        )
+        pb_e = gl.convert_layout(p_e.to(gl.float16), bop)
+        pb_o = gl.convert_layout(p_o.to(gl.float16), bop)
         a3 = gl.expand_dims(alpha, 1)  # [W, 1, 8]
+        if FOLD:
+            # (x - magic) vs + vz / 2 against P: x against P vs, plus per column and field
+            # P . vz / 2 - magic sum(P vs), from two column sums for all fields
+            pz = (_column_sum(pb_e * vz_e) + _column_sum(pb_o * vz_o)) * 0.5
+            pb_e = pb_e * vs_e
+            pb_o = pb_o * vs_o
+            ps = gl.convert_layout(_column_sum(pb_e) + _column_sum(pb_o), cols_l)
+            pz = gl.convert_layout(pz, cols_l)
+        else:
+            pz = 0.0
+            ps = 0.0
+        pb = (pb_e, pb_o)
 
         # --- V^T P^T [W, NC, 8] per V field, both parities into one MMA chain ---
-        terms = (vs_e, vz_e, vs_o, vz_o)
+        terms = (vs_e, vz_e, vs_o, vz_o, pz, ps)
         v_e, v_o = gl.split(gl.permute(gl.reshape(vw, [W, 2, NC, 8]), [0, 2, 3, 1]))
         if VG == 4:
             e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
@@ -356,10 +408,16 @@ def decode_v6_kernel(
                 is_pure=True,
                 pack=1,
             )
-            acc0 = _field_t(acc0, a3, pb, (e0, e4, o0, o4), 512.0, vc0, terms, zero, NC, W, aop)
-            acc1 = _field_t(acc1, a3, pb, (e1, e5, o1, o5), 128.0, vc1, terms, zero, NC, W, aop)
-            acc2 = _field_t(acc2, a3, pb, (e2, e6, o2, o6), 32.0, vc2, terms, zero, NC, W, aop)
-            acc3 = _field_t(acc3, a3, pb, (e3, e7, o3, o7), 8.0, vc3, terms, zero, NC, W, aop)
+            acc0 = _field_t(
+                acc0, a3, pb, (e0, e4, o0, o4), 512.0, vc0, terms, zero, FOLD, NC, W, aop
+            )
+            acc1 = _field_t(
+                acc1, a3, pb, (e1, e5, o1, o5), 128.0, vc1, terms, zero, FOLD, NC, W, aop
+            )
+            acc2 = _field_t(
+                acc2, a3, pb, (e2, e6, o2, o6), 32.0, vc2, terms, zero, FOLD, NC, W, aop
+            )
+            acc3 = _field_t(acc3, a3, pb, (e3, e7, o3, o7), 8.0, vc3, terms, zero, FOLD, NC, W, aop)
         else:
             e0, e1, e2, e3 = gl.inline_asm_elementwise(
                 _UNPACK4, "=r,=r,=r,=r,r", [v_e], dtype=(gl.int32,) * 4, is_pure=True, pack=1
@@ -367,8 +425,12 @@ def decode_v6_kernel(
             o0, o1, o2, o3 = gl.inline_asm_elementwise(
                 _UNPACK4, "=r,=r,=r,=r,r", [v_o], dtype=(gl.int32,) * 4, is_pure=True, pack=1
             )
-            acc0 = _field_t(acc0, a3, pb, (e0, e1, o0, o1), 512.0, vc0, terms, zero, NC, W, aop)
-            acc1 = _field_t(acc1, a3, pb, (e2, e3, o2, o3), 32.0, vc1, terms, zero, NC, W, aop)
+            acc0 = _field_t(
+                acc0, a3, pb, (e0, e1, o0, o1), 512.0, vc0, terms, zero, FOLD, NC, W, aop
+            )
+            acc1 = _field_t(
+                acc1, a3, pb, (e2, e3, o2, o3), 32.0, vc1, terms, zero, FOLD, NC, W, aop
+            )
         bi = bi_next
         c = c_next
         packed = packed_next
