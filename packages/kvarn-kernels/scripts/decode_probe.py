@@ -162,18 +162,16 @@ def probe_kernel(
             ks, kz, kt, vs, vz, vcs = _scales(
                 rec, tok, dd, True, OFF_KS, OFF_KZ, OFF_KT, OFF_VCS, OFF_VS, OFF_VZ
             )
-        k0, k1, k2, k3, k4 = _load_codes(
+        k0, k1 = _load_codes(
             rec + OFF_KC, 0, D, D, K_ROW, c * (BN * KB // 8), BN, KB, K_ORDER, True
         )
-        v0, v1, v2, v3, v4 = _load_codes(
-            rec + OFF_VC, c * BN, BN, G, V_ROW, 0, D, VB, V_ORDER, True
-        )
+        v0, v1 = _load_codes(rec + OFF_VC, c * BN, BN, G, V_ROW, 0, D, VB, V_ORDER, True)
         if not UNPACK:
             probe += tl.sum(k0.to(tl.float32), axis=1)[:, None]
             probe += tl.sum(tl.sum(v0.to(tl.float32), axis=1), axis=0)
         else:
-            kc = _codes_f16(k0, k1, k2, k3, k4, BN, KB, FAST)
-            vdq = _dequant(_codes_f16(v0, v1, v2, v3, v4, D, VB, FAST), vs[:, None], vz[:, None])
+            kc = _codes_f16(k0, k1, BN, KB, FAST)
+            vdq = _dequant(_codes_f16(v0, v1, D, VB, FAST), vs[:, None], vz[:, None])
             if not MMA:
                 probe += tl.sum(_centred(kc, ks[:, None], KB).to(tl.float32), axis=1)[:, None]
                 probe += tl.sum(vdq.to(tl.float32), axis=0)[:, None]

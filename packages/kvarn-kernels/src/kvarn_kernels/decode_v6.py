@@ -23,10 +23,11 @@ layout: a lane holds pairs ``g, g + 8, ...`` at query columns ``2t, 2t + 1``) to
 shuffles, and the softmax, which reduces over the tokens, now along M (three shuffle rounds
 per column pair and step).
 
-Numerics as v5 (the same halved operands, fp32 scores and accumulators). GPU only (Gluon has
-no interpreter); 4-bit keys with 2- or 4-bit values, head dim 128, the in-cache code order, up
-to 8 query heads per KV head. Experimental (``variant="v6"``): compiled and counted on the CPU
-(docs/kernel-notes.md, sixteenth session), not yet run on a GPU.
+Numerics as v5 (the same halved operands, fp32 scores and accumulators); ``FOLD``
+(``variant="v6f"``) as v5f. GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit
+values, head dim 128, the in-cache code order, up to 8 query heads per KV head. Experimental
+(``variant="v6"``, ``"v6f"``): compiled and counted on the CPU (docs/kernel-notes.md,
+sixteenth session), not yet run on a GPU.
 """
 
 from __future__ import annotations
