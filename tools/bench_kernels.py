@@ -608,6 +608,9 @@ DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v5f"},  # v5 with its scales folded out of the operands
     {"variant": "v6"},  # v5 transposed, tokens in the MMA's M (sixteenth session, 168 regs)
     {"variant": "v6f"},  # v6 with v5f's folding
+    # 128 registers: 16 one-warp programs per SM (static: v6f spills 8 B, v6 148 B)
+    {"variant": "v6f", "max_registers": 128},
+    {"variant": "v6", "max_registers": 128},
     # 168 registers: 12 one-warp programs per SM instead of 8 (~100 B spilled; not yet timed)
     {"variant": "v5", "max_registers": 168},
     {"variant": "v5f", "max_registers": 168},
