@@ -15,8 +15,9 @@ several calls (each engine start costs about 150 s the first time and about 30 s
 compile cache); the table is rebuilt from every row in ``--out`` and ``results.json`` holds
 them all in one file. With ``--resume`` a call skips the dtypes whose row in ``--out`` is
 already ``ok``, so a call that the device's 600 s limit cut short is re-issued unchanged and
-goes on where it stopped (sixteenth session: the full table took four calls). ``--write-docs`` replaces the serving section of docs/benchmarks.md
-with the table (other sections are kept). On the device tool, copy ``results.json`` to
+goes on where it stopped (sixteenth session: the full table took four calls).
+``--write-docs`` replaces the serving section of docs/benchmarks.md with the table (other
+sections are kept). On the device tool, copy ``results.json`` to
 ``$OUT`` and write the docs here with ``--report``:
 
     # device (one dtype per call; /tmp/bench persists while the machine stays warm)
@@ -447,8 +448,7 @@ def parent_main(args: argparse.Namespace) -> int:
             if args.resume and label in done:
                 print(f"[{label}] already measured in {out} (--resume): skipped", flush=True)
                 continue
-            i = started
-            started += 1
+            i, started = started, started + 1  # the first engine this call starts: i == 0
             safe = re.sub(r"[^A-Za-z0-9._-]", "_", label)
             child_out = out / f"child_{safe}.json"
             child_out.unlink(missing_ok=True)
