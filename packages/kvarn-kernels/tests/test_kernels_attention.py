@@ -1367,11 +1367,14 @@ def test_decode_v5_gqa_ratios_and_shadow_rows(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v5", "v6"])
 @pytest.mark.parametrize(("warps", "stages"), [(1, 2), (2, 2), (4, 3), (1, 3)])
-def test_decode_v5_warps_and_stages(device: torch.device, warps: int, stages: int) -> None:
-    """v5 with 1 or 2 warps per program (its default split count then scaled up by 4 / warps,
-    with the workspace to match) and with three pipeline stages, at the default and at a given
-    split count."""
+def test_decode_v5_warps_and_stages(
+    device: torch.device, warps: int, stages: int, variant: str
+) -> None:
+    """v5 and v6 with 1 or 2 warps per program (the default split count then scaled up by 4 /
+    warps, with the workspace to match), with 4 (the warps' states merged at the end) and with
+    three pipeline stages, at the default and at a given split count."""
     name, hq, hk = "kvarn_k4v2_g128", 32, 8
     lens = [5000, 1, 127, 257, 384, 0, 700]
     case = shared_case(name, 128, hk, lens, device=device, seed=5)
@@ -1380,7 +1383,7 @@ def test_decode_v5_warps_and_stages(device: torch.device, warps: int, stages: in
     ref = decode_attention_ref(*args)
     for splits in (None, 3):
         out = decode_attention(
-            *args, num_splits=splits, num_warps=warps, num_stages=stages, variant="v5"
+            *args, num_splits=splits, num_warps=warps, num_stages=stages, variant=variant
         )
         _assert_close(out, ref)
 
