@@ -344,6 +344,9 @@ def decode_v6_kernel(
         if FOLD:
             # q . ((x - magic) ks + kz / 2) = x . (q ks) + (q . kz / 2 - magic sum(q ks)): the
             # channel scale on the query, the rest one number per query column
+            # (qs sums the rounded q ks the MMA multiplies, so the magic cancels; the zero
+            # term sums fp16 products, rounded as an operand is: in fp32 the compiler keeps
+            # the query in fp32 registers across the loop, 240 instead of 168)
             q_s = q16 * ks
             qs = gl.convert_layout(_column_sum(q_s), cols_l)
             qz = gl.convert_layout(_column_sum(q16 * kz), cols_l) * 0.5
