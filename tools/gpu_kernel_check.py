@@ -484,6 +484,11 @@ def main() -> None:
         torch.cuda.synchronize()
         return
 
+    # a typo in --groups fails here, before any device time is spent
+    groups = list(TEST_GROUPS) if args.groups is None else args.groups.split(",")
+    unknown = sorted(set(groups) - set(TEST_GROUPS))
+    if unknown:
+        ap.error(f"unknown test groups {unknown}; known: {', '.join(TEST_GROUPS)}")
     t0 = time.time()
     res: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
@@ -491,10 +496,6 @@ def main() -> None:
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
-    groups = list(TEST_GROUPS) if args.groups is None else args.groups.split(",")
-    unknown = sorted(set(groups) - set(TEST_GROUPS))
-    if unknown:
-        ap.error(f"unknown test groups {unknown}; known: {', '.join(TEST_GROUPS)}")
     procs = {} if args.no_tests else start_tests(groups)
     # Compile every timed kernel while the tests run (small inputs, separate processes).
     log("warming up (compiling) the timed kernels")
