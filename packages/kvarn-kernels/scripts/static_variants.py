@@ -386,8 +386,16 @@ def _decode_v5(
     """The Gluon v5 main loop (:mod:`kvarn_kernels.decode_v5`) at Qwen3-8B's decode shape."""
     from kvarn_kernels.decode_v5 import decode_v5_kernel
 
+    consts = {**_gluon_decode_consts(name, qpk, warps, stages, fold), "LAZY": lazy}
+    return compile_kernel(decode_v5_kernel, DECODE_SIG, consts, warps)
+
+
+def _gluon_decode_consts(
+    name: str, qpk: int, warps: int, stages: int, fold: bool
+) -> dict[str, Any]:
+    """The compile-time constants v5 and v6 share, at 8 KV heads, head dim 128, 2 splits."""
     geo = _geo(name)
-    consts = {
+    return {
         "HQ": 8 * qpk,
         "HK": 8,
         "QPK": qpk,
@@ -400,9 +408,7 @@ def _decode_v5(
         "W": warps,
         "STAGES": stages,
         "FOLD": fold,
-        "LAZY": lazy,
     }
-    return compile_kernel(decode_v5_kernel, DECODE_SIG, consts, warps)
 
 
 # v5 (fourteenth session): the main loop in Gluon, every register layout stated; also with
@@ -440,21 +446,7 @@ def _decode_v6(name: str, qpk: int = 4, warps: int = 1, stages: int = 2, fold: b
     Qwen3-8B's decode shape."""
     from kvarn_kernels.decode_v6 import decode_v6_kernel
 
-    geo = _geo(name)
-    consts = {
-        "HQ": 8 * qpk,
-        "HK": 8,
-        "QPK": qpk,
-        "D": 128,
-        "G": geo.group,
-        "VB": geo.value_bits,
-        "STRIDE": geo.record_stride,
-        **{k: v for k, v in geo.offsets().items() if k.startswith("OFF_")},
-        "NUM_SPLITS": 2,
-        "W": warps,
-        "STAGES": stages,
-        "FOLD": fold,
-    }
+    consts = _gluon_decode_consts(name, qpk, warps, stages, fold)
     return compile_kernel(decode_v6_kernel, DECODE_SIG, consts, warps)
 
 

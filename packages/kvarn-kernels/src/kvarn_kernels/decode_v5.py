@@ -318,6 +318,147 @@ def _field(acc, a3, p, codes, magic: gl.constexpr, vc, terms, zero, FOLD: gl.con
 
 
 @gluon.jit
+def _split_chunks(seq_len, split, G: gl.constexpr, NCH: gl.constexpr, NUM_SPLITS: gl.constexpr):
+    """The chunk range ``[ch_lo, ch_hi)`` of a request's split ``split``: its blocks as
+    attention._split_blocks gives them to v4's pool phase (a Triton function, which a Gluon
+    kernel cannot call): both phases must see the same ranges."""
+    n_blocks = gl.cdiv(seq_len, G)
+    if NUM_SPLITS > 1:
+        per = gl.cdiv(n_blocks, NUM_SPLITS)
+        blk_lo = split * per
+        blk_hi = gl.minimum(blk_lo + per, n_blocks)
+    else:
+        blk_lo = 0
+        blk_hi = n_blocks
+    return blk_lo * NCH, gl.maximum(blk_hi, blk_lo) * NCH
+
+
+@gluon.jit
+def _stage_buffers(
+    STAGES: gl.constexpr, W: gl.constexpr, D: gl.constexpr, NC: gl.constexpr, VG: gl.constexpr
+):
+    """The shared-memory stages :func:`_issue` copies a step's code words and scales into."""
+    k_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0])
+    v_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=2, order=[2, 1, 0])
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    vc_dtype: gl.constexpr = gl.int64 if VG == 4 else gl.int32
+    return (
+        gl.allocate_shared_memory(gl.int32, [STAGES, W, 32, D // 4], k_smem),
+        gl.allocate_shared_memory(gl.int32, [STAGES, W, 2 * NC, 8], v_smem),
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_scale, quads
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_zero
+        gl.allocate_shared_memory(gl.int32, [STAGES, W, 32], flat),  # k_token_scale, pair words
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_scale, pairs 4q, 4q + 1
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_scale, pairs 4q + 2, 4q + 3
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_zero, as v_scale
+        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),
+        gl.allocate_shared_memory(vc_dtype, [STAGES, W, NC], flat),  # v_channel_scale by column
+    )
+
+
+@gluon.jit
+def _k_scale_pairs(stage, bufs, quads: gl.constexpr):
+    """A step's K channel scales and zeros as fp16x2 pairs of items ``(4q, 4q + 2)`` and ``(4q
+    + 1, 4q + 3)`` of each quad (:func:`_k_vector`'s input): ``ks0, ks1, kz0, kz1``."""
+    ks0, ks1 = gl.inline_asm_elementwise(
+        _PAIRS_OF_QUAD,
+        "=r,=r,l",
+        [bufs[2].index(stage).load(quads)],
+        dtype=(gl.int32, gl.int32),
+        is_pure=True,
+        pack=1,
+    )
+    kz0, kz1 = gl.inline_asm_elementwise(
+        _PAIRS_OF_QUAD,
+        "=r,=r,l",
+        [bufs[3].index(stage).load(quads)],
+        dtype=(gl.int32, gl.int32),
+        is_pure=True,
+        pack=1,
+    )
+    return ks0, ks1, kz0, kz1
+
+
+@gluon.jit
+def _token_scale_pairs(stage, bufs, quads: gl.constexpr, along: gl.constexpr, AXIS: gl.constexpr):
+    """A step's per-token scales: K's token scales of the even and odd tokens as fp16 along the
+    score axis ``AXIS`` (loaded in ``along``, that axis's slice layout), and V's token scales
+    and zeros as fp16x2 pairs (``se0, so0, se1, so1`` and ``ze0, zo0, ze1, zo1``: even and odd
+    tokens, :func:`_k_vector`'s input)."""
+    ktw = gl.expand_dims(bufs[4].index(stage).load(along), AXIS)
+    kt_e, kt_o = gl.inline_asm_elementwise(
+        _HALVES, "=h,=h,r", [ktw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
+    )
+    vs = gl.inline_asm_elementwise(
+        _PARITIES_OF_QUADS,
+        "=r,=r,=r,=r,l,l",
+        [bufs[5].index(stage).load(quads), bufs[6].index(stage).load(quads)],
+        dtype=(gl.int32,) * 4,
+        is_pure=True,
+        pack=1,
+    )
+    vz = gl.inline_asm_elementwise(
+        _PARITIES_OF_QUADS,
+        "=r,=r,=r,=r,l,l",
+        [bufs[7].index(stage).load(quads), bufs[8].index(stage).load(quads)],
+        dtype=(gl.int32,) * 4,
+        is_pure=True,
+        pack=1,
+    )
+    return kt_e, kt_o, vs, vz
+
+
+@gluon.jit
+def _v_channel_scales(stage, bufs, along: gl.constexpr, AXIS: gl.constexpr, VG: gl.constexpr):
+    """A step's V channel scales, one fp16 tensor per field (``VG``), along the output axis
+    ``AXIS`` (loaded in ``along``, that axis's slice layout)."""
+    vcw = gl.expand_dims(bufs[9].index(stage).load(along), AXIS)
+    if VG == 4:
+        vc = gl.inline_asm_elementwise(
+            _QUARTERS, "=h,=h,=h,=h,l", [vcw], dtype=(gl.float16,) * 4, is_pure=True, pack=1
+        )
+    else:
+        vc = gl.inline_asm_elementwise(
+            _HALVES, "=h,=h,r", [vcw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
+        )
+    return vc
+
+
+@gluon.jit
+def _v_field_codes(v_e, v_o, VG: gl.constexpr):
+    """Each V field's code registers from the even and odd rows' words (``VG`` fields of
+    bytes (0, 2) and (1, 3) of the even rows, then of the odd ones; magics 512, 128, 32, 8 for
+    2-bit fields, 512 and 32 for nibbles)."""
+    if VG == 4:
+        e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+            _UNPACK2,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r",
+            [v_e],
+            dtype=(gl.int32,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            _UNPACK2,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r",
+            [v_o],
+            dtype=(gl.int32,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+        fields = ((e0, e4, o0, o4), (e1, e5, o1, o5), (e2, e6, o2, o6), (e3, e7, o3, o7))
+    else:
+        e0, e1, e2, e3 = gl.inline_asm_elementwise(
+            _UNPACK4, "=r,=r,=r,=r,r", [v_e], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            _UNPACK4, "=r,=r,=r,=r,r", [v_o], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        )
+        fields = ((e0, e1, o0, o1), (e2, e3, o2, o3))
+    return fields
+
+
+@gluon.jit
 def decode_v5_kernel(
     Q,
     KV,
@@ -399,8 +540,6 @@ def decode_v5_kernel(
     s_copy: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[W, 1], order=[1, 0]
     )
-    k_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0])
-    v_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=2, order=[2, 1, 0])
     kvec: gl.constexpr = gl.SliceLayout(2, bop)  # [W, K] along an operand's k
     avec: gl.constexpr = gl.SliceLayout(1, aop)  # [W, K] along the A operand's k (same lanes)
     quads: gl.constexpr = gl.SliceLayout(1, words)  # [W, words] as lane t holds them
@@ -426,36 +565,11 @@ def decode_v5_kernel(
     row_scale2 = gl.convert_layout(qmax, rows_l) * 2.0  # [W, 16]
     row_scale = gl.expand_dims(row_scale2, 2)  # [W, 16, 1]
 
-    n_blocks = gl.cdiv(seq_len, G)
-    # the split's blocks as attention._split_blocks gives them to v4's pool phase (a Triton
-    # function, which a Gluon kernel cannot call): both phases must see the same ranges
-    if NUM_SPLITS > 1:
-        per = gl.cdiv(n_blocks, NUM_SPLITS)
-        blk_lo = split * per
-        blk_hi = gl.minimum(blk_lo + per, n_blocks)
-    else:
-        blk_lo = 0
-        blk_hi = n_blocks
-    ch_lo = blk_lo * NCH
-    ch_hi = gl.maximum(blk_hi, blk_lo) * NCH
+    ch_lo, ch_hi = _split_chunks(seq_len, split, G, NCH, NUM_SPLITS)
     n_it = gl.cdiv(ch_hi - ch_lo, W)
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
-    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    vc_dtype: gl.constexpr = gl.int64 if VG == 4 else gl.int32
-    bufs = (
-        gl.allocate_shared_memory(gl.int32, [STAGES, W, 32, D // 4], k_smem),
-        gl.allocate_shared_memory(gl.int32, [STAGES, W, 2 * NC, 8], v_smem),
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_scale, quads
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_zero
-        gl.allocate_shared_memory(gl.int32, [STAGES, W, 32], flat),  # k_token_scale, pair words
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_scale, pairs 4q, 4q + 1
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_scale, pairs 4q + 2, 4q + 3
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_zero, as v_scale
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),
-        gl.allocate_shared_memory(vc_dtype, [STAGES, W, NC], flat),  # v_channel_scale by column
-    )
-    k_buf, v_buf, ks_buf, kz_buf, kt_buf, vsa_buf, vsb_buf, vza_buf, vzb_buf, vc_buf = bufs
+    bufs = _stage_buffers(STAGES, W, D, NC, VG)
     # STAGES - 1 steps' copies in flight; each step's block-table walk is issued a step before
     # its copies and one step before its masks, so no step waits on it
     walk = (KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi)
@@ -488,67 +602,22 @@ def decode_v5_kernel(
 
         async_copy.wait_group(STAGES - 1)
         stage = it % STAGES
-        kw = k_buf.index(stage).load(words)  # [W, 32, D / 4]
-        vw = v_buf.index(stage).load(words)  # [W, 2 NC, 8]
+        kw = bufs[0].index(stage).load(words)  # [W, 32, D / 4]
+        vw = bufs[1].index(stage).load(words)  # [W, 2 NC, 8]
         # the chunk's scales (pool blocks' and chunks past the split's landed as zeros)
-        ks0, ks1 = gl.inline_asm_elementwise(
-            _PAIRS_OF_QUAD,
-            "=r,=r,l",
-            [ks_buf.index(stage).load(quads)],
-            dtype=(gl.int32, gl.int32),
-            is_pure=True,
-            pack=1,
-        )
-        kz0, kz1 = gl.inline_asm_elementwise(
-            _PAIRS_OF_QUAD,
-            "=r,=r,l",
-            [kz_buf.index(stage).load(quads)],
-            dtype=(gl.int32, gl.int32),
-            is_pure=True,
-            pack=1,
-        )
+        ks0, ks1, kz0, kz1 = _k_scale_pairs(stage, bufs, quads)
         if not FOLD:  # (v5f takes them in other layouts, below)
             ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, kvec), 2)  # [W, D, 1]
             kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, kvec), 2) * 0.5
-        ktw = gl.expand_dims(kt_buf.index(stage).load(cols), 1)  # [W, 1, 32]
-        kt_e, kt_o = gl.inline_asm_elementwise(
-            _HALVES, "=h,=h,r", [ktw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
-        )
-        se0, so0, se1, so1 = gl.inline_asm_elementwise(
-            _PARITIES_OF_QUADS,
-            "=r,=r,=r,=r,l,l",
-            [vsa_buf.index(stage).load(quads), vsb_buf.index(stage).load(quads)],
-            dtype=(gl.int32,) * 4,
-            is_pure=True,
-            pack=1,
-        )
-        ze0, zo0, ze1, zo1 = gl.inline_asm_elementwise(
-            _PARITIES_OF_QUADS,
-            "=r,=r,=r,=r,l,l",
-            [vza_buf.index(stage).load(quads), vzb_buf.index(stage).load(quads)],
-            dtype=(gl.int32,) * 4,
-            is_pure=True,
-            pack=1,
-        )
+        kt_e, kt_o, vs, vz = _token_scale_pairs(stage, bufs, quads, cols, 1)  # kt: [W, 1, 32]
+        se0, so0, se1, so1 = vs
+        ze0, zo0, ze1, zo1 = vz
         if not FOLD:
             vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, kvec), 2)  # [W, 32, 1]
             vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, kvec), 2)
             vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, kvec), 2) * 0.5
             vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, kvec), 2) * 0.5
-        vcw = gl.expand_dims(vc_buf.index(stage).load(cols), 1)  # [W, 1, NC]
-        if VG == 4:
-            vc0, vc1, vc2, vc3 = gl.inline_asm_elementwise(
-                _QUARTERS,
-                "=h,=h,=h,=h,l",
-                [vcw],
-                dtype=(gl.float16,) * 4,
-                is_pure=True,
-                pack=1,
-            )
-        else:
-            vc0, vc1 = gl.inline_asm_elementwise(
-                _HALVES, "=h,=h,r", [vcw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
-            )
+        vc = _v_channel_scales(stage, bufs, cols, 1, VG)  # [W, 1, NC] each
 
         # --- scores [W, 16, 32] of the even and odd tokens of the chunk's pairs ---
         lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
@@ -637,36 +706,15 @@ def decode_v5_kernel(
         p = (pe16, po16)
         terms = (vs_e, vz_e, vs_o, vz_o, pz, ps)
         v_e, v_o = gl.split(gl.permute(gl.reshape(vw, [W, 2, NC, 8]), [0, 2, 3, 1]))
+        f = _v_field_codes(v_e, v_o, VG)
         if VG == 4:
-            e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
-                _UNPACK2,
-                "=r,=r,=r,=r,=r,=r,=r,=r,r",
-                [v_e],
-                dtype=(gl.int32,) * 8,
-                is_pure=True,
-                pack=1,
-            )
-            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
-                _UNPACK2,
-                "=r,=r,=r,=r,=r,=r,=r,=r,r",
-                [v_o],
-                dtype=(gl.int32,) * 8,
-                is_pure=True,
-                pack=1,
-            )
-            acc0 = _field(acc0, a3, p, (e0, e4, o0, o4), 512.0, vc0, terms, zero, FOLD, W, NC, bop)
-            acc1 = _field(acc1, a3, p, (e1, e5, o1, o5), 128.0, vc1, terms, zero, FOLD, W, NC, bop)
-            acc2 = _field(acc2, a3, p, (e2, e6, o2, o6), 32.0, vc2, terms, zero, FOLD, W, NC, bop)
-            acc3 = _field(acc3, a3, p, (e3, e7, o3, o7), 8.0, vc3, terms, zero, FOLD, W, NC, bop)
+            acc0 = _field(acc0, a3, p, f[0], 512.0, vc[0], terms, zero, FOLD, W, NC, bop)
+            acc1 = _field(acc1, a3, p, f[1], 128.0, vc[1], terms, zero, FOLD, W, NC, bop)
+            acc2 = _field(acc2, a3, p, f[2], 32.0, vc[2], terms, zero, FOLD, W, NC, bop)
+            acc3 = _field(acc3, a3, p, f[3], 8.0, vc[3], terms, zero, FOLD, W, NC, bop)
         else:
-            e0, e1, e2, e3 = gl.inline_asm_elementwise(
-                _UNPACK4, "=r,=r,=r,=r,r", [v_e], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-            )
-            o0, o1, o2, o3 = gl.inline_asm_elementwise(
-                _UNPACK4, "=r,=r,=r,=r,r", [v_o], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-            )
-            acc0 = _field(acc0, a3, p, (e0, e1, o0, o1), 512.0, vc0, terms, zero, FOLD, W, NC, bop)
-            acc1 = _field(acc1, a3, p, (e2, e3, o2, o3), 32.0, vc1, terms, zero, FOLD, W, NC, bop)
+            acc0 = _field(acc0, a3, p, f[0], 512.0, vc[0], terms, zero, FOLD, W, NC, bop)
+            acc1 = _field(acc1, a3, p, f[1], 32.0, vc[1], terms, zero, FOLD, W, NC, bop)
         bi = bi_next
         c = c_next
         packed = packed_next

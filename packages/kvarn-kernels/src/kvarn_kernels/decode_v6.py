@@ -40,19 +40,20 @@ from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[i
 )
 
 from kvarn_kernels.decode_v5 import (
-    _HALVES,
-    _PAIRS_OF_QUAD,
-    _PARITIES_OF_QUADS,
-    _QUARTERS,
-    _UNPACK2,
     _UNPACK4,
     _axis,
     _chunk,
     _copy_meta,
     _halves,
     _issue,
+    _k_scale_pairs,
     _k_vector,
     _perm16,
+    _split_chunks,
+    _stage_buffers,
+    _token_scale_pairs,
+    _v_channel_scales,
+    _v_field_codes,
 )
 
 __all__ = ["V6_MAX_QPK", "decode_v6_kernel"]
@@ -187,8 +188,6 @@ def decode_v6_kernel(
     s_copy: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[W, 1], order=[1, 0]
     )
-    k_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0])
-    v_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=2, order=[2, 1, 0])
     avec: gl.constexpr = gl.SliceLayout(1, aop)  # [W, K] along the A operand's k
     bvec: gl.constexpr = gl.SliceLayout(2, bop)  # [W, K] along the B operand's k
     quads: gl.constexpr = gl.SliceLayout(1, words)  # [W, words] as lane t holds them
@@ -211,35 +210,11 @@ def decode_v6_kernel(
     col_scale2 = gl.convert_layout(qmax, cols_l) * 2.0  # the scores' column factor, K's halving
     col_scale = gl.expand_dims(col_scale2, 1)  # [W, 1, 8]
 
-    n_blocks = gl.cdiv(seq_len, G)
-    # the split's blocks as attention._split_blocks gives them to v4's pool phase
-    if NUM_SPLITS > 1:
-        per = gl.cdiv(n_blocks, NUM_SPLITS)
-        blk_lo = split * per
-        blk_hi = gl.minimum(blk_lo + per, n_blocks)
-    else:
-        blk_lo = 0
-        blk_hi = n_blocks
-    ch_lo = blk_lo * NCH
-    ch_hi = gl.maximum(blk_hi, blk_lo) * NCH
+    ch_lo, ch_hi = _split_chunks(seq_len, split, G, NCH, NUM_SPLITS)
     n_it = gl.cdiv(ch_hi - ch_lo, W)
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
-    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    vc_dtype: gl.constexpr = gl.int64 if VG == 4 else gl.int32
-    bufs = (
-        gl.allocate_shared_memory(gl.int32, [STAGES, W, 32, D // 4], k_smem),
-        gl.allocate_shared_memory(gl.int32, [STAGES, W, 2 * NC, 8], v_smem),
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_scale, quads
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_zero
-        gl.allocate_shared_memory(gl.int32, [STAGES, W, 32], flat),  # k_token_scale, pair words
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_scale, pairs 4q, 4q + 1
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_scale, pairs 4q + 2, 4q + 3
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),  # v_zero, as v_scale
-        gl.allocate_shared_memory(gl.int64, [STAGES, W, 8], flat),
-        gl.allocate_shared_memory(vc_dtype, [STAGES, W, NC], flat),  # v_channel_scale by column
-    )
-    k_buf, v_buf, ks_buf, kz_buf, kt_buf, vsa_buf, vsb_buf, vza_buf, vzb_buf, vc_buf = bufs
+    bufs = _stage_buffers(STAGES, W, D, NC, VG)
     walk = (KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi)
     geo: gl.constexpr = (W, HK, NCH, STRIDE)
     offs: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
@@ -268,50 +243,18 @@ def decode_v6_kernel(
 
         async_copy.wait_group(STAGES - 1)
         stage = it % STAGES
-        kw = k_buf.index(stage).load(words)  # [W, 32, D / 4]
-        vw = v_buf.index(stage).load(words)  # [W, 2 NC, 8]
-        ks0, ks1 = gl.inline_asm_elementwise(
-            _PAIRS_OF_QUAD,
-            "=r,=r,l",
-            [ks_buf.index(stage).load(quads)],
-            dtype=(gl.int32, gl.int32),
-            is_pure=True,
-            pack=1,
-        )
-        kz0, kz1 = gl.inline_asm_elementwise(
-            _PAIRS_OF_QUAD,
-            "=r,=r,l",
-            [kz_buf.index(stage).load(quads)],
-            dtype=(gl.int32, gl.int32),
-            is_pure=True,
-            pack=1,
-        )
+        kw = bufs[0].index(stage).load(words)  # [W, 32, D / 4]
+        vw = bufs[1].index(stage).load(words)  # [W, 2 NC, 8]
+        ks0, ks1, kz0, kz1 = _k_scale_pairs(stage, bufs, quads)
         if FOLD:  # on the query's k: [W, D, 1]
             ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, bvec), 2)
             kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, bvec), 2)
         else:  # on the codes' k: [W, 1, D]
             ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)
             kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
-        ktw = gl.expand_dims(kt_buf.index(stage).load(rows_l), 2)  # [W, 32, 1]
-        kt_e, kt_o = gl.inline_asm_elementwise(
-            _HALVES, "=h,=h,r", [ktw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
-        )
-        se0, so0, se1, so1 = gl.inline_asm_elementwise(
-            _PARITIES_OF_QUADS,
-            "=r,=r,=r,=r,l,l",
-            [vsa_buf.index(stage).load(quads), vsb_buf.index(stage).load(quads)],
-            dtype=(gl.int32,) * 4,
-            is_pure=True,
-            pack=1,
-        )
-        ze0, zo0, ze1, zo1 = gl.inline_asm_elementwise(
-            _PARITIES_OF_QUADS,
-            "=r,=r,=r,=r,l,l",
-            [vza_buf.index(stage).load(quads), vzb_buf.index(stage).load(quads)],
-            dtype=(gl.int32,) * 4,
-            is_pure=True,
-            pack=1,
-        )
+        kt_e, kt_o, vs, vz = _token_scale_pairs(stage, bufs, quads, rows_l, 2)  # kt: [W, 32, 1]
+        se0, so0, se1, so1 = vs
+        ze0, zo0, ze1, zo1 = vz
         if FOLD:  # on the probabilities' k: [W, 32, 1]
             vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, bvec), 2)
             vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, bvec), 2)
@@ -322,20 +265,7 @@ def decode_v6_kernel(
             vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, avec), 1)
             vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, avec), 1) * 0.5
             vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, avec), 1) * 0.5
-        vcw = gl.expand_dims(vc_buf.index(stage).load(rows_l), 2)  # [W, NC, 1]
-        if VG == 4:
-            vc0, vc1, vc2, vc3 = gl.inline_asm_elementwise(
-                _QUARTERS,
-                "=h,=h,=h,=h,l",
-                [vcw],
-                dtype=(gl.float16,) * 4,
-                is_pure=True,
-                pack=1,
-            )
-        else:
-            vc0, vc1 = gl.inline_asm_elementwise(
-                _HALVES, "=h,=h,r", [vcw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
-            )
+        vc = _v_channel_scales(stage, bufs, rows_l, 2, VG)  # [W, NC, 1] each
 
         # --- scores [W, 32 pairs, 8 columns] of the even and odd tokens of the chunk ---
         lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
@@ -395,46 +325,15 @@ def decode_v6_kernel(
         # --- V^T P^T [W, NC, 8] per V field, both parities into one MMA chain ---
         terms = (vs_e, vz_e, vs_o, vz_o, pz, ps)
         v_e, v_o = gl.split(gl.permute(gl.reshape(vw, [W, 2, NC, 8]), [0, 2, 3, 1]))
+        f = _v_field_codes(v_e, v_o, VG)
         if VG == 4:
-            e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
-                _UNPACK2,
-                "=r,=r,=r,=r,=r,=r,=r,=r,r",
-                [v_e],
-                dtype=(gl.int32,) * 8,
-                is_pure=True,
-                pack=1,
-            )
-            o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
-                _UNPACK2,
-                "=r,=r,=r,=r,=r,=r,=r,=r,r",
-                [v_o],
-                dtype=(gl.int32,) * 8,
-                is_pure=True,
-                pack=1,
-            )
-            acc0 = _field_t(
-                acc0, a3, pb, (e0, e4, o0, o4), 512.0, vc0, terms, zero, FOLD, NC, W, aop
-            )
-            acc1 = _field_t(
-                acc1, a3, pb, (e1, e5, o1, o5), 128.0, vc1, terms, zero, FOLD, NC, W, aop
-            )
-            acc2 = _field_t(
-                acc2, a3, pb, (e2, e6, o2, o6), 32.0, vc2, terms, zero, FOLD, NC, W, aop
-            )
-            acc3 = _field_t(acc3, a3, pb, (e3, e7, o3, o7), 8.0, vc3, terms, zero, FOLD, NC, W, aop)
+            acc0 = _field_t(acc0, a3, pb, f[0], 512.0, vc[0], terms, zero, FOLD, NC, W, aop)
+            acc1 = _field_t(acc1, a3, pb, f[1], 128.0, vc[1], terms, zero, FOLD, NC, W, aop)
+            acc2 = _field_t(acc2, a3, pb, f[2], 32.0, vc[2], terms, zero, FOLD, NC, W, aop)
+            acc3 = _field_t(acc3, a3, pb, f[3], 8.0, vc[3], terms, zero, FOLD, NC, W, aop)
         else:
-            e0, e1, e2, e3 = gl.inline_asm_elementwise(
-                _UNPACK4, "=r,=r,=r,=r,r", [v_e], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-            )
-            o0, o1, o2, o3 = gl.inline_asm_elementwise(
-                _UNPACK4, "=r,=r,=r,=r,r", [v_o], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-            )
-            acc0 = _field_t(
-                acc0, a3, pb, (e0, e1, o0, o1), 512.0, vc0, terms, zero, FOLD, NC, W, aop
-            )
-            acc1 = _field_t(
-                acc1, a3, pb, (e2, e3, o2, o3), 32.0, vc1, terms, zero, FOLD, NC, W, aop
-            )
+            acc0 = _field_t(acc0, a3, pb, f[0], 512.0, vc[0], terms, zero, FOLD, NC, W, aop)
+            acc1 = _field_t(acc1, a3, pb, f[1], 32.0, vc[1], terms, zero, FOLD, NC, W, aop)
         bi = bi_next
         c = c_next
         packed = packed_next
