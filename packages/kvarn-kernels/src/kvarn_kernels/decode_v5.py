@@ -454,7 +454,7 @@ def _v_field_codes(v_e, v_o, VG: gl.constexpr):
         o0, o1, o2, o3 = gl.inline_asm_elementwise(
             _UNPACK4, "=r,=r,=r,=r,r", [v_o], dtype=(gl.int32,) * 4, is_pure=True, pack=1
         )
-        fields = ((e0, e1, o0, o1), (e2, e3, o2, o3))
+        fields = ((e0, e1, o0, o1), (e2, e3, o2, o3))  # type: ignore[assignment]  # 2 fields
     return fields
 
 
