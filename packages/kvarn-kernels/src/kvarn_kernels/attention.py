@@ -1206,7 +1206,7 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 def _v5_serves(geo: DenseGeometry, qpk: int, device: torch.device | None) -> bool:
     """Whether v5 runs this geometry on ``device`` and was timed there (``variant="auto"``)."""
-    from kvarn_kernels.decode_v5 import V5_HEAD_DIMS
+    from kvarn_kernels.decode_v5 import V5_HEAD_DIMS, V5_MAX_QPK
 
     if device is None or device.type != "cuda" or triton_interpret():
         return False
@@ -1214,7 +1214,7 @@ def _v5_serves(geo: DenseGeometry, qpk: int, device: torch.device | None) -> boo
     return (
         geo.head_dim in V5_HEAD_DIMS
         and (geo.k_order, geo.v_order) == (CodeOrder.TRANSPOSED, CodeOrder.PARITY)
-        and qpk <= 16
+        and qpk <= V5_MAX_QPK
         and _capability(index) in V5_AUTO_CAPABILITIES
     )
 
@@ -1455,11 +1455,13 @@ def max_decode_partials(
     shapes only (no device): a bound for a workspace sized before the GPU is known."""
     if variant != "auto" and variant not in DECODE_VARIANTS:
         raise ValueError(f"variant must be 'auto' or one of {DECODE_VARIANTS}, got {variant!r}")
+    from kvarn_kernels.decode_v5 import V5_MAX_QPK
+
     qpk = num_q_heads // num_kv_heads
     if variant != "auto":
         candidates: tuple[str, ...] = (variant,)
     else:  # v1 and v4c write no extra partial; v5 only serves up to 16 heads per KV head
-        candidates = ("v4c", "v5") if qpk <= 16 else ("v4c",)
+        candidates = ("v4c", "v5") if qpk <= V5_MAX_QPK else ("v4c",)
     splits = decode_splits_for_sms(batch, num_kv_heads, max_blocks, max_sms)
     return max(
         decode_partials(
@@ -1576,10 +1578,10 @@ def _v5_split_factor(
     ``ValueError``) and return the factor on its default split count: ``V5_SPLIT_WARPS /
     num_warps``, so that as many warps are in flight as the split rule's 4-warp programs
     give."""
-    from kvarn_kernels.decode_v5 import V5_SPLIT_WARPS, V5_WARP_COUNTS, V5_WARPS
+    from kvarn_kernels.decode_v5 import V5_MAX_QPK, V5_SPLIT_WARPS, V5_WARP_COUNTS, V5_WARPS
     from kvarn_kernels.decode_v6 import V6_MAX_QPK
 
-    most = V6_MAX_QPK if variant in V6_VARIANTS else 16
+    most = V6_MAX_QPK if variant in V6_VARIANTS else V5_MAX_QPK
     if qpk > most:
         raise ValueError(
             f"variant={variant!r} takes up to {most} query heads per KV head, got {qpk}: use "

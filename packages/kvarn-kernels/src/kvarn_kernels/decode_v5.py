@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[i
 
 __all__ = [
     "V5_HEAD_DIMS",
+    "V5_MAX_QPK",
     "V5_SPLIT_WARPS",
     "V5_STAGES",
     "V5_WARPS",
@@ -57,6 +58,8 @@ __all__ = [
 
 #: Head dims the v5 kernel is written for.
 V5_HEAD_DIMS = (128,)
+#: Query heads per KV head v5 takes: the 16 rows of its MMA tile.
+V5_MAX_QPK = 16
 #: Warps per program by default: one, so that no warp waits for another at the pipeline's
 #: barriers (fifteenth session, H200: 0.83-0.85x the time of four warps at B >= 64).
 V5_WARPS = 1
