@@ -252,6 +252,7 @@ def decode_workspace_bytes(
     def numel(rows: int, partials: int) -> int:
         return int(kvarn_kernels.decode_workspace_numel(rows, num_q_heads, head_size, partials))
 
+    groups = verify_token_groups(num_q_heads, num_kv_heads, verify_width) if verify_width else 0
     largest = 0
     for b in range(1, max(max_batch, 1) + 1):
         partials = kvarn_kernels.max_decode_partials(
@@ -259,7 +260,6 @@ def decode_workspace_bytes(
         )
         largest = max(largest, numel(b, partials))
         if verify_width:  # verify_width rows per request, no extra partial
-            groups = verify_token_groups(num_q_heads, num_kv_heads, verify_width)
             splits = kvarn_kernels.decode_splits_for_sms(
                 b * groups, num_kv_heads, max_blocks, MAX_SMS_BOUND
             )
