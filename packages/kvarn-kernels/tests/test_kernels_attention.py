@@ -1438,7 +1438,7 @@ def test_decode_v5_validation(device: torch.device, change: str, message: str) -
         name = "kvarn_k5v5_g64"
     else:
         kw[change] = 8 if change != "num_stages" else 4
-    if INTERPRET and change in ("gqa_32", "v6_gqa_16", "mma_rows", "num_stages", "num_warps"):
+    if INTERPRET and change in ("mma_rows", "num_stages", "num_warps"):
         message = "Triton interpreter"
     case = shared_case(name, d, hk, [parse_cache_dtype(name).group + 1], device=device, seed=0)
     q = torch.zeros(1, hq, d, dtype=torch.float16, device=device)
@@ -1528,9 +1528,12 @@ def _geo(name: str, d: int) -> Any:
 @pytest.mark.parametrize(
     ("name", "d", "kw", "expected"),
     [
-        ("kvarn_k4v2_g128", 128, {}, "v5"),
-        ("kvarn_k4v4_g128", 128, {}, "v5"),
-        ("kvarn_k4v2_g64", 128, {"batch": 256}, "v5"),
+        ("kvarn_k4v2_g128", 128, {}, "v6f"),
+        ("kvarn_k4v4_g128", 128, {}, "v6f"),
+        ("kvarn_k4v2_g64", 128, {"batch": 256}, "v6f"),
+        ("kvarn_k4v2_g128", 128, {"qpk": 8}, "v6f"),  # v6's 8 query columns full
+        ("kvarn_k4v2_g128", 128, {"qpk": 16}, "v5"),  # more heads than v6 takes: v5's rows
+        ("kvarn_k4v4_g128", 128, {"qpk": 12}, "v5"),
         ("kvarn_k4v2_g128", 128, {"batch": 7}, "v4c"),  # the pool-phase launch costs more
         ("kvarn_k4v2_g128", 128, {"qpk": 32}, "v4c"),  # more heads than v5's 16 MMA rows
         ("kvarn_k4v2_g128", 64, {}, "v4c"),  # v5 is written for head dim 128
@@ -1541,7 +1544,7 @@ def _geo(name: str, d: int) -> Any:
         ("kvarn_k5v5_g64", 128, {}, "v1"),
     ],
 )
-def test_auto_decode_variant_takes_v5_where_it_was_timed(
+def test_auto_decode_variant_takes_the_gluon_kernels_where_they_were_timed(
     h200: torch.device,
     monkeypatch: pytest.MonkeyPatch,
     name: str,
@@ -1567,9 +1570,9 @@ def test_auto_decode_variant_takes_v5_where_it_was_timed(
     assert got == expected
 
 
-def test_decode_plan_gives_v5_its_splits_and_pool_partial(h200: torch.device) -> None:
-    """On an H200 a batch of 8 or more plans v5 at four times the split count (one warp per
-    program) plus its pool-phase partial; smaller batches plan v4c at the plain count; the
+def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -> None:
+    """On an H200 a batch of 8 or more plans v6f (4 query heads per KV head) at four times the
+    split count (one warp per program) plus its pool-phase partial; smaller batches plan v4c at the plain count; the
     tuning option of another kernel keeps v4c; the workspace follows the plan."""
     from kvarn_kernels import DecodePlan, choose_decode_splits, decode_plan, decode_workspace_numel
 
@@ -1581,7 +1584,7 @@ def test_decode_plan_gives_v5_its_splits_and_pool_partial(h200: torch.device) ->
             assert plan == DecodePlan("v4c", base)
             assert plan.partials == base
         else:
-            assert plan == DecodePlan("v5", 4 * base)
+            assert plan == DecodePlan("v6f", 4 * base)
             assert plan.partials == 4 * base + 1
         assert decode_workspace_numel(batch, 32, 128, plan.partials) >= decode_workspace_numel(
             batch, 32, 128, base

@@ -685,7 +685,7 @@ def test_v5_plans_reach_the_workspace_and_the_engines_charge(
     rt = _serving_builder(qwen3_dir).runtime
     assert rt.decode_plan(1).variant == "v4c"
     plan = rt.decode_plan(64)
-    assert plan.variant == "v5"
+    assert plan.variant == "v6f"  # Qwen3: 4 query heads per KV head
     assert plan.num_splits == 4 * base.decode_plan(64).num_splits
     with_v5 = 4 * rt.decode_workspace_numel(rt.max_num_seqs)
     assert with_v5 > plain

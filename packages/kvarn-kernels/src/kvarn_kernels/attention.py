@@ -1231,11 +1231,15 @@ def default_decode_variant(
 ) -> str:
     """The decode kernel ``variant="auto"`` runs.
 
-    v5 (:mod:`kvarn_kernels.decode_v5`, one warp per program) for batches of
-    :data:`V5_MIN_BATCH` or more on the GPUs of :data:`V5_AUTO_CAPABILITIES`, at head dim 128
-    with the in-cache code order and up to 16 query heads per KV head, unless a tuning option
-    of another kernel was given (``v4_option``; ``shape_option``: ``block_n``, ``num_warps``
-    or ``fast_unpack``). H200, fifteenth session (µs per layer at 16K, v5 against v4c, one
+    The Gluon kernels, one warp per program, for batches of :data:`V5_MIN_BATCH` or more on
+    the GPUs of :data:`V5_AUTO_CAPABILITIES`, at head dim 128 with the in-cache code order,
+    unless a tuning option of another kernel was given (``v4_option``; ``shape_option``:
+    ``block_n``, ``num_warps`` or ``fast_unpack``): v6f (:mod:`kvarn_kernels.decode_v6`) up to
+    8 query heads per KV head, v5 (:mod:`kvarn_kernels.decode_v5`) up to 16. H200,
+    seventeenth session (k4v2_g128, µs per layer, graph replay, one ``bench_kernels.py
+    --variants decode`` run): v6f against v5 89 vs 96 at B = 8 / 16K, 376 vs 459 at B = 64 /
+    16K, 465 vs 549 at B = 256 / 4K; all v6/v6f tests and memcheck passed on the same
+    machine. Earlier, H200, fifteenth session (µs per layer at 16K, v5 against v4c, one
     kernel-check run): k4v2_g128 460 vs 591 at B = 64 and 1,740 vs 2,280 at B = 256;
     k4v4_g128 467 vs 609 and 1,804 vs 2,507; k4v2_g64 445 vs 561; all 68 tests of the
     ``decode_v5`` group passed in the same run.
@@ -1258,7 +1262,9 @@ def default_decode_variant(
     if not _v4_supports(geo) or not prefetch:
         return "v1"
     if not (v4_option or shape_option) and batch >= V5_MIN_BATCH and _v5_serves(geo, qpk, device):
-        return "v5"
+        from kvarn_kernels.decode_v6 import V6_MAX_QPK
+
+        return "v6f" if qpk <= V6_MAX_QPK else "v5"
     if v4_option or geo.head_dim <= 256:
         return "v4c"
     return "v1"
@@ -1319,8 +1325,8 @@ def decode_attention(
             Triton interpreter, which cannot run PTX).
         prefetch: load the next chunk's record bytes into registers before computing the
             current one (default on; v1 only).
-        variant: ``"auto"`` (default: :func:`default_decode_variant`: v5 for batches of 8
-            or more on an H100/H200 at head dim 128, v4c otherwise), ``"v1"`` (this
+        variant: ``"auto"`` (default: :func:`default_decode_variant`: v6f or v5 for
+            batches of 8 or more on an H100/H200 at head dim 128, v4c otherwise), ``"v1"`` (this
             module's kernel: any format) or ``"v4"`` (:mod:`kvarn_kernels.decode_v4`: one
             chunk per warp, codes unpacked in the MMA operand layout; 4-bit keys with 2/4-bit
             values only). Both compute the same attention. On the H200 at B = 64, 16K, v4
@@ -1460,8 +1466,8 @@ def max_decode_partials(
     qpk = num_q_heads // num_kv_heads
     if variant != "auto":
         candidates: tuple[str, ...] = (variant,)
-    else:  # v1 and v4c write no extra partial; v5 only serves up to 16 heads per KV head
-        candidates = ("v4c", "v5") if qpk <= V5_MAX_QPK else ("v4c",)
+    else:  # v1 and v4c write no extra partial; v6f and v5 serve up to 8 and 16 heads
+        candidates = ("v4c", "v5", "v6f") if qpk <= V5_MAX_QPK else ("v4c",)
     splits = decode_splits_for_sms(batch, num_kv_heads, max_blocks, max_sms)
     return max(
         decode_partials(
@@ -1567,7 +1573,7 @@ def _resolve_decode_variant(
             f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
         )
     if variant in V5_VARIANTS:
-        _check_v5(geo, num_stages, mma_rows, variant)
+        _check_v5(geo, num_stages, mma_rows, variant, qpk)
     return variant
 
 
@@ -1578,15 +1584,9 @@ def _v5_split_factor(
     ``ValueError``) and return the factor on its default split count: ``V5_SPLIT_WARPS /
     num_warps``, so that as many warps are in flight as the split rule's 4-warp programs
     give."""
-    from kvarn_kernels.decode_v5 import V5_MAX_QPK, V5_SPLIT_WARPS, V5_WARP_COUNTS, V5_WARPS
-    from kvarn_kernels.decode_v6 import V6_MAX_QPK
+    from kvarn_kernels.decode_v5 import V5_SPLIT_WARPS, V5_WARP_COUNTS, V5_WARPS
 
-    most = V6_MAX_QPK if variant in V6_VARIANTS else V5_MAX_QPK
-    if qpk > most:
-        raise ValueError(
-            f"variant={variant!r} takes up to {most} query heads per KV head, got {qpk}: use "
-            "variant='v4c'"
-        )
+    _check_query_heads_per_kv_head(qpk, variant)
     if block_n is not None:
         raise ValueError(f"block_n does not apply to variant={variant!r} (64-token chunks)")
     if num_warps is not None and num_warps not in V5_WARP_COUNTS:
@@ -1597,15 +1597,35 @@ def _v5_split_factor(
     return V5_SPLIT_WARPS // (num_warps or V5_WARPS)
 
 
+def _check_query_heads_per_kv_head(qpk: int, variant: str) -> None:
+    """Raise ``ValueError`` where ``variant`` (one of :data:`V5_VARIANTS`) has fewer MMA
+    columns (v6) or rows (v5) than ``qpk`` query heads per KV head."""
+    from kvarn_kernels.decode_v5 import V5_MAX_QPK
+    from kvarn_kernels.decode_v6 import V6_MAX_QPK
+
+    most = V6_MAX_QPK if variant in V6_VARIANTS else V5_MAX_QPK
+    if qpk > most:
+        raise ValueError(
+            f"variant={variant!r} takes up to {most} query heads per KV head, got {qpk}: use "
+            "variant='v4c'"
+        )
+
+
 def _check_v5(
-    geo: DenseGeometry, num_stages: int | None, mma_rows: int | None, variant: str = "v5"
+    geo: DenseGeometry,
+    num_stages: int | None,
+    mma_rows: int | None,
+    variant: str = "v5",
+    qpk: int = 1,
 ) -> None:
     """Raise ``ValueError`` where ``variant`` (one of :data:`V5_VARIANTS`, the Gluon kernels)
-    does not apply: its head dims, the in-cache code order, a GPU (Gluon has no
-    interpreter), its stage counts, ``mma_rows`` (v5's tile has the MMA's 16 rows)."""
+    does not apply: its head dims, ``qpk`` query heads per KV head, the in-cache code order, a
+    GPU (Gluon has no interpreter), its stage counts, ``mma_rows`` (v5's tile has the MMA's 16
+    rows)."""
     from kvarn_kernels.decode_v5 import V5_HEAD_DIMS, V5_STAGES
 
     name = repr(variant)
+    _check_query_heads_per_kv_head(qpk, variant)
     if geo.head_dim not in V5_HEAD_DIMS:
         raise ValueError(
             f"variant={name} is written for head dims {V5_HEAD_DIMS}, got {geo.head_dim}: use "
