@@ -214,18 +214,35 @@ def decode_once(inp: dict[str, Any], **kw: Any) -> Any:
 def bench_kvarn_decode(inp: dict[str, Any], **kw: Any) -> dict[str, Any]:
     import torch
 
-    from kvarn_kernels import choose_decode_splits, decode_partials, decode_workspace_numel
+    from kvarn_kernels import decode_partials, decode_plan, decode_workspace_numel
 
     bsz, _, d = (int(x) for x in inp["q"].shape)
-    splits = kw.pop("num_splits", None) or choose_decode_splits(
-        bsz, HK, inp["bt"].shape[1], inp["q"].device
+    # The variant and split count decode_attention picks for these options, as served (the
+    # Gluon kernels' one-warp programs take 4x the split count), unless num_splits is given.
+    shape_options = ("variant", "mma_rows", "block_n", "num_warps", "fast_unpack")
+    plan = decode_plan(
+        inp["fmt"],
+        bsz,
+        HQ,
+        HK,
+        d,
+        int(inp["bt"].shape[1]),
+        inp["q"].device,
+        **{k: v for k, v in kw.items() if k in shape_options},
     )
-    parts = decode_partials(kw.get("variant", "auto"), splits)
+    splits = kw.pop("num_splits", None) or plan.num_splits
+    parts = decode_partials(plan.variant, splits)
     ws = torch.empty(decode_workspace_numel(bsz, HQ, d, parts), device="cuda")
     out = torch.empty_like(inp["q"])
 
     us, mode = timed(lambda: decode_once(inp, out=out, workspace=ws, num_splits=splits, **kw))
-    return {"us": us, "mode": mode, "bytes": inp["bytes"], "splits": splits}
+    return {
+        "us": us,
+        "mode": mode,
+        "bytes": inp["bytes"],
+        "splits": splits,
+        "variant": plan.variant,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -883,8 +900,8 @@ def markdown(res: dict[str, Any], command: str) -> str:
         "(packed records + fp16 sink/in-progress tokens; fp16 K/V for FA3) per second; "
         "% = of the copy bandwidth.",
         "",
-        "| kernel | B | context | µs | GB/s | % copy BW | vs FA3 | splits | mode |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| kernel | B | context | µs | GB/s | % copy BW | vs FA3 | variant | splits | mode |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     fa3 = {
         (r["B"], r["ctx"]): r["us"]
@@ -898,12 +915,12 @@ def markdown(res: dict[str, Any], command: str) -> str:
             vs = f"{ref / r['us']:.2f}x" if ref else "-"
             lines.append(
                 f"| {r['kernel']} | {r['B']} | {r['ctx'] // 1024}K | {r['us']:,.1f} | "
-                f"{gbs:,.0f} | {100 * gbs / copy:.0f}% | {vs} | {r.get('splits', '-')} | "
-                f"{r['mode']} |"
+                f"{gbs:,.0f} | {100 * gbs / copy:.0f}% | {vs} | {r.get('variant', '-')} | "
+                f"{r.get('splits', '-')} | {r['mode']} |"
             )
         else:
             lines.append(
-                f"| {r['kernel']} | {r['B']} | {r['ctx'] // 1024}K | {r['error']} | | | | | |"
+                f"| {r['kernel']} | {r['B']} | {r['ctx'] // 1024}K | {r['error']} | | | | | | |"
             )
     lines += [
         "",

@@ -1591,6 +1591,13 @@ def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -
         )
     assert decode_plan(*args[:1], 64, *args[1:], mma_rows=8).variant == "v4c"
     assert decode_plan(*args[:1], 64, *args[1:], variant="v1").variant == "v1"
+    # another kernel's shape option keeps "auto" on v4c; v5's warps scale its split count
+    base = choose_decode_splits(64, 8, 1024, h200)
+    for option in ({"num_warps": 2}, {"block_n": 64}, {"fast_unpack": False}):
+        assert decode_plan(*args[:1], 64, *args[1:], **option) == DecodePlan("v4c", base)
+    for warps in (1, 2, 4):
+        plan = decode_plan(*args[:1], 64, *args[1:], variant="v5", num_warps=warps)
+        assert plan == DecodePlan("v5", 4 // warps * base)
 
 
 def test_max_decode_partials_bounds_every_plan_without_a_device(

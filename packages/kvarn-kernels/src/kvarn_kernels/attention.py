@@ -1503,11 +1503,15 @@ def decode_plan(
     *,
     variant: str = "auto",
     mma_rows: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    fast_unpack: bool | None = None,
 ) -> DecodePlan:
     """The variant and split count :func:`decode_attention` picks for ``batch`` requests of
     ``num_q_heads`` query heads over block tables ``max_blocks`` wide on ``device`` (static
-    shapes only, so CUDA-graph safe), with ``variant`` and ``mma_rows`` as given to it.
-    Raises ``ValueError`` where :func:`decode_attention` would."""
+    shapes only, so CUDA-graph safe), with ``variant``, ``mma_rows``, ``block_n``,
+    ``num_warps`` and ``fast_unpack`` as given to it and no ``num_splits``. Raises
+    ``ValueError`` where :func:`decode_attention` would."""
     dense = resolve_format(fmt)
     check_head_dim(head_dim)
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
@@ -1522,8 +1526,11 @@ def decode_plan(
         batch=batch,
         qpk=num_q_heads // num_kv_heads,
         device=device,
+        shape_option=any(o is not None for o in (block_n, num_warps, fast_unpack)),
     )
-    splits = _default_splits(chosen, batch, num_q_heads, num_kv_heads, max_blocks, device)
+    splits = _default_splits(
+        chosen, batch, num_q_heads, num_kv_heads, max_blocks, device, block_n, num_warps
+    )
     return DecodePlan(chosen, splits)
 
 
