@@ -44,3 +44,30 @@ def test_prefill_verdict_per_chunk_shape(bk: ModuleType) -> None:
 def test_rows_of_older_runs_read_as_the_long_chunk(bk: ModuleType) -> None:
     """A JSON from before the short-chunk shape has no ctx/q: it is the 2048-token chunk."""
     assert bk._chunk({"kernel": "fa3_fp16", "B": 1}) == "2048 after 14336"
+
+
+def test_plain_splits_gives_the_split_rule_without_the_gluon_factor(
+    bk: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``plain_splits=True`` becomes the split rule's count for the case's batch and block
+    table (replacing a given ``num_splits``); other options pass through unchanged."""
+    import kvarn_kernels
+    import torch
+
+    calls: list[tuple[int, int, int]] = []
+
+    def rule(batch: int, hk: int, blocks: int, device: torch.device) -> int:
+        calls.append((batch, hk, blocks))
+        return 3
+
+    monkeypatch.setattr(kvarn_kernels, "choose_decode_splits", rule)
+    inp = {"bt": torch.zeros(64, 129, dtype=torch.int32), "q": torch.zeros(64, 32, 128)}
+    kw = {"variant": "v6f", "plain_splits": True, "num_splits": 12}
+    assert bk.plain_split_option(inp, kw) == {"variant": "v6f", "num_splits": 3}
+    assert calls == [(64, bk.HK, 129)]
+    assert kw["plain_splits"] is True  # the caller's options are not changed
+    assert bk.plain_split_option(inp, {"variant": "v5", "num_splits": 12}) == {
+        "variant": "v5",
+        "num_splits": 12,
+    }
+    assert len(calls) == 1

@@ -193,10 +193,25 @@ def decode_inputs(
     }
 
 
+def plain_split_option(inp: dict[str, Any], kw: dict[str, Any]) -> dict[str, Any]:
+    """``kw`` with ``plain_splits=True`` replaced by ``num_splits``: the split rule's count
+    for the case, without the factor the Gluon kernels' one-warp programs take (where
+    ``num_splits`` is also given, ``plain_splits`` wins)."""
+    from kvarn_kernels import choose_decode_splits
+
+    kw = dict(kw)
+    if kw.pop("plain_splits", False):
+        bsz, blocks = (int(x) for x in inp["bt"].shape)
+        kw["num_splits"] = choose_decode_splits(bsz, HK, blocks, inp["q"].device)
+    return kw
+
+
 def decode_once(inp: dict[str, Any], **kw: Any) -> Any:
-    """``decode_attention`` on a :func:`decode_inputs` case (``kw``: its keyword options)."""
+    """``decode_attention`` on a :func:`decode_inputs` case (``kw``: its keyword options, and
+    ``plain_splits``: :func:`plain_split_option`)."""
     from kvarn_kernels import decode_attention
 
+    kw = plain_split_option(inp, kw)
     return decode_attention(
         inp["fmt"],
         inp["q"],
@@ -217,6 +232,7 @@ def bench_kvarn_decode(inp: dict[str, Any], **kw: Any) -> dict[str, Any]:
     from kvarn_kernels import decode_partials, decode_plan, decode_workspace_numel
 
     bsz, _, d = (int(x) for x in inp["q"].shape)
+    kw = plain_split_option(inp, kw)
     # The variant and split count decode_attention picks for these options, as served (the
     # Gluon kernels' one-warp programs take 4x the split count), unless num_splits is given.
     shape_options = ("variant", "mma_rows", "block_n", "num_warps", "fast_unpack")
@@ -625,15 +641,12 @@ DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v5f"},  # v5 with its scales folded out of the operands
     {"variant": "v6"},  # v5 transposed, tokens in the MMA's M (sixteenth session, 168 regs)
     {"variant": "v6f"},  # v6 with v5f's folding
-    # 128 registers: 16 one-warp programs per SM (static: v6f spills 8 B, v6 148 B)
-    {"variant": "v6f", "max_registers": 128},
-    {"variant": "v6", "max_registers": 128},
-    # 168 registers: 12 one-warp programs per SM instead of 8 (~100 B spilled; not yet timed)
-    {"variant": "v5", "max_registers": 168},
-    {"variant": "v5f", "max_registers": 168},
-    # more warps per program (fewer splits): the fourteenth session's default was 4
-    {"variant": "v5", "num_warps": 2},
-    {"variant": "v5", "num_warps": 4},
+    # Until the seventeenth session these rows ran at the plain split count, the served plan
+    # (decode_plan) at 4x it: both, to see which the split rule should give the Gluon kernels
+    {"variant": "v6f", "plain_splits": True},
+    {"variant": "v5", "plain_splits": True},
+    # Register caps (v6/v6f at 128, v5/v5f at 168) and v5 at 2 or 4 warps were all slower
+    # than the uncapped one-warp programs (seventeenth session, docs/kernel-notes.md).
 ]
 
 
