@@ -51,8 +51,9 @@ def test_plain_splits_gives_the_split_rule_without_the_gluon_factor(
 ) -> None:
     """``plain_splits=True`` becomes the split rule's count for the case's batch and block
     table (replacing a given ``num_splits``); other options pass through unchanged."""
-    import kvarn_kernels
     import torch
+
+    import kvarn_kernels
 
     calls: list[tuple[int, int, int]] = []
 

@@ -193,3 +193,62 @@ def test_resume_skips_the_rows_already_measured(
     started.clear()
     bs.main(argv)  # without --resume every row runs again
     assert len(started) == 3
+
+
+def test_rows_on_two_gpus_run_at_once_against_their_own_gpus_baseline(
+    bs: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--gpus 2``: the baseline starts on both GPUs at once (a barrier both engines must
+    reach), the other rows go to the GPU that is free, each row's ratio is against its own
+    GPU's baseline, and ``--resume`` skips every row already measured, baselines included."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=10)
+    started: list[tuple[str, str, float]] = []
+    # GPU 1 is 10% faster: its rows must be compared with its own baseline
+    speed = {"0": 1.0, "1": 1.1}
+    tok_s = {
+        "auto": 20000.0,
+        "kvarn_k4v2_g128": 28000.0,
+        "fp8": 24000.0,
+        "kvarn_k4v4_g128": 27000.0,
+    }
+
+    def fake_run_child(
+        cmd: list[str], env: dict[str, str], log: Path, limit: float
+    ) -> tuple[int, str]:
+        dtype = cmd[cmd.index("--child-dtype") + 1]
+        gpu = env["CUDA_VISIBLE_DEVICES"]
+        started.append((dtype, gpu, limit))
+        if dtype == "auto":
+            barrier.wait()  # both baselines run at the same time
+        result = {**RESULT, "cache_dtype": dtype, "total_tok_s": tok_s[dtype] * speed[gpu]}
+        Path(cmd[cmd.index("--child-out") + 1]).write_text(json.dumps(result))
+        return 0, "ok"
+
+    monkeypatch.setattr(bs.common, "run_child", fake_run_child)
+    monkeypatch.setattr(bs.common, "check_plugin_entry_point", lambda: None)
+    monkeypatch.setattr(bs.common, "gpu_name", lambda: "test")
+    monkeypatch.delenv("KVARN_DECODE_VARIANT", raising=False)
+    out = tmp_path / "bs"
+    argv = ["--dtypes", "kvarn_k4v2_g128,auto,fp8,kvarn_k4v4_g128", "--gpus", "2"]
+    argv += ["--timeout", "100", "--out", str(out)]
+    assert bs.main(argv) == 0
+    assert sorted((d, g) for d, g, _ in started if d == "auto") == [("auto", "0"), ("auto", "1")]
+    expected = ["auto", "auto", "fp8", "kvarn_k4v2_g128", "kvarn_k4v4_g128"]
+    assert sorted(d for d, _, _ in started) == expected
+    assert {g for d, g, lim in started if lim == 220} == {"0", "1"}  # each GPU's first engine
+    rows = {r["label"]: r for r in bs.common.load_rows(out)}
+    assert set(rows) == {"auto", "auto[gpu 1]", "kvarn_k4v2_g128", "fp8", "kvarn_k4v4_g128"}
+    text = bs.table(list(rows.values()), "auto")
+    for label in ("kvarn_k4v2_g128", "fp8", "kvarn_k4v4_g128"):
+        gpu = rows[label]["gpu"]
+        ratio = f"{tok_s[label] / tok_s['auto']:.2f}"  # the same on either GPU
+        assert f"| {label} (GPU {gpu}) |" in text
+        line = next(x for x in text.splitlines() if x.startswith(f"| {label} "))
+        assert f"| {ratio} |" in line
+    started.clear()
+    assert bs.main([*argv, "--resume"]) == 0
+    assert started == []
+    with pytest.raises(SystemExit, match="needs the baseline"):
+        bs.main(["--dtypes", "fp8,kvarn_k4v2_g128", "--gpus", "2", "--out", str(out)])

@@ -16,6 +16,12 @@ compile cache); the table is rebuilt from every row in ``--out`` and ``results.j
 them all in one file. With ``--resume`` a call skips the dtypes whose row in ``--out`` is
 already ``ok``, so a call that the device's 600 s limit cut short is re-issued unchanged and
 goes on where it stopped (sixteenth session: the full table took four calls).
+``--gpus N`` (the device tool's 2-GPU kind) runs N engines at once, one per GPU, each a
+separate process with its own ``CUDA_VISIBLE_DEVICES``: the baseline (fp16) runs first on
+every GPU, as ``auto`` on GPU 0 and ``auto[gpu 1]``..., the other rows go in order to the
+next free GPU, and every row's ratios are against the baseline row of its own GPU (the two
+baseline rows also show how alike the GPUs are). All of issue 4's rows then take about half
+the wall time of one GPU: one session's device time instead of two.
 ``--write-docs`` replaces the serving section of docs/benchmarks.md with the table (other
 sections are kept). On the device tool, copy ``results.json`` to
 ``$OUT`` and write the docs here with ``--report``:
@@ -88,6 +94,7 @@ import random
 import re
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,7 +121,9 @@ WORKLOAD_DEFAULTS = {
 #: an H200 (sixteenth session): fp16 296 s as a fresh machine's first engine, KVarN 160-173
 #: s, TurboQuant 326 s with warm caches and ~480 s without (217 s of start-up: its Triton
 #: kernels compile during graph capture), so ~2,000 s in all: split it over device calls
-#: (each at most 600 s) with ``--dtypes`` and ``--resume`` into one ``--out``.
+#: (each at most 600 s) with ``--dtypes`` and ``--resume`` into one ``--out``, or run it on
+#: two GPUs at once (``--gpus 2``, ~1,000 s). Seventeenth session, warm machine: fp8 180 s,
+#: KVarN 158-204 s (``kvarn_k5v5_g64`` the longest).
 DEFAULT_DTYPES = ",".join(
     (
         "auto",
@@ -311,17 +320,29 @@ def child_outcome(rc: int, child_out: Path, log_text: str) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]], baseline: str) -> str:
-    base = next((r for r in rows if r["label"] == baseline and r.get("status") == "ok"), None)
+    """The markdown table; every row's ratios are against the baseline row of the GPU it ran
+    on (``--gpus``; rows of a single-GPU run have no ``gpu`` and share one baseline)."""
+    bases = {
+        int(r.get("gpu") or 0): r
+        for r in rows
+        if r.get("status") == "ok" and r["label"] == gpu_label(baseline, int(r.get("gpu") or 0))
+    }
+    several_gpus = any(r.get("gpu") for r in rows)
     lines = [
         "| `--kv-cache-dtype` | KV capacity (tokens) | vs fp16 | total tok/s | vs fp16 "
         "| output tok/s | timed s | status |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        gpu = int(r.get("gpu") or 0)
+        name = r["label"]
+        if several_gpus and name != gpu_label(baseline, gpu):
+            name += f" (GPU {gpu})"
         if r.get("status") != "ok":
             err = (r.get("error") or "").splitlines()[-1:] or [""]
-            lines.append(f"| {r['label']} | | | | | | | {r.get('status')}: {err[0][:80]} |")
+            lines.append(f"| {name} | | | | | | | {r.get('status')}: {err[0][:80]} |")
             continue
+        base = bases.get(gpu)
         cap = tput = ""
         if base:
             cap = f"{r['kv_tokens'] / base['kv_tokens']:.2f}" if base["kv_tokens"] else ""
@@ -335,7 +356,7 @@ def table(rows: list[dict[str, Any]], baseline: str) -> str:
             # each one stalled the timed run for seconds (vLLM's JIT monitor)
             status += f"; {len(r['jit_compiles_timed'])} Triton compiles in the timed run"
         lines.append(
-            f"| {r['label']} | {r['kv_tokens']:,} | {cap} | {r['total_tok_s']:,.0f} | {tput} "
+            f"| {name} | {r['kv_tokens']:,} | {cap} | {r['total_tok_s']:,.0f} | {tput} "
             f"| {r['output_tok_s']:,.0f} | {r['elapsed_s']} | {status} |"
         )
     return "\n".join(lines)
@@ -404,6 +425,179 @@ def write_docs(text: str, workload: str = "burst") -> None:
     DOCS.write_text(new)
 
 
+def planned_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(cache dtype, model dtype, row label) of each ``--dtypes`` entry, in order."""
+    jobs = []
+    for spec in (s for s in args.dtypes.split(",") if s.strip()):
+        cache_dtype, model_dtype = common.parse_dtype(spec, args.model_dtype)
+        label = common.row_label(cache_dtype, model_dtype, args.runner, args.model_dtype)
+        decode_variant = os.environ.get("KVARN_DECODE_VARIANT", "").strip()
+        if decode_variant and cache_dtype.startswith("kvarn_"):
+            label += f"[decode {decode_variant}]"  # a candidate kernel (kvarn-vllm's env)
+        jobs.append((cache_dtype, model_dtype, label))
+    return jobs
+
+
+def gpu_label(label: str, gpu: int) -> str:
+    """The label of a row that runs on every GPU (the baseline) when it runs on GPU ``gpu``:
+    GPU 0 keeps the plain label, so single-GPU tables and ``--baseline`` read as before."""
+    return label if gpu == 0 else f"{label}[gpu {gpu}]"
+
+
+def run_rows_on_gpus(
+    args: argparse.Namespace, out: Path, jobs: list[tuple[str, str, str]], done: set[str]
+) -> None:
+    """``--gpus N``: one engine per GPU (``--tp`` GPUs each) at a time, N at once. The
+    baseline runs first on every GPU, so that each row is compared with the baseline row of
+    the GPU it ran on; the other rows go, in order, to whichever GPU is free next."""
+    base = next((j for j in jobs if j[2] == args.baseline), None)
+    if base is None:
+        raise SystemExit(
+            f"--gpus {args.gpus} needs the baseline {args.baseline!r} in --dtypes: every GPU "
+            "runs it first, and its rows are compared with that GPU's baseline row"
+        )
+    rest = [j for j in jobs if j is not base and not (args.resume and j[2] in done)]
+    skipped = [j[2] for j in jobs if j is not base and j not in rest]
+    for label in skipped:
+        print(f"[{label}] already measured in {out} (--resume): skipped", flush=True)
+    queue = list(reversed(rest))  # popped from the end: in --dtypes order
+    lock = threading.Lock()
+
+    def next_job(gpu: int, first: bool) -> tuple[str, str, str] | None:
+        if first:
+            label = gpu_label(base[2], gpu)
+            if not (args.resume and label in done):
+                return base[0], base[1], label
+            print(f"[{label}] already measured in {out} (--resume): skipped", flush=True)
+        with lock:
+            return queue.pop() if queue else None
+
+    def worker(gpu: int) -> None:
+        devices = ",".join(str(gpu * args.tp + i) for i in range(args.tp))
+        first = True
+        while (job := next_job(gpu, first)) is not None:
+            print(f"[GPU {gpu}] {job[2]} ...", flush=True)
+            run_row(args, out, *job, first=first, gpu=gpu, devices=devices)
+            first = False
+
+    threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in range(args.gpus)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(timeout=1.0)
+    except BaseException:  # SIGTERM's SystemExit reaches this thread only: stop the engines
+        common.kill_running_children()
+        raise
+
+
+def run_row(
+    args: argparse.Namespace,
+    out: Path,
+    cache_dtype: str,
+    model_dtype: str,
+    label: str,
+    *,
+    first: bool,
+    gpu: int | None = None,
+    devices: str | None = None,
+) -> dict[str, Any]:
+    """One engine process for one row; the row goes to ``out/row_<label>.json``. ``first``:
+    the first engine of this call on its GPU (more time, see ``--first-timeout``);
+    ``devices``: its ``CUDA_VISIBLE_DEVICES`` (``gpu``: their index in ``--gpus``)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", label)
+    child_out = out / f"child_{safe}.json"
+    child_out.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        "--child-dtype",
+        cache_dtype,
+        "--model-dtype",
+        model_dtype,
+        "--runner",
+        args.runner,
+        "--child-out",
+        str(child_out),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--output-len",
+        str(args.output_len),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--gpu-mem-util",
+        str(args.gpu_mem_util),
+        "--tp",
+        str(args.tp),
+        "--seed",
+        str(args.seed),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens or 0),
+        "--workload",
+        args.workload,
+        "--turns",
+        str(args.turns),
+        "--tool-len",
+        str(args.tool_len),
+    ]
+    if args.model_dir:
+        cmd += ["--model-dir", args.model_dir]
+    env = common.child_env(args.runner)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    profile_file = out / f"profile_{safe}.txt"
+    if args.profile:
+        profile_file.unlink(missing_ok=True)
+        cmd += [
+            "--profile",
+            "--profile-dir",
+            str(Path(args.profile_dir) / safe),
+            "--child-profile-out",
+            str(profile_file),
+        ]
+        if args.profile_trace:
+            cmd.append("--profile-trace")
+        if args.profile_steps:
+            cmd += ["--profile-steps", args.profile_steps]
+        env = profile_env(env)
+    t0 = time.perf_counter()
+    # The first engine of a call on a fresh machine also fills vLLM's and FlashInfer's
+    # caches: ~100 s more than the next one (fourteenth session: a 107 s stretch after
+    # graph capture in the first engine's log, 8 s in the second's)
+    limit = (args.first_timeout or args.timeout + 120) if first else args.timeout
+    rc, text = common.run_child(cmd, env, out / f"log_{safe}.txt", limit)
+    row: dict[str, Any] = {
+        "label": label,
+        "order": time.time(),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    if gpu is not None:
+        row.update(gpu=gpu, devices=devices)
+    if args.profile:
+        row.update(profiled=True, profile_file=profile_file.name)
+    row.update(common.log_facts(text))
+    if TIMED_MARK in text:
+        timed_log = text.split(TIMED_MARK, 1)[1]
+        row["jit_compiles_timed"] = common.jit_compiles(timed_log)
+    row.update(child_outcome(rc, child_out, text))
+    if row["status"] != "ok":
+        print(row["error"], flush=True)
+    (out / f"row_{safe}.json").write_text(json.dumps(row))
+    where = "" if gpu is None else f" on GPU {gpu}"
+    print(
+        f"    -> {label}{where}: {row['status']} ({row.get('total_tok_s', '-')} tok/s, "
+        f"{row.get('kv_tokens', '-')} KV tokens) in {row['wall_s']} s",
+        flush=True,
+    )
+    return row
+
+
 def parent_main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -423,6 +617,7 @@ def parent_main(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             gpu_mem_util=args.gpu_mem_util,
             tp=args.tp,
+            gpus=args.gpus,
             profile=bool(args.profile),
             workload=args.workload,
             **(
@@ -436,104 +631,19 @@ def parent_main(args: argparse.Namespace) -> int:
         if command not in meta["commands"]:
             meta["commands"].append(command)
         meta_path.write_text(json.dumps(meta, indent=2))
-        specs = [s for s in args.dtypes.split(",") if s.strip()]
+        jobs = planned_rows(args)
         done = {str(r.get("label")) for r in common.load_rows(out) if r.get("status") == "ok"}
-        started = 0
-        for spec in specs:
-            cache_dtype, model_dtype = common.parse_dtype(spec, args.model_dtype)
-            label = common.row_label(cache_dtype, model_dtype, args.runner, args.model_dtype)
-            decode_variant = os.environ.get("KVARN_DECODE_VARIANT", "").strip()
-            if decode_variant and cache_dtype.startswith("kvarn_"):
-                label += f"[decode {decode_variant}]"  # a candidate kernel (kvarn-vllm's env)
-            if args.resume and label in done:
-                print(f"[{label}] already measured in {out} (--resume): skipped", flush=True)
-                continue
-            i, started = started, started + 1  # the first engine this call starts: i == 0
-            safe = re.sub(r"[^A-Za-z0-9._-]", "_", label)
-            child_out = out / f"child_{safe}.json"
-            child_out.unlink(missing_ok=True)
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--child",
-                "--child-dtype",
-                cache_dtype,
-                "--model-dtype",
-                model_dtype,
-                "--runner",
-                args.runner,
-                "--child-out",
-                str(child_out),
-                "--num-prompts",
-                str(args.num_prompts),
-                "--prompt-len",
-                str(args.prompt_len),
-                "--output-len",
-                str(args.output_len),
-                "--max-model-len",
-                str(args.max_model_len),
-                "--max-num-seqs",
-                str(args.max_num_seqs),
-                "--gpu-mem-util",
-                str(args.gpu_mem_util),
-                "--tp",
-                str(args.tp),
-                "--seed",
-                str(args.seed),
-                "--max-num-batched-tokens",
-                str(args.max_num_batched_tokens or 0),
-                "--workload",
-                args.workload,
-                "--turns",
-                str(args.turns),
-                "--tool-len",
-                str(args.tool_len),
-            ]
-            if args.model_dir:
-                cmd += ["--model-dir", args.model_dir]
-            env = common.child_env(args.runner)
-            profile_file = out / f"profile_{safe}.txt"
-            if args.profile:
-                profile_file.unlink(missing_ok=True)
-                cmd += [
-                    "--profile",
-                    "--profile-dir",
-                    str(Path(args.profile_dir) / safe),
-                    "--child-profile-out",
-                    str(profile_file),
-                ]
-                if args.profile_trace:
-                    cmd.append("--profile-trace")
-                if args.profile_steps:
-                    cmd += ["--profile-steps", args.profile_steps]
-                env = profile_env(env)
-            print(f"[{i + 1}/{len(specs)}] {label} ...", flush=True)
-            t0 = time.perf_counter()
-            # The first engine of a call on a fresh machine also fills vLLM's and FlashInfer's
-            # caches: ~100 s more than the next one (fourteenth session: a 107 s stretch after
-            # graph capture in the first engine's log, 8 s in the second's)
-            limit = (args.first_timeout or args.timeout + 120) if i == 0 else args.timeout
-            rc, text = common.run_child(cmd, env, out / f"log_{safe}.txt", limit)
-            row: dict[str, Any] = {
-                "label": label,
-                "order": time.time(),
-                "wall_s": round(time.perf_counter() - t0, 1),
-            }
-            if args.profile:
-                row.update(profiled=True, profile_file=profile_file.name)
-            row.update(common.log_facts(text))
-            if TIMED_MARK in text:
-                timed_log = text.split(TIMED_MARK, 1)[1]
-                row["jit_compiles_timed"] = common.jit_compiles(timed_log)
-            row.update(child_outcome(rc, child_out, text))
-            if row["status"] != "ok":
-                print(row["error"], flush=True)
-            (out / f"row_{safe}.json").write_text(json.dumps(row))
-            print(
-                f"    -> {row['status']} ({row.get('total_tok_s', '-')} tok/s, "
-                f"{row.get('kv_tokens', '-')} KV tokens) in {row['wall_s']} s",
-                flush=True,
-            )
+        if args.gpus == 1:
+            started = 0
+            for cache_dtype, model_dtype, label in jobs:
+                if args.resume and label in done:
+                    print(f"[{label}] already measured in {out} (--resume): skipped", flush=True)
+                    continue
+                print(f"[{started + 1}/{len(jobs)}] {label} ...", flush=True)
+                run_row(args, out, cache_dtype, model_dtype, label, first=started == 0)
+                started += 1
+        else:
+            run_rows_on_gpus(args, out, jobs, done)
     rows = common.load_rows(out)
     if not args.report:
         common.write_results(out, rows)
@@ -583,6 +693,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     ap.add_argument("--gpu-mem-util", type=float, default=0.90)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="run N engines at once, one per GPU (--tp GPUs each); the baseline runs on "
+        "every GPU first and each row is compared with its own GPU's baseline row",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--timeout", type=float, default=560, help="seconds per engine process")
@@ -634,6 +751,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child-dtype", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.gpus < 1 or args.tp < 1:
+        ap.error(f"--gpus and --tp must be >= 1, got {args.gpus} and {args.tp}")
     for name, value in WORKLOAD_DEFAULTS[args.workload].items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -46,6 +46,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -163,22 +164,41 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+#: Engine processes running now (several at once when engines run on several GPUs), for
+#: :func:`kill_running_children`.
+_RUNNING: set[subprocess.Popen[bytes]] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
 def run_child(cmd: list[str], env: dict[str, str], log: Path, timeout: float) -> tuple[int, str]:
     """Run one engine process; kill its whole process group when it ends, on timeout, or
     when this process is stopped while waiting (see :func:`exit_on_sigterm`). Returns (rc,
-    log text)."""
+    log text). Thread-safe: engines on several GPUs run it from one thread each."""
     with log.open("w") as fh:
         proc = subprocess.Popen(
             cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        with _RUNNING_LOCK:
+            _RUNNING.add(proc)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = 124
         finally:  # also whatever of the group outlived a finished engine
             _kill_group(proc)
+            with _RUNNING_LOCK:
+                _RUNNING.discard(proc)
     text = log.read_text(errors="replace")
     return rc, text
+
+
+def kill_running_children() -> None:
+    """Kill every engine :func:`run_child` is waiting on: what a stopped parent does when its
+    waits run in other threads, which ``SystemExit`` does not reach."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for proc in running:
+        _kill_group(proc)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
