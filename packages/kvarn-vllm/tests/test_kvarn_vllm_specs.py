@@ -668,12 +668,13 @@ def test_decode_kernel_setting_reaches_the_workspace_and_fails_closed(
             _serving_builder(qwen3_dir)
 
 
-def test_v5_plans_reach_the_workspace_and_the_engines_charge(
+def test_gluon_decode_plans_reach_the_workspace_the_charge_and_the_log(
     kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where ``variant="auto"`` picks v5 (batches of 8 or more on an H200, faked here), the
-    worker's decode plan runs it at v5's split count, its workspace holds v5's extra
-    partial, and the engine's charge (decode_workspace_bytes) still bounds it."""
+    """Where ``variant="auto"`` picks the Gluon kernels (v6f at Qwen3's 4 query heads per KV
+    head, batches of 8 or more on an H200, faked here), the worker's decode plan runs v6f at
+    its split count, its workspace holds the extra partial, the engine's charge
+    (decode_workspace_bytes) still bounds it, and the start-up log's summary names it."""
     from kvarn_kernels import attention
     from kvarn_vllm.budget import decode_workspace_bytes
 
@@ -686,6 +687,9 @@ def test_v5_plans_reach_the_workspace_and_the_engines_charge(
     assert rt.decode_plan(1).variant == "v4c"
     plan = rt.decode_plan(64)
     assert plan.variant == "v6f"  # Qwen3: 4 query heads per KV head
+    top = rt.max_num_seqs
+    assert rt.decode_kernels_by_batch() == f"v4c for B = 1-7, v6f for B = 8-{top}"
+    assert base.decode_kernels_by_batch() == f"v4c for B = 1-{top}"  # a CPU
     assert plan.num_splits == 4 * base.decode_plan(64).num_splits
     with_v5 = 4 * rt.decode_workspace_numel(rt.max_num_seqs)
     assert with_v5 > plain

@@ -1189,7 +1189,7 @@ def _v4_supports(geo: DenseGeometry) -> bool:
     return geo.key_bits == 4 and geo.value_bits in (2, 4)
 
 
-#: The smallest decode batch ``variant="auto"`` runs v5 for: below it v5's second launch (the
+#: The smallest decode batch ``variant="auto"`` runs the Gluon kernels (v6f, v5) for: below it their second launch (the
 #: pool phase) costs more than its loop saves (H200, fifteenth session, k4v2_g128 at 16K:
 #: 1.21x v4c's time at B = 1, 0.87x at B = 8, 0.78x at B = 64).
 V5_MIN_BATCH = 8

@@ -245,9 +245,10 @@ class KvarnGroupRuntime:
             )
             return
         logger.info(
-            "kvarn: serving kernels compiled (%d scratch launches, %.1f s)",
+            "kvarn: serving kernels compiled (%d scratch launches, %.1f s); decode kernels: %s",
             launches,
             time.perf_counter() - start,
+            self.decode_kernels_by_batch(),
         )
 
     # ------------------------------------------------------------------ geometry
@@ -296,6 +297,18 @@ class KvarnGroupRuntime:
             )
             self._plans[batch] = plan
         return plan
+
+    def decode_kernels_by_batch(self) -> str:
+        """Which decode kernel serves which batch sizes, e.g. ``"v4c for B = 1-7, v6f for B =
+        8-256"`` (for the start-up log: what a benchmark row ran)."""
+        spans: list[list[Any]] = []  # [variant, first batch, last batch]
+        for batch in range(1, max(self.max_num_seqs, 1) + 1):
+            variant = self.decode_plan(batch).variant
+            if spans and spans[-1][0] == variant:
+                spans[-1][2] = batch
+            else:
+                spans.append([variant, batch, batch])
+        return ", ".join(f"{v} for B = {lo}" + (f"-{hi}" if hi > lo else "") for v, lo, hi in spans)
 
     def decode_workspace_numel(self, max_batch: int) -> int:
         """fp32 elements of the decode workspace for batches of up to ``max_batch`` requests;
