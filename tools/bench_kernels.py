@@ -235,7 +235,15 @@ def bench_kvarn_decode(inp: dict[str, Any], **kw: Any) -> dict[str, Any]:
     kw = plain_split_option(inp, kw)
     # The variant and split count decode_attention picks for these options, as served (the
     # Gluon kernels' one-warp programs take 4x the split count), unless num_splits is given.
-    shape_options = ("variant", "mma_rows", "block_n", "num_warps", "fast_unpack")
+    shape_options = (
+        "variant",
+        "mma_rows",
+        "block_n",
+        "num_warps",
+        "fast_unpack",
+        "num_stages",
+        "max_registers",
+    )
     plan = decode_plan(
         inp["fmt"],
         bsz,

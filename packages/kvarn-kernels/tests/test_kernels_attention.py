@@ -1572,8 +1572,9 @@ def test_auto_decode_variant_takes_the_gluon_kernels_where_they_were_timed(
 
 def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -> None:
     """On an H200 a batch of 8 or more plans v6f (4 query heads per KV head) at four times the
-    split count (one warp per program) plus its pool-phase partial; smaller batches plan v4c at the plain count; the
-    tuning option of another kernel keeps v4c; the workspace follows the plan."""
+    split count (one warp per program) plus its pool-phase partial; smaller batches plan v4c
+    at the plain count; the tuning option of another kernel keeps v4c; the workspace follows
+    the plan."""
     from kvarn_kernels import DecodePlan, choose_decode_splits, decode_plan, decode_workspace_numel
 
     args = ("kvarn_k4v2_g128", 32, 8, 128, 1024, h200)
@@ -1593,7 +1594,14 @@ def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -
     assert decode_plan(*args[:1], 64, *args[1:], variant="v1").variant == "v1"
     # another kernel's shape option keeps "auto" on v4c; v5's warps scale its split count
     base = choose_decode_splits(64, 8, 1024, h200)
-    for option in ({"num_warps": 2}, {"block_n": 64}, {"fast_unpack": False}):
+    others: tuple[dict[str, Any], ...] = (
+        {"num_warps": 2},
+        {"block_n": 64},
+        {"fast_unpack": False},
+        {"num_stages": 2},
+        {"max_registers": 168},
+    )
+    for option in others:
         assert decode_plan(*args[:1], 64, *args[1:], **option) == DecodePlan("v4c", base)
     for warps in (1, 2, 4):
         plan = decode_plan(*args[:1], 64, *args[1:], variant="v5", num_warps=warps)

@@ -1189,8 +1189,8 @@ def _v4_supports(geo: DenseGeometry) -> bool:
     return geo.key_bits == 4 and geo.value_bits in (2, 4)
 
 
-#: The smallest decode batch ``variant="auto"`` runs the Gluon kernels (v6f, v5) for: below it their second launch (the
-#: pool phase) costs more than its loop saves (H200, fifteenth session, k4v2_g128 at 16K:
+#: The smallest decode batch ``variant="auto"`` runs the Gluon kernels (v6f, v5) for: below it
+#: their second launch (the pool phase) costs more than its loop saves (H200, fifteenth session, k4v2_g128 at 16K:
 #: 1.21x v4c's time at B = 1, 0.87x at B = 8, 0.78x at B = 64).
 V5_MIN_BATCH = 8
 #: The GPUs (CUDA compute capabilities) ``variant="auto"`` runs v5 on: sm_90 (H100, H200),
@@ -1506,12 +1506,13 @@ def decode_plan(
     block_n: int | None = None,
     num_warps: int | None = None,
     fast_unpack: bool | None = None,
+    num_stages: int | None = None,
+    max_registers: int | None = None,
 ) -> DecodePlan:
     """The variant and split count :func:`decode_attention` picks for ``batch`` requests of
     ``num_q_heads`` query heads over block tables ``max_blocks`` wide on ``device`` (static
-    shapes only, so CUDA-graph safe), with ``variant``, ``mma_rows``, ``block_n``,
-    ``num_warps`` and ``fast_unpack`` as given to it and no ``num_splits``. Raises
-    ``ValueError`` where :func:`decode_attention` would."""
+    shapes only, so CUDA-graph safe), with the same ``variant`` and tuning options and no
+    ``num_splits``. Raises ``ValueError`` where :func:`decode_attention` would."""
     dense = resolve_format(fmt)
     check_head_dim(head_dim)
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
@@ -1522,7 +1523,9 @@ def decode_plan(
     chosen = _resolve_decode_variant(
         geo,
         variant,
+        num_stages=num_stages,
         mma_rows=mma_rows,
+        max_registers=max_registers,
         batch=batch,
         qpk=num_q_heads // num_kv_heads,
         device=device,
