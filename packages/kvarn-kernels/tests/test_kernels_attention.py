@@ -1616,7 +1616,8 @@ def test_max_decode_partials_bounds_every_plan_without_a_device(
     variant, and is reached by one of them; the split rule grows with the SM count."""
     from kvarn_kernels import attention, decode_plan, decode_splits_for_sms, max_decode_partials
 
-    for name, qpk in (("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 32), ("kvarn_k5v5_g64", 4)):
+    cases = (("kvarn_k4v2_g128", 4), ("kvarn_k4v2_g128", 12), ("kvarn_k4v4_g128", 32))
+    for name, qpk in (*cases, ("kvarn_k5v5_g64", 4)):
         for batch in (1, 3, 8, 64, 256):
             for variant in ("auto", "v1") if name == "kvarn_k5v5_g64" else ("auto", "v4d"):
                 bound = max_decode_partials(variant, batch, 8 * qpk, 8, 512, max_sms=160)

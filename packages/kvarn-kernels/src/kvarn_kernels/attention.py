@@ -1462,12 +1462,14 @@ def max_decode_partials(
     if variant != "auto" and variant not in DECODE_VARIANTS:
         raise ValueError(f"variant must be 'auto' or one of {DECODE_VARIANTS}, got {variant!r}")
     from kvarn_kernels.decode_v5 import V5_MAX_QPK
+    from kvarn_kernels.decode_v6 import V6_MAX_QPK
 
     qpk = num_q_heads // num_kv_heads
     if variant != "auto":
         candidates: tuple[str, ...] = (variant,)
-    else:  # v1 and v4c write no extra partial; v6f and v5 serve up to 8 and 16 heads
-        candidates = ("v4c", "v5", "v6f") if qpk <= V5_MAX_QPK else ("v4c",)
+    else:  # v1 and v4c write no extra partial; v5 and v6f serve up to 16 and 8 heads
+        gluon = (("v5", V5_MAX_QPK), ("v6f", V6_MAX_QPK))
+        candidates = ("v4c", *(v for v, most in gluon if qpk <= most))
     splits = decode_splits_for_sms(batch, num_kv_heads, max_blocks, max_sms)
     return max(
         decode_partials(
