@@ -506,7 +506,7 @@ def run_row(
     """One engine process for one row; the row goes to ``out/row_<label>.json``. ``first``:
     the first engine of this call on its GPU (more time, see ``--first-timeout``);
     ``devices``: its ``CUDA_VISIBLE_DEVICES`` (``gpu``: their index in ``--gpus``)."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", label)
+    safe = common.file_safe(label)
     child_out = out / f"child_{safe}.json"
     child_out.unlink(missing_ok=True)
     cmd = [

@@ -126,6 +126,12 @@ def speculative_config(num_drafts: int) -> dict[str, Any] | None:
     }
 
 
+def file_safe(label: str) -> str:
+    """``label`` as a file-name part: every character but letters, digits and ``._-`` as
+    ``_`` (the row, child, log and profile files of a row)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", label)
+
+
 def row_label(
     cache_dtype: str,
     model_dtype: str,
@@ -526,7 +532,7 @@ def parent_main(args: argparse.Namespace) -> int:
     order0 = len(list(out.glob("row_*.json")))
     for i, (cache_dtype, model_dtype, runner) in enumerate(jobs):
         label = row_label(cache_dtype, model_dtype, runner, args.model_dtype, args.spec_ngram)
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", label)
+        safe = file_safe(label)
         child_out = out / f"child_{safe}.json"
         log = out / f"log_{safe}.txt"
         child_out.unlink(missing_ok=True)

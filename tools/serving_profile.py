@@ -722,14 +722,15 @@ def write_profile_summary(
     out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], baseline: str
 ) -> list[str]:
     """Write ``out/profile.md`` from the rows' profile files; returns the errors."""
+    from gpu_e2e import file_safe  # here, not at import: the worker functions load anywhere
+
     profiles: list[DtypeProfile] = []
     errors: list[str] = []
     for r in rows:
         if not (r.get("profiled") or r.get("profile_file")):
             continue
         label = r["label"]
-        safe = re.sub(r"[^A-Za-z0-9._-]", "_", label)
-        path = out / (r.get("profile_file") or f"profile_{safe}.txt")
+        path = out / (r.get("profile_file") or f"profile_{file_safe(label)}.txt")
         if r.get("status") != "ok":
             errors.append(f"{label}: run {r.get('status')}; reading whatever profile it left")
         try:
