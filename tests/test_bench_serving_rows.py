@@ -135,6 +135,15 @@ def test_length_defaults_follow_the_workload(
     assert got["prompt_len"] == 1000
 
 
+def _fake_engines(
+    bs: ModuleType, monkeypatch: pytest.MonkeyPatch, run_child: Callable[..., tuple[int, str]]
+) -> None:
+    """bench_serving's parent with ``run_child`` in place of engine processes, on no GPU."""
+    monkeypatch.setattr(bs.common, "run_child", run_child)
+    monkeypatch.setattr(bs.common, "check_plugin_entry_point", lambda: None)
+    monkeypatch.setattr(bs.common, "gpu_name", lambda: "test")
+
+
 def test_the_first_engine_gets_more_time_and_candidate_kernels_their_own_rows(
     bs: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -147,9 +156,7 @@ def test_the_first_engine_gets_more_time_and_candidate_kernels_their_own_rows(
         limits.append(limit)
         return 1, "Traceback ...\nRuntimeError: no GPU here\n"
 
-    monkeypatch.setattr(bs.common, "run_child", fake_run_child)
-    monkeypatch.setattr(bs.common, "check_plugin_entry_point", lambda: None)
-    monkeypatch.setattr(bs.common, "gpu_name", lambda: "test")
+    _fake_engines(bs, monkeypatch, fake_run_child)
     monkeypatch.setenv("KVARN_DECODE_VARIANT", "v5")
     out = tmp_path / "bs"
     argv = ["--dtypes", "auto,kvarn_k4v2_g128", "--timeout", "100", "--out", str(out)]
@@ -178,9 +185,7 @@ def test_resume_skips_the_rows_already_measured(
             return 0, "ok"
         return 1, "Traceback ...\nRuntimeError: timed out\n"
 
-    monkeypatch.setattr(bs.common, "run_child", fake_run_child)
-    monkeypatch.setattr(bs.common, "check_plugin_entry_point", lambda: None)
-    monkeypatch.setattr(bs.common, "gpu_name", lambda: "test")
+    _fake_engines(bs, monkeypatch, fake_run_child)
     monkeypatch.delenv("KVARN_DECODE_VARIANT", raising=False)
     out = tmp_path / "bs"
     argv = ["--dtypes", "auto,turboquant_k3v4_nc,kvarn_k4v2_g128", "--timeout", "100"]
@@ -226,9 +231,7 @@ def test_rows_on_two_gpus_run_at_once_against_their_own_gpus_baseline(
         Path(cmd[cmd.index("--child-out") + 1]).write_text(json.dumps(result))
         return 0, "ok"
 
-    monkeypatch.setattr(bs.common, "run_child", fake_run_child)
-    monkeypatch.setattr(bs.common, "check_plugin_entry_point", lambda: None)
-    monkeypatch.setattr(bs.common, "gpu_name", lambda: "test")
+    _fake_engines(bs, monkeypatch, fake_run_child)
     monkeypatch.delenv("KVARN_DECODE_VARIANT", raising=False)
     out = tmp_path / "bs"
     argv = ["--dtypes", "kvarn_k4v2_g128,auto,fp8,kvarn_k4v4_g128", "--gpus", "2"]
