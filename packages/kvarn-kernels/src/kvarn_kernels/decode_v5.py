@@ -462,6 +462,47 @@ def _v_field_codes(v_e, v_o, VG: gl.constexpr):
 
 
 @gluon.jit
+def _store_split(
+    accs,
+    m,
+    l_acc,
+    qi,
+    out_ch,
+    lq,
+    Q_AXIS: gl.constexpr,
+    where,
+    HQ: gl.constexpr,
+    QPK: gl.constexpr,
+    D: gl.constexpr,
+    VG: gl.constexpr,
+):
+    """Merge the W warps' states (``m``, ``l_acc``: ``[W, queries]``) and store the split's
+    partial output and LSE; V's halving comes back as the factor 2. ``accs``: the four field
+    accumulators, the queries along ``Q_AXIS`` (1: v5's rows, 2: v6's columns); ``qi``: the
+    query index and ``out_ch`` the V byte column in their layout, ``lq`` the query index in
+    the LSE's; ``where``: ``(O_PART, LSE_PART, split, b, h, n_rows_total)``."""
+    O_PART, LSE_PART, split, b, h, n_rows_total = where
+    acc0, acc1, acc2, acc3 = accs
+    m_all = gl.max(m, axis=0)
+    m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+    wscale = gl.exp2(m - gl.expand_dims(m_safe, 0))  # [W, queries]; 0 for warps without tokens
+    l_tot = gl.sum(l_acc * wscale, axis=0)
+    l_safe = gl.where(l_tot > 0, l_tot, 1.0)
+    lse = gl.where(l_tot > 0, m_all + gl.log2(l_safe), float("-inf"))
+    out_scale = gl.expand_dims(wscale * gl.expand_dims(2.0 / l_safe, 0), 3 - Q_AXIS)
+    prow = split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + qi
+    obase = O_PART + prow * D + out_ch * VG
+    q_ok = qi < QPK
+    gl.store(obase, gl.expand_dims(gl.sum(acc0 * out_scale, axis=0), 0), mask=q_ok)
+    gl.store(obase + 1, gl.expand_dims(gl.sum(acc1 * out_scale, axis=0), 0), mask=q_ok)
+    if VG == 4:
+        gl.store(obase + 2, gl.expand_dims(gl.sum(acc2 * out_scale, axis=0), 0), mask=q_ok)
+        gl.store(obase + 3, gl.expand_dims(gl.sum(acc3 * out_scale, axis=0), 0), mask=q_ok)
+    lptr = LSE_PART + split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + lq
+    gl.store(lptr, lse, mask=lq < QPK)
+
+
+@gluon.jit
 def decode_v5_kernel(
     Q,
     KV,
@@ -723,23 +764,8 @@ def decode_v5_kernel(
         packed = packed_next
     async_copy.wait_group(0)
 
-    # --- merge the W warps' states; V's halving comes back as the factor 2 ---
-    m_all = gl.max(m, axis=0)  # [16]
-    m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
-    wscale = gl.exp2(m - gl.expand_dims(m_safe, 0))  # [W, 16]; 0 for warps without tokens
-    l_tot = gl.sum(l_acc * wscale, axis=0)
-    l_safe = gl.where(l_tot > 0, l_tot, 1.0)
-    lse = gl.where(l_tot > 0, m_all + gl.log2(l_safe), float("-inf"))
-    out_scale = gl.expand_dims(wscale * gl.expand_dims(2.0 / l_safe, 0), 2)  # [W, 16, 1]
-    rows = _axis(16, 1, mma)
-    prow = split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + rows
-    obase = O_PART + prow * D + out_col * VG  # [1, 16, NC]
-    row_ok = rows < QPK
-    gl.store(obase, gl.expand_dims(gl.sum(acc0 * out_scale, axis=0), 0), mask=row_ok)
-    gl.store(obase + 1, gl.expand_dims(gl.sum(acc1 * out_scale, axis=0), 0), mask=row_ok)
-    if VG == 4:
-        gl.store(obase + 2, gl.expand_dims(gl.sum(acc2 * out_scale, axis=0), 0), mask=row_ok)
-        gl.store(obase + 3, gl.expand_dims(gl.sum(acc3 * out_scale, axis=0), 0), mask=row_ok)
+    rows = _axis(16, 1, mma)  # [1, 16, 1]
     lrow = gl.arange(0, 16, layout=gl.SliceLayout(0, rows_l))
-    lptr = LSE_PART + split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + lrow
-    gl.store(lptr, lse, mask=lrow < QPK)
+    accs = (acc0, acc1, acc2, acc3)
+    where = (O_PART, LSE_PART, split, b, h, n_rows_total)
+    _store_split(accs, m, l_acc, rows, out_col, lrow, 1, where, HQ, QPK, D, VG)

@@ -51,6 +51,7 @@ from kvarn_kernels.decode_v5 import (
     _perm16,
     _split_chunks,
     _stage_buffers,
+    _store_split,
     _token_scale_pairs,
     _v_channel_scales,
     _v_field_codes,
@@ -339,23 +340,8 @@ def decode_v6_kernel(
         packed = packed_next
     async_copy.wait_group(0)
 
-    # --- merge the W warps' states; V's halving comes back as the factor 2 ---
-    m_all = gl.max(m, axis=0)  # [8]
-    m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
-    wscale = gl.exp2(m - gl.expand_dims(m_safe, 0))  # [W, 8]; 0 for warps without tokens
-    l_tot = gl.sum(l_acc * wscale, axis=0)
-    l_safe = gl.where(l_tot > 0, l_tot, 1.0)
-    lse = gl.where(l_tot > 0, m_all + gl.log2(l_safe), float("-inf"))
-    out_scale = gl.expand_dims(wscale * gl.expand_dims(2.0 / l_safe, 0), 1)  # [W, 1, 8]
-    cols = _axis(NQ, 2, mma)
-    prow = split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + cols
-    obase = O_PART + prow * D + out_row * VG  # [1, NC, 8]
-    col_ok = cols < QPK
-    gl.store(obase, gl.expand_dims(gl.sum(acc0 * out_scale, axis=0), 0), mask=col_ok)
-    gl.store(obase + 1, gl.expand_dims(gl.sum(acc1 * out_scale, axis=0), 0), mask=col_ok)
-    if VG == 4:
-        gl.store(obase + 2, gl.expand_dims(gl.sum(acc2 * out_scale, axis=0), 0), mask=col_ok)
-        gl.store(obase + 3, gl.expand_dims(gl.sum(acc3 * out_scale, axis=0), 0), mask=col_ok)
+    cols = _axis(NQ, 2, mma)  # [1, 1, 8]
     lcol = gl.arange(0, NQ, layout=gl.SliceLayout(0, cols_l))
-    lptr = LSE_PART + split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + lcol
-    gl.store(lptr, lse, mask=lcol < QPK)
+    accs = (acc0, acc1, acc2, acc3)
+    where = (O_PART, LSE_PART, split, b, h, n_rows_total)
+    _store_split(accs, m, l_acc, cols, out_row, lcol, 2, where, HQ, QPK, D, VG)
