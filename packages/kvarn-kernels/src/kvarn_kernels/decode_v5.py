@@ -360,25 +360,32 @@ def _stage_buffers(
 
 
 @gluon.jit
+def _pairs_of_quad(words):
+    """:data:`_PAIRS_OF_QUAD` on 64-bit quads of fp16: the pairs of items (0, 2) and (1, 3)."""
+    return gl.inline_asm_elementwise(
+        _PAIRS_OF_QUAD, "=r,=r,l", [words], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _parities_of_quads(first, second):
+    """:data:`_PARITIES_OF_QUADS` on two 64-bit quads of fp16: four fp16x2 registers."""
+    return gl.inline_asm_elementwise(
+        _PARITIES_OF_QUADS,
+        "=r,=r,=r,=r,l,l",
+        [first, second],
+        dtype=(gl.int32,) * 4,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
 def _k_scale_pairs(stage, bufs, quads: gl.constexpr):
     """A step's K channel scales and zeros as fp16x2 pairs of items ``(4q, 4q + 2)`` and ``(4q
     + 1, 4q + 3)`` of each quad (:func:`_k_vector`'s input): ``ks0, ks1, kz0, kz1``."""
-    ks0, ks1 = gl.inline_asm_elementwise(
-        _PAIRS_OF_QUAD,
-        "=r,=r,l",
-        [bufs[2].index(stage).load(quads)],
-        dtype=(gl.int32, gl.int32),
-        is_pure=True,
-        pack=1,
-    )
-    kz0, kz1 = gl.inline_asm_elementwise(
-        _PAIRS_OF_QUAD,
-        "=r,=r,l",
-        [bufs[3].index(stage).load(quads)],
-        dtype=(gl.int32, gl.int32),
-        is_pure=True,
-        pack=1,
-    )
+    ks0, ks1 = _pairs_of_quad(bufs[2].index(stage).load(quads))
+    kz0, kz1 = _pairs_of_quad(bufs[3].index(stage).load(quads))
     return ks0, ks1, kz0, kz1
 
 
@@ -392,22 +399,8 @@ def _token_scale_pairs(stage, bufs, quads: gl.constexpr, along: gl.constexpr, AX
     kt_e, kt_o = gl.inline_asm_elementwise(
         _HALVES, "=h,=h,r", [ktw], dtype=(gl.float16,) * 2, is_pure=True, pack=1
     )
-    vs = gl.inline_asm_elementwise(
-        _PARITIES_OF_QUADS,
-        "=r,=r,=r,=r,l,l",
-        [bufs[5].index(stage).load(quads), bufs[6].index(stage).load(quads)],
-        dtype=(gl.int32,) * 4,
-        is_pure=True,
-        pack=1,
-    )
-    vz = gl.inline_asm_elementwise(
-        _PARITIES_OF_QUADS,
-        "=r,=r,=r,=r,l,l",
-        [bufs[7].index(stage).load(quads), bufs[8].index(stage).load(quads)],
-        dtype=(gl.int32,) * 4,
-        is_pure=True,
-        pack=1,
-    )
+    vs = _parities_of_quads(bufs[5].index(stage).load(quads), bufs[6].index(stage).load(quads))
+    vz = _parities_of_quads(bufs[7].index(stage).load(quads), bufs[8].index(stage).load(quads))
     return kt_e, kt_o, vs, vz
 
 
