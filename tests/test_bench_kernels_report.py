@@ -72,3 +72,36 @@ def test_plain_splits_gives_the_split_rule_without_the_gluon_factor(
         "num_splits": 12,
     }
     assert len(calls) == 1
+
+
+def test_decode_configs_are_named_and_selected_in_list_order(bk: ModuleType) -> None:
+    """``--decode-configs`` takes config_label names, keeps DECODE_VARIANT_CONFIGS' order
+    and refuses an unknown name, listing the known ones."""
+    labels = [bk.config_label(c) for c in bk.DECODE_VARIANT_CONFIGS]
+    assert len(set(labels)) == len(labels)  # every config reachable by its name
+    assert bk.config_label({"variant": "v6f", "max_registers": 144}) == "v6f regs144"
+    assert bk.config_label({"variant": "v5", "plain_splits": True}) == "v5 plain"
+    picked = bk.select_decode_configs("v6f regs144, v6f")
+    assert [bk.config_label(c) for c in picked] == ["v6f", "v6f regs144"]
+    assert len(bk.select_decode_configs(None)) == len(labels)
+    with pytest.raises(SystemExit, match=r"unknown.*v9.*known: v1"):
+        bk.select_decode_configs("v6f,v9")
+    with pytest.raises(SystemExit, match="empty list"):
+        bk.select_decode_configs(" , ")
+
+
+def test_decode_variants_table_names_config_and_errors(bk: ModuleType) -> None:
+    rows = [
+        {
+            "B": 64,
+            "ctx": 16384,
+            "config": {"variant": "v6f"},
+            "variant": "v6f",
+            "splits": 8,
+            "us": 351.25,
+        },
+        {"B": 64, "ctx": 16384, "config": {"variant": "v4c"}, "pool": 0, "error": "boom"},
+    ]
+    text = bk.decode_variants_table(rows).splitlines()
+    assert "v6f" in text[1] and "351.2" in text[1] and " 8 " in text[1]
+    assert "v4c no pool" in text[2] and "boom" in text[2]

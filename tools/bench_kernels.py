@@ -638,7 +638,7 @@ def bench_fa3_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
 
 
 #: The decode code paths compared in one run (here and by ``tools/gpu_kernel_check.py``), v1
-#: first (the reference of ``rel_diff_vs_v1``): v4c, the default (round 7's pool phase and
+#: first (the reference of ``rel_diff_vs_first``): v4c, the default (round 7's pool phase and
 #: wide scale loads with masked scale loads, 8 query rows per program since the eleventh
 #: session); v4d, v4c with the pool phase in a launch of its own (docs/kernel-notes.md).
 DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
@@ -654,12 +654,49 @@ DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v6f", "plain_splits": True},
     {"variant": "v5", "plain_splits": True},
     # Register caps (v6/v6f at 128, v5/v5f at 168) and v5 at 2 or 4 warps were all slower
-    # than the uncapped one-warp programs (seventeenth session, docs/kernel-notes.md).
+    # than the uncapped one-warp programs (seventeenth session, docs/kernel-notes.md). Since
+    # the eighteenth session's column sums in MMAs, v6f compiles without spills at 144 and
+    # 136 registers (14 and 15 programs per SM instead of 12):
+    {"variant": "v6f", "max_registers": 144},
+    {"variant": "v6f", "max_registers": 136},
 ]
 
 
-def run_variants(parts: set[str]) -> dict[str, Any]:
+def config_label(cfg: dict[str, Any]) -> str:
+    """A decode config's name in tables and in ``--decode-configs``: the variant, then its
+    options (``v6f regs144``, ``v5 plain``)."""
+    parts = [str(cfg["variant"])]
+    for key, value in cfg.items():
+        if key == "plain_splits":
+            parts.append("plain")
+        elif key == "max_registers":
+            parts.append(f"regs{value}")
+        elif key != "variant":
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def select_decode_configs(labels: str | None) -> list[dict[str, Any]]:
+    """The configs of :data:`DECODE_VARIANT_CONFIGS` named in ``labels`` (comma-separated
+    :func:`config_label` names; all of them for ``None``), in the list's order."""
+    if labels is None:
+        return list(DECODE_VARIANT_CONFIGS)
+    known = {config_label(c): c for c in DECODE_VARIANT_CONFIGS}
+    wanted = [x.strip() for x in labels.split(",") if x.strip()]
+    unknown = [x for x in wanted if x not in known]
+    if unknown or not wanted:
+        raise SystemExit(
+            f"--decode-configs: unknown {unknown or 'empty list'}; known: {', '.join(known)}"
+        )
+    return [c for c in DECODE_VARIANT_CONFIGS if config_label(c) in wanted]
+
+
+def run_variants(
+    parts: set[str], decode_configs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     import torch
+
+    configs = DECODE_VARIANT_CONFIGS if decode_configs is None else decode_configs
 
     out: dict[str, Any] = {"decode": [], "store": [], "prefill": [], "verify": []}
     # Speculative verify rows (3 drafts): the plugin's verify pass against the other paths
@@ -681,12 +718,12 @@ def run_variants(parts: set[str]) -> dict[str, Any]:
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
         base = None
-        for cfg in DECODE_VARIANT_CONFIGS:  # v1 first: the reference of rel_diff_vs_v1
+        for cfg in configs:  # v1 first, when selected: the reference of rel_diff_vs_first
             r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))
             o = decode_once(inp, **cfg).float()
             if base is None:
                 base = o
-            r["rel_diff_vs_v1"] = float((o - base).norm() / base.norm())
+            r["rel_diff_vs_first"] = float((o - base).norm() / base.norm())
             out["decode"].append({"B": bsz, "ctx": ctx, "config": cfg, **r})
             log(f"variant decode B={bsz} ctx={ctx} {cfg}: {r}")
         del inp
@@ -1130,6 +1167,19 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def decode_variants_table(rows: list[dict[str, Any]]) -> str:
+    """``--variants decode`` rows as one line per shape and config (µs, split count)."""
+    lines = [f"{'B':>4} {'ctx':>6} {'config':28s} {'variant':8s} {'splits':>6} {'us':>10}"]
+    for r in rows:
+        label = config_label(r["config"]) + (" no pool" if r.get("pool") == 0 else "")
+        us = f"{r['us']:.1f}" if "us" in r else r.get("error", "?")[:40]
+        lines.append(
+            f"{r['B']:>4} {r['ctx']:>6} {label:28s} {r.get('variant', '-'):8s} "
+            f"{r.get('splits', '-'):>6} {us:>10}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write the full results here")
@@ -1143,15 +1193,23 @@ def main() -> None:
         "--variants",
         help="only compare code paths: comma-separated subset of decode,store,prefill,verify",
     )
+    ap.add_argument(
+        "--decode-configs",
+        help="with --variants decode: comma-separated config names (e.g. 'v6f,v6f regs144'; "
+        "default: all of DECODE_VARIANT_CONFIGS)",
+    )
     args = ap.parse_args()
     command = "python3 tools/bench_kernels.py " + " ".join(
         Path(a).name if a.startswith("/") else a for a in sys.argv[1:]
     )
     if args.variants:
-        res = run_variants(set(args.variants.split(",")))
+        res = run_variants(
+            set(args.variants.split(",")), select_decode_configs(args.decode_configs)
+        )
         if args.json:
             args.json.write_text(json.dumps(res, indent=1))
         print(json.dumps(res, indent=1))
+        print(decode_variants_table(res["decode"]))
         return
     if args.from_json:
         res = json.loads(args.from_json.read_text())

@@ -108,9 +108,20 @@ def _field_t(
 
 
 @gluon.jit
-def _column_sum(x):
-    """``[W, K, 8]`` (a B operand) summed over ``k`` in fp32: ``[W, 8]``."""
-    return gl.sum(x.to(gl.float32), axis=1)
+def _mma_column_sum(a, b, zero):
+    """``sum_k a[k] b[k, n]`` of a B operand ``b`` (``[W, K, 8]``), ``a`` the A operand ``[W,
+    16, K]`` whose 16 rows all hold the weights (ones for a plain sum): one MMA chain, fp32
+    sums of exact products, every row of the ``[W, 16, 8]`` result the same, so the max over
+    rows is a layout change to ``[W, 8]`` (two shuffle rounds fewer than a sum over ``k``
+    across the lanes, and none of its conversions to fp32)."""
+    return gl.max(mma_v2(a, b, zero), axis=1)
+
+
+@gluon.jit
+def _mma_column_sum2(a, b, zero):
+    """:func:`_mma_column_sum` of two operand pairs ``a = (a0, a1)``, ``b = (b0, b1)`` summed:
+    one chain."""
+    return gl.max(mma_v2(a[1], b[1], mma_v2(a[0], b[0], zero)), axis=1)
 
 
 @gluon.jit
@@ -233,6 +244,10 @@ def decode_v6_kernel(
     l_acc = gl.zeros([W, NQ], gl.float32, cols_l)
     zero = gl.zeros([W, NC, NQ], gl.float32, mma)
     zero_s = gl.zeros([W, 32, NQ], gl.float32, mma)
+    # the folds' column sums as MMAs against rows of ones (or of the zeros): 16 rows, one tile
+    zero_c = gl.zeros([W, 16, NQ], gl.float32, mma)
+    ones_d = gl.full([W, 16, D], 1.0, gl.float16, aop)
+    ones_p = gl.full([W, 16, 32], 1.0, gl.float16, aop)
     acc0 = zero
     acc1 = zero
     acc2 = zero
@@ -247,20 +262,20 @@ def decode_v6_kernel(
         kw = bufs[0].index(stage).load(words)  # [W, 32, D / 4]
         vw = bufs[1].index(stage).load(words)  # [W, 2 NC, 8]
         ks0, ks1, kz0, kz1 = _k_scale_pairs(stage, bufs, quads)
-        if FOLD:  # on the query's k: [W, D, 1]
+        if FOLD:  # the channel scales on the query's k: [W, D, 1]; the zeros along A's k
             ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, bvec), 2)
-            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, bvec), 2)
+            kz_a = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1)
         else:  # on the codes' k: [W, 1, D]
             ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)
             kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
         kt_e, kt_o, vs, vz = _token_scale_pairs(stage, bufs, quads, rows_l, 2)  # kt: [W, 32, 1]
         se0, so0, se1, so1 = vs
         ze0, zo0, ze1, zo1 = vz
-        if FOLD:  # on the probabilities' k: [W, 32, 1]
+        if FOLD:  # the scales on the probabilities' k: [W, 32, 1]; the zeros along A's k
             vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, bvec), 2)
             vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, bvec), 2)
-            vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, bvec), 2)
-            vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, bvec), 2)
+            vz_e = gl.broadcast(gl.expand_dims(_k_vector(ze0, ze1, W, 32, avec), 1), ones_p)[0]
+            vz_o = gl.broadcast(gl.expand_dims(_k_vector(zo0, zo1, W, 32, avec), 1), ones_p)[0]
         else:  # on the codes' k: [W, 1, 32]
             vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, avec), 1)
             vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, avec), 1)
@@ -279,8 +294,8 @@ def decode_v6_kernel(
             # term sums fp16 products, rounded as an operand is: in fp32 the compiler keeps
             # the query in fp32 registers across the loop, 240 instead of 168)
             q_s = q16 * ks
-            qs = gl.convert_layout(_column_sum(q_s), cols_l)
-            qz = gl.convert_layout(_column_sum(q16 * kz), cols_l) * 0.5
+            qs = _mma_column_sum(ones_d, q_s, zero_c)
+            qz = _mma_column_sum(gl.broadcast(kz_a, ones_d)[0], q16, zero_c) * 0.5
             start_e = gl.broadcast(gl.expand_dims(qz - 512.0 * qs, 1), zero_s)[0]
             start_o = gl.broadcast(gl.expand_dims(qz - 32.0 * qs, 1), zero_s)[0]
             s_e = mma_v2(_operand_a(lo0, lo1, W, 32, D, aop), q_s, start_e)
@@ -313,11 +328,10 @@ def decode_v6_kernel(
         if FOLD:
             # (x - magic) vs + vz / 2 against P: x against P vs, plus per column and field
             # P . vz / 2 - magic sum(P vs), from two column sums for all fields
-            pz = (_column_sum(pb_e * vz_e) + _column_sum(pb_o * vz_o)) * 0.5
+            pz = _mma_column_sum2((vz_e, vz_o), (pb_e, pb_o), zero_c) * 0.5
             pb_e = pb_e * vs_e
             pb_o = pb_o * vs_o
-            ps = gl.convert_layout(_column_sum(pb_e) + _column_sum(pb_o), cols_l)
-            pz = gl.convert_layout(pz, cols_l)
+            ps = _mma_column_sum2((ones_p, ones_p), (pb_e, pb_o), zero_c)
         else:
             pz = 0.0
             ps = 0.0
