@@ -712,9 +712,11 @@ def run_variants(
         # the default on the same shape with every block a record (docs/kernel-notes.md,
         # sixth session).
         twin = decode_inputs("kvarn_k4v2_g128", bsz, ctx, pool_blocks=False)
-        r = guarded(lambda twin=twin: bench_kvarn_decode(twin, variant="v4c"))
-        out["decode"].append({"B": bsz, "ctx": ctx, "config": {"variant": "v4c"}, "pool": 0, **r})
-        log(f"variant decode B={bsz} ctx={ctx} v4c without pool blocks: {r}")
+        for name in ("v4c", "v6f"):
+            r = guarded(lambda twin=twin, name=name: bench_kvarn_decode(twin, variant=name))
+            cfg = {"variant": name}
+            out["decode"].append({"B": bsz, "ctx": ctx, "config": cfg, "pool": 0, **r})
+            log(f"variant decode B={bsz} ctx={ctx} {name} without pool blocks: {r}")
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
         base = None

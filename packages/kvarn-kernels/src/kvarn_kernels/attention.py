@@ -34,13 +34,14 @@ caller passes a preallocated workspace.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from itertools import pairwise
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton  # type: ignore[import-untyped]
@@ -945,6 +946,32 @@ def _launch_v5(
     )
 
 
+#: Per device, the stream :func:`_forked` runs its side launches on (made once: a stream made
+#: during CUDA-graph capture would still work, but the warm-up before capture makes it).
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def _forked(device: torch.device) -> Iterator[contextlib.AbstractContextManager[Any]]:
+    """A fork and join around the body: it gets a context to launch on a side stream that
+    starts after the work queued so far, and the current stream waits for the side stream
+    at the end (graph capture records both as branches of the graph). Off CUDA the side
+    context is a no-op, so the launches run in order."""
+    if device.type != "cuda":
+        yield contextlib.nullcontext()
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _SIDE_STREAMS.get(index)
+    if side is None:
+        side = _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(device=index))  # type: ignore[no-untyped-call]
+    current = torch.cuda.current_stream(index)
+    side.wait_stream(current)
+    try:
+        yield torch.cuda.stream(side)
+    finally:
+        current.wait_stream(side)
+
+
 def _launch(
     geo: DenseGeometry,
     q: torch.Tensor,
@@ -989,27 +1016,8 @@ def _launch(
     lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
-    if variant in V5_VARIANTS:
-        _launch_v5(
-            geo,
-            q_rot,
-            kv_cache,
-            block_table,
-            seq_lens,
-            block_to_slot,
-            o_part,
-            lse_part,
-            softmax_scale,
-            n_rows,
-            num_splits,
-            hq,
-            hk,
-            max_registers,
-            num_warps,
-            num_stages,
-            variant,
-        )
-    if variant in V4_VARIANTS or variant in V5_VARIANTS:
+
+    def launch_v4() -> None:
         _launch_v4(
             geo,
             q_rot,
@@ -1038,6 +1046,35 @@ def _launch(
             mma_rows=mma_rows,
             max_registers=max_registers,
         )
+
+    if variant in V5_VARIANTS:
+        # The pool phase (the fp16 sink and in-progress tiles, its own partial) does not wait
+        # for the main loop: on a side stream its programs run next to the main launch's,
+        # instead of in a launch of their own after its last wave.
+        with _forked(q.device) as side:
+            with side:
+                launch_v4()
+            _launch_v5(
+                geo,
+                q_rot,
+                kv_cache,
+                block_table,
+                seq_lens,
+                block_to_slot,
+                o_part,
+                lse_part,
+                softmax_scale,
+                n_rows,
+                num_splits,
+                hq,
+                hk,
+                max_registers,
+                num_warps,
+                num_stages,
+                variant,
+            )
+    elif variant in V4_VARIANTS:
+        launch_v4()
     else:
         if decode:
             bq = 1

@@ -290,9 +290,8 @@ def decode_v6_kernel(
         if FOLD:
             # q . ((x - magic) ks + kz / 2) = x . (q ks) + (q . kz / 2 - magic sum(q ks)): the
             # channel scale on the query, the rest one number per query column
-            # (qs sums the rounded q ks the MMA multiplies, so the magic cancels; the zero
-            # term sums fp16 products, rounded as an operand is: in fp32 the compiler keeps
-            # the query in fp32 registers across the loop, 240 instead of 168)
+            # (qs sums the rounded q ks the score MMA multiplies, so the magic cancels; the
+            # zero term, the zeros' rows against q16, sums exact products)
             q_s = q16 * ks
             qs = _mma_column_sum(ones_d, q_s, zero_c)
             qz = _mma_column_sum(gl.broadcast(kz_a, ones_d)[0], q16, zero_c) * 0.5
