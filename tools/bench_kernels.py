@@ -679,7 +679,7 @@ def select_decode_configs(labels: str | None) -> list[dict[str, Any]]:
     :func:`config_label` names; all of them for ``None``), in the list's order."""
     if labels is None:
         return list(DECODE_VARIANT_CONFIGS)
-    known = {config_label(c): c for c in DECODE_VARIANT_CONFIGS}
+    known = [config_label(c) for c in DECODE_VARIANT_CONFIGS]
     wanted = [x.strip() for x in labels.split(",") if x.strip()]
     unknown = [x for x in wanted if x not in known]
     if unknown or not wanted:
@@ -689,12 +689,10 @@ def select_decode_configs(labels: str | None) -> list[dict[str, Any]]:
     return [c for c in DECODE_VARIANT_CONFIGS if config_label(c) in wanted]
 
 
-def run_variants(
-    parts: set[str], decode_configs: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
+def run_variants(parts: set[str], decode_configs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Time the code paths of ``parts``; decode rows for each of ``decode_configs``
+    (:func:`select_decode_configs`)."""
     import torch
-
-    configs = DECODE_VARIANT_CONFIGS if decode_configs is None else decode_configs
 
     out: dict[str, Any] = {"decode": [], "store": [], "prefill": [], "verify": []}
     # Speculative verify rows (3 drafts): the plugin's verify pass against the other paths
@@ -718,7 +716,7 @@ def run_variants(
         del twin
         inp = decode_inputs("kvarn_k4v2_g128", bsz, ctx)
         base = None
-        for cfg in configs:  # v1 first, when selected: the reference of rel_diff_vs_first
+        for cfg in decode_configs:  # v1 first, when selected: the reference of rel_diff_vs_first
             r = guarded(lambda cfg=cfg, inp=inp: bench_kvarn_decode(inp, **dict(cfg)))
             o = decode_once(inp, **cfg).float()
             if base is None:
