@@ -200,6 +200,40 @@ def test_resume_skips_the_rows_already_measured(
     assert len(started) == 3
 
 
+def test_warm_only_rows_fill_caches_and_never_pass_for_measurements(
+    bs: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--warm-only`` passes the flag to every engine; a row whose result says it only warmed
+    is ``warmed``: a warm-only ``--resume`` skips it, a measuring run does not, and
+    ``--write-docs`` refuses to publish it."""
+    flags: list[bool] = []
+
+    def fake_run_child(cmd: list[str], env: object, log: Path, limit: float) -> tuple[int, str]:
+        flags.append("--warm-only" in cmd)
+        dtype = cmd[cmd.index("--child-dtype") + 1]
+        warmed = {"cache_dtype": dtype, "kv_tokens": 3503872, "startup_s": 95.0}
+        fields = {**warmed, "warmup_s": 12.5, "warm_only": True} if flags[-1] else RESULT
+        Path(cmd[cmd.index("--child-out") + 1]).write_text(json.dumps(fields))
+        return 0, "ok"
+
+    _fake_engines(bs, monkeypatch, fake_run_child)
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    monkeypatch.setattr(bs, "DOCS", docs)
+    out = tmp_path / "bs"
+    argv = ["--dtypes", "kvarn_k4v2_g128", "--out", str(out), "--resume"]
+    assert bs.main([*argv, "--warm-only"]) == 0
+    row = json.loads((out / "row_kvarn_k4v2_g128.json").read_text())
+    assert row["status"] == "warmed" and flags == [True]
+    text = bs.table([row], "auto")
+    assert "warmed (--warm-only, no timed run): start-up 95.0 s, warm-up 12.5 s" in text
+    assert bs.main([*argv, "--warm-only", "--write-docs"]) == 1  # skipped, then refused
+    assert flags == [True] and docs.read_text() == "# Benchmarks\n"
+    assert bs.main(argv) == 0  # a measuring run does not take the warmed row for its own
+    assert flags == [True, False]
+    assert json.loads((out / "row_kvarn_k4v2_g128.json").read_text())["status"] == "ok"
+
+
 def test_rows_on_two_gpus_run_at_once_against_their_own_gpus_baseline(
     bs: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -129,6 +130,22 @@ def test_model_dir_falls_back_to_the_embedded_qwen3_8b(e2e: ModuleType, tmp_path
     assert cfg["num_hidden_layers"] == 36 and cfg["num_key_value_heads"] == 8
     with pytest.raises(SystemExit):
         e2e.resolve_model_dir(str(tmp_path / "missing"))
+
+
+def test_embedded_model_dir_is_the_same_path_in_every_process(
+    e2e: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No shared/ beside this checkout (as on the device): the embedded config is written to
+    # a folder named by its digest, so vLLM's compile cache (keyed by the model path) hits.
+    monkeypatch.setattr(e2e, "ROOT", tmp_path / "checkout" / "repo")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    first = e2e.resolve_model_dir(None)
+    assert first.parent == tmp_path / "tmp" and first.name.startswith("kvarn-qwen3-8b-")
+    (first / "config.json").write_text("{}")  # a damaged copy is rewritten, not trusted
+    second = e2e.resolve_model_dir(None)
+    assert second == first
+    assert json.loads((second / "config.json").read_text()) == e2e.QWEN3_8B
+    assert sorted(p.name for p in second.iterdir()) == ["config.json"]
 
 
 def test_bench_docs_section_replaces_only_its_own_section(

@@ -193,7 +193,24 @@ def child_main(args: argparse.Namespace) -> int:
         for n in (min(args.prompt_len, 600),) * 3 + (long_len,)
     ]
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, detokenize=False)
+    t = time.perf_counter()
     llm.generate(warm_prompts, warm, use_tqdm=False)
+    warmup = time.perf_counter() - t
+    engine_facts = {
+        "cache_dtype": cache_dtype,
+        "model_dtype": model_dtype,
+        "runner": args.runner,
+        "tp": args.tp,
+        "num_gpu_blocks": cache.num_gpu_blocks,
+        "block_size": cache.block_size,
+        "kv_tokens": (cache.num_gpu_blocks or 0) * cache.block_size,
+        "startup_s": round(startup, 1),
+        "warmup_s": round(warmup, 1),
+    }
+    if args.warm_only:
+        Path(args.child_out).write_text(json.dumps({**engine_facts, "warm_only": True}))
+        print(f"kvarn-bench child done: {cache_dtype} warmed", flush=True)
+        return 0
     sp = SamplingParams(
         max_tokens=args.output_len, temperature=0.0, ignore_eos=True, detokenize=False
     )
@@ -227,14 +244,7 @@ def child_main(args: argparse.Namespace) -> int:
             llm, prof_dir, Path(args.child_profile_out), keep_trace=args.profile_trace
         )
     result = {
-        "cache_dtype": cache_dtype,
-        "model_dtype": model_dtype,
-        "runner": args.runner,
-        "tp": args.tp,
-        "num_gpu_blocks": cache.num_gpu_blocks,
-        "block_size": cache.block_size,
-        "kv_tokens": (cache.num_gpu_blocks or 0) * cache.block_size,
-        "startup_s": round(startup, 1),
+        **engine_facts,
         "elapsed_s": round(elapsed, 2),
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
@@ -302,14 +312,15 @@ def _profile_steps(spec: str) -> tuple[int, int]:
 def child_outcome(rc: int, child_out: Path, log_text: str) -> dict[str, Any]:
     """A row's result fields from its engine process's exit code and result file.
 
-    The child writes ``child_out`` right after its timed ``generate``, so a timeout after that
+    The child writes ``child_out`` right after its timed ``generate`` (``--warm-only``: after
+    its warm-up, the row's status then ``warmed``), so a timeout after that
     (vLLM's engine teardown: the seventh session's fp16 run finished its measurement and was
     killed at the limit while shutting down) loses no measurement: the row is ok and says it
     was killed. Without the file, a timeout or a failure is the row's status.
     """
     if child_out.is_file() and rc in (0, 124):
         fields: dict[str, Any] = json.loads(child_out.read_text())
-        fields["status"] = "ok"
+        fields["status"] = "warmed" if fields.get("warm_only") else "ok"
         if rc == 124:
             fields["killed_after_timed_run"] = True
         return fields
@@ -338,6 +349,12 @@ def table(rows: list[dict[str, Any]], baseline: str) -> str:
         name = r["label"]
         if several_gpus and name != gpu_label(baseline, gpu):
             name += f" (GPU {gpu})"
+        if r.get("status") == "warmed":
+            lines.append(
+                f"| {name} | {r['kv_tokens']:,} | | | | | | warmed (--warm-only, no timed run): "
+                f"start-up {r['startup_s']} s, warm-up {r['warmup_s']} s, wall {r['wall_s']} s |"
+            )
+            continue
         if r.get("status") != "ok":
             err = (r.get("error") or "").splitlines()[-1:] or [""]
             lines.append(f"| {name} | | | | | | | {r.get('status')}: {err[0][:80]} |")
@@ -546,6 +563,8 @@ def run_row(
         "--tool-len",
         str(args.tool_len),
     ]
+    if args.warm_only:
+        cmd.append("--warm-only")
     if args.model_dir:
         cmd += ["--model-dir", args.model_dir]
     env = common.child_env(args.runner)
@@ -586,7 +605,7 @@ def run_row(
         timed_log = text.split(TIMED_MARK, 1)[1]
         row["jit_compiles_timed"] = common.jit_compiles(timed_log)
     row.update(child_outcome(rc, child_out, text))
-    if row["status"] != "ok":
+    if "error" in row:
         print(row["error"], flush=True)
     (out / f"row_{safe}.json").write_text(json.dumps(row))
     where = "" if gpu is None else f" on GPU {gpu}"
@@ -632,7 +651,9 @@ def parent_main(args: argparse.Namespace) -> int:
             meta["commands"].append(command)
         meta_path.write_text(json.dumps(meta, indent=2))
         jobs = planned_rows(args)
-        done = {str(r.get("label")) for r in common.load_rows(out) if r.get("status") == "ok"}
+        # A warmed row stands for its dtype only in a --warm-only run.
+        finished = ("ok", "warmed") if args.warm_only else ("ok",)
+        done = {str(r.get("label")) for r in common.load_rows(out) if r.get("status") in finished}
         if args.gpus == 1:
             started = 0
             for cache_dtype, model_dtype, label in jobs:
@@ -655,6 +676,13 @@ def parent_main(args: argparse.Namespace) -> int:
         profile_errors = write_profile_summary(out, rows, meta, args.baseline)
         print(f"wrote {out / 'profile.md'}" + "".join(f"\n  {e}" for e in profile_errors))
     if args.write_docs and rows:
+        if any(r.get("status") == "warmed" for r in rows):
+            print(
+                "refusing --write-docs: rows in this --out were only warmed (--warm-only), "
+                "not measured",
+                flush=True,
+            )
+            return 1
         if any(r.get("profiled") for r in rows):
             print(
                 "refusing --write-docs: rows in this --out were profiled (slower than the "
@@ -665,7 +693,7 @@ def parent_main(args: argparse.Namespace) -> int:
         workload = meta.get("workload", "burst")
         write_docs(section(rows, meta, args.baseline), workload)
         print(f"wrote the {workload} section of {DOCS}")
-    ok = all(r.get("status") == "ok" for r in rows) and not profile_errors
+    ok = all(r.get("status") in ("ok", "warmed") for r in rows) and not profile_errors
     return 0 if ok else 1
 
 
@@ -712,6 +740,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default="bench_serving_out")
     ap.add_argument("--report", action="store_true", help="only rebuild the table from --out")
+    ap.add_argument(
+        "--warm-only",
+        action="store_true",
+        help="start each engine and run only its warm-up, no timed run (rows: 'warmed'): "
+        "fills this machine's compile caches for a later run, see tools/gpu_caches.py",
+    )
     ap.add_argument(
         "--resume",
         action="store_true",

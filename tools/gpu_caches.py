@@ -14,7 +14,10 @@ from ``$OUT`` and carries at most 64 MiB, so the caches travel as a few compress
 
 The caches are the directories vLLM, Triton and Inductor use on that machine (their
 environment variables, else their defaults). ``unpack`` checks every part against the
-manifest before it writes anything.
+manifest, and every entry's path, before it writes anything. vLLM's key includes the model
+path: the tools' embedded Qwen3-8B config lives at a fixed path for that reason
+(``gpu_e2e.resolve_model_dir``). To fill the caches without measuring anything, run
+``bench_serving.py --warm-only``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ import tarfile
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+#: The archive's list of files: cache name, path in that cache, content digest, mode, mtime
+#: (ns). The mtimes come back too: FlashInfer's JIT builds with ninja, whose deps log holds
+#: each output's mtime, and a newer file (the unpack time) made it rebuild its sampling op,
+#: ~110 s of nvcc, in every engine (nineteenth session).
+INDEX = "index.json"
 PART_PREFIX = "caches.tgz.part"
 #: Under the device tool's 16 MiB per returned file.
 DEFAULT_PART_MIB = 15
@@ -37,39 +45,80 @@ DEFAULT_MAX_MIB = 56
 
 
 def cache_dirs() -> dict[str, Path]:
-    """The compile caches of this machine by name: where vLLM, Triton and Inductor keep them
-    (their environment variables, else their defaults)."""
+    """The compile caches of this machine by name: where vLLM, Triton, Inductor, FlashInfer
+    and the CUDA driver keep them (their environment variables, else their defaults)."""
     home = Path.home()
     vllm_root = Path(os.environ.get("VLLM_CACHE_ROOT", home / ".cache" / "vllm"))
     user = os.environ.get("USER") or Path.home().name
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR", f"/tmp/torchinductor_{user}")
+    flashinfer_base = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", home))
     return {
         "vllm_compile": vllm_root / "torch_compile_cache",
         "triton": Path(os.environ.get("TRITON_CACHE_DIR", home / ".triton" / "cache")),
         "inductor": Path(inductor),
+        # FlashInfer's JIT-built kernels, and the driver's cache of PTX compiled for this GPU
+        "flashinfer": flashinfer_base / ".cache" / "flashinfer",
+        "cuda_ptx": Path(os.environ.get("CUDA_CACHE_PATH", home / ".nv" / "ComputeCache")),
     }
 
 
-def pack(out: Path, part_mib: int = DEFAULT_PART_MIB, max_mib: int = DEFAULT_MAX_MIB) -> int:
-    """Write the caches that exist as a gzipped tar in parts of ``part_mib`` MiB plus a
+def pack(
+    out: Path,
+    part_mib: int = DEFAULT_PART_MIB,
+    max_mib: int = DEFAULT_MAX_MIB,
+    only: list[str] | None = None,
+    newer_than: Path | None = None,
+) -> int:
+    """Write the caches that exist (``only``: those named; ``newer_than``: their files
+    modified after that file was) as a gzipped tar in parts of ``part_mib`` MiB plus a
     manifest into ``out``; return the number of parts. Raises ``SystemExit`` when the archive
-    is larger than ``max_mib`` (it could not be carried back)."""
-    buf = io.BytesIO()
+    is larger than ``max_mib`` (it could not be carried back): then pack what each device
+    call added, ``newer_than`` a file touched at its start, and unpack every archive.
+
+    Files with equal contents are stored once: every KV-cache dtype's engine compiles its
+    own copy of the same model graphs under its own vLLM cache key."""
+    roots = cache_dirs()
+    unknown = sorted(set(only or ()) - set(roots))
+    if unknown:
+        raise SystemExit(
+            f"gpu_caches: unknown cache {', '.join(unknown)}; known: {', '.join(roots)}"
+        )
+    since = newer_than.stat().st_mtime if newer_than else None
+    index: list[list[object]] = []
+    blobs: dict[str, Path] = {}
     packed: dict[str, int] = {}
+    for name, root in roots.items():
+        if (only and name not in only) or not root.is_dir():
+            continue
+        files = sorted(
+            p
+            for p in root.rglob("*")
+            if p.is_file() and not p.is_symlink() and (since is None or p.stat().st_mtime > since)
+        )
+        size = 0
+        for path in files:
+            data = path.read_bytes()
+            digest = _sha256(data)
+            blobs.setdefault(digest, path)
+            st = path.stat()
+            index.append(
+                [name, str(path.relative_to(root)), digest, st.st_mode & 0o777, st.st_mtime_ns]
+            )
+            size += len(data)
+        packed[name] = len(files)
+        print(f"gpu_caches: {name}: {len(files)} files, {size / 2**20:.1f} MiB from {root}")
+    buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for name, root in cache_dirs().items():
-            if root.is_dir():
-                files = [p for p in root.rglob("*") if p.is_file()]
-                for path in files:
-                    tar.add(path, arcname=f"{name}/{path.relative_to(root)}", recursive=False)
-                packed[name] = len(files)
-                print(f"gpu_caches: {name}: {len(files)} files from {root}", flush=True)
+        _add_bytes(tar, INDEX, json.dumps(index).encode())
+        for digest, path in blobs.items():
+            _add_bytes(tar, f"blobs/{digest}", path.read_bytes())
     data = buf.getvalue()
     size_mib = len(data) / 2**20
+    print(f"gpu_caches: {len(index)} files, {len(blobs)} distinct, {size_mib:.1f} MiB packed")
     if size_mib > max_mib:
         raise SystemExit(
             f"gpu_caches: the archive is {size_mib:.1f} MiB, more than the {max_mib} MiB a "
-            f"device call carries; nothing written"
+            f"device call carries; nothing written (--only packs fewer caches)"
         )
     out.mkdir(parents=True, exist_ok=True)
     step = part_mib * 2**20
@@ -88,7 +137,8 @@ def pack(out: Path, part_mib: int = DEFAULT_PART_MIB, max_mib: int = DEFAULT_MAX
 def unpack(src: Path) -> int:
     """Check the parts in ``src`` against its manifest, then extract them into this
     machine's cache directories; return the number of files written. Raises ``SystemExit``
-    on a missing, changed or extra part (nothing is written then)."""
+    on a missing, changed or extra part, or an entry outside the caches (nothing is written
+    then)."""
     manifest_path = src / MANIFEST
     if not manifest_path.is_file():
         raise SystemExit(f"gpu_caches: no {MANIFEST} in {src}")
@@ -109,22 +159,38 @@ def unpack(src: Path) -> int:
     data = b"".join(chunks)
     if _sha256(data) != manifest["sha256"]:
         raise SystemExit("gpu_caches: the joined parts do not match the manifest")
-    roots = cache_dirs()
-    written = 0
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        members = tar.getmembers()
-        for member in members:
-            name, _, rel = member.name.partition("/")
-            if name not in roots or not rel:
+        contents = {}
+        for member in tar.getmembers():
+            extracted = tar.extractfile(member)
+            if extracted is None:
                 raise SystemExit(f"gpu_caches: unexpected entry {member.name!r} in the archive")
-        for member in members:
-            name, _, rel = member.name.partition("/")
-            member.name = rel
-            # the "data" filter refuses absolute paths, links out of the root and devices
-            tar.extract(member, roots[name], filter="data")
-            written += 1
-    print(f"gpu_caches: {written} files into {', '.join(str(p) for p in roots.values())}")
-    return written
+            contents[member.name] = extracted.read()
+    index = json.loads(contents.pop(INDEX))
+    roots = cache_dirs()
+    targets: list[tuple[Path, bytes, int, int | None]] = []
+    for name, rel, digest, mode, *mtime in index:
+        rel_path = Path(rel)
+        if name not in roots or rel_path.is_absolute() or ".." in rel_path.parts:
+            raise SystemExit(f"gpu_caches: unexpected entry {name}/{rel} in the archive")
+        if f"blobs/{digest}" not in contents:
+            raise SystemExit(f"gpu_caches: the archive lacks the contents of {name}/{rel}")
+        when = int(mtime[0]) if mtime else None  # archives of the first version have none
+        targets.append((roots[name] / rel_path, contents[f"blobs/{digest}"], int(mode), when))
+    for path, blob, mode, when in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(blob)
+        path.chmod(mode)
+        if when is not None:
+            os.utime(path, ns=(when, when))
+    print(f"gpu_caches: {len(targets)} files into {', '.join(str(p) for p in roots.values())}")
+    return len(targets)
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
 
 
 def _sha256(data: bytes) -> str:
@@ -138,13 +204,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--part-mib", type=int, default=DEFAULT_PART_MIB)
     p.add_argument("--max-mib", type=int, default=DEFAULT_MAX_MIB)
+    p.add_argument(
+        "--newer-than", type=Path, help="only files modified after this file was (see pack())"
+    )
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma list of caches to pack (default all: " + ", ".join(cache_dirs()) + ")",
+    )
     u = sub.add_parser("unpack", help="check and extract parts made by pack")
-    u.add_argument("src", type=Path)
+    u.add_argument("src", type=Path, nargs="+", help="folders made by pack, in order")
     args = ap.parse_args(argv)
     if args.cmd == "pack":
-        pack(args.out, args.part_mib, args.max_mib)
+        only = [n.strip() for n in args.only.split(",") if n.strip()]
+        pack(args.out, args.part_mib, args.max_mib, only or None, args.newer_than)
     else:
-        unpack(args.src)
+        for src in args.src:
+            unpack(src)
     return 0
 
 

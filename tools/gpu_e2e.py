@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -90,7 +91,13 @@ DEFAULT_DTYPES = "auto,fp8:bfloat16,turboquant_k8v4,kvarn_k4v2_g128"
 
 def resolve_model_dir(explicit: str | None) -> Path:
     """The Qwen3-8B config folder: ``--model-dir``, ``shared/`` in the checkout, ``../shared``,
-    else a temporary folder holding the embedded config (the device only gets the checkout)."""
+    else a folder under the temporary directory holding the embedded config (the device only
+    gets the checkout).
+
+    That folder's name is the config's digest, the same in every process and on every
+    machine: vLLM's torch.compile cache is keyed by the model path, so a fresh name per
+    process made every engine compile its model anew, even with the cache carried over
+    (tools/gpu_caches.py)."""
     if explicit:
         if not (Path(explicit) / "config.json").is_file():
             raise SystemExit(f"--model-dir {explicit}: no config.json there")
@@ -98,9 +105,17 @@ def resolve_model_dir(explicit: str | None) -> Path:
     for c in (ROOT / "shared/bench/qwen3-8b", ROOT.parent / "shared/bench/qwen3-8b"):
         if (c / "config.json").is_file():
             return c
-    tmp = Path(tempfile.mkdtemp(prefix="qwen3-8b-"))
-    (tmp / "config.json").write_text(json.dumps(QWEN3_8B, indent=2))
-    return tmp
+    text = json.dumps(QWEN3_8B, indent=2)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    folder = Path(tempfile.gettempdir()) / f"kvarn-qwen3-8b-{digest}"
+    config = folder / "config.json"
+    if not config.is_file() or config.read_text() != text:
+        folder.mkdir(parents=True, exist_ok=True)
+        # Written aside and renamed, so an engine starting meanwhile never reads half a file.
+        partial = folder / f"config.json.{os.getpid()}"
+        partial.write_text(text)
+        os.replace(partial, config)
+    return folder
 
 
 def parse_dtype(spec: str, default_model_dtype: str) -> tuple[str, str]:
