@@ -136,17 +136,22 @@ def test_equal_files_are_stored_once_and_only_selects_caches(
     assert all(path.read_bytes() == artifact for path in copies)
 
 
-def test_unpack_refuses_an_entry_outside_the_caches(caches: ModuleType, tmp_path: Path) -> None:
-    """A crafted index that points out of a cache directory writes nothing."""
+@pytest.mark.parametrize("craft", ["escape", "no_index"])
+def test_unpack_refuses_a_crafted_archive(caches: ModuleType, tmp_path: Path, craft: str) -> None:
+    """An index that points out of a cache directory, or none at all (a tar not made by
+    pack), is refused with a message; nothing is written."""
     _fill(caches)
     src = tmp_path / "crafted"
     caches.pack(src)
     data = b"".join(p.read_bytes() for p in sorted(src.glob(f"{caches.PART_PREFIX}*")))
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
-    index = json.loads(members[caches.INDEX])
-    index[0][1] = "../../escaped"
-    members[caches.INDEX] = json.dumps(index).encode()
+    if craft == "escape":
+        index = json.loads(members[caches.INDEX])
+        index[0][1] = "../../escaped"
+        members[caches.INDEX] = json.dumps(index).encode()
+    else:
+        del members[caches.INDEX]
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for name, blob in members.items():
@@ -160,6 +165,7 @@ def test_unpack_refuses_an_entry_outside_the_caches(caches: ModuleType, tmp_path
     digest = hashlib.sha256(archive).hexdigest()
     part = {"name": f"{caches.PART_PREFIX}00", "bytes": len(archive), "sha256": digest}
     (src / caches.MANIFEST).write_text(json.dumps({"parts": [part], "files": {}, "sha256": digest}))
-    with pytest.raises(SystemExit, match="unexpected entry"):
+    message = "unexpected entry" if craft == "escape" else "no index.json in the archive"
+    with pytest.raises(SystemExit, match=message):
         caches.unpack(src)
     assert not (tmp_path / "machine" / "escaped").exists()

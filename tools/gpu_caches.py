@@ -160,29 +160,30 @@ def unpack(src: Path) -> int:
     if _sha256(data) != manifest["sha256"]:
         raise SystemExit("gpu_caches: the joined parts do not match the manifest")
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        contents = {}
+        contents: dict[str, bytes] = {}
         for member in tar.getmembers():
             extracted = tar.extractfile(member)
             if extracted is None:
                 raise SystemExit(f"gpu_caches: unexpected entry {member.name!r} in the archive")
             contents[member.name] = extracted.read()
+    if INDEX not in contents:
+        raise SystemExit(f"gpu_caches: no {INDEX} in the archive (not made by this tool)")
     index = json.loads(contents.pop(INDEX))
     roots = cache_dirs()
-    targets: list[tuple[Path, bytes, int, int | None]] = []
-    for name, rel, digest, mode, *mtime in index:
+    targets: list[tuple[Path, bytes, int, int]] = []
+    for name, rel, digest, mode, mtime_ns in index:
         rel_path = Path(rel)
         if name not in roots or rel_path.is_absolute() or ".." in rel_path.parts:
             raise SystemExit(f"gpu_caches: unexpected entry {name}/{rel} in the archive")
         if f"blobs/{digest}" not in contents:
             raise SystemExit(f"gpu_caches: the archive lacks the contents of {name}/{rel}")
-        when = int(mtime[0]) if mtime else None  # archives of the first version have none
-        targets.append((roots[name] / rel_path, contents[f"blobs/{digest}"], int(mode), when))
-    for path, blob, mode, when in targets:
+        blob = contents[f"blobs/{digest}"]
+        targets.append((roots[name] / rel_path, blob, int(mode), int(mtime_ns)))
+    for path, blob, mode, mtime_ns in targets:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(blob)
         path.chmod(mode)
-        if when is not None:
-            os.utime(path, ns=(when, when))
+        os.utime(path, ns=(mtime_ns, mtime_ns))
     print(f"gpu_caches: {len(targets)} files into {', '.join(str(p) for p in roots.values())}")
     return len(targets)
 
