@@ -362,9 +362,10 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
 
     Five rows on the same tokens: fp16, ``kvarn_k4v2_g64`` (reference), ``+store`` (records
     from ``flush_tiles``, decoded in torch), ``+kernels`` (records, pool and attention by
-    the kernels) and ``+attn16`` (the reference codec with torch's attention in fp16). 256
-    tokens in 64-token steps (``prefill_attention``; tiles 1 and 2 get flushed), then 3
-    one-token steps (``decode_attention``). Tolerances, on logits of order 1:
+    the kernels) and ``+attn16`` (the reference codec with torch's attention in fp16). 192
+    tokens in 64-token steps (``prefill_attention``; tile 1 gets flushed, the last step reads
+    its record), then 3 one-token steps (``decode_attention``; the first flushes tile 2).
+    Tolerances, on logits of order 1:
     the store kernel's tiles first, whose error against the input is within 2 % of the
     reference codec's; then the store row and the serving row (whose attention takes fp16
     queries and returns fp16 outputs as in serving) each stay within twice the distance of the fp16-attention control (the floor of computing
@@ -376,8 +377,9 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
     gen = torch.Generator().manual_seed(12)
     for fmt in ("kvarn_k4v2_g64", "kvarn_k5v5_g64", "kvarn_k4v4_g128"):
         g = 128 if fmt.endswith("128") else 64
-        k = (torch.randn(4, g, 64, generator=gen) * torch.linspace(0.1, 6, 64)).to(device)
-        v = torch.randn(4, g, 64, generator=gen).to(device)
+        # Two tiles: the ratio stays within 3e-4 of 1 (seeds 1, 2, 3, 12), as with four.
+        k = (torch.randn(2, g, 64, generator=gen) * torch.linspace(0.1, 6, 64)).to(device)
+        v = torch.randn(2, g, 64, generator=gen).to(device)
         ref = make_codec(fmt, 64).quantize_tiles(k, v)
         ker = make_codec(f"{fmt}+store", 64).quantize_tiles(k, v)
         # The serving store (flush_tiles' default, v4) computes its Sinkhorn stds in one
@@ -396,7 +398,7 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
         f"{name}+kernels",
         f"{name}+attn16",
     ]
-    n, extra = 256, 3
+    n, extra = 192, 3
     ids = torch.randint(0, 128, (1, n + extra), generator=torch.Generator().manual_seed(9))
     ids = ids.expand(len(codecs), -1).to(device)
     cache = TiledKVCache(codecs, LAYERS, capacity=n + extra)
@@ -416,11 +418,12 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
     half = (logits[4] - logits[1]).abs()  # the same codec with torch's attention in fp16
     effect = float(quant[128:].max())
     assert effect > 0.05, "the quantized tiles must change the logits"
-    # Measured on the CPU interpreter: store 1.3e-3 at worst (the v3/v4 store's records are
-    # the reference's up to an ulp in a scale, which can move one tile's Sinkhorn pick);
-    # serving 1.95e-3 at worst and 2.3e-4 on average, fp16 attention 1.94e-3 and 2.1e-4
-    # (1.6 % and 1.2 % of the quantization's effect): the kernels lose nothing beyond
-    # computing in fp16.
+    # Measured on the CPU interpreter (effect 0.081): store 8.5e-4 at worst (the v3/v4
+    # store's records are the reference's up to an ulp in a scale, which can move one tile's
+    # Sinkhorn pick); serving 2.08e-3 at worst and 5.8e-5 on average, fp16 attention 1.94e-3
+    # and 5.8e-5 (2.6 % and 2.4 % of the quantization's effect at worst): the kernels lose
+    # nothing beyond computing in fp16. Token seeds 1 and 2: every bound held with at least
+    # 1.9x margin, the effect 0.088 and 0.067.
     assert float(store.max()) < min(2 * float(half.max()), 0.05 * effect), float(store.max())
     assert float(kern.max()) < 2 * float(half.max()), (float(kern.max()), float(half.max()))
     assert float(kern.mean()) < 2 * float(half.mean()), (float(kern.mean()), float(half.mean()))
@@ -430,10 +433,10 @@ def test_kernel_backends_match_the_reference_codec(tiny: LlamaForCausalLM) -> No
     layer = cache.tiled_layer(0)
     grp = layer.serving[0]
     assert grp.rows == [3]
-    # Tiles 1..3 are flushed (tile 3 completed before the first decode step), the sink and
+    # Tiles 1 and 2 are flushed (tile 2 completed before the first decode step), the sink and
     # the tile being filled stay in the pool.
-    assert grp.block_to_slot[:5].tolist() == [0, -1, -1, -1, 4]
-    assert bool(grp.kv_cache[1:4].any()) and not bool(grp.kv_cache[4:].any())
+    assert grp.block_to_slot[:4].tolist() == [0, -1, -1, 3]
+    assert bool(grp.kv_cache[1:3].any()) and not bool(grp.kv_cache[3:].any())
 
 
 class _TokEos(_Tok):
@@ -547,18 +550,33 @@ def test_plan_rows_per_codec_backend() -> None:
     assert [c.what for c in checks] == ["KL kvarn_k4v2_g64+kernels < KL rtn_k4v2_g64 (wiki, 1024)"]
 
 
+class _CharTok:
+    """The one tokenizer call of ``load_tokens``: character codes as the tiny model's ids."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) % 128 for c in text]}
+
+
 @pytest.mark.skipif(not _HAVE_ASSETS, reason="needs the workspace eval group (SmolLM2, corpora)")
 def test_a_run_cut_short_keeps_its_finished_stages(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: LlamaForCausalLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run that dies in generation (e.g. a device call's time limit) has already written the
-    teacher-forced results, marked partial."""
+    teacher-forced results, marked partial. (The tiny model on the real corpus: the stages'
+    bookkeeping does not depend on the model, and loading SmolLM2 took most of this test's
+    time; test_quick_mode_on_the_real_model runs the whole tool on it.)"""
     import eval_quality
+    import kvarn_eval.assets
     import kvarn_eval.runs
+    from kvarn_eval.assets import ModelBundle
 
     def dies(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt("time limit")
 
+    def load_tiny(*args: object, **kwargs: object) -> ModelBundle:
+        return ModelBundle(tiny, _CharTok(), LAYERS, 2, 64, 1024)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kvarn_eval.assets, "load_model", load_tiny)
     monkeypatch.setattr(kvarn_eval.runs, "generate", dies)
     argv = ["--formats", "kvarn_k4v2_g64", "--baselines", "rtn", "--contexts", "256"]
     argv += ["--side-corpora", "none", "--gen-prompts", "1", "--gen-tokens", "4"]

@@ -145,7 +145,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     p.add_argument("--quick", action="store_true", help="CI mode: short run + ordering asserts")
     p.add_argument(
         "--contexts",
-        help="context lengths on the main corpus (default 2048,4096,8192; quick: 1024)",
+        help="context lengths on the main corpus (default 2048,4096,8192; quick: 512)",
     )
     p.add_argument("--formats", help="KVarN dense dtypes, comma separated (default: all dense)")
     p.add_argument(
@@ -159,11 +159,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
         help="more corpora at the shortest context (default c4,code; quick: none; 'none' for none)",
     )
     p.add_argument("--gen-prompts", type=int, help="instruction prompts (default 8, quick 2)")
-    p.add_argument("--gen-tokens", type=int, help="new tokens per prompt (default 512, quick 32)")
+    p.add_argument("--gen-tokens", type=int, help="new tokens per prompt (default 512, quick 16)")
     p.add_argument(
         "--acc-steps",
         type=int,
-        help="decode steps of the accumulation run (default 1024, quick 192; 0 to skip)",
+        help="decode steps of the accumulation run (default 1024, quick 128; 0 to skip)",
     )
     p.add_argument("--chunk", type=int, default=64, help="tokens per forward step (default 64)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
@@ -220,7 +220,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
     contexts = (
         sorted({int(c) for c in _csv(a.contexts)})
         if a.contexts
-        else ([1024] if quick else [2048, 4096, 8192])
+        else ([512] if quick else [2048, 4096, 8192])
     )
     if any(c < 2 * a.chunk for c in contexts):
         p.error(f"--contexts must each be at least {2 * a.chunk} tokens")
@@ -238,8 +238,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Plan:
         contexts=contexts,
         side_corpora=side,
         gen_prompts=a.gen_prompts if a.gen_prompts is not None else (2 if quick else 8),
-        gen_tokens=a.gen_tokens if a.gen_tokens is not None else (32 if quick else 512),
-        acc_steps=a.acc_steps if a.acc_steps is not None else (192 if quick else 1024),
+        gen_tokens=a.gen_tokens if a.gen_tokens is not None else (16 if quick else 512),
+        acc_steps=a.acc_steps if a.acc_steps is not None else (128 if quick else 1024),
         acc_formats=acc_formats,
         chunk=a.chunk,
         threads=a.threads,

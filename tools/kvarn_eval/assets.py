@@ -9,11 +9,14 @@ Nothing here touches the network: the Hugging Face offline switches are set befo
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -92,6 +95,35 @@ class ModelBundle:
     max_context: int
 
 
+@contextlib.contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """Within the block, ``gguf.GGUFReader`` returns one shared reader per file and
+    ``gguf.get_tensor_name_map`` one shared map per (architecture, layers).
+
+    transformers' GGUF loaders read the whole file on each call (config, tokenizer, weights:
+    about 5 s each for SmolLM2's 49K-entry vocabulary) and rebuild the tensor-name map once
+    per module of the model (about 400 times, 20 ms each). Both are looked up on the ``gguf``
+    module at each call and only read afterwards, so sharing them changes nothing loaded.
+    """
+    import gguf
+
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared_reader(path: Any, mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = reader_cls(path, mode)  # type: ignore[arg-type]
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader  # type: ignore[assignment,misc]
+    gguf.get_tensor_name_map = functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map  # type: ignore[misc]
+
+
 def load_model(
     threads: int = 2, *, device: str = "cpu", gguf_path: Path | None = None
 ) -> ModelBundle:
@@ -104,7 +136,7 @@ def load_model(
     """
     set_offline()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     torch.set_num_threads(threads)
@@ -115,8 +147,16 @@ def load_model(
         if not Path(gguf_path).is_file():
             raise FileNotFoundError(f"--gguf {gguf_path}: no such file")
         d, name = Path(gguf_path).resolve().parent, Path(gguf_path).name
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)  # type: ignore[no-untyped-call]
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    # The tokenizer and the model each parse the GGUF's metadata once more for the config
+    # unless given one: it is parsed once here and passed to both; the file itself is read
+    # once (:func:`_gguf_read_once`). Same tokenizer, weights and logits; 46 -> 14 s on a
+    # 2-core machine.
+    with _gguf_read_once():
+        config = AutoConfig.from_pretrained(d, gguf_file=name)
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=name, config=config)  # type: ignore[no-untyped-call]
+        model = AutoModelForCausalLM.from_pretrained(
+            d, gguf_file=name, config=config, dtype=torch.float32
+        )
     model.to(device)  # type: ignore[arg-type]  # (transformers types .to oddly)
     model.eval()  # type: ignore[no-untyped-call]
     cfg = model.config
