@@ -18,7 +18,8 @@ already ``ok``, so a call that the device's 600 s limit cut short is re-issued u
 goes on where it stopped (sixteenth session: the full table took four calls).
 ``--warm-only`` starts each engine and runs only its warm-up (rows ``warmed``, never in the
 docs): it fills the machine's compile caches, which ``tools/gpu_caches.py`` carries to the next
-machine, so a later session's engines start in ~30 s instead of 80-220 s.
+machine, where an engine then loads its compiled model (nineteenth session: torch.compile 9 s
+in all, against 27-34 s cold).
 ``--gpus N`` (the device tool's 2-GPU kind) runs N engines at once, one per GPU, each a
 separate process with its own ``CUDA_VISIBLE_DEVICES``: the baseline (fp16) runs first on
 every GPU, as ``auto`` on GPU 0 and ``auto[gpu 1]``..., the other rows go in order to the

@@ -85,7 +85,7 @@ def pack(
         )
     since = newer_than.stat().st_mtime if newer_than else None
     index: list[list[object]] = []
-    blobs: dict[str, Path] = {}
+    blobs: dict[str, bytes] = {}  # each distinct content, read once
     packed: dict[str, int] = {}
     for name, root in roots.items():
         if (only and name not in only) or not root.is_dir():
@@ -99,7 +99,7 @@ def pack(
         for path in files:
             data = path.read_bytes()
             digest = _sha256(data)
-            blobs.setdefault(digest, path)
+            blobs.setdefault(digest, data)
             st = path.stat()
             index.append(
                 [name, str(path.relative_to(root)), digest, st.st_mode & 0o777, st.st_mtime_ns]
@@ -110,8 +110,8 @@ def pack(
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
         _add_bytes(tar, INDEX, json.dumps(index).encode())
-        for digest, path in blobs.items():
-            _add_bytes(tar, f"blobs/{digest}", path.read_bytes())
+        for digest, blob in blobs.items():
+            _add_bytes(tar, f"blobs/{digest}", blob)
     data = buf.getvalue()
     size_mib = len(data) / 2**20
     print(f"gpu_caches: {len(index)} files, {len(blobs)} distinct, {size_mib:.1f} MiB packed")
