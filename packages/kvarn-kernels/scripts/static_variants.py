@@ -441,12 +441,14 @@ variant("decode_v5f kvarn_k4v2_g128 d128 qpk4 w1 s2 lazy")(
 )
 
 
-def _decode_v6(name: str, qpk: int = 4, warps: int = 1, stages: int = 2, fold: bool = False) -> Any:
+def _decode_v6(
+    name: str, qpk: int = 4, warps: int = 1, stages: int = 2, fold: bool = False, probe: int = 0
+) -> Any:
     """The Gluon v6 main loop (:mod:`kvarn_kernels.decode_v6`: tokens in the MMA's M) at
     Qwen3-8B's decode shape."""
     from kvarn_kernels.decode_v6 import decode_v6_kernel
 
-    consts = _gluon_decode_consts(name, qpk, warps, stages, fold)
+    consts = {**_gluon_decode_consts(name, qpk, warps, stages, fold), "PROBE": probe}
     return compile_kernel(decode_v6_kernel, DECODE_SIG, consts, warps)
 
 
@@ -455,3 +457,10 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
     variant(f"decode_v6 {_n} d128 qpk4 w1 s2")(lambda _n=_n: _decode_v6(_n))
     # v6f: v5f's folding on v6 (the scales on the B operands, a quarter of the values)
     variant(f"decode_v6f {_n} d128 qpk4 w1 s2")(lambda _n=_n: _decode_v6(_n, fold=True))
+    # timing probes (twenty-second session): the copies alone, the math alone
+    variant(f"decode_v6f {_n} d128 qpk4 w1 s2 copies-only")(
+        lambda _n=_n: _decode_v6(_n, fold=True, probe=1)
+    )
+    variant(f"decode_v6f {_n} d128 qpk4 w1 s2 compute-only")(
+        lambda _n=_n: _decode_v6(_n, fold=True, probe=2)
+    )

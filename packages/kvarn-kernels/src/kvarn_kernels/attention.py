@@ -904,19 +904,25 @@ def _launch_v5(
     num_warps: int | None,
     num_stages: int | None,
     variant: str = "v5",
+    probe: int = 0,
 ) -> None:
     """The main loop of ``variant`` (:data:`V5_VARIANTS`: :mod:`kvarn_kernels.decode_v5`,
     ``"v5f"`` its folded form, ``"v6"`` :mod:`kvarn_kernels.decode_v6`) into partials ``0 ..
     num_splits - 1``; the pool phase follows as v4d's (partial ``num_splits``).
     ``max_registers`` caps the main loop's registers per thread (``maxnreg``);
     ``num_warps``: warps per program (default ``V5_WARPS``); ``num_stages``: pipeline stages
-    (default 2)."""
+    (default 2). ``probe`` (v6 only, timing): :data:`kvarn_kernels.decode_v6.PROBE_COPIES_ONLY`
+    or ``PROBE_COMPUTE_ONLY``, whose partials are not attention."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
     from kvarn_kernels.decode_v6 import decode_v6_kernel
 
     offsets = {k: v for k, v in geo.offsets().items() if k.startswith("OFF_")}
     kernel = decode_v6_kernel if variant in V6_VARIANTS else decode_v5_kernel
     options = {"FOLD": variant in ("v5f", "v6f")}
+    if probe:
+        if variant not in V6_VARIANTS:
+            raise ValueError(f"probe={probe} is a decode_v6 option, not {variant!r}'s")
+        options["PROBE"] = probe
     kernel[(int(block_table.shape[0]), hk, num_splits)](
         q_rot,
         kv_cache,

@@ -57,10 +57,17 @@ from kvarn_kernels.decode_v5 import (
     _v_field_codes,
 )
 
-__all__ = ["V6_MAX_QPK", "decode_v6_kernel"]
+__all__ = ["PROBE_COMPUTE_ONLY", "PROBE_COPIES_ONLY", "V6_MAX_QPK", "decode_v6_kernel"]
 
 #: Query heads per KV head v6 takes: the 8 columns of one ``m16n8k16`` N tile.
 V6_MAX_QPK = 8
+
+#: ``decode_v6_kernel(PROBE=...)``: timing probes (docs/kernel-notes.md, twenty-second
+#: session), whose outputs are not attention. Copies only: every copy and the code words'
+#: shared-memory reads, none of the math. Compute only: the whole step on the first step's
+#: stage, no copy after the prologue's.
+PROBE_COPIES_ONLY = gl.constexpr(1)
+PROBE_COMPUTE_ONLY = gl.constexpr(2)
 
 
 @gluon.jit
@@ -156,6 +163,7 @@ def decode_v6_kernel(
     W: gl.constexpr,
     STAGES: gl.constexpr,
     FOLD: gl.constexpr = False,
+    PROBE: gl.constexpr = 0,
 ):
     """One program per (request, KV head, split), ``W`` warps, 64 tokens per warp and step,
     as :func:`kvarn_kernels.decode_v5.decode_v5_kernel` (same grid, copies, partial outputs
@@ -252,106 +260,124 @@ def decode_v6_kernel(
     acc1 = zero
     acc2 = zero
     acc3 = zero
+    if PROBE == PROBE_COMPUTE_ONLY:  # every step reads the prologue's stage
+        async_copy.wait_group(0)
+    k_sink = gl.zeros([W, 32, D // 4], gl.int32, words)
+    v_sink = gl.zeros([W, 2 * NC, 8], gl.int32, words)
     for it in range(n_it):
-        _issue((it + STAGES - 1) % STAGES, meta, bufs, D, G, NC, VG, offs, copies)
-        meta = _copy_meta(it + STAGES, walk, geo, copies)
+        if PROBE != PROBE_COMPUTE_ONLY:
+            _issue((it + STAGES - 1) % STAGES, meta, bufs, D, G, NC, VG, offs, copies)
+            meta = _copy_meta(it + STAGES, walk, geo, copies)
         _r, bi_next, c_next, packed_next = _chunk(it + 1, warp_s, walk, geo)
 
-        async_copy.wait_group(STAGES - 1)
-        stage = it % STAGES
+        if PROBE == PROBE_COMPUTE_ONLY:
+            stage = 0
+        else:
+            async_copy.wait_group(STAGES - 1)
+            stage = it % STAGES
         kw = bufs[0].index(stage).load(words)  # [W, 32, D / 4]
         vw = bufs[1].index(stage).load(words)  # [W, 2 NC, 8]
-        ks0, ks1, kz0, kz1 = _k_scale_pairs(stage, bufs, quads)
-        if FOLD:  # the channel scales on the query's k: [W, D, 1]; the zeros along A's k
-            ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, bvec), 2)
-            kz_a = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1)
-        else:  # on the codes' k: [W, 1, D]
-            ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)
-            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
-        kt_e, kt_o, vs, vz = _token_scale_pairs(stage, bufs, quads, rows_l, 2)  # kt: [W, 32, 1]
-        se0, so0, se1, so1 = vs
-        ze0, zo0, ze1, zo1 = vz
-        if FOLD:  # the scales on the probabilities' k: [W, 32, 1]; the zeros along A's k
-            vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, bvec), 2)
-            vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, bvec), 2)
-            vz_e = gl.broadcast(gl.expand_dims(_k_vector(ze0, ze1, W, 32, avec), 1), ones_p)[0]
-            vz_o = gl.broadcast(gl.expand_dims(_k_vector(zo0, zo1, W, 32, avec), 1), ones_p)[0]
-        else:  # on the codes' k: [W, 1, 32]
-            vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, avec), 1)
-            vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, avec), 1)
-            vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, avec), 1) * 0.5
-            vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, avec), 1) * 0.5
-        vc = _v_channel_scales(stage, bufs, rows_l, 2, VG)  # [W, NC, 1] each
-
-        # --- scores [W, 32 pairs, 8 columns] of the even and odd tokens of the chunk ---
-        lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
-            _UNPACK4, "=r,=r,=r,=r,r", [kw], dtype=(gl.int32,) * 4, is_pure=True, pack=1
-        )
-        if FOLD:
-            # q . ((x - magic) ks + kz / 2) = x . (q ks) + (q . kz / 2 - magic sum(q ks)): the
-            # channel scale on the query, the rest one number per query column
-            # (qs sums the rounded q ks the score MMA multiplies, so the magic cancels; the
-            # zero term, the zeros' rows against q16, sums exact products)
-            q_s = q16 * ks
-            qs = _mma_column_sum(ones_d, q_s, zero_c)
-            qz = _mma_column_sum(gl.broadcast(kz_a, ones_d)[0], q16, zero_c) * 0.5
-            start_e = gl.broadcast(gl.expand_dims(qz - 512.0 * qs, 1), zero_s)[0]
-            start_o = gl.broadcast(gl.expand_dims(qz - 32.0 * qs, 1), zero_s)[0]
-            s_e = mma_v2(_operand_a(lo0, lo1, W, 32, D, aop), q_s, start_e)
-            s_o = mma_v2(_operand_a(hi0, hi1, W, 32, D, aop), q_s, start_o)
+        if PROBE == PROBE_COPIES_ONLY:  # the code words read from shared memory, no math
+            k_sink = k_sink ^ kw
+            v_sink = v_sink ^ vw
         else:
-            k_e = (_operand_a(lo0, lo1, W, 32, D, aop) - 512.0) * ks + kz
-            s_e = mma_v2(k_e, q16, zero_s)
-            k_o = (_operand_a(hi0, hi1, W, 32, D, aop) - 32.0) * ks + kz
-            s_o = mma_v2(k_o, q16, zero_s)
-        pos = (bi * G + c * 64 + 2 * pair_m).to(gl.int32)  # [W, 32, 1], the even token
-        s_e = gl.where(packed & (pos < seq_len), s_e * kt_e.to(gl.float32), float("-inf"))
-        s_o = gl.where(packed & (pos + 1 < seq_len), s_o * kt_o.to(gl.float32), float("-inf"))
+            ks0, ks1, kz0, kz1 = _k_scale_pairs(stage, bufs, quads)
+            if FOLD:  # the channel scales on the query's k: [W, D, 1]; the zeros along A's k
+                ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, bvec), 2)
+                kz_a = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1)
+            else:  # on the codes' k: [W, 1, D]
+                ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)
+                kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
+            kt_e, kt_o, vs, vz = _token_scale_pairs(stage, bufs, quads, rows_l, 2)  # kt: [W, 32, 1]
+            se0, so0, se1, so1 = vs
+            ze0, zo0, ze1, zo1 = vz
+            if FOLD:  # the scales on the probabilities' k: [W, 32, 1]; the zeros along A's k
+                vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, bvec), 2)
+                vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, bvec), 2)
+                vz_e = gl.broadcast(gl.expand_dims(_k_vector(ze0, ze1, W, 32, avec), 1), ones_p)[0]
+                vz_o = gl.broadcast(gl.expand_dims(_k_vector(zo0, zo1, W, 32, avec), 1), ones_p)[0]
+            else:  # on the codes' k: [W, 1, 32]
+                vs_e = gl.expand_dims(_k_vector(se0, se1, W, 32, avec), 1)
+                vs_o = gl.expand_dims(_k_vector(so0, so1, W, 32, avec), 1)
+                vz_e = gl.expand_dims(_k_vector(ze0, ze1, W, 32, avec), 1) * 0.5
+                vz_o = gl.expand_dims(_k_vector(zo0, zo1, W, 32, avec), 1) * 0.5
+            vc = _v_channel_scales(stage, bufs, rows_l, 2, VG)  # [W, NC, 1] each
 
-        # --- online softmax over the tokens (M), per query column ---
-        s_max = gl.maximum(gl.max(s_e, axis=1), gl.max(s_o, axis=1))  # [W, 8]
-        m_new = gl.maximum(m, s_max * col_scale2)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m - m_use)
-        m3 = gl.expand_dims(m_use, 1)
-        p_e = gl.exp2(gl.fma(s_e, col_scale, -m3))
-        p_o = gl.exp2(gl.fma(s_o, col_scale, -m3))
-        l_acc = l_acc * alpha + gl.sum(p_e + p_o, axis=1)
-        m = m_new
-        # the probabilities from the accumulator layout to the B operand's (lane shuffles;
-        # a movmatrix.trans per 8 x 8 block with relabelled registers counted 21 fewer
-        # instructions, not worth a layout claim no interpreter can check)
-        pb_e = gl.convert_layout(p_e.to(gl.float16), bop)
-        pb_o = gl.convert_layout(p_o.to(gl.float16), bop)
-        a3 = gl.expand_dims(alpha, 1)  # [W, 1, 8]
-        if FOLD:
-            # (x - magic) vs + vz / 2 against P: x against P vs, plus per column and field
-            # P . vz / 2 - magic sum(P vs), from two column sums for all fields
-            pz = _mma_column_sum2((vz_e, vz_o), (pb_e, pb_o), zero_c) * 0.5
-            pb_e = pb_e * vs_e
-            pb_o = pb_o * vs_o
-            ps = _mma_column_sum2((ones_p, ones_p), (pb_e, pb_o), zero_c)
-        else:
-            pz = 0.0
-            ps = 0.0
-        pb = (pb_e, pb_o)
+            # --- scores [W, 32 pairs, 8 columns] of the even and odd tokens of the chunk ---
+            lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
+                _UNPACK4, "=r,=r,=r,=r,r", [kw], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+            )
+            if FOLD:
+                # q . ((x - magic) ks + kz / 2) = x . (q ks) + (q . kz / 2 - magic sum(q ks)): the
+                # channel scale on the query, the rest one number per query column
+                # (qs sums the rounded q ks the score MMA multiplies, so the magic cancels; the
+                # zero term, the zeros' rows against q16, sums exact products)
+                q_s = q16 * ks
+                qs = _mma_column_sum(ones_d, q_s, zero_c)
+                qz = _mma_column_sum(gl.broadcast(kz_a, ones_d)[0], q16, zero_c) * 0.5
+                start_e = gl.broadcast(gl.expand_dims(qz - 512.0 * qs, 1), zero_s)[0]
+                start_o = gl.broadcast(gl.expand_dims(qz - 32.0 * qs, 1), zero_s)[0]
+                s_e = mma_v2(_operand_a(lo0, lo1, W, 32, D, aop), q_s, start_e)
+                s_o = mma_v2(_operand_a(hi0, hi1, W, 32, D, aop), q_s, start_o)
+            else:
+                k_e = (_operand_a(lo0, lo1, W, 32, D, aop) - 512.0) * ks + kz
+                s_e = mma_v2(k_e, q16, zero_s)
+                k_o = (_operand_a(hi0, hi1, W, 32, D, aop) - 32.0) * ks + kz
+                s_o = mma_v2(k_o, q16, zero_s)
+            pos = (bi * G + c * 64 + 2 * pair_m).to(gl.int32)  # [W, 32, 1], the even token
+            s_e = gl.where(packed & (pos < seq_len), s_e * kt_e.to(gl.float32), float("-inf"))
+            s_o = gl.where(packed & (pos + 1 < seq_len), s_o * kt_o.to(gl.float32), float("-inf"))
 
-        # --- V^T P^T [W, NC, 8] per V field, both parities into one MMA chain ---
-        terms = (vs_e, vz_e, vs_o, vz_o, pz, ps)
-        v_e, v_o = gl.split(gl.permute(gl.reshape(vw, [W, 2, NC, 8]), [0, 2, 3, 1]))
-        f = _v_field_codes(v_e, v_o, VG)
-        if VG == 4:
-            acc0 = _field_t(acc0, a3, pb, f[0], 512.0, vc[0], terms, zero, FOLD, NC, W, aop)
-            acc1 = _field_t(acc1, a3, pb, f[1], 128.0, vc[1], terms, zero, FOLD, NC, W, aop)
-            acc2 = _field_t(acc2, a3, pb, f[2], 32.0, vc[2], terms, zero, FOLD, NC, W, aop)
-            acc3 = _field_t(acc3, a3, pb, f[3], 8.0, vc[3], terms, zero, FOLD, NC, W, aop)
-        else:
-            acc0 = _field_t(acc0, a3, pb, f[0], 512.0, vc[0], terms, zero, FOLD, NC, W, aop)
-            acc1 = _field_t(acc1, a3, pb, f[1], 32.0, vc[1], terms, zero, FOLD, NC, W, aop)
+            # --- online softmax over the tokens (M), per query column ---
+            s_max = gl.maximum(gl.max(s_e, axis=1), gl.max(s_o, axis=1))  # [W, 8]
+            m_new = gl.maximum(m, s_max * col_scale2)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - m_use)
+            m3 = gl.expand_dims(m_use, 1)
+            p_e = gl.exp2(gl.fma(s_e, col_scale, -m3))
+            p_o = gl.exp2(gl.fma(s_o, col_scale, -m3))
+            l_acc = l_acc * alpha + gl.sum(p_e + p_o, axis=1)
+            m = m_new
+            # the probabilities from the accumulator layout to the B operand's (lane shuffles;
+            # a movmatrix.trans per 8 x 8 block with relabelled registers counted 21 fewer
+            # instructions, not worth a layout claim no interpreter can check)
+            pb_e = gl.convert_layout(p_e.to(gl.float16), bop)
+            pb_o = gl.convert_layout(p_o.to(gl.float16), bop)
+            a3 = gl.expand_dims(alpha, 1)  # [W, 1, 8]
+            if FOLD:
+                # (x - magic) vs + vz / 2 against P: x against P vs, plus per column and field
+                # P . vz / 2 - magic sum(P vs), from two column sums for all fields
+                pz = _mma_column_sum2((vz_e, vz_o), (pb_e, pb_o), zero_c) * 0.5
+                pb_e = pb_e * vs_e
+                pb_o = pb_o * vs_o
+                ps = _mma_column_sum2((ones_p, ones_p), (pb_e, pb_o), zero_c)
+            else:
+                pz = 0.0
+                ps = 0.0
+            pb = (pb_e, pb_o)
+
+            # --- V^T P^T [W, NC, 8] per V field, both parities into one MMA chain ---
+            terms = (vs_e, vz_e, vs_o, vz_o, pz, ps)
+            v_e, v_o = gl.split(gl.permute(gl.reshape(vw, [W, 2, NC, 8]), [0, 2, 3, 1]))
+            f = _v_field_codes(v_e, v_o, VG)
+            if VG == 4:
+                acc0 = _field_t(acc0, a3, pb, f[0], 512.0, vc[0], terms, zero, FOLD, NC, W, aop)
+                acc1 = _field_t(acc1, a3, pb, f[1], 128.0, vc[1], terms, zero, FOLD, NC, W, aop)
+                acc2 = _field_t(acc2, a3, pb, f[2], 32.0, vc[2], terms, zero, FOLD, NC, W, aop)
+                acc3 = _field_t(acc3, a3, pb, f[3], 8.0, vc[3], terms, zero, FOLD, NC, W, aop)
+            else:
+                acc0 = _field_t(acc0, a3, pb, f[0], 512.0, vc[0], terms, zero, FOLD, NC, W, aop)
+                acc1 = _field_t(acc1, a3, pb, f[1], 32.0, vc[1], terms, zero, FOLD, NC, W, aop)
         bi = bi_next
         c = c_next
         packed = packed_next
     async_copy.wait_group(0)
+    if PROBE == PROBE_COPIES_ONLY:  # the words' parity into the sums, so no read is dropped
+        sink = gl.sum(gl.sum(k_sink & 1, axis=2), axis=1) + gl.sum(
+            gl.sum(v_sink & 1, axis=2), axis=1
+        )
+        sink = gl.convert_layout(sink.to(gl.float32), gl.SliceLayout(1, cols_l))
+        l_acc = l_acc + gl.expand_dims(sink, 1)
 
     cols = _axis(NQ, 2, mma)  # [1, 1, 8]
     lcol = gl.arange(0, NQ, layout=gl.SliceLayout(0, cols_l))
