@@ -952,6 +952,11 @@ def _launch_v5(
     )
 
 
+#: Launch the Gluon variants' pool phase before their main loop (A/B switch, twenty-second
+#: session): launched first, its 255-register programs take the SMs' registers before the
+#: main loop's first wave.
+_POOL_PHASE_FIRST = False
+
 #: Per device, the stream :func:`_forked` runs its side launches on (made once: a stream made
 #: during CUDA-graph capture would still work, but the warm-up before capture makes it).
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -1054,12 +1059,8 @@ def _launch(
         )
 
     if variant in V5_VARIANTS:
-        # The pool phase (the fp16 sink and in-progress tiles, its own partial) does not wait
-        # for the main loop: on a side stream its programs run next to the main launch's,
-        # instead of in a launch of their own after its last wave.
-        with _forked(q.device) as side:
-            with side:
-                launch_v4()
+
+        def launch_main() -> None:
             _launch_v5(
                 geo,
                 q_rot,
@@ -1079,6 +1080,17 @@ def _launch(
                 num_stages,
                 variant,
             )
+
+        # The pool phase (the fp16 sink and in-progress tiles, its own partial) does not wait
+        # for the main loop: on a side stream its programs run next to the main launch's,
+        # instead of in a launch of their own after its last wave.
+        with _forked(q.device) as side:
+            if not _POOL_PHASE_FIRST:
+                launch_main()
+            with side:
+                launch_v4()
+            if _POOL_PHASE_FIRST:
+                launch_main()
     elif variant in V4_VARIANTS:
         launch_v4()
     else:
