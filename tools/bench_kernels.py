@@ -234,7 +234,7 @@ def bench_kvarn_decode(inp: dict[str, Any], **kw: Any) -> dict[str, Any]:
     bsz, _, d = (int(x) for x in inp["q"].shape)
     kw = plain_split_option(inp, kw)
     # The variant and split count decode_attention picks for these options, as served (the
-    # Gluon kernels' one-warp programs take 4x the split count), unless num_splits is given.
+    # Gluon kernels' one-warp programs take 3x the split count), unless num_splits is given.
     shape_options = (
         "variant",
         "mma_rows",
@@ -650,7 +650,8 @@ DECODE_VARIANT_CONFIGS: list[dict[str, Any]] = [
     {"variant": "v6"},  # v5 transposed, tokens in the MMA's M (sixteenth session, 168 regs)
     {"variant": "v6f"},  # v6 with v5f's folding
     # Until the seventeenth session these rows ran at the plain split count, the served plan
-    # (decode_plan) at 4x it: both, to see which the split rule should give the Gluon kernels
+    # (decode_plan) at 4x it (3x since the twenty-second session): both, to see which the
+    # split rule should give the Gluon kernels
     {"variant": "v6f", "plain_splits": True},
     {"variant": "v5", "plain_splits": True},
     # Register caps (v6/v6f at 128, v5/v5f at 168) and v5 at 2 or 4 warps were all slower

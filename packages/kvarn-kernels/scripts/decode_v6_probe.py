@@ -7,14 +7,10 @@ Three questions, one run (docs/kernel-notes.md, twenty-second session):
    reads, no math) and ``PROBE_COMPUTE_ONLY`` (the whole step on the prologue's stage, no
    copy in the loop). If one probe takes about the main loop's time, that part is the limit;
    if both are well under it, the loop loses its time in not overlapping them.
-2. **The split count.** The served plan at other split counts: 4,096 one-warp programs at B =
-   64 / 16K fill the GPU's 1,584 slots (12 per SM) 2.6 times, so the last wave runs part-full.
+2. **The split count.** The served plan at other split counts (one-warp programs, 12 per SM:
+   1,584 slots on an H200).
 3. **The served plan's kernels.** Each kernel's share of one served launch (query rotation,
    pool phase, main loop, merge), from the torch profiler.
-4. **The pool phase's launch order** (``--order``): the served plan with the pool-phase
-   launch before the main loop (as until the twenty-second session) and after it, twice each
-   in alternation, at split counts around the served one; the outputs of the two orders must
-   be equal.
 
 Writes ``decode_v6_probe.json`` to ``--out`` and prints a table. On the GPU machine::
 
@@ -104,52 +100,10 @@ def kernel_shares(inp: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["us_per_launch"])
 
 
-#: (batch, context, split counts besides the served plan's) of the ``--order`` run
-ORDER_SHAPES: tuple[tuple[int, int, tuple[int, ...]], ...] = (
-    (1, 16384, ()),
-    (8, 16384, ()),
-    (64, 16384, (6, 12)),
-    (256, 4096, (3,)),
-    (256, 6144, (3,)),
-    (64, 65536, (6, 12)),
-)
-
-
-def order_ab(fmt: str) -> list[dict[str, Any]]:
-    """The pool phase launched before and after the main loop (``--order``)."""
-    import torch
-
-    from kvarn_kernels import attention
-
-    rows = []
-    for bsz, ctx, other_splits in ORDER_SHAPES:
-        inp = bk.decode_inputs(fmt, bsz, ctx)
-        outs = {}
-        for first in (True, False):
-            attention._POOL_PHASE_FIRST = first
-            outs[first] = bk.decode_once(inp).float()
-        row: dict[str, Any] = {"B": bsz, "ctx": ctx, "equal": bool(torch.equal(*outs.values()))}
-        for splits in (None, *other_splits):
-            kw = {} if splits is None else {"num_splits": splits}
-            for _rep in range(2):
-                for first in (True, False):
-                    attention._POOL_PHASE_FIRST = first
-                    r = bk.guarded(lambda kw=kw, inp=inp: bk.bench_kvarn_decode(inp, **kw))
-                    key = f"{'pool first' if first else 'main first'} s{r.get('splits', splits)}"
-                    row.setdefault(key, []).append(r.get("us", r.get("error")))
-        attention._POOL_PHASE_FIRST = False
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del inp
-        torch.cuda.empty_cache()
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", default="kvarn_k4v2_g128")
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--order", action="store_true", help="only the launch-order A/B (4.)")
     args = ap.parse_args(argv)
 
     import torch
@@ -159,10 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("decode_v6_probe: needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.order:
-        rows = order_ab(args.format)
-        (args.out / "decode_v6_order.json").write_text(json.dumps(rows, indent=1))
-        return 0
     copy_gbs = bk.ceilings()["copy_gbs"]
     res: dict[str, Any] = {"format": args.format, "copy_gbs": copy_gbs, "shapes": []}
     lines = [f"copy bandwidth {copy_gbs:,.0f} GB/s; {args.format}; µs, graph replay"]

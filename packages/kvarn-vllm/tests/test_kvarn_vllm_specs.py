@@ -690,7 +690,7 @@ def test_gluon_decode_plans_reach_the_workspace_the_charge_and_the_log(
     top = rt.max_num_seqs
     assert rt.decode_kernels_by_batch() == f"v4c for B = 1-7, v6f for B = 8-{top}"
     assert base.decode_kernels_by_batch() == f"v4c for B = 1-{top}"  # a CPU
-    assert plan.num_splits == 4 * base.decode_plan(64).num_splits
+    assert plan.num_splits == 3 * base.decode_plan(64).num_splits  # one-warp programs
     with_v5 = 4 * rt.decode_workspace_numel(rt.max_num_seqs)
     assert with_v5 > plain
     shape = (rt.max_num_seqs, rt.num_q_heads, rt.num_kv_heads, rt.head_size, rt.max_blocks)

@@ -952,11 +952,6 @@ def _launch_v5(
     )
 
 
-#: Launch the Gluon variants' pool phase before their main loop (A/B switch, twenty-second
-#: session): launched first, its 255-register programs take the SMs' registers before the
-#: main loop's first wave.
-_POOL_PHASE_FIRST = False
-
 #: Per device, the stream :func:`_forked` runs its side launches on (made once: a stream made
 #: during CUDA-graph capture would still work, but the warm-up before capture makes it).
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -1083,14 +1078,13 @@ def _launch(
 
         # The pool phase (the fp16 sink and in-progress tiles, its own partial) does not wait
         # for the main loop: on a side stream its programs run next to the main launch's,
-        # instead of in a launch of their own after its last wave.
+        # instead of in a launch of their own after its last wave. It is launched second: its
+        # 4-warp programs take 255 registers a thread, and launched first they held the SMs
+        # before the main loop's first wave (twenty-second session: 0.97-0.98x at B >= 64).
         with _forked(q.device) as side:
-            if not _POOL_PHASE_FIRST:
-                launch_main()
+            launch_main()
             with side:
                 launch_v4()
-            if _POOL_PHASE_FIRST:
-                launch_main()
     elif variant in V4_VARIANTS:
         launch_v4()
     else:
@@ -1370,8 +1364,8 @@ def decode_attention(
             ``decode_workspace_numel(B, Hq, D, decode_partials(variant, num_splits))``
             elements (preallocate it, with a fixed ``num_splits``, for CUDA-graph capture).
         num_splits: split-K factor; default :func:`choose_decode_splits` (static shapes only;
-            for ``variant="v5"``, that times ``4 / num_warps``: :func:`decode_plan` says what a
-            shape gets).
+            for ``variant="v5"``, that times 3 for one-warp programs, ``4 / num_warps`` for
+            more: :func:`decode_plan` says what a shape gets).
         block_n, num_warps: tuning overrides (tokens per inner step, warps per program;
             ``variant="v5"`` takes ``num_warps`` only; with either, ``"auto"`` leaves v5 out).
             Experimental: only the defaults are covered by the GPU tests (see
@@ -1650,8 +1644,13 @@ def _v5_split_factor(
     """Check a launch's shape options for ``variant`` (one of :data:`V5_VARIANTS`;
     ``ValueError``) and return the factor on its default split count: ``V5_SPLIT_WARPS /
     num_warps``, so that as many warps are in flight as the split rule's 4-warp programs
-    give."""
-    from kvarn_kernels.decode_v5 import V5_SPLIT_WARPS, V5_WARP_COUNTS, V5_WARPS
+    give, and :data:`~kvarn_kernels.decode_v5.V5_ONE_WARP_SPLITS` for one-warp programs."""
+    from kvarn_kernels.decode_v5 import (
+        V5_ONE_WARP_SPLITS,
+        V5_SPLIT_WARPS,
+        V5_WARP_COUNTS,
+        V5_WARPS,
+    )
 
     _check_query_heads_per_kv_head(qpk, variant)
     if block_n is not None:
@@ -1661,7 +1660,8 @@ def _v5_split_factor(
             f"variant={variant!r} runs {V5_WARP_COUNTS} warps per program, got "
             f"num_warps={num_warps}"
         )
-    return V5_SPLIT_WARPS // (num_warps or V5_WARPS)
+    warps = num_warps or V5_WARPS
+    return V5_ONE_WARP_SPLITS if warps == 1 else V5_SPLIT_WARPS // warps
 
 
 def _check_query_heads_per_kv_head(qpk: int, variant: str) -> None:

@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[i
 __all__ = [
     "V5_HEAD_DIMS",
     "V5_MAX_QPK",
+    "V5_ONE_WARP_SPLITS",
     "V5_SPLIT_WARPS",
     "V5_STAGES",
     "V5_WARPS",
@@ -67,6 +68,11 @@ V5_WARPS = 1
 #: count for: a v5 program of ``W`` warps takes ``V5_SPLIT_WARPS / W`` times as many splits, so
 #: that as many warps are in flight.
 V5_SPLIT_WARPS = 4
+#: The factor for one-warp programs (the default): 3, not 4. On the H200 (twenty-second
+#: session, v6f, k4v2_g128) 3x the split rule's count took 0.97-0.99x the time of 4x at B = 64
+#: / 16K and 64K and B = 256 / 4K and 6K: fewer programs (2.0 waves of 12 per SM instead of 2.6
+#: at B = 64 / 16K) and fewer partials to merge.
+V5_ONE_WARP_SPLITS = 3
 #: The warp counts a program may have (``decode_attention(num_warps=...)``). With fewer warps
 #: per program the barriers the shared-memory pipeline needs wait on fewer warps, and more
 #: programs (splits) share an SM.
