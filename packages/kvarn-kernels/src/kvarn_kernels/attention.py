@@ -918,7 +918,7 @@ def _launch_v5(
 
     offsets = {k: v for k, v in geo.offsets().items() if k.startswith("OFF_")}
     kernel = decode_v6_kernel if variant in V6_VARIANTS else decode_v5_kernel
-    options = {"FOLD": variant in ("v5f", "v6f")}
+    options: dict[str, bool | int] = {"FOLD": variant in ("v5f", "v6f")}
     if probe:
         if variant not in V6_VARIANTS:
             raise ValueError(f"probe={probe} is a decode_v6 option, not {variant!r}'s")
