@@ -1459,6 +1459,21 @@ def test_decode_v5_validation(device: torch.device, change: str, message: str) -
         decode_attention(*case.decode_args(name, q, 1.0), **kw)
 
 
+def test_timing_probes_are_refused_outside_decode_v6() -> None:
+    """``_launch_v5(probe=...)`` (decode_v6's copies-only / compute-only timing probes) raises
+    for v5 before anything is launched: v5's kernel has no such flag."""
+    from kvarn_kernels._common import dense_geometry
+    from kvarn_kernels.attention import _launch_v5
+    from kvarn_kernels.decode_v6 import PROBE_COPIES_ONLY
+
+    fmt = parse_cache_dtype("kvarn_k4v2_g128")
+    geo = dense_geometry(fmt, 128, record_layout(fmt, 128).tile_bytes)
+    t = torch.empty(0)
+    args = (geo, t, t, t, t, t, t, t, 1.0, 0, 1, 32, 8, None, None, None)
+    with pytest.raises(ValueError, match="decode_v6 option"):
+        _launch_v5(*args, "v5", int(PROBE_COPIES_ONLY.value))
+
+
 def test_decode_v5_compiles_for_sm90() -> None:
     """v5 and v6 compile for sm_90a here, without a GPU: Gluon has no interpreter, so on the
     CPU this is the test that catches a kernel the compiler rejects. ``static_kernels.py``
