@@ -69,8 +69,8 @@ V5_WARPS = 1
 #: that as many warps are in flight.
 V5_SPLIT_WARPS = 4
 #: The factor for one-warp programs (the default): 3, not 4. On the H200 (twenty-second
-#: session, v6f, k4v2_g128) 3x the split rule's count took 0.97-0.99x the time of 4x at B = 64
-#: / 16K and 64K and B = 256 / 4K and 6K: fewer programs (2.0 waves of 12 per SM instead of 2.6
+#: session, v6f, k4v2_g128) 3x the split rule's count took 0.90-0.99x the time of 4x at every
+#: batch timed, B = 8 to 256 at 4K-64K: fewer programs (1.9 waves of 12 per SM instead of 2.6
 #: at B = 64 / 16K) and fewer partials to merge.
 V5_ONE_WARP_SPLITS = 3
 #: The warp counts a program may have (``decode_attention(num_warps=...)``). With fewer warps
