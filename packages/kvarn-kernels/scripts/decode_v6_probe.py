@@ -3,8 +3,8 @@
 Three questions, one run (docs/kernel-notes.md, twenty-second session):
 
 1. **Copies or math?** The main loop alone (no pool phase, no merge), as served, against
-   the same launch with ``PROBE_COPIES_ONLY`` (every copy and the code words' shared-memory
-   reads, no math) and ``PROBE_COMPUTE_ONLY`` (the whole step on the prologue's stage, no
+   the same launch with ``PROBE_COPIES_ONLY`` (every copy and wait of the loop, no math)
+   and ``PROBE_COMPUTE_ONLY`` (the whole step on the prologue's stage, no
    copy in the loop). If one probe takes about the main loop's time, that part is the limit;
    if both are well under it, the loop loses its time in not overlapping them.
 2. **The split count.** The served plan at other split counts (one-warp programs, 12 per SM:

@@ -8,6 +8,7 @@ from static_kernels import VARIANTS, compile_kernel, variant
 
 from kvarn_format import parse_cache_dtype, record_layout
 from kvarn_kernels._common import dense_geometry
+from kvarn_kernels.decode_v6 import PROBE_COMPUTE_ONLY, PROBE_COPIES_ONLY
 
 __all__ = ["VARIANTS"]
 
@@ -463,10 +464,10 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
     variant(f"decode_v6f {_n} d128 qpk4 w1 s2")(lambda _n=_n: _decode_v6(_n, fold=True))
     # timing probes (twenty-second session): the copies alone, the math alone
     variant(f"decode_v6f {_n} d128 qpk4 w1 s2 copies-only")(
-        lambda _n=_n: _decode_v6(_n, fold=True, probe=1)
+        lambda _n=_n: _decode_v6(_n, fold=True, probe=int(PROBE_COPIES_ONLY.value))
     )
     variant(f"decode_v6f {_n} d128 qpk4 w1 s2 compute-only")(
-        lambda _n=_n: _decode_v6(_n, fold=True, probe=2)
+        lambda _n=_n: _decode_v6(_n, fold=True, probe=int(PROBE_COMPUTE_ONLY.value))
     )
 
 # The pool-phase launch of the Gluon variants (v4d's pool phase, one program per request and
