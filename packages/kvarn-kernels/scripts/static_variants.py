@@ -478,3 +478,30 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
             _n, 128, 4, round7=True, masked=True, num_stages=2, pool_only=True
         )
     )
+
+
+def _decode_pool(name: str, d: int = 128, qpk: int = 4, bn: int = 64, warps: int = 4) -> Any:
+    """The pool-tile kernel of the launches with a pool phase of its own (twenty-third
+    session: v4d's and the Gluon variants')."""
+    from kvarn_kernels.decode_pool import decode_pool_kernel
+
+    geo = _geo(name, d)
+    consts = dict(
+        HQ=8 * qpk,
+        HK=8,
+        QPK=qpk,
+        BLOCK_Q=max(16, 1 << (qpk - 1).bit_length()),
+        D=d,
+        G=geo.group,
+        SHADOW=0,
+        STRIDE=geo.record_stride,
+        BN=min(bn, geo.group),
+        SCAN=64,
+    )
+    return compile_kernel(decode_pool_kernel, DECODE_SIG, consts, warps, 2)
+
+
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v2_g64"):
+    variant(f"decode_pool {_n} d128 qpk4")(lambda _n=_n: _decode_pool(_n))
+    variant(f"decode_pool {_n} d128 qpk4 bn32")(lambda _n=_n: _decode_pool(_n, bn=32))
+    variant(f"decode_pool {_n} d128 qpk4 w8")(lambda _n=_n: _decode_pool(_n, warps=8))

@@ -839,10 +839,37 @@ def _launch_v4(
     warps = num_warps or cfg["num_warps"]
     # registers per thread (Triton's maxnreg; the main loop's launch only)
     cap = {} if max_registers is None else {"maxnreg": max_registers}
-    # v4d: the main loop alone over the splits, then the pool phase alone (one program per
-    # request and KV head) into partial num_splits
-    launches = ((1, num_splits), (2, 1)) if pool_split else ((0, num_splits),)
-    for phases, splits_axis in launches[1:] if pool_only else launches:
+    if pool_split and _POOL_KERNEL == "pool":
+        # v4d: the main loop alone over the splits (PHASES 1); the pool phase is
+        # decode_pool_kernel's, into partial num_splits
+        _launch_pool(
+            geo,
+            q_rot,
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            seq_lens,
+            block_to_slot,
+            o_part,
+            lse_part,
+            softmax_scale,
+            n_rows,
+            num_splits,
+            hq,
+        )
+        if pool_only:
+            return
+        launches: tuple[tuple[int, int], ...] = ((1, num_splits),)
+    elif pool_split:
+        # v4's own pool phase (PHASES 2: one program per request and KV head) into partial
+        # num_splits, kept for the A/B against decode_pool_kernel
+        launches = ((1, num_splits), (2, 1))
+        if pool_only:
+            launches = launches[1:]
+    else:
+        launches = ((0, num_splits),)
+    for phases, splits_axis in launches:
         decode_v4_kernel[(t * ntg, hk, splits_axis)](
             q_rot,
             kv_cache,
@@ -884,6 +911,63 @@ def _launch_v4(
             num_stages=num_stages or cfg["num_stages"],
             **(cap if phases < 2 else {}),
         )
+
+
+#: The pool phase's kernel of the variants with one (:data:`POOL_SPLIT_VARIANTS`):
+#: ``"pool"``, :func:`kvarn_kernels.decode_pool.decode_pool_kernel`; ``"v4"``, v4's own
+#: (``decode_v4_kernel(PHASES=2)``), for the A/B (``scripts/decode_v6_probe.py``).
+_POOL_KERNEL = "pool"
+
+
+def _launch_pool(
+    geo: DenseGeometry,
+    q_rot: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    softmax_scale: float,
+    n_rows: int,
+    part: int,
+    hq: int,
+) -> None:
+    """Attention over each request's fp16 pool tiles into partial ``part``
+    (:mod:`kvarn_kernels.decode_pool`, one program per request and KV head)."""
+    from kvarn_kernels.decode_pool import POOL_CHUNK_TOKENS, POOL_WARPS, decode_pool_kernel
+
+    hk = int(pool_k.shape[2])
+    qpk = hq // hk
+    decode_pool_kernel[(int(block_table.shape[0]), hk)](
+        q_rot,
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        o_part,
+        lse_part,
+        float(softmax_scale) * _LOG2E,
+        block_table.stride(0),
+        n_rows,
+        part,
+        HQ=hq,
+        HK=hk,
+        QPK=qpk,
+        BLOCK_Q=_mma_rows(qpk),
+        D=geo.head_dim,
+        G=geo.group,
+        SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
+        STRIDE=geo.record_stride,
+        BN=min(POOL_CHUNK_TOKENS, geo.group),
+        SCAN=64,
+        num_warps=POOL_WARPS,
+        num_stages=1,
+    )
 
 
 def _launch_v5(

@@ -1,0 +1,145 @@
+"""The pool phase's kernel A/B (GPU only): v4's (``decode_v4_kernel(PHASES=2)``) against
+:mod:`kvarn_kernels.decode_pool` at several chunk sizes and warp counts, at the bench's decode
+shapes (docs/kernel-notes.md, twenty-third session).
+
+For each shape: the served plan (graph replay, µs) with each pool kernel, every configuration
+timed twice in alternation; the pool-phase launch alone; and the served outputs against the
+first configuration's. Writes ``decode_pool_ab.json`` to ``--out`` and prints a table. On
+the GPU machine::
+
+    PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools \\
+        python3 packages/kvarn-kernels/scripts/decode_pool_ab.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import bench_kernels as bk  # tools/ on PYTHONPATH
+
+SHAPES: tuple[tuple[int, int], ...] = (
+    (8, 16384),
+    (64, 16384),
+    (256, 4096),
+    (256, 6144),
+    (64, 65536),
+)
+#: (name, pool kernel, chunk tokens, warps)
+CONFIGS: tuple[tuple[str, str, int, int], ...] = (
+    ("v4 pool phase", "v4", 0, 0),
+    ("pool bn32 w4", "pool", 32, 4),
+    ("pool bn64 w4", "pool", 64, 4),
+    ("pool bn64 w8", "pool", 64, 8),
+    ("pool bn32 w8", "pool", 32, 8),
+)
+
+
+def configure(kernel: str, bn: int, warps: int) -> None:
+    from kvarn_kernels import attention, decode_pool
+
+    attention._POOL_KERNEL = kernel
+    if kernel == "pool":
+        decode_pool.POOL_CHUNK_TOKENS = bn
+        decode_pool.POOL_WARPS = warps
+
+
+def pool_alone(inp: dict[str, Any], splits: int) -> float:
+    """µs of the pool-phase launch alone (graph replay), as configured."""
+    import torch
+
+    from kvarn_format import parse_cache_dtype, record_layout
+    from kvarn_kernels._common import dense_geometry
+    from kvarn_kernels.attention import _launch_v4, decode_partials
+
+    fmt = parse_cache_dtype(inp["fmt"])
+    bsz, hq, d = (int(x) for x in inp["q"].shape)
+    geo = dense_geometry(fmt, d, record_layout(fmt, d).tile_bytes)
+    n_rows = bsz * hq
+    parts = decode_partials("v6f", splits)
+    q_rot = inp["q"].float().reshape(-1)
+    o_part = torch.empty(n_rows * d * parts, device="cuda")
+    lse_part = torch.empty(n_rows * parts, device="cuda")
+
+    def launch() -> None:
+        _launch_v4(
+            geo,
+            q_rot,
+            inp["kv"],
+            inp["pool_k"],
+            inp["pool_v"],
+            inp["bt"],
+            inp["seq_lens"],
+            inp["b2s"],
+            o_part,
+            lse_part,
+            d**-0.5,
+            n_rows,
+            splits,
+            True,
+            None,
+            None,
+            None,
+            hq,
+            round7=True,
+            masked_scales=True,
+            pool_split=True,
+            pool_only=True,
+        )
+
+    us, _mode = bk.timed(launch)
+    return us
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--format", default="kvarn_k4v2_g128")
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("decode_pool_ab: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    res: dict[str, Any] = {"format": args.format, "shapes": []}
+    lines = [f"{args.format}; µs, graph replay; served plan (two runs) | pool launch alone"]
+    for bsz, ctx in SHAPES:
+        inp = bk.decode_inputs(args.format, bsz, ctx)
+        row: dict[str, Any] = {"B": bsz, "ctx": ctx, "configs": {}}
+        base = None
+        for rep in range(2):
+            for name, kernel, bn, warps in CONFIGS:
+                configure(kernel, bn, warps)
+                r = bk.guarded(lambda inp=inp: bk.bench_kvarn_decode(inp))
+                cell = row["configs"].setdefault(name, {"served": [], "splits": r.get("splits")})
+                cell["served"].append(r.get("us", r.get("error")))
+                if rep == 0:
+                    cell["pool_alone"] = bk.guarded(
+                        lambda inp=inp, s=int(r.get("splits", 1)): {"us": pool_alone(inp, s)}
+                    ).get("us")
+                    out = bk.decode_once(inp).float()
+                    base = out if base is None else base
+                    cell["max_abs_diff_vs_first"] = float((out - base).abs().max())
+                    cell["finite"] = bool(torch.isfinite(out).all())
+        configure("pool", 32, 4)
+        res["shapes"].append(row)
+        (args.out / "decode_pool_ab.json").write_text(json.dumps(res, indent=1))
+        for name, cell in row["configs"].items():
+            lines.append(
+                f"B={bsz} ctx={ctx} {name:14s} served {cell['served']} ({cell['splits']} splits)"
+                f" | alone {cell.get('pool_alone')} | diff {cell.get('max_abs_diff_vs_first'):.2e}"
+                f" finite {cell.get('finite')}"
+            )
+            print(lines[-1], flush=True)
+        del inp
+        torch.cuda.empty_cache()
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
