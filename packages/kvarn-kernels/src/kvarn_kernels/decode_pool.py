@@ -33,8 +33,8 @@ from kvarn_kernels.decode_v4 import _pool_window
 
 __all__ = ["POOL_CHUNK_TOKENS", "POOL_WARPS", "decode_pool_kernel"]
 
-#: Tokens of a pool tile per step (both K and V of them in flight: 32 KB at head dim 128).
-POOL_CHUNK_TOKENS = 64
+#: Tokens of a pool tile per step (their K and V in flight together: 16 KB at head dim 128).
+POOL_CHUNK_TOKENS = 32
 #: Warps per program.
 POOL_WARPS = 4
 
