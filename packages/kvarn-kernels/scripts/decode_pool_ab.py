@@ -28,23 +28,24 @@ SHAPES: tuple[tuple[int, int], ...] = (
     (256, 6144),
     (64, 65536),
 )
-#: (name, pool kernel, chunk tokens, warps)
-CONFIGS: tuple[tuple[str, str, int, int], ...] = (
-    ("v4 pool phase", "v4", 0, 0),
-    ("pool bn32 w4", "pool", 32, 4),
-    ("pool bn64 w4", "pool", 64, 4),
-    ("pool bn64 w8", "pool", 64, 8),
-    ("pool bn32 w8", "pool", 32, 8),
+#: (name, pool kernel, chunk tokens, warps, register cap)
+CONFIGS: tuple[tuple[str, str, int, int, int | None], ...] = (
+    ("v4 pool phase", "v4", 0, 0, None),
+    ("pool bn64 w4", "pool", 64, 4, None),
+    ("pool bn64 w4 r128", "pool", 64, 4, 128),
+    ("pool bn32 w4", "pool", 32, 4, None),
+    ("pool bn128 w8", "pool", 128, 8, None),
 )
 
 
-def configure(kernel: str, bn: int, warps: int) -> None:
+def configure(kernel: str, bn: int, warps: int, max_registers: int | None) -> None:
     from kvarn_kernels import attention, decode_pool
 
     attention._POOL_KERNEL = kernel
     if kernel == "pool":
         decode_pool.POOL_CHUNK_TOKENS = bn
         decode_pool.POOL_WARPS = warps
+        decode_pool.POOL_MAX_REGISTERS = max_registers
 
 
 def pool_alone(inp: dict[str, Any], splits: int) -> float:
@@ -112,25 +113,26 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"B": bsz, "ctx": ctx, "configs": {}}
         base = None
         for rep in range(2):
-            for name, kernel, bn, warps in CONFIGS:
-                configure(kernel, bn, warps)
+            for name, kernel, bn, warps, max_registers in CONFIGS:
+                configure(kernel, bn, warps, max_registers)
                 r = bk.guarded(lambda inp=inp: bk.bench_kvarn_decode(inp))
                 cell = row["configs"].setdefault(name, {"served": [], "splits": r.get("splits")})
                 cell["served"].append(r.get("us", r.get("error")))
                 if rep == 0:
+                    splits = int(r.get("splits", 1))
                     cell["pool_alone"] = bk.guarded(
-                        lambda inp=inp, s=int(r.get("splits", 1)): {"us": pool_alone(inp, s)}
+                        lambda inp=inp, s=splits: {"us": pool_alone(inp, s)}
                     ).get("us")
                     out = bk.decode_once(inp).float()
                     base = out if base is None else base
                     cell["max_abs_diff_vs_first"] = float((out - base).abs().max())
                     cell["finite"] = bool(torch.isfinite(out).all())
-        configure("pool", 32, 4)
+        configure("pool", 64, 4, None)
         res["shapes"].append(row)
         (args.out / "decode_pool_ab.json").write_text(json.dumps(res, indent=1))
         for name, cell in row["configs"].items():
             lines.append(
-                f"B={bsz} ctx={ctx} {name:14s} served {cell['served']} ({cell['splits']} splits)"
+                f"B={bsz} ctx={ctx} {name:17s} served {cell['served']} ({cell['splits']} splits)"
                 f" | alone {cell.get('pool_alone')} | diff {cell.get('max_abs_diff_vs_first'):.2e}"
                 f" finite {cell.get('finite')}"
             )

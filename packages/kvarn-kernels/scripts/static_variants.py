@@ -505,3 +505,4 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v2_g64"):
     variant(f"decode_pool {_n} d128 qpk4")(lambda _n=_n: _decode_pool(_n))
     variant(f"decode_pool {_n} d128 qpk4 bn32")(lambda _n=_n: _decode_pool(_n, bn=32))
     variant(f"decode_pool {_n} d128 qpk4 w8")(lambda _n=_n: _decode_pool(_n, warps=8))
+    variant(f"decode_pool {_n} d128 qpk4 bn128 w8")(lambda _n=_n: _decode_pool(_n, bn=128, warps=8))

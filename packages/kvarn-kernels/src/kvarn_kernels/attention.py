@@ -937,7 +937,12 @@ def _launch_pool(
 ) -> None:
     """Attention over each request's fp16 pool tiles into partial ``part``
     (:mod:`kvarn_kernels.decode_pool`, one program per request and KV head)."""
-    from kvarn_kernels.decode_pool import POOL_CHUNK_TOKENS, POOL_WARPS, decode_pool_kernel
+    from kvarn_kernels.decode_pool import (
+        POOL_CHUNK_TOKENS,
+        POOL_MAX_REGISTERS,
+        POOL_WARPS,
+        decode_pool_kernel,
+    )
 
     hk = int(pool_k.shape[2])
     qpk = hq // hk
@@ -967,6 +972,7 @@ def _launch_pool(
         SCAN=64,
         num_warps=POOL_WARPS,
         num_stages=1,
+        **({} if POOL_MAX_REGISTERS is None else {"maxnreg": POOL_MAX_REGISTERS}),
     )
 
 

@@ -31,15 +31,19 @@ import triton.language as tl  # type: ignore[import-untyped]
 from kvarn_kernels._common import pool_row_ptrs
 from kvarn_kernels.decode_v4 import _pool_window
 
-__all__ = ["POOL_CHUNK_TOKENS", "POOL_WARPS", "decode_pool_kernel"]
+__all__ = ["POOL_CHUNK_TOKENS", "POOL_MAX_REGISTERS", "POOL_WARPS", "decode_pool_kernel"]
 
-#: Tokens of a pool tile per step (their K and V in flight together: 16 KB at head dim 128).
-POOL_CHUNK_TOKENS = 32
+#: Tokens of a pool tile per step (their K and V in flight together: 32 KB at head dim 128).
+POOL_CHUNK_TOKENS = 64
 #: Warps per program.
 POOL_WARPS = 4
+#: Registers per thread the launch may take (Triton's ``maxnreg``), or None for the compiler's
+#: choice.
+POOL_MAX_REGISTERS: int | None = None
 
 
-@triton.jit
+# part is 1 for a one-split launch, which Triton would make a constant (an int, no .to)
+@triton.jit(do_not_specialize=["part"])
 def decode_pool_kernel(
     Q,
     KV,
@@ -97,7 +101,9 @@ def decode_pool_kernel(
             pbi = tl.sum(tl.where(sel, idx, 0), axis=0)
             pslot = tl.sum(tl.where(sel, slots, 0), axis=0).to(tl.int64)
             pblk = tl.sum(tl.where(sel, blks, 0), axis=0).to(tl.int64)
-            for t0 in tl.range(0, G, BN, num_stages=1):
+            # the tile's live rows only: an in-progress tile skips its empty chunks
+            n_live = tl.minimum(seq_len - pbi * G, G)
+            for t0 in tl.range(0, n_live, BN, num_stages=1):
                 trow = (t0 + tn).to(tl.int64)
                 live = pbi * G + trow < seq_len  # [BN]
                 kr = pool_row_ptrs(POOL_K, KV, pslot, pblk, trow, h, 0, HK, D, G, SHADOW, STRIDE)
