@@ -1,10 +1,11 @@
-"""The pool phase's kernel A/B (GPU only): v4's (``decode_v4_kernel(PHASES=2)``) against
-:mod:`kvarn_kernels.decode_pool` at several chunk sizes and warp counts, at the bench's decode
-shapes (docs/kernel-notes.md, twenty-third session).
+"""The pool-tile launch's shapes (GPU only): :mod:`kvarn_kernels.decode_pool` at several chunk
+sizes, warp counts and register caps, at the bench's decode shapes (docs/kernel-notes.md,
+twenty-third session; the A/B against v4's pool phase, which it replaced, ran at commit
+``8185346``).
 
-For each shape: the served plan (graph replay, µs) with each pool kernel, every configuration
-timed twice in alternation; the pool-phase launch alone; and the served outputs against the
-first configuration's. Writes ``decode_pool_ab.json`` to ``--out`` and prints a table. On
+For each shape: the served plan (graph replay, µs) with each configuration, every one timed
+twice in alternation; the pool launch alone; and the served outputs against the first
+configuration's. Writes ``decode_pool_ab.json`` to ``--out`` and prints a table. On
 the GPU machine::
 
     PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools \\
@@ -28,33 +29,30 @@ SHAPES: tuple[tuple[int, int], ...] = (
     (256, 6144),
     (64, 65536),
 )
-#: (name, pool kernel, chunk tokens, warps, register cap)
-CONFIGS: tuple[tuple[str, str, int, int, int | None], ...] = (
-    ("v4 pool phase", "v4", 0, 0, None),
-    ("pool bn64 w4", "pool", 64, 4, None),
-    ("pool bn64 w4 r128", "pool", 64, 4, 128),
-    ("pool bn32 w4", "pool", 32, 4, None),
-    ("pool bn128 w8", "pool", 128, 8, None),
+#: (name, chunk tokens, warps, register cap); the first is the default
+CONFIGS: tuple[tuple[str, int, int, int | None], ...] = (
+    ("bn64 w4", 64, 4, None),
+    ("bn64 w4 r128", 64, 4, 128),
+    ("bn32 w4", 32, 4, None),
+    ("bn128 w8", 128, 8, None),
 )
 
 
-def configure(kernel: str, bn: int, warps: int, max_registers: int | None) -> None:
-    from kvarn_kernels import attention, decode_pool
+def configure(bn: int, warps: int, max_registers: int | None) -> None:
+    from kvarn_kernels import decode_pool
 
-    attention._POOL_KERNEL = kernel
-    if kernel == "pool":
-        decode_pool.POOL_CHUNK_TOKENS = bn
-        decode_pool.POOL_WARPS = warps
-        decode_pool.POOL_MAX_REGISTERS = max_registers
+    decode_pool.POOL_CHUNK_TOKENS = bn
+    decode_pool.POOL_WARPS = warps
+    decode_pool.POOL_MAX_REGISTERS = max_registers
 
 
 def pool_alone(inp: dict[str, Any], splits: int) -> float:
-    """µs of the pool-phase launch alone (graph replay), as configured."""
+    """µs of the pool launch alone (graph replay), as configured."""
     import torch
 
     from kvarn_format import parse_cache_dtype, record_layout
     from kvarn_kernels._common import dense_geometry
-    from kvarn_kernels.attention import _launch_v4, decode_partials
+    from kvarn_kernels.attention import _launch_pool, decode_partials
 
     fmt = parse_cache_dtype(inp["fmt"])
     bsz, hq, d = (int(x) for x in inp["q"].shape)
@@ -66,7 +64,7 @@ def pool_alone(inp: dict[str, Any], splits: int) -> float:
     lse_part = torch.empty(n_rows * parts, device="cuda")
 
     def launch() -> None:
-        _launch_v4(
+        _launch_pool(
             geo,
             q_rot,
             inp["kv"],
@@ -80,15 +78,7 @@ def pool_alone(inp: dict[str, Any], splits: int) -> float:
             d**-0.5,
             n_rows,
             splits,
-            True,
-            None,
-            None,
-            None,
             hq,
-            round7=True,
-            masked_scales=True,
-            pool_split=True,
-            pool_only=True,
         )
 
     us, _mode = bk.timed(launch)
@@ -113,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"B": bsz, "ctx": ctx, "configs": {}}
         base = None
         for rep in range(2):
-            for name, kernel, bn, warps, max_registers in CONFIGS:
-                configure(kernel, bn, warps, max_registers)
+            for name, bn, warps, max_registers in CONFIGS:
+                configure(bn, warps, max_registers)
                 r = bk.guarded(lambda inp=inp: bk.bench_kvarn_decode(inp))
                 cell = row["configs"].setdefault(name, {"served": [], "splits": r.get("splits")})
                 cell["served"].append(r.get("us", r.get("error")))
@@ -127,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
                     base = out if base is None else base
                     cell["max_abs_diff_vs_first"] = float((out - base).abs().max())
                     cell["finite"] = bool(torch.isfinite(out).all())
-        configure("pool", 64, 4, None)
+        configure(*CONFIGS[0][1:])
         res["shapes"].append(row)
         (args.out / "decode_pool_ab.json").write_text(json.dumps(res, indent=1))
         for name, cell in row["configs"].items():
             lines.append(
-                f"B={bsz} ctx={ctx} {name:17s} served {cell['served']} ({cell['splits']} splits)"
+                f"B={bsz} ctx={ctx} {name:12s} served {cell['served']} ({cell['splits']} splits)"
                 f" | alone {cell.get('pool_alone')} | diff {cell.get('max_abs_diff_vs_first'):.2e}"
                 f" finite {cell.get('finite')}"
             )

@@ -80,15 +80,13 @@ def _decode_v4(
     masked: bool = False,
     mma_rows: int = 16,
     pool_split: bool = False,
-    pool_only: bool = False,
 ) -> Any:
     """The v4 kernel for 8 KV heads and ``qpk`` query heads per KV head (``round7``:
     ``variant="v4b"``; ``verify_tokens``: ``verify_attention``'s kernel with that many query
     tokens per request; ``splits``: the split count, a compile-time constant; ``masked``:
     ``variant="v4c"``'s masked scale loads, with ``round7``; ``mma_rows``: the query rows of
     a program, at least the GQA ratio's power of two; ``pool_split``: ``variant="v4d"``'s
-    main-loop kernel, without the pool phase, with ``masked``; ``pool_only``: the Gluon
-    variants' pool-phase launch, one program per request and KV head)."""
+    main-loop kernel, without the pool phase, with ``masked``)."""
     from kvarn_kernels.decode_v4 import decode_v4_kernel
 
     geo = _geo(name, d)
@@ -112,7 +110,7 @@ def _decode_v4(
         POOL_BATCHED=round7,
         WIDE_SCALES=round7,
         MASKED_SCALES=masked,
-        PHASES=2 if pool_only else 1 if pool_split else 0,
+        PHASES=1 if pool_split else 0,
     )
     tpp = max(1, consts["BLOCK_Q"] // qpk) if verify_tokens else 1
     consts.update(MULTI=bool(verify_tokens), TPP=tpp, NTG=-(-max(verify_tokens, 1) // tpp))
@@ -266,7 +264,6 @@ def _decode_v4_default(
     mma_rows: int | None = None,
     pool_split: bool = False,
     num_stages: int | None = None,
-    pool_only: bool = False,
 ) -> Any:
     """v4 (or v4b) with ``decode_v4_config``'s shape and ``decode_attention``'s default query
     rows, as ``decode_attention`` launches it (``verify_tokens``: as ``verify_attention``
@@ -290,7 +287,6 @@ def _decode_v4_default(
         masked=masked,
         mma_rows=mma_rows,
         pool_split=pool_split,
-        pool_only=pool_only,
     )
 
 
@@ -470,19 +466,11 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
         lambda _n=_n: _decode_v6(_n, fold=True, probe=int(PROBE_COMPUTE_ONLY.value))
     )
 
-# The pool-phase launch of the Gluon variants (v4d's pool phase, one program per request and
-# KV head: v6f's fp16 sink and in-progress tiles)
-for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128"):
-    variant(f"decode_v4 pool phase {_n} d128 qpk4")(
-        lambda _n=_n: _decode_v4_default(
-            _n, 128, 4, round7=True, masked=True, num_stages=2, pool_only=True
-        )
-    )
-
 
 def _decode_pool(name: str, d: int = 128, qpk: int = 4, bn: int = 64, warps: int = 4) -> Any:
-    """The pool-tile kernel of the launches with a pool phase of its own (twenty-third
-    session: v4d's and the Gluon variants')."""
+    """The pool-tile kernel of the launches with a pool phase of its own (v4d's and the
+    Gluon variants'; twenty-third session: v4's pool phase, which it replaced, had 255
+    registers and 52 bytes of spill at 4 warps)."""
     from kvarn_kernels.decode_pool import decode_pool_kernel
 
     geo = _geo(name, d)

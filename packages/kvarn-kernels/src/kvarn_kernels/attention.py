@@ -817,13 +817,12 @@ def _launch_v4(
     mma_rows: int | None = None,
     pool_split: bool = False,
     max_registers: int | None = None,
-    pool_only: bool = False,
 ) -> None:
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
     ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``);
     ``masked_scales``: with them, the tile scales of pool blocks masked at the load
-    (``variant="v4c"``); ``pool_only`` (with ``pool_split``): the pool-phase launch alone (v5
-    runs its own main loop).
+    (``variant="v4c"``); ``pool_split`` (``variant="v4d"``): the main loop alone, then
+    :func:`_launch_pool` into partial ``num_splits``.
     With ``query_start_loc`` (``[B + 1]``, speculative verify) request ``b`` has the query rows
     ``query_start_loc[b] ..`` (at most ``max_query_len``) and ``hq`` query heads."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
@@ -839,9 +838,48 @@ def _launch_v4(
     warps = num_warps or cfg["num_warps"]
     # registers per thread (Triton's maxnreg; the main loop's launch only)
     cap = {} if max_registers is None else {"maxnreg": max_registers}
-    if pool_split and _POOL_KERNEL == "pool":
-        # v4d: the main loop alone over the splits (PHASES 1); the pool phase is
-        # decode_pool_kernel's, into partial num_splits
+    decode_v4_kernel[(t * ntg, hk, num_splits)](
+        q_rot,
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        o_part,
+        lse_part,
+        query_start_loc if multi else seq_lens,
+        float(softmax_scale) * _LOG2E,
+        block_table.stride(0),
+        n_rows,
+        HQ=hq,
+        HK=hk,
+        QPK=qpk,
+        BLOCK_Q=mma_rows or decode_mma_rows(qpk, verify=multi),
+        D=geo.head_dim,
+        G=geo.group,
+        SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **geo.offsets(),
+        BN=block_n or cfg["block_n"],
+        W=warps,
+        SCAN=cfg["scan"],
+        NUM_SPLITS=num_splits,
+        FAST_UNPACK=fast,
+        POOL_BATCHED=round7,
+        WIDE_SCALES=round7,
+        MASKED_SCALES=masked_scales,
+        MULTI=multi,
+        TPP=tpp,
+        NTG=ntg,
+        PHASES=1 if pool_split else 0,
+        num_warps=warps,
+        num_stages=num_stages or cfg["num_stages"],
+        **cap,
+    )
+    if pool_split:
         _launch_pool(
             geo,
             q_rot,
@@ -858,65 +896,6 @@ def _launch_v4(
             num_splits,
             hq,
         )
-        if pool_only:
-            return
-        launches: tuple[tuple[int, int], ...] = ((1, num_splits),)
-    elif pool_split:
-        # v4's own pool phase (PHASES 2: one program per request and KV head) into partial
-        # num_splits, kept for the A/B against decode_pool_kernel
-        launches = ((1, num_splits), (2, 1))
-        if pool_only:
-            launches = launches[1:]
-    else:
-        launches = ((0, num_splits),)
-    for phases, splits_axis in launches:
-        decode_v4_kernel[(t * ntg, hk, splits_axis)](
-            q_rot,
-            kv_cache,
-            pool_k,
-            pool_v,
-            block_table,
-            seq_lens,
-            block_to_slot,
-            o_part,
-            lse_part,
-            query_start_loc if multi else seq_lens,
-            float(softmax_scale) * _LOG2E,
-            block_table.stride(0),
-            n_rows,
-            HQ=hq,
-            HK=hk,
-            QPK=qpk,
-            BLOCK_Q=mma_rows or decode_mma_rows(qpk, verify=multi),
-            D=geo.head_dim,
-            G=geo.group,
-            SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
-            KB=geo.key_bits,
-            VB=geo.value_bits,
-            STRIDE=geo.record_stride,
-            **geo.offsets(),
-            BN=block_n or cfg["block_n"],
-            W=warps,
-            SCAN=cfg["scan"],
-            NUM_SPLITS=num_splits,
-            FAST_UNPACK=fast,
-            POOL_BATCHED=round7,
-            WIDE_SCALES=round7,
-            MASKED_SCALES=masked_scales,
-            MULTI=multi,
-            TPP=tpp,
-            NTG=ntg,
-            PHASES=phases,
-            num_warps=warps,
-            num_stages=num_stages or cfg["num_stages"],
-            **(cap if phases < 2 else {}),
-        )
-
-
-#: The pool phase's kernel of the variants with one (:data:`POOL_SPLIT_VARIANTS`):
-#: ``"pool"``, :func:`kvarn_kernels.decode_pool.decode_pool_kernel`; ``"v4"``, v4's own
-#: (``decode_v4_kernel(PHASES=2)``), for the A/B (``scripts/decode_v6_probe.py``).
-_POOL_KERNEL = "pool"
 
 
 def _launch_pool(
@@ -1113,39 +1092,14 @@ def _launch(
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
 
-    def launch_v4() -> None:
-        _launch_v4(
-            geo,
-            q_rot,
-            kv_cache,
-            pool_k,
-            pool_v,
-            block_table,
-            seq_lens,
-            block_to_slot,
-            o_part,
-            lse_part,
-            softmax_scale,
-            n_rows,
-            num_splits,
-            fast,
-            block_n,
-            None if variant in V5_VARIANTS else num_warps,  # v5's pool phase: v4d's own shape
-            None if variant in V5_VARIANTS else num_stages,
-            round7=variant in ("v4b", "v4c", "v4d", *V5_VARIANTS),  # v5: v4d's pool phase
-            masked_scales=variant in ("v4c", "v4d", *V5_VARIANTS),
-            pool_split=variant in POOL_SPLIT_VARIANTS,
-            pool_only=variant in V5_VARIANTS,
-            hq=hq,
-            query_start_loc=query_start_loc,
-            max_query_len=max_query_len,
-            mma_rows=mma_rows,
-            max_registers=max_registers,
-        )
-
     if variant in V5_VARIANTS:
-
-        def launch_main() -> None:
+        # The pool tiles (the fp16 sink and in-progress tiles, their own partial) do not wait
+        # for the main loop: on a side stream their programs run next to the main launch's,
+        # instead of in a launch of their own after its last wave. Launched second: v4's pool
+        # phase (255 registers a thread) launched first held the SMs before the main loop's
+        # first wave (twenty-second session: 0.97-0.98x at B >= 64); decode_pool's order is
+        # not re-timed.
+        with _forked(q.device) as side:
             _launch_v5(
                 geo,
                 q_rot,
@@ -1165,18 +1119,51 @@ def _launch(
                 num_stages,
                 variant,
             )
-
-        # The pool phase (the fp16 sink and in-progress tiles, its own partial) does not wait
-        # for the main loop: on a side stream its programs run next to the main launch's,
-        # instead of in a launch of their own after its last wave. It is launched second: its
-        # 4-warp programs take 255 registers a thread, and launched first they held the SMs
-        # before the main loop's first wave (twenty-second session: 0.97-0.98x at B >= 64).
-        with _forked(q.device) as side:
-            launch_main()
             with side:
-                launch_v4()
+                _launch_pool(
+                    geo,
+                    q_rot,
+                    kv_cache,
+                    pool_k,
+                    pool_v,
+                    block_table,
+                    seq_lens,
+                    block_to_slot,
+                    o_part,
+                    lse_part,
+                    softmax_scale,
+                    n_rows,
+                    num_splits,
+                    hq,
+                )
     elif variant in V4_VARIANTS:
-        launch_v4()
+        _launch_v4(
+            geo,
+            q_rot,
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            seq_lens,
+            block_to_slot,
+            o_part,
+            lse_part,
+            softmax_scale,
+            n_rows,
+            num_splits,
+            fast,
+            block_n,
+            num_warps,
+            num_stages,
+            round7=variant != "v4",
+            masked_scales=variant in ("v4c", "v4d"),
+            pool_split=variant in POOL_SPLIT_VARIANTS,
+            hq=hq,
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
+            mma_rows=mma_rows,
+            max_registers=max_registers,
+        )
     else:
         if decode:
             bq = 1

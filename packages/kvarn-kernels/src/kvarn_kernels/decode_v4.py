@@ -223,14 +223,15 @@ def decode_v4_kernel(
 
     ``PHASES`` (decode only): 0 runs both phases (the main loop over the split's records,
     then the pool phase over its pool blocks); 1 compiles the main loop alone (no pool-phase
-    code: the kernel keeps fewer registers live); 2 runs the pool phase alone over all of
-    the request's blocks, one program per (request, KV head), into partial ``NUM_SPLITS``.
-    ``variant="v4d"`` launches 1 then 2 and merges ``NUM_SPLITS + 1`` partials, so the fp16
-    sink and in-progress tiles no longer lengthen one main program each
-    (docs/kernel-notes.md, tenth session).
+    code: the kernel keeps fewer registers live). ``variant="v4d"`` launches 1, then
+    :mod:`kvarn_kernels.decode_pool` over each request's pool blocks into partial
+    ``NUM_SPLITS``, and merges ``NUM_SPLITS + 1`` partials, so the fp16 sink and in-progress
+    tiles no longer lengthen one main program each (docs/kernel-notes.md, tenth session; v4's
+    own pool phase ran that launch until the twenty-third).
     """
     tl.static_assert(KB == 4, "v4 takes 4-bit keys")
-    tl.static_assert(PHASES == 0 or not MULTI, "PHASES 1 and 2 are for decode")
+    tl.static_assert(PHASES == 0 or PHASES == 1, "PHASES is 0 (both phases) or 1 (main loop)")
+    tl.static_assert(PHASES == 0 or not MULTI, "PHASES 1 is for decode")
     tl.static_assert(VB == 2 or VB == 4, "v4 takes 2- or 4-bit values")
     if MULTI:
         b = tl.program_id(0) // NTG
@@ -275,15 +276,9 @@ def decode_v4_kernel(
     if MULTI:
         # a token group past the request's query tokens has no rows: nothing to read
         blk_hi = tl.where(tg * TPP < q_len, blk_hi, blk_lo)
-    # the pool phase's blocks: the split's own, or (PHASES == 2) all of them, with no main loop
+    # the pool phase's blocks: the split's own
     pool_lo = blk_lo
     pool_hi = blk_hi
-    if PHASES == 2:
-        split = NUM_SPLITS  # the partial it writes
-        pool_lo = 0
-        pool_hi = n_blocks
-        blk_lo = 0
-        blk_hi = 0
     ch_lo = blk_lo * NCH
     ch_hi = tl.maximum(blk_hi, blk_lo) * NCH
     n_it = tl.cdiv(ch_hi - ch_lo, W)

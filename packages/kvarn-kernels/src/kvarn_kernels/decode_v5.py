@@ -26,7 +26,7 @@ Structure as v4: one 64-token chunk per warp and step (a rank-3 MMA whose batch 
 along the warps, each warp with its own online softmax, merged once at the end), the chunks'
 code words and scales copied into shared memory with ``cp.async`` ``STAGES - 1`` steps ahead
 (2 or 3 stages). Pool blocks (the fp16 sink and in-progress tiles) are masked out here and
-attended by v4's pool-phase launch (``PHASES=2``), whose partial the merge takes, as
+attended by :mod:`kvarn_kernels.decode_pool`'s launch, whose partial the merge takes, as
 ``variant="v4d"`` does. Numerics as v4:
 operands are dequantized cache values halved into fp16 (``(x - magic) * scale + zero / 2``,
 the same single rounding as v4's ``code * (scale / 2) + zero / 2``), the query
@@ -329,8 +329,8 @@ def _field(acc, a3, p, codes, magic: gl.constexpr, vc, terms, zero, FOLD: gl.con
 @gluon.jit
 def _split_chunks(seq_len, split, G: gl.constexpr, NCH: gl.constexpr, NUM_SPLITS: gl.constexpr):
     """The chunk range ``[ch_lo, ch_hi)`` of a request's split ``split``: its blocks as
-    attention._split_blocks gives them to v4's pool phase (a Triton function, which a Gluon
-    kernel cannot call): both phases must see the same ranges."""
+    attention._split_blocks gives them to v4's kernel (a Triton function, which a Gluon
+    kernel cannot call): one split rule for every variant."""
     n_blocks = gl.cdiv(seq_len, G)
     if NUM_SPLITS > 1:
         per = gl.cdiv(n_blocks, NUM_SPLITS)

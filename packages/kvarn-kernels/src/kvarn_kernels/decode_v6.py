@@ -168,7 +168,7 @@ def decode_v6_kernel(
 ):
     """One program per (request, KV head, split), ``W`` warps, 64 tokens per warp and step,
     as :func:`kvarn_kernels.decode_v5.decode_v5_kernel` (same grid, copies, partial outputs
-    and LSE; the pool phase is v4d's launch), with both MMAs transposed. ``FOLD``
+    and LSE; the pool tiles are :mod:`kvarn_kernels.decode_pool`'s launch), with both MMAs transposed. ``FOLD``
     (``variant="v6f"``): v5f's folding, the raw codes as A operands, K's channel scales on
     the query and V's token scales on the probabilities (both B operands, a quarter of the
     values they would scale on the A side), the zeros and magics as per-column sums that
