@@ -485,7 +485,6 @@ def _decode_pool(name: str, d: int = 128, qpk: int = 4, bn: int = 64, warps: int
         STRIDE=geo.record_stride,
         BN=min(bn, geo.group),
         SCAN=64,
-        NP=2,
     )
     return compile_kernel(decode_pool_kernel, DECODE_SIG, consts, warps, 2)
 

@@ -98,13 +98,8 @@ V5_VARIANTS = ("v5", "v5f", "v6", "v6f")
 V6_VARIANTS = ("v6", "v6f")
 #: The variants written in Gluon, which Triton's interpreter cannot run (GPU only).
 GPU_ONLY_DECODE_VARIANTS = V5_VARIANTS
-#: The variants whose pool phase runs in a launch of its own (:mod:`kvarn_kernels.decode_pool`,
-#: :data:`POOL_PARTIALS` partials more to merge).
+#: The variants whose pool phase runs in a launch of its own (a partial more to merge).
 POOL_SPLIT_VARIANTS = ("v4d", *V5_VARIANTS)
-#: Programs (and partials) of the pool launch per request and KV head: program ``r`` takes
-#: the pool blocks whose rank among the request's is ``r`` modulo this, so a request's sink
-#: tile and in-progress tile are attended side by side instead of one after the other.
-POOL_PARTIALS = 2
 
 
 #: The query rows per program ``decode_attention(mma_rows=...)`` takes (v4 variants).
@@ -125,7 +120,7 @@ def check_mma_rows(mma_rows: int, num_q_heads: int, num_kv_heads: int) -> None:
 def decode_partials(variant: str, num_splits: int) -> int:
     """Partial outputs a decode launch of ``variant`` with ``num_splits`` splits writes and
     merges (what to pass :func:`decode_workspace_numel` for a preallocated workspace)."""
-    return num_splits + (POOL_PARTIALS if variant in POOL_SPLIT_VARIANTS else 0)
+    return num_splits + (variant in POOL_SPLIT_VARIANTS)
 
 
 _LOG2E = 1.4426950408889634
@@ -827,7 +822,7 @@ def _launch_v4(
     ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``);
     ``masked_scales``: with them, the tile scales of pool blocks masked at the load
     (``variant="v4c"``); ``pool_split`` (``variant="v4d"``): the main loop alone, then
-    :func:`_launch_pool` into partials ``num_splits ..``.
+    :func:`_launch_pool` into partial ``num_splits``.
     With ``query_start_loc`` (``[B + 1]``, speculative verify) request ``b`` has the query rows
     ``query_start_loc[b] ..`` (at most ``max_query_len``) and ``hq`` query heads."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
@@ -920,8 +915,7 @@ def _launch_pool(
     hq: int,
 ) -> None:
     """Attention over each request's fp16 pool tiles into partial ``part``
-    (:mod:`kvarn_kernels.decode_pool`, :data:`POOL_PARTIALS` programs per request and KV
-    head, into partials ``part ..``)."""
+    (:mod:`kvarn_kernels.decode_pool`, one program per request and KV head)."""
     from kvarn_kernels.decode_pool import (
         POOL_CHUNK_TOKENS,
         POOL_MAX_REGISTERS,
@@ -931,7 +925,7 @@ def _launch_pool(
 
     hk = int(pool_k.shape[2])
     qpk = hq // hk
-    decode_pool_kernel[(int(block_table.shape[0]), hk, POOL_PARTIALS)](
+    decode_pool_kernel[(int(block_table.shape[0]), hk)](
         q_rot,
         kv_cache,
         pool_k,
@@ -955,7 +949,6 @@ def _launch_pool(
         STRIDE=geo.record_stride,
         BN=min(POOL_CHUNK_TOKENS, geo.group),
         SCAN=64,
-        NP=POOL_PARTIALS,
         num_warps=POOL_WARPS,
         num_stages=1,
         **({} if POOL_MAX_REGISTERS is None else {"maxnreg": POOL_MAX_REGISTERS}),
@@ -984,7 +977,7 @@ def _launch_v5(
 ) -> None:
     """The main loop of ``variant`` (:data:`V5_VARIANTS`: :mod:`kvarn_kernels.decode_v5`,
     ``"v5f"`` its folded form, ``"v6"`` :mod:`kvarn_kernels.decode_v6`) into partials ``0 ..
-    num_splits - 1``; the pool phase follows as v4d's (partials ``num_splits ..``).
+    num_splits - 1``; the pool phase follows as v4d's (partial ``num_splits``).
     ``max_registers`` caps the main loop's registers per thread (``maxnreg``);
     ``num_warps``: warps per program (default ``V5_WARPS``); ``num_stages``: pipeline stages
     (default 2). ``probe`` (v6 only, timing): :data:`kvarn_kernels.decode_v6.PROBE_COPIES_ONLY`

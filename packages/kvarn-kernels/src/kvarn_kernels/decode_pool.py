@@ -4,13 +4,11 @@
 a launch of its own beside the main loop's (``variant="v4d"`` and the Gluon variants).
 
 The main loops read packed records only; the tokens a request still keeps in fp16 (the side
-pool's blocks) are this kernel's: ``NP`` programs per (request, KV head) find the request's
-pool-resident blocks with a vectorized scan of its block-table row, each takes every
-``NP``-th of them (by rank), attends to them with a plain flash-decoding loop (``[rows, D] x
-[D, BN]`` scores, an online softmax, ``[rows, BN] x [BN, D]`` outputs, across the program's
-warps) and writes a partial (output and base-2 LSE) for the split merge. A program walks its
-tiles' chunks one after another, so with one program per request the sink tile and the
-in-progress tile were attended in series (twenty-third session).
+pool's blocks) are this kernel's: one program per (request, KV head) finds the request's
+pool-resident blocks with a vectorized scan of its block-table row, attends to them with a
+plain flash-decoding loop (``[rows, D] x [D, BN]`` scores, an online softmax, ``[rows, BN] x
+[BN, D]`` outputs, across the program's warps) and writes one more partial (output and base-2
+LSE) for the split merge.
 
 Why not v4's pool phase (``decode_v4_kernel(PHASES=2)``, which the launches used until the
 twenty-third session): its warps each hold their own ``G / W`` rows, online softmax state
@@ -70,18 +68,15 @@ def decode_pool_kernel(
     STRIDE: tl.constexpr,
     BN: tl.constexpr,
     SCAN: tl.constexpr,
-    NP: tl.constexpr,
 ):
-    """``NP`` programs per (request, KV head), program axis 2 ``r``: attention of the ``QPK``
-    query rows of ``Q`` (rotated, fp32, ``[B * HQ, D]``) over the request's pool-resident
-    blocks of rank ``r`` modulo ``NP``, written as partial ``part + r`` of ``O_PART``
-    (``[parts, n_rows_total, D]``, normalized) and ``LSE_PART`` (``[parts, n_rows_total]``,
-    base 2; ``-inf`` when the program has no pool rows). ``qk_scale`` is the softmax scale
-    times ``log2(e)``."""
+    """One program per (request, KV head): attention of the ``QPK`` query rows of ``Q``
+    (rotated, fp32, ``[B * HQ, D]``) over the request's pool-resident blocks, written as
+    partial ``part`` of ``O_PART`` (``[parts, n_rows_total, D]``, normalized) and ``LSE_PART``
+    (``[parts, n_rows_total]``, base 2; ``-inf`` when the request has no pool rows).
+    ``qk_scale`` is the softmax scale times ``log2(e)``."""
     tl.static_assert(G % BN == 0, "a pool tile must be whole chunks")
     b = tl.program_id(0)
     h = tl.program_id(1)
-    r = tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b)
     qi = tl.arange(0, BLOCK_Q)
     dd = tl.arange(0, D)
@@ -99,12 +94,9 @@ def decode_pool_kernel(
     n_blocks = tl.cdiv(seq_len, G)
     sc = tl.arange(0, SCAN)
     tn = tl.arange(0, BN)
-    seen = 0  # pool blocks in the windows before this one
     for g0 in range(0, n_blocks, SCAN):
         idx, blks, slots, is_pool, rank = _pool_window(bt_row, BLOCK_TO_SLOT, g0 + sc, n_blocks)
-        n_pool = tl.sum(is_pool.to(tl.int32), axis=0)
-        # this program's blocks of the window: global rank seen + k = r modulo NP
-        for k in range((r - seen % NP + NP) % NP, n_pool, NP):
+        for k in range(0, tl.sum(is_pool.to(tl.int32), axis=0)):
             sel = is_pool & (rank == k)
             pbi = tl.sum(tl.where(sel, idx, 0), axis=0)
             pslot = tl.sum(tl.where(sel, slots, 0), axis=0).to(tl.int64)
@@ -128,9 +120,8 @@ def decode_pool_kernel(
                 l_acc = l_acc * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), vt)
                 m = m_new
-        seen += n_pool
     l_safe = tl.where(l_acc > 0, l_acc, 1.0)
     lse = tl.where(l_acc > 0, m + tl.log2(l_safe), float("-inf"))
-    out_row = (part + r).to(tl.int64) * n_rows_total + rows
+    out_row = part.to(tl.int64) * n_rows_total + rows
     tl.store(O_PART + out_row[:, None] * D + dd[None, :], acc / l_safe[:, None], mask=q_ok[:, None])
     tl.store(LSE_PART + out_row, lse, mask=q_ok)

@@ -224,9 +224,9 @@ def decode_v4_kernel(
     ``PHASES`` (decode only): 0 runs both phases (the main loop over the split's records,
     then the pool phase over its pool blocks); 1 compiles the main loop alone (no pool-phase
     code: the kernel keeps fewer registers live). ``variant="v4d"`` launches 1, then
-    :mod:`kvarn_kernels.decode_pool` over each request's pool blocks into the partials after
-    ``NUM_SPLITS - 1``, and merges them all, so the fp16 sink and in-progress tiles no longer
-    lengthen one main program each (docs/kernel-notes.md, tenth session; v4's
+    :mod:`kvarn_kernels.decode_pool` over each request's pool blocks into partial
+    ``NUM_SPLITS``, and merges ``NUM_SPLITS + 1`` partials, so the fp16 sink and in-progress
+    tiles no longer lengthen one main program each (docs/kernel-notes.md, tenth session; v4's
     own pool phase ran that launch until the twenty-third).
     """
     tl.static_assert(KB == 4, "v4 takes 4-bit keys")
