@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_kernels as bk  # tools/ on PYTHONPATH
+from decode_v6_probe import launch_buffers  # this script's folder
 
 SHAPES: tuple[tuple[int, int], ...] = (
     (8, 16384),
@@ -48,37 +49,26 @@ def configure(bn: int, warps: int, max_registers: int | None) -> None:
 
 def pool_alone(inp: dict[str, Any], splits: int) -> float:
     """µs of the pool launch alone (graph replay), as configured."""
-    import torch
+    from kvarn_kernels.attention import _launch_pool
 
-    from kvarn_format import parse_cache_dtype, record_layout
-    from kvarn_kernels._common import dense_geometry
-    from kvarn_kernels.attention import _launch_pool, decode_partials
-
-    fmt = parse_cache_dtype(inp["fmt"])
-    bsz, hq, d = (int(x) for x in inp["q"].shape)
-    geo = dense_geometry(fmt, d, record_layout(fmt, d).tile_bytes)
-    n_rows = bsz * hq
-    parts = decode_partials("v6f", splits)
-    q_rot = inp["q"].float().reshape(-1)
-    o_part = torch.empty(n_rows * d * parts, device="cuda")
-    lse_part = torch.empty(n_rows * parts, device="cuda")
+    b = launch_buffers(inp, splits)
 
     def launch() -> None:
         _launch_pool(
-            geo,
-            q_rot,
+            b["geo"],
+            b["q_rot"],
             inp["kv"],
             inp["pool_k"],
             inp["pool_v"],
             inp["bt"],
             inp["seq_lens"],
             inp["b2s"],
-            o_part,
-            lse_part,
-            d**-0.5,
-            n_rows,
+            b["o_part"],
+            b["lse_part"],
+            b["d"] ** -0.5,
+            b["n_rows"],
             splits,
-            hq,
+            b["hq"],
         )
 
     us, _mode = bk.timed(launch)

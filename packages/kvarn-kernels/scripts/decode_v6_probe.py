@@ -37,39 +37,53 @@ SHAPES: tuple[tuple[int, int, tuple[int, ...]], ...] = (
 )
 
 
-def main_loop_only(inp: dict[str, Any], splits: int, probe: int) -> float:
-    """µs of the v6f main-loop launch alone (graph replay) on the case ``inp``."""
+def launch_buffers(inp: dict[str, Any], splits: int) -> dict[str, Any]:
+    """What one of the served plan's launches takes on the case ``inp`` at ``splits`` splits
+    (v6f's partial count): the geometry, the query as the launch reads it (unrotated: a
+    timing case) and fresh partial buffers."""
     import torch
 
     from kvarn_format import parse_cache_dtype, record_layout
     from kvarn_kernels._common import dense_geometry
-    from kvarn_kernels.attention import _launch_v5, decode_partials
+    from kvarn_kernels.attention import decode_partials
 
     fmt = parse_cache_dtype(inp["fmt"])
     bsz, hq, d = (int(x) for x in inp["q"].shape)
-    hk = int(inp["pool_k"].shape[2])
-    geo = dense_geometry(fmt, d, record_layout(fmt, d).tile_bytes)
     n_rows = bsz * hq
     parts = decode_partials("v6f", splits)
-    q_rot = inp["q"].float().reshape(-1)
-    o_part = torch.empty(n_rows * d * parts, device="cuda")
-    lse_part = torch.empty(n_rows * parts, device="cuda")
+    return {
+        "geo": dense_geometry(fmt, d, record_layout(fmt, d).tile_bytes),
+        "hq": hq,
+        "hk": int(inp["pool_k"].shape[2]),
+        "d": d,
+        "n_rows": n_rows,
+        "q_rot": inp["q"].float().reshape(-1),
+        "o_part": torch.empty(n_rows * d * parts, device="cuda"),
+        "lse_part": torch.empty(n_rows * parts, device="cuda"),
+    }
+
+
+def main_loop_only(inp: dict[str, Any], splits: int, probe: int) -> float:
+    """µs of the v6f main-loop launch alone (graph replay) on the case ``inp``."""
+    from kvarn_kernels.attention import _launch_v5
+
+    b = launch_buffers(inp, splits)
 
     def launch() -> None:
         _launch_v5(
-            geo,
-            q_rot,
+            b["geo"],
+            b["q_rot"],
             inp["kv"],
             inp["bt"],
             inp["seq_lens"],
             inp["b2s"],
-            o_part,
-            lse_part,
-            d**-0.5,
-            n_rows,
+            b["o_part"],
+            b["lse_part"],
+            b["d"] ** -0.5,
+            b["n_rows"],
             splits,
-            hq,
-            hk,
+            b["hq"],
+            b["hk"],
             None,
             None,
             None,

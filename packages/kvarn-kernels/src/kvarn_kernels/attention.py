@@ -821,8 +821,8 @@ def _launch_v4(
     """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
     ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``);
     ``masked_scales``: with them, the tile scales of pool blocks masked at the load
-    (``variant="v4c"``); ``pool_split`` (``variant="v4d"``): the main loop alone, then
-    :func:`_launch_pool` into partial ``num_splits``.
+    (``variant="v4c"``); ``pool_split`` (``variant="v4d"``): the main loop alone (the caller
+    launches :func:`_launch_pool` into partial ``num_splits``).
     With ``query_start_loc`` (``[B + 1]``, speculative verify) request ``b`` has the query rows
     ``query_start_loc[b] ..`` (at most ``max_query_len``) and ``hq`` query heads."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
@@ -879,23 +879,6 @@ def _launch_v4(
         num_stages=num_stages or cfg["num_stages"],
         **cap,
     )
-    if pool_split:
-        _launch_pool(
-            geo,
-            q_rot,
-            kv_cache,
-            pool_k,
-            pool_v,
-            block_table,
-            seq_lens,
-            block_to_slot,
-            o_part,
-            lse_part,
-            softmax_scale,
-            n_rows,
-            num_splits,
-            hq,
-        )
 
 
 def _launch_pool(
@@ -1092,6 +1075,24 @@ def _launch(
     rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
 
+    def launch_pool() -> None:  # the pool tiles of the POOL_SPLIT_VARIANTS, partial num_splits
+        _launch_pool(
+            geo,
+            q_rot,
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            seq_lens,
+            block_to_slot,
+            o_part,
+            lse_part,
+            softmax_scale,
+            n_rows,
+            num_splits,
+            hq,
+        )
+
     if variant in V5_VARIANTS:
         # The pool tiles (the fp16 sink and in-progress tiles, their own partial) do not wait
         # for the main loop: on a side stream their programs run next to the main launch's,
@@ -1120,22 +1121,7 @@ def _launch(
                 variant,
             )
             with side:
-                _launch_pool(
-                    geo,
-                    q_rot,
-                    kv_cache,
-                    pool_k,
-                    pool_v,
-                    block_table,
-                    seq_lens,
-                    block_to_slot,
-                    o_part,
-                    lse_part,
-                    softmax_scale,
-                    n_rows,
-                    num_splits,
-                    hq,
-                )
+                launch_pool()
     elif variant in V4_VARIANTS:
         _launch_v4(
             geo,
@@ -1164,6 +1150,8 @@ def _launch(
             mma_rows=mma_rows,
             max_registers=max_registers,
         )
+        if variant in POOL_SPLIT_VARIANTS:  # v4d: after its main loop, on the same stream
+            launch_pool()
     else:
         if decode:
             bq = 1
