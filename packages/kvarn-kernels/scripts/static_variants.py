@@ -33,7 +33,16 @@ DECODE_SIG = {
 }
 
 
-def _decode_v1(name: str, bn: int = 64, warps: int = 4, fast: bool = True, pf: bool = True) -> Any:
+def _decode_v1(
+    name: str,
+    bn: int = 64,
+    warps: int = 4,
+    fast: bool = True,
+    pf: bool = True,
+    block_m: int | None = None,
+) -> Any:
+    """The v1 kernel as decode, or with ``block_m`` as the fused prefill (``block_m / 4``
+    query tokens of 4 heads per program)."""
     from kvarn_kernels.attention import _attn_kernel
 
     geo = _geo(name)
@@ -44,8 +53,8 @@ def _decode_v1(name: str, bn: int = 64, warps: int = 4, fast: bool = True, pf: b
         HK=8,
         QPK=4,
         QPK_P=4,
-        BQ=1,
-        BLOCK_M=16,
+        BQ=1 if block_m is None else block_m // 4,
+        BLOCK_M=16 if block_m is None else block_m,
         B_P=2,
         D=128,
         G=geo.group,
@@ -55,7 +64,7 @@ def _decode_v1(name: str, bn: int = 64, warps: int = 4, fast: bool = True, pf: b
         **geo.offsets(),
         BN=bn,
         NUM_SPLITS=4,
-        DECODE=True,
+        DECODE=block_m is None,
         FAST_UNPACK=fast,
         PREFETCH=pf,
     )
@@ -64,6 +73,9 @@ def _decode_v1(name: str, bn: int = 64, warps: int = 4, fast: bool = True, pf: b
 
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k5v5_g64"):
     variant(f"decode_v1 {_n} bn64 w4")(lambda _n=_n: _decode_v1(_n))
+variant("prefill_v1 kvarn_k4v2_g128 m64 w8")(
+    lambda: _decode_v1("kvarn_k4v2_g128", warps=8, block_m=64)
+)
 
 
 def _decode_v4(
@@ -494,3 +506,44 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v2_g64"):
     variant(f"decode_pool {_n} d128 qpk4 bn32")(lambda _n=_n: _decode_pool(_n, bn=32))
     variant(f"decode_pool {_n} d128 qpk4 w8")(lambda _n=_n: _decode_pool(_n, warps=8))
     variant(f"decode_pool {_n} d128 qpk4 bn128 w8")(lambda _n=_n: _decode_pool(_n, bn=128, warps=8))
+
+
+def _prefill_v2(name: str, d: int = 128, block_m: int = 128, bn: int = 64, warps: int = 8) -> Any:
+    """The fused prefill of short chunks (``prefill_attention(method="fused")``)."""
+    from kvarn_kernels.prefill_v2 import prefill_v2_kernel
+
+    geo = _geo(name, d)
+    consts = dict(
+        HQ=32,
+        HK=8,
+        QPK=4,
+        QPK_P=4,
+        BQ=block_m // 4,
+        BLOCK_M=block_m,
+        B_P=2,
+        D=d,
+        G=geo.group,
+        SHADOW=0,
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **geo.offsets(),
+        BN=min(bn, geo.group),
+        NUM_SPLITS=8,
+        FAST_UNPACK=True,
+    )
+    return compile_kernel(prefill_v2_kernel, {**DECODE_SIG, "QSL": "*i32"}, consts, warps)
+
+
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k5v5_g64"):
+    variant(f"prefill_v2 {_n} m128 w8")(lambda _n=_n: _prefill_v2(_n))
+variant("prefill_v2 kvarn_k4v2_g128 m64 w4")(
+    lambda: _prefill_v2("kvarn_k4v2_g128", block_m=64, warps=4)
+)
+variant("prefill_v2 kvarn_k4v2_g128 m128 bn32 w8")(lambda: _prefill_v2("kvarn_k4v2_g128", bn=32))
+variant("prefill_v2 kvarn_k4v2_g128 m128 w4")(lambda: _prefill_v2("kvarn_k4v2_g128", warps=4))
+variant("prefill_v2 kvarn_k4v4_g64 d256 m128 w8")(lambda: _prefill_v2("kvarn_k4v4_g64", d=256))
+variant("prefill_v2 kvarn_k4v4_g64 d256 m64 w8")(
+    lambda: _prefill_v2("kvarn_k4v4_g64", d=256, block_m=64)
+)
+variant("prefill_v2 kvarn_k4v4_g64 d64 m128 w8")(lambda: _prefill_v2("kvarn_k4v4_g64", d=64))

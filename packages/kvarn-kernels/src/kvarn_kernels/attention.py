@@ -938,6 +938,74 @@ def _launch_pool(
     )
 
 
+def _launch_prefill_v2(
+    geo: DenseGeometry,
+    q_rot: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    softmax_scale: float,
+    n_rows: int,
+    num_splits: int,
+    hq: int,
+    fast: bool,
+    block_m: int | None,
+    block_n: int | None,
+    num_warps: int | None,
+) -> None:
+    """The fused prefill kernel (:mod:`kvarn_kernels.prefill_v2`) into ``num_splits``
+    partials."""
+    from kvarn_kernels.prefill_v2 import PREFILL_V2_WARPS, default_block_m, prefill_v2_kernel
+
+    t = n_rows // hq
+    hk = int(pool_k.shape[2])
+    qpk = hq // hk
+    qpk_p = next_pow2(qpk)
+    rows = max(block_m or default_block_m(geo.head_dim), qpk_p)
+    bq = rows // qpk_p
+    b = int(query_start_loc.shape[0]) - 1
+    prefill_v2_kernel[(cdiv(t, bq) + b, hk, num_splits)](
+        q_rot,
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        query_start_loc,
+        o_part,
+        lse_part,
+        float(softmax_scale) * _LOG2E,
+        block_table.stride(0),
+        n_rows,
+        b,
+        HQ=hq,
+        HK=hk,
+        QPK=qpk,
+        QPK_P=qpk_p,
+        BQ=bq,
+        BLOCK_M=rows,
+        B_P=next_pow2(b + 1),
+        D=geo.head_dim,
+        G=geo.group,
+        SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
+        KB=geo.key_bits,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **geo.offsets(),
+        BN=block_n or min(geo.group, 64),
+        NUM_SPLITS=num_splits,
+        FAST_UNPACK=fast,
+        num_warps=num_warps or PREFILL_V2_WARPS,
+    )
+
+
 def _launch_v5(
     geo: DenseGeometry,
     q_rot: torch.Tensor,
@@ -1152,6 +1220,29 @@ def _launch(
         )
         if variant in POOL_SPLIT_VARIANTS:  # v4d: after its main loop, on the same stream
             launch_pool()
+    elif variant == "prefill_v2":
+        assert query_start_loc is not None and not decode
+        _launch_prefill_v2(
+            geo,
+            q_rot,
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            seq_lens,
+            block_to_slot,
+            query_start_loc,
+            o_part,
+            lse_part,
+            softmax_scale,
+            n_rows,
+            num_splits,
+            hq,
+            fast,
+            block_m,
+            block_n,
+            num_warps,
+        )
     else:
         if decode:
             bq = 1
@@ -1994,13 +2085,14 @@ def prefill_attention(
     *,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     fast_unpack: bool | None = None,
     prefetch: bool = True,
     block_m: int | None = None,
     method: str = "dequant",
+    fused_kernel: str = "auto",
     sdpa_backend: str = "auto",
     seq_lens_cpu: Sequence[int] | None = None,
     query_start_loc_cpu: Sequence[int] | None = None,
@@ -2025,8 +2117,14 @@ def prefill_attention(
       materializing the context costs ~1% and the attention runs at library speed. It reads
       ``seq_lens`` and ``query_start_loc`` on the host: pass ``seq_lens_cpu`` and
       ``query_start_loc_cpu`` to avoid the device-to-host copy (not CUDA-graph capturable).
-    * ``"fused"``: the v1 kernel that reads records in the attention loop (no workspace, no
-      host sync; slower: it re-unpacks the context for every query tile).
+    * ``"fused"``: one kernel reads the records in its attention loop (no workspace, no host
+      sync), split over the context, and a second merges the splits. It unpacks the context
+      once per query tile, so it is for short chunks after a long context (an agent's turn),
+      where the dequantize path spends more on the fp16 context than on the attention.
+      ``fused_kernel`` picks the kernel: ``"v2"`` (:mod:`kvarn_kernels.prefill_v2`: each chunk
+      dequantized once per 128-row tile, head_dim <= 256), ``"v1"`` (the decode kernel's
+      prefill mode, scales folded into 64-row query tiles; every head dim), ``"auto"`` (v2
+      where it applies).
 
     Args:
         q: ``[T, Hq, D]`` fp16/bf16, unrotated.
@@ -2035,9 +2133,11 @@ def prefill_attention(
         workspace: ``"fused"`` only: optional fp32,
             ``decode_workspace_numel(T, Hq, D, num_splits)`` elements.
         num_splits, block_n, num_warps, prefetch, block_m: ``"fused"`` only. ``num_splits``:
-            split-K factor over the context (default 1); ``block_m``: query rows (tokens x GQA
-            heads) per program (default 64; 32 for D > 128; 128 was slower on an H200 and
-            does not compile at D = 256).
+            split-K factor over the context (default: v2 :func:`prefill_v2_splits`, v1 1);
+            ``block_m``: query rows (tokens x GQA heads) per program (v2: default 128; v1:
+            default 64, 32 for D > 128, 128 was slower on an H200 and does not compile at
+            D = 256); ``prefetch=False``: v1 only.
+        fused_kernel: ``"fused"`` only: ``"auto"``, ``"v1"`` or ``"v2"`` (above).
         fast_unpack: as :func:`decode_attention` (both methods).
         method: ``"dequant"`` or ``"fused"`` (above).
         sdpa_backend: ``"dequant"`` only: ``"auto"`` (varlen FlashAttention on CUDA for
@@ -2072,19 +2172,22 @@ def prefill_attention(
             f"block_m must be 16, 32 or 64 (or 128 for head_dim <= 128), got {block_m}; "
             "Triton 3.6 fails to compile 128-row tiles at head_dim 256"
         )
-    if num_splits < 1:
+    if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if fused_kernel not in ("auto", "v1", "v2"):
+        raise ValueError(f"fused_kernel must be 'auto', 'v1' or 'v2', got {fused_kernel!r}")
     if method not in ("dequant", "fused"):
         raise ValueError(f"method must be 'dequant' or 'fused', got {method!r}")
     t, hq, d = (int(s) for s in q.shape)
     if method == "dequant":
         fused_only = {
             "workspace": workspace is not None,
-            "num_splits": num_splits != 1,
+            "num_splits": num_splits is not None,
             "block_n": block_n is not None,
             "num_warps": num_warps is not None,
             "prefetch": not prefetch,
             "block_m": block_m is not None,
+            "fused_kernel": fused_kernel != "auto",
         }
         bad = [k for k, v in fused_only.items() if v]
         if bad:
@@ -2154,7 +2257,34 @@ def prefill_attention(
             "sdpa_backend, seq_lens_cpu, query_start_loc_cpu, max_workspace_bytes, "
             "varlen_attention and context_plan apply to method='dequant' only"
         )
-    workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, num_splits), q.device)
+    kernel = fused_kernel
+    if kernel == "auto":
+        kernel = "v2" if d <= PREFILL_V2_MAX_HEAD_DIM and prefetch else "v1"
+    if kernel == "v2":
+        if d > PREFILL_V2_MAX_HEAD_DIM:
+            raise ValueError(
+                f"fused_kernel='v2' takes head_dim <= {PREFILL_V2_MAX_HEAD_DIM}, got {d}; "
+                "use 'v1' or 'auto'"
+            )
+        if not prefetch:
+            raise ValueError("prefetch=False applies to fused_kernel='v1' only")
+        if block_m is not None and block_m not in (64, 128):
+            raise ValueError(f"fused_kernel='v2' takes block_m 64 or 128, got {block_m}")
+    splits = num_splits
+    if splits is None:
+        splits = 1
+        if kernel == "v2":
+            from kvarn_kernels.prefill_v2 import default_block_m
+
+            splits = prefill_v2_splits(
+                t,
+                hq,
+                int(pool_k.shape[2]),
+                int(block_table.shape[1]),
+                _num_sms(q.device),
+                block_m=block_m or default_block_m(d),
+            )
+    workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, splits), q.device)
     _launch(
         geo,
         _q_for_kernel(q),
@@ -2168,15 +2298,45 @@ def prefill_attention(
         softmax_scale,
         out,
         workspace,
-        num_splits,
+        splits,
         False,
         block_n,
         num_warps,
         fast_unpack,
         prefetch,
         block_m,
+        variant="prefill_v2" if kernel == "v2" else "v1",
     )
     return out
+
+
+#: The largest head dim :mod:`kvarn_kernels.prefill_v2` takes (its ``[rows, D]`` fp32
+#: accumulator).
+PREFILL_V2_MAX_HEAD_DIM = 256
+
+
+def prefill_v2_splits(
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    num_sms: int,
+    *,
+    block_m: int = 128,
+) -> int:
+    """The fused prefill's split count over the context (host shapes only): about one
+    program per SM (a program holds ``block_m`` query rows and a split's whole
+    context; a second wave would take a whole split's time again), at least 4 context blocks
+    per split, at most 64 splits, a power of two (each value is a compile of both kernels).
+    Query tiles are counted as ``cdiv(T, tokens per tile)``, exact for one request and for
+    requests of whole tiles."""
+    qpk_p = next_pow2(num_q_heads // num_kv_heads)
+    tiles = cdiv(num_tokens, max(block_m // qpk_p, 1))
+    progs = max(1, tiles * num_kv_heads)
+    want = cdiv(num_sms, progs)
+    cap = max(1, cdiv(max_blocks, 4))
+    splits = int(max(1, min(want, cap, 64)))
+    return 1 << (splits.bit_length() - 1)
 
 
 def _workspace(ws: torch.Tensor | None, need: int, device: torch.device) -> torch.Tensor:

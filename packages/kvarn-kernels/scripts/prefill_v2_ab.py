@@ -1,0 +1,162 @@
+"""Short-chunk prefill with cached context (GPU only, vLLM's FA3 importable): the fused
+kernel :mod:`kvarn_kernels.prefill_v2` against the plugin's dequantize-then-FA3 path, the
+v1 fused kernel and FA3 on an fp16 cache of the same shape, in one run
+(docs/kernel-notes.md, twenty-fourth session).
+
+For each shape (cached tokens, chunk tokens, requests): every path eager (as a server runs
+prefill), the fused ones and FA3 also from a CUDA graph (their GPU time), v2 at several split
+counts, chunk sizes and tile heights; outputs against the dequantize path's. Writes
+``prefill_v2_ab.json`` to ``--out`` and prints a table. On the GPU machine::
+
+    source .gpu/env.sh && PYTHONPATH=$PYTHONPATH:tools \\
+        python3 packages/kvarn-kernels/scripts/prefill_v2_ab.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import bench_kernels as bk  # tools/ on PYTHONPATH
+
+FMT = "kvarn_k4v2_g128"
+#: (cached tokens, chunk tokens, requests)
+SHAPES: tuple[tuple[int, int, int], ...] = (
+    (16320, 64, 1),
+    (16320, 64, 4),
+    (16256, 128, 1),
+    (6080, 64, 16),
+    (14336, 2048, 1),
+)
+
+
+def run_shape(ctx: int, q_len: int, bsz: int) -> list[dict[str, Any]]:
+    import torch
+
+    from kvarn_kernels import plan_prefill_context, prefill_attention
+    from kvarn_kernels.attention import _num_sms, prefill_v2_splits
+
+    c = bk.prefill_case(FMT, ctx, q_len, bsz)
+    args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
+    scale = bk.D**-0.5
+    out = torch.empty_like(c["q"])
+    plan = plan_prefill_context(
+        c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=bk.HK, head_dim=bk.D, device="cuda"
+    )
+    fa3 = bk.vllm_fa3()
+    auto = prefill_v2_splits(
+        int(c["q"].shape[0]), bk.HQ, bk.HK, int(c["bt"].shape[1]), _num_sms(c["q"].device)
+    )
+
+    def fused(**kw: Any) -> Callable[[], Any]:
+        return lambda: prefill_attention(FMT, c["q"], *args, scale, out=out, method="fused", **kw)
+
+    paths: list[tuple[str, Callable[[], Any], bool]] = [
+        (
+            "dequant+FA3",
+            lambda: prefill_attention(
+                FMT, c["q"], *args, scale, out=out, context_plan=plan, varlen_attention=fa3
+            ),
+            False,
+        ),
+        (f"v2 auto (splits {auto})", fused(fused_kernel="v2"), True),
+        (
+            f"v2 splits {max(1, auto // 2)}",
+            fused(fused_kernel="v2", num_splits=max(1, auto // 2)),
+            True,
+        ),
+        (f"v2 splits {2 * auto}", fused(fused_kernel="v2", num_splits=2 * auto), True),
+        ("v2 bn32", fused(fused_kernel="v2", num_splits=auto, block_n=32), True),
+        ("v2 m64 w4", fused(fused_kernel="v2", num_splits=auto, block_m=64, num_warps=4), True),
+        ("v1 (splits 1)", fused(fused_kernel="v1"), False),
+        (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
+    ]
+    if q_len > 512:  # the slow fused paths at the long chunk: the default of each only
+        paths = [p for p in paths if "splits" not in p[0] or "auto" in p[0]]
+        paths = [p for p in paths if p[0] not in ("v2 bn32", "v2 m64 w4")]
+
+    rows: list[dict[str, Any]] = []
+    base = None
+    for name, fn, graph_too in paths:
+        r = bk.guarded(lambda fn=fn: {"us": bk.timed(fn, graph=False)[0]})
+        fn()
+        torch.cuda.synchronize()
+        o = out.float().clone()
+        base = o if base is None else base
+        r["rel_diff"] = float((o - base).norm() / base.norm())
+        r["finite"] = bool(torch.isfinite(o).all())
+        if graph_too:
+            r["graph_us"] = bk.guarded(lambda fn=fn: {"us": bk.timed(fn, graph=True)[0]}).get("us")
+        rows.append({"path": name, **r})
+        bk.log(f"{ctx}+{q_len} B={bsz} {name}: {r}")
+    fa = bk.guarded(lambda: bk.bench_fa3_prefill(ctx, q_len, bsz))
+    rows.append({"path": "FA3 fp16", "us": fa.get("us")})
+
+    # FA3 fp16 from a graph too (its GPU time): the same call as bench_fa3_prefill
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    seq = ctx + q_len
+    nb = -(-seq // 16)
+    k = torch.randn(bsz * nb, 16, bk.HK, bk.D, device="cuda").half()
+    v = torch.randn_like(k)
+    bt = torch.randperm(bsz * nb, device="cuda").to(torch.int32).view(bsz, nb)
+    cu_q = torch.arange(bsz + 1, dtype=torch.int32, device="cuda") * q_len
+    seqused = torch.full((bsz,), seq, dtype=torch.int32, device="cuda")
+    g = bk.guarded(
+        lambda: {
+            "us": bk.timed(
+                lambda: flash_attn_varlen_func(
+                    c["q"],
+                    k,
+                    v,
+                    max_seqlen_q=q_len,
+                    cu_seqlens_q=cu_q,
+                    max_seqlen_k=seq,
+                    seqused_k=seqused,
+                    softmax_scale=scale,
+                    causal=True,
+                    block_table=bt,
+                    fa_version=3,
+                ),
+                graph=True,
+            )[0]
+        }
+    )
+    rows[-1]["graph_us"] = g.get("us")
+    flops = bsz * 4 * bk.HQ * bk.D * (q_len * ctx + q_len * q_len / 2)
+    for r in rows:
+        r.update(ctx=ctx, q_len=q_len, B=bsz, gflop=flops / 1e9)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for shape in SHAPES:
+        rows += run_shape(*shape)
+        (a.out / "prefill_v2_ab.json").write_text(json.dumps(rows, indent=1))
+    fa3 = {(r["ctx"], r["q_len"], r["B"]): r for r in rows if r["path"] == "FA3 fp16"}
+    print(
+        f"{'shape':22s} {'path':22s} {'eager us':>9s} {'graph us':>9s} {'/FA3 e':>7s} "
+        f"{'/FA3 g':>7s} {'rel diff':>9s}"
+    )
+    for r in rows:
+        f = fa3[(r["ctx"], r["q_len"], r["B"])]
+        us, gus = r.get("us"), r.get("graph_us")
+        re_ = f"{us / f['us']:.2f}" if us and f.get("us") else "-"
+        rg = f"{gus / f['graph_us']:.2f}" if gus and f.get("graph_us") else "-"
+        print(
+            f"{r['q_len']}@{r['ctx']} B={r['B']:<3d}      {r['path']:22s} "
+            f"{us or float('nan'):9.1f} {gus or float('nan'):9.1f} {re_:>7s} {rg:>7s} "
+            f"{r.get('rel_diff', float('nan')):9.2e}"
+        )
+
+
+if __name__ == "__main__":
+    main()
