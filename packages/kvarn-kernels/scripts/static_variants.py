@@ -508,7 +508,9 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v2_g64"):
     variant(f"decode_pool {_n} d128 qpk4 bn128 w8")(lambda _n=_n: _decode_pool(_n, bn=128, warps=8))
 
 
-def _prefill_v2(name: str, d: int = 128, block_m: int = 128, bn: int = 64, warps: int = 8) -> Any:
+def _prefill_v2(
+    name: str, d: int = 128, block_m: int = 128, bn: int = 64, warps: int = 8, stages: int = 3
+) -> Any:
     """The fused prefill of short chunks (``prefill_attention(method="fused")``)."""
     from kvarn_kernels.prefill_v2 import prefill_v2_kernel
 
@@ -532,7 +534,7 @@ def _prefill_v2(name: str, d: int = 128, block_m: int = 128, bn: int = 64, warps
         NUM_SPLITS=8,
         FAST_UNPACK=True,
     )
-    return compile_kernel(prefill_v2_kernel, {**DECODE_SIG, "QSL": "*i32"}, consts, warps)
+    return compile_kernel(prefill_v2_kernel, {**DECODE_SIG, "QSL": "*i32"}, consts, warps, stages)
 
 
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k5v5_g64"):
@@ -547,3 +549,5 @@ variant("prefill_v2 kvarn_k4v4_g64 d256 m64 w8")(
     lambda: _prefill_v2("kvarn_k4v4_g64", d=256, block_m=64)
 )
 variant("prefill_v2 kvarn_k4v4_g64 d64 m128 w8")(lambda: _prefill_v2("kvarn_k4v4_g64", d=64))
+variant("prefill_v2 kvarn_k4v2_g128 m128 bn128 w8")(lambda: _prefill_v2("kvarn_k4v2_g128", bn=128))
+variant("prefill_v2 kvarn_k4v2_g128 m128 w8 s1")(lambda: _prefill_v2("kvarn_k4v2_g128", stages=1))

@@ -2268,8 +2268,6 @@ def prefill_attention(
             )
         if not prefetch:
             raise ValueError("prefetch=False applies to fused_kernel='v1' only")
-        if block_m is not None and block_m not in (64, 128):
-            raise ValueError(f"fused_kernel='v2' takes block_m 64 or 128, got {block_m}")
     splits = num_splits
     if splits is None:
         splits = 1
