@@ -34,6 +34,7 @@ def compile_kernel(
     consts: dict[str, Any],
     num_warps: int,
     num_stages: int = 3,
+    maxnreg: int | None = None,
 ) -> Any:
     """``fn`` (a Triton or a Gluon kernel) compiled for sm_90a; pointers get the 16-byte
     divisibility the JIT gives them."""
@@ -55,7 +56,11 @@ def compile_kernel(
     return triton.compile(
         src,
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        options={
+            "num_warps": num_warps,
+            "num_stages": num_stages,
+            **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        },
     )
 
 

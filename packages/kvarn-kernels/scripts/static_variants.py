@@ -509,7 +509,13 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v2_g64"):
 
 
 def _prefill_v2(
-    name: str, d: int = 128, block_m: int = 128, bn: int = 64, warps: int = 8, stages: int = 3
+    name: str,
+    d: int = 128,
+    block_m: int = 128,
+    bn: int = 64,
+    warps: int = 8,
+    stages: int = 3,
+    maxnreg: int | None = None,
 ) -> Any:
     """The fused prefill of short chunks (``prefill_attention(method="fused")``)."""
     from kvarn_kernels.prefill_v2 import prefill_v2_kernel
@@ -534,7 +540,8 @@ def _prefill_v2(
         NUM_SPLITS=8,
         FAST_UNPACK=True,
     )
-    return compile_kernel(prefill_v2_kernel, {**DECODE_SIG, "QSL": "*i32"}, consts, warps, stages)
+    sig = {**DECODE_SIG, "QSL": "*i32"}
+    return compile_kernel(prefill_v2_kernel, sig, consts, warps, stages, maxnreg)
 
 
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k5v5_g64"):
@@ -551,3 +558,13 @@ variant("prefill_v2 kvarn_k4v4_g64 d256 m64 w8")(
 variant("prefill_v2 kvarn_k4v4_g64 d64 m128 w8")(lambda: _prefill_v2("kvarn_k4v4_g64", d=64))
 variant("prefill_v2 kvarn_k4v2_g128 m128 bn128 w8")(lambda: _prefill_v2("kvarn_k4v2_g128", bn=128))
 variant("prefill_v2 kvarn_k4v2_g128 m128 w8 s1")(lambda: _prefill_v2("kvarn_k4v2_g128", stages=1))
+for _r in (128, 168):
+    variant(f"prefill_v2 kvarn_k4v2_g128 m128 w8 r{_r}")(
+        lambda _r=_r: _prefill_v2("kvarn_k4v2_g128", maxnreg=_r)
+    )
+    variant(f"prefill_v2 kvarn_k4v2_g128 m64 w4 r{_r}")(
+        lambda _r=_r: _prefill_v2("kvarn_k4v2_g128", block_m=64, warps=4, maxnreg=_r)
+    )
+    variant(f"prefill_v2 kvarn_k4v2_g128 m64 w4 bn32 r{_r}")(
+        lambda _r=_r: _prefill_v2("kvarn_k4v2_g128", block_m=64, warps=4, bn=32, maxnreg=_r)
+    )

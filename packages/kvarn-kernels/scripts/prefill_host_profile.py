@@ -1,0 +1,106 @@
+"""Where the host time of an eager prefill-with-context call goes (GPU only, vLLM's FA3
+importable): the plugin's planned dequantize-then-FA3 path and the fused kernel at the
+bench's short chunk (64 tokens after 16,320, B = 1), each run many times without a sync under
+``cProfile``; prints the per-call host microseconds of the top functions and writes the full
+statistics to ``--out`` (docs/kernel-notes.md, twenty-fourth session)::
+
+    source .gpu/env.sh && PYTHONPATH=$PYTHONPATH:tools \\
+        python3 packages/kvarn-kernels/scripts/prefill_host_profile.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import bench_kernels as bk  # tools/ on PYTHONPATH
+
+FMT = "kvarn_k4v2_g128"
+CALLS = 300
+
+
+def host_us(fn: Callable[[], Any], calls: int = CALLS) -> float:
+    """Host microseconds per call, the GPU queue kept from filling (a sync every 20 calls)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    total = 0.0
+    for i in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+        if i % 20 == 19:
+            torch.cuda.synchronize()
+    return 1e6 * total / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    from kvarn_kernels import plan_prefill_context, prefill_attention
+    from kvarn_kernels.rotation import rotate_into
+
+    c = bk.prefill_case(FMT, 16320, 64, 1)
+    args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
+    scale = bk.D**-0.5
+    out = torch.empty_like(c["q"])
+    plan = plan_prefill_context(
+        c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=bk.HK, head_dim=bk.D, device="cuda"
+    )
+    fa3 = bk.vllm_fa3()
+    t, hq, d = (int(s) for s in c["q"].shape)
+    q16 = torch.empty((t, hq, d), dtype=torch.float16, device="cuda")
+    paths: dict[str, Callable[[], Any]] = {
+        "planned dequant+FA3": lambda: prefill_attention(
+            FMT, c["q"], *args, scale, out=out, context_plan=plan, varlen_attention=fa3
+        ),
+        "fused v2": lambda: prefill_attention(
+            FMT, c["q"], *args, scale, out=out, method="fused", fused_kernel="v2"
+        ),
+        "rotate_into alone": lambda: rotate_into(
+            c["q"].view(t * hq, d), q16.view(t * hq, d), scale
+        ),
+    }
+    lines = []
+    for name, fn in paths.items():
+        us = host_us(fn)
+        lines.append(f"{name:24s} {us:8.1f} µs host per call")
+        prof = cProfile.Profile()
+        fn()
+        torch.cuda.synchronize()
+        prof.enable()
+        for i in range(CALLS):
+            fn()
+            if i % 20 == 19:
+                torch.cuda.synchronize()
+        prof.disable()
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf).sort_stats("tottime")
+        st.print_stats(25)
+        (a.out / f"host_{name.split()[0]}_{name.split()[1]}.txt").write_text(buf.getvalue())
+        # the top functions by own time, µs per call
+        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:12]  # type: ignore[attr-defined]
+        for (file, line, func), (_cc, nc, tt, ct, _callers) in rows:
+            lines.append(
+                f"    {1e6 * tt / CALLS:7.1f} own {1e6 * ct / CALLS:7.1f} cum µs/call "
+                f"{nc / CALLS:5.1f}x {func} ({Path(file).name}:{line})"
+            )
+    text = "\n".join(lines)
+    (a.out / "host_profile.txt").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
