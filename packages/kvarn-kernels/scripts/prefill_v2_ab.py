@@ -72,12 +72,15 @@ def run_shape(ctx: int, q_len: int, bsz: int) -> list[dict[str, Any]]:
         ("v2 bn32", fused(fused_kernel="v2", num_splits=auto, block_n=32), True),
         ("v2 bn128", fused(fused_kernel="v2", num_splits=auto, block_n=128), True),
         ("v2 m64 w4", fused(fused_kernel="v2", num_splits=auto, block_m=64, num_warps=4), True),
+        (f"v3 auto (splits {auto})", fused(fused_kernel="v3"), True),
+        (f"v3 splits {2 * auto}", fused(fused_kernel="v3", num_splits=2 * auto), True),
+        ("v3 m64", fused(fused_kernel="v3", block_m=64), True),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]
     if q_len > 512:  # the slow fused paths at the long chunk: the default of each only
         paths = [p for p in paths if "splits" not in p[0] or "auto" in p[0]]
-        paths = [p for p in paths if p[0] not in ("v2 bn32", "v2 bn128", "v2 m64 w4")]
+        paths = [p for p in paths if p[0] not in ("v2 bn32", "v2 bn128", "v2 m64 w4", "v3 m64")]
 
     rows: list[dict[str, Any]] = []
     base = None
@@ -133,8 +136,9 @@ def run_shape(ctx: int, q_len: int, bsz: int) -> list[dict[str, Any]]:
     return rows
 
 
-def profile_once(ctx: int, q_len: int, bsz: int) -> None:
-    """Two v2 calls (the first compiles), synchronized: what ``ncu --launch-skip`` takes."""
+def profile_once(ctx: int, q_len: int, bsz: int, kernel: str) -> None:
+    """Two fused calls (the first compiles), synchronized: what ``ncu --launch-skip``
+    takes."""
     import torch
 
     from kvarn_kernels import prefill_attention
@@ -142,7 +146,7 @@ def profile_once(ctx: int, q_len: int, bsz: int) -> None:
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
     args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
     for _ in range(2):
-        prefill_attention(FMT, c["q"], *args, bk.D**-0.5, method="fused", fused_kernel="v2")
+        prefill_attention(FMT, c["q"], *args, bk.D**-0.5, method="fused", fused_kernel=kernel)
     torch.cuda.synchronize()
 
 
@@ -151,13 +155,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument(
         "--once",
-        action="store_true",
-        help="one fused v2 call at the first shape and nothing else (for a profiler)",
+        choices=("v2", "v3"),
+        help="two calls of this fused kernel at the first shape and nothing else (a profiler's)",
     )
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.once:
-        profile_once(*SHAPES[0])
+        profile_once(*SHAPES[0], a.once)
         return
     rows: list[dict[str, Any]] = []
     for shape in SHAPES:

@@ -568,3 +568,32 @@ for _r in (128, 168):
     variant(f"prefill_v2 kvarn_k4v2_g128 m64 w4 bn32 r{_r}")(
         lambda _r=_r: _prefill_v2("kvarn_k4v2_g128", block_m=64, warps=4, bn=32, maxnreg=_r)
     )
+
+
+def _prefill_v3(name: str, warps: int = 8) -> Any:
+    """The Gluon fused prefill (asynchronous wgmma), ``16 * warps`` query rows."""
+    from kvarn_kernels.prefill_v3 import prefill_v3_kernel
+
+    geo = _geo(name)
+    offs = geo.offsets()
+    consts = dict(
+        HQ=32,
+        HK=8,
+        QPK=4,
+        QPK_P=4,
+        BQ=4 * warps,
+        B_P=2,
+        D=128,
+        G=geo.group,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **{k: v for k, v in offs.items() if k not in ("K_ORDER", "V_ORDER")},
+        NUM_SPLITS=8,
+        W=warps,
+    )
+    return compile_kernel(prefill_v3_kernel, {**DECODE_SIG, "QSL": "*i32"}, consts, warps)
+
+
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
+    for _w in (4, 8):
+        variant(f"prefill_v3 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w))

@@ -979,6 +979,36 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
         _assert_close(out, ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k4v2_g64"])
+@pytest.mark.parametrize(("hq", "hk"), [(32, 8), (16, 2), (8, 8)])
+def test_prefill_v3_gpu(device: torch.device, name: str, hq: int, hk: int) -> None:
+    """The Gluon fused prefill (sm_90 only) against the float64 reference: ragged requests
+    (a first chunk, short and long continuations, chunks that start and end inside a tile),
+    GQA 4, 8 and 1, both tile heights and several split counts."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        pytest.skip("prefill_v3 runs on sm_90 only")
+    d = 128
+    lens = [2048 + 512, 1030, 300, 4000, 77]
+    qlens = [512, 6, 300, 64, 77]
+    pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
+    case = build_case(name, d, hk, lens, device=device, seed=3, pool_from=pool_from)
+    q = torch.randn(sum(qlens), hq, d, device=device).half()
+    qsl = _qsl(qlens, device)
+    scale = 1.0 / math.sqrt(d)
+    ref = prefill_attention_ref(*case.prefill_args(name, q, qsl, scale))
+    for cfg in ({}, {"block_m": 64}, {"num_splits": 1}, {"num_splits": 8, "block_m": 64}):
+        out = torch.full_like(q, float("nan"))
+        prefill_attention(
+            *case.prefill_args(name, q, qsl, scale),
+            out=out,
+            method="fused",
+            fused_kernel="v3",
+            **cfg,  # type: ignore[arg-type]
+        )
+        _assert_close(out, ref)
+
+
 # ---------------------------------------------------------------------------------------------
 # speculative verify (small sizes, CPU interpreter or GPU)
 

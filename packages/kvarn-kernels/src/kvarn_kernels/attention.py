@@ -938,7 +938,8 @@ def _launch_pool(
     )
 
 
-def _launch_prefill_v2(
+def _launch_prefill_fused(
+    variant: str,
     geo: DenseGeometry,
     q_rot: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -959,8 +960,9 @@ def _launch_prefill_v2(
     block_n: int | None,
     num_warps: int | None,
 ) -> None:
-    """The fused prefill kernel (:mod:`kvarn_kernels.prefill_v2`) into ``num_splits``
-    partials."""
+    """A fused prefill kernel into ``num_splits`` partials: ``"prefill_v2"``
+    (:mod:`kvarn_kernels.prefill_v2`) or ``"prefill_v3"`` (:mod:`kvarn_kernels.prefill_v3`,
+    the same grid and arguments; ``block_m`` 64 or 128 picks its warps)."""
     from kvarn_kernels.prefill_v2 import PREFILL_V2_WARPS, default_block_m, prefill_v2_kernel
 
     t = n_rows // hq
@@ -970,6 +972,42 @@ def _launch_prefill_v2(
     rows = max(block_m or default_block_m(geo.head_dim), qpk_p)
     bq = rows // qpk_p
     b = int(query_start_loc.shape[0]) - 1
+    if variant == "prefill_v3":
+        from kvarn_kernels.prefill_v3 import prefill_v3_kernel
+
+        offsets = geo.offsets()
+        del offsets["K_ORDER"], offsets["V_ORDER"]
+        prefill_v3_kernel[(cdiv(t, bq) + b, hk, num_splits)](
+            q_rot,
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            seq_lens,
+            block_to_slot,
+            query_start_loc,
+            o_part,
+            lse_part,
+            float(softmax_scale) * _LOG2E,
+            block_table.stride(0),
+            n_rows,
+            b,
+            HQ=hq,
+            HK=hk,
+            QPK=qpk,
+            QPK_P=qpk_p,
+            BQ=bq,
+            B_P=next_pow2(b + 1),
+            D=geo.head_dim,
+            G=geo.group,
+            VB=geo.value_bits,
+            STRIDE=geo.record_stride,
+            **offsets,
+            NUM_SPLITS=num_splits,
+            W=rows // 16,
+            num_warps=rows // 16,
+        )
+        return
     prefill_v2_kernel[(cdiv(t, bq) + b, hk, num_splits)](
         q_rot,
         kv_cache,
@@ -1220,9 +1258,10 @@ def _launch(
         )
         if variant in POOL_SPLIT_VARIANTS:  # v4d: after its main loop, on the same stream
             launch_pool()
-    elif variant == "prefill_v2":
+    elif variant in ("prefill_v2", "prefill_v3"):
         assert query_start_loc is not None and not decode
-        _launch_prefill_v2(
+        _launch_prefill_fused(
+            variant,
             geo,
             q_rot,
             kv_cache,
@@ -1407,6 +1446,23 @@ V5_AUTO_CAPABILITIES = ((9, 0),)
 def _capability(device_index: int) -> tuple[int, int]:
     major, minor = torch.cuda.get_device_capability(device_index)
     return int(major), int(minor)
+
+
+def _v3_serves(
+    geo: DenseGeometry, pool_k: torch.Tensor, kv_cache: torch.Tensor, device: torch.device
+) -> bool:
+    """Whether the Gluon fused prefill (:mod:`kvarn_kernels.prefill_v3`) runs this call."""
+    from kvarn_kernels.prefill_v3 import V3_HEAD_DIMS
+
+    if device.type != "cuda" or triton_interpret():
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return (
+        geo.head_dim in V3_HEAD_DIMS
+        and (geo.k_order, geo.v_order) == (CodeOrder.TRANSPOSED, CodeOrder.PARITY)
+        and pool_shadow_rows(pool_k, geo.group, kv_cache) == 0
+        and _capability(index) == (9, 0)
+    )
 
 
 def _v5_serves(geo: DenseGeometry, qpk: int, device: torch.device | None) -> bool:
@@ -2174,8 +2230,8 @@ def prefill_attention(
         )
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if fused_kernel not in ("auto", "v1", "v2"):
-        raise ValueError(f"fused_kernel must be 'auto', 'v1' or 'v2', got {fused_kernel!r}")
+    if fused_kernel not in ("auto", "v1", "v2", "v3"):
+        raise ValueError(f"fused_kernel must be 'auto', 'v1', 'v2' or 'v3', got {fused_kernel!r}")
     if method not in ("dequant", "fused"):
         raise ValueError(f"method must be 'dequant' or 'fused', got {method!r}")
     t, hq, d = (int(s) for s in q.shape)
@@ -2260,6 +2316,18 @@ def prefill_attention(
     kernel = fused_kernel
     if kernel == "auto":
         kernel = "v2" if d <= PREFILL_V2_MAX_HEAD_DIM and prefetch else "v1"
+        if kernel == "v2" and _v3_serves(geo, pool_k, kv_cache, q.device) and block_n is None:
+            kernel = "v3"
+    if kernel == "v3":
+        if not _v3_serves(geo, pool_k, kv_cache, q.device):
+            raise ValueError(
+                "fused_kernel='v3' needs an sm_90 GPU, 4-bit keys with 2- or 4-bit values, "
+                "head_dim 128 and pool slots without shadow rows; use 'v2' or 'auto'"
+            )
+        if block_m is not None and block_m not in (64, 128):
+            raise ValueError(f"fused_kernel='v3' takes block_m 64 or 128, got {block_m}")
+        if block_n is not None or num_warps is not None or not prefetch:
+            raise ValueError("block_n, num_warps and prefetch=False do not apply to 'v3'")
     if kernel == "v2":
         if d > PREFILL_V2_MAX_HEAD_DIM:
             raise ValueError(
@@ -2271,7 +2339,7 @@ def prefill_attention(
     splits = num_splits
     if splits is None:
         splits = 1
-        if kernel == "v2":
+        if kernel in ("v2", "v3"):
             from kvarn_kernels.prefill_v2 import default_block_m
 
             splits = prefill_v2_splits(
@@ -2303,7 +2371,7 @@ def prefill_attention(
         fast_unpack,
         prefetch,
         block_m,
-        variant="prefill_v2" if kernel == "v2" else "v1",
+        variant={"v2": "prefill_v2", "v3": "prefill_v3"}.get(kernel, "v1"),
     )
     return out
 

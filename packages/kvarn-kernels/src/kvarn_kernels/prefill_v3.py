@@ -1,0 +1,473 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Gluon JIT kernels are untyped by nature.)
+"""Fused prefill with cached context on Hopper's asynchronous warpgroup MMA (Gluon).
+
+:mod:`kvarn_kernels.prefill_v2` (Triton) dequantizes a chunk, then waits for each MMA before
+its next instruction: one program of 8 warps per SM, its warps stalled on the MMAs, the loads
+and the barriers in turn (docs/kernel-notes.md, twenty-fourth session: 2 warps a scheduler,
+1.05 instructions per cycle, ~7.5K cycles per 64-token step of 128 rows). Here each program is
+one warpgroup (4 warps, 64 query rows = tokens x GQA heads of one KV head) and the loop
+overlaps its parts:
+
+* the scores of chunk ``j`` (``Q K_j^T``) run as an asynchronous wgmma while the warps
+  dequantize chunk ``j + 1`` into the other of two shared-memory stages;
+* the raw bytes and scales of chunk ``j + 2`` are loaded into registers while chunk ``j + 1``
+  is dequantized (two chunks of global-load latency hidden);
+* ``P V_j`` runs from the registers' probabilities against stage ``j``;
+* a program holds ~half the registers of v2's, so two share an SM.
+
+Layout choices that keep the dequantization free of shuffles:
+
+* tokens of a chunk are kept parity-major (row ``i`` of a stage is token ``2 (i % 32) + i //
+  32`` of the chunk): K's 4-bit bytes hold a token pair (low nibble even), V's in-cache
+  order stores the even tokens' rows, then the odd ones' (:class:`kvarn_format.CodeOrder`
+  ``PARITY``), so both unpack into the two halves of a stage. Attention does not depend on
+  the order of the keys, as long as K's rows, V's rows, the token scales and the causal mask
+  agree;
+* K's in-cache order is transposed (channels contiguous for a token pair): a chunk's K bytes
+  are one contiguous ``[32 pairs, D]`` block.
+
+Numerics as the dequantize path and v2: ``k / 2`` and ``v / 2`` rounded once to fp16 (fp32
+dequantization, saturated), the query row-normalized to fp16, fp32 scores and accumulators.
+GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit values, head dim 128, pool
+slots without shadow rows; the launcher uses v2 elsewhere.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon  # type: ignore[import-untyped]
+from triton.experimental.gluon import language as gl  # type: ignore[import-untyped]
+from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[import-untyped]
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM
+
+__all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel"]
+
+#: Warps per program (``16 * V3_WARPS`` query rows: one or two warpgroups).
+V3_WARPS = 8
+#: Head dims the kernel is written for.
+V3_HEAD_DIMS = (128,)
+
+_FP16_MAX: gl.constexpr = gl.constexpr(65504.0)
+
+
+@gluon.jit
+def _sat16(x):
+    """fp32 to fp16, finite values beyond fp16's range clamped to +-65504 (one
+    ``cvt.rn.satfinite`` per pair)."""
+    return gl.inline_asm_elementwise(
+        "cvt.rn.satfinite.f16x2.f32 $0, $2, $1;",
+        "=r,f,f",
+        [x],
+        dtype=gl.float16,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
+def _load_raw(
+    rec,
+    c,
+    ok,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    VB: gl.constexpr,
+    OFF_KC: gl.constexpr,
+    OFF_KS: gl.constexpr,
+    OFF_KZ: gl.constexpr,
+    OFF_KT: gl.constexpr,
+    OFF_VC: gl.constexpr,
+    OFF_VCS: gl.constexpr,
+    OFF_VS: gl.constexpr,
+    OFF_VZ: gl.constexpr,
+    KL: gl.constexpr,
+    VL: gl.constexpr,
+):
+    """Chunk ``c`` (64 tokens) of record ``rec``: K bytes ``[32 pairs, D]``, V bytes of the even
+    and the odd tokens ``[32 pairs, D * VB / 8]``, and the fp16 scales (channel vectors in K's
+    and V's column layouts, token vectors as even / odd halves)."""
+    VCOLS: gl.constexpr = D * VB // 8
+    pr = gl.arange(0, 32, layout=gl.SliceLayout(1, KL))
+    dk = gl.arange(0, D, layout=gl.SliceLayout(0, KL))
+    # K, transposed in-cache order: byte (channel d, pair j) at j * D + d
+    kb = gl.load(rec + OFF_KC + (c * 32 + pr)[:, None] * D + dk[None, :], mask=ok, other=0)
+    # V, parity order: byte (parity p, column b, pair j) at p * (VCOLS * G / 2) + b * G / 2 + j
+    pv = gl.arange(0, 32, layout=gl.SliceLayout(1, VL))
+    bv = gl.arange(0, VCOLS, layout=gl.SliceLayout(0, VL))
+    voff = bv[None, :] * (G // 2) + (c * 32 + pv)[:, None]
+    ve = gl.load(rec + OFF_VC + voff, mask=ok, other=0)
+    vo = gl.load(rec + OFF_VC + VCOLS * (G // 2) + voff, mask=ok, other=0)
+    f16 = gl.pointer_type(gl.float16)
+    ks = gl.load((rec + OFF_KS).to(f16) + dk, mask=ok, other=0.0)
+    kz = gl.load((rec + OFF_KZ).to(f16) + dk, mask=ok, other=0.0)
+    tk = c * 64 + 2 * pr
+    kte = gl.load((rec + OFF_KT).to(f16) + tk, mask=ok, other=0.0)
+    kto = gl.load((rec + OFF_KT).to(f16) + tk + 1, mask=ok, other=0.0)
+    tv = c * 64 + 2 * pv
+    vse = gl.load((rec + OFF_VS).to(f16) + tv, mask=ok, other=0.0)
+    vso = gl.load((rec + OFF_VS).to(f16) + tv + 1, mask=ok, other=0.0)
+    vze = gl.load((rec + OFF_VZ).to(f16) + tv, mask=ok, other=0.0)
+    vzo = gl.load((rec + OFF_VZ).to(f16) + tv + 1, mask=ok, other=0.0)
+    return kb, ve, vo, ks, kz, kte, kto, vse, vso, vze, vzo
+
+
+@gluon.jit
+def _unpack4(b):
+    """Two fp16 tensors of ``1024 + code`` for the low and the high nibbles of bytes ``b``
+    (attention.py's PTX: about one instruction per code)."""
+    return gl.inline_asm_elementwise(
+        _UNPACK4_ASM, "=r,=r,=r,=r,r", [b], dtype=(gl.float16, gl.float16), is_pure=True, pack=4
+    )
+
+
+@gluon.jit
+def _affine16(c1024, scale, zero, mult):
+    """fp16 ``((c1024 - 1024) * scale + zero) * mult`` (fp32 math, saturated); ``scale``,
+    ``zero`` and ``mult`` fp32, broadcast."""
+    return _sat16((c1024.to(gl.float32) * scale + (zero - 1024.0 * scale)) * mult)
+
+
+@gluon.jit
+def _v_rows(vb, vs, vz, VCS, VB: gl.constexpr, D: gl.constexpr, VL: gl.constexpr):
+    """``v / 2`` of 32 tokens ``[32, D]`` fp16 from their bytes ``[32, D * VB / 8]`` (channel
+    ``c`` in bits ``VB * (c % (8 / VB))`` of byte ``c // (8 / VB)``); ``vs`` and ``vz`` the
+    tokens' scale and zero, halved. Each bit field is scaled in the bytes' layout (its channel
+    scales loaded strided) and only the fp16 result is interleaved."""
+    PER: gl.constexpr = 8 // VB
+    s = vs.to(gl.float32)[:, None]
+    z = vz.to(gl.float32)[:, None]
+    col = gl.arange(0, D // PER, layout=gl.SliceLayout(0, VL)) * PER
+    if VB == 2:
+        c0, c1, c2, c3 = gl.inline_asm_elementwise(
+            _UNPACK2_ASM,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r",
+            [vb],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+            is_pure=True,
+            pack=4,
+        )
+        f0 = _affine16(c0, s, z, gl.load(VCS + col).to(gl.float32)[None, :])
+        f1 = _affine16(c1, s, z, gl.load(VCS + col + 1).to(gl.float32)[None, :])
+        f2 = _affine16(c2, s, z, gl.load(VCS + col + 2).to(gl.float32)[None, :])
+        f3 = _affine16(c3, s, z, gl.load(VCS + col + 3).to(gl.float32)[None, :])
+        v = gl.reshape(gl.join(gl.join(f0, f2), gl.join(f1, f3)), [32, D])
+    else:
+        c0, c1 = _unpack4(vb)
+        f0 = _affine16(c0, s, z, gl.load(VCS + col).to(gl.float32)[None, :])
+        f1 = _affine16(c1, s, z, gl.load(VCS + col + 1).to(gl.float32)[None, :])
+        v = gl.reshape(gl.join(f0, f1), [32, D])
+    return v
+
+
+@gluon.jit
+def _stage_record(k_stage, v_stage, raw, VCS, VB: gl.constexpr, D: gl.constexpr, VL: gl.constexpr):
+    """Dequantize one chunk's raw bytes (:func:`_load_raw`) into a shared-memory stage (rows
+    parity-major)."""
+    kb, ve, vo, ks, kz, kte, kto, vse, vso, vze, vzo = raw
+    lo, hi = _unpack4(kb)
+    ksf = ks.to(gl.float32)[None, :]
+    kzf = kz.to(gl.float32)[None, :]
+    # k = (code * k_scale + k_zero) * k_token_scale, halved; even tokens in the low nibbles
+    k_stage.slice(0, 32).store(_affine16(lo, ksf, kzf, (0.5 * kte.to(gl.float32))[:, None]))
+    k_stage.slice(32, 32).store(_affine16(hi, ksf, kzf, (0.5 * kto.to(gl.float32))[:, None]))
+    v_stage.slice(0, 32).store(_v_rows(ve, 0.5 * vse, 0.5 * vze, VCS, VB, D, VL))
+    v_stage.slice(32, 32).store(_v_rows(vo, 0.5 * vso, 0.5 * vzo, VCS, VB, D, VL))
+
+
+@gluon.jit
+def _stage_pool(
+    k_stage,
+    v_stage,
+    POOL_K,
+    POOL_V,
+    slot,
+    c,
+    live_from,
+    kv_len,
+    h,
+    HK: gl.constexpr,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    PL: gl.constexpr,
+):
+    """A pool block's chunk ``c`` (fp16, halved) into a stage, rows parity-major; rows past
+    ``kv_len`` are zero (stale rows, NaN poison)."""
+    i = gl.arange(0, 64, layout=gl.SliceLayout(1, PL))
+    dd = gl.arange(0, D, layout=gl.SliceLayout(0, PL))
+    t = c * 64 + 2 * (i % 32) + i // 32  # token of stage row i within the tile
+    live = live_from + t < kv_len
+    rows = ((slot.to(gl.int64) * G + t) * HK + h) * D
+    kp = gl.load(POOL_K + rows[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+    vp = gl.load(POOL_V + rows[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+    k_stage.store(kp * 0.5)
+    v_stage.store(vp * 0.5)
+
+
+@gluon.jit(do_not_specialize=["num_reqs", "stride_bt"])
+def prefill_v3_kernel(
+    Q,
+    KV,
+    POOL_K,
+    POOL_V,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    BLOCK_TO_SLOT,
+    QSL,
+    O_PART,
+    LSE_PART,
+    qk_scale,
+    stride_bt,
+    n_rows_total,
+    num_reqs,
+    HQ: gl.constexpr,
+    HK: gl.constexpr,
+    QPK: gl.constexpr,
+    QPK_P: gl.constexpr,
+    BQ: gl.constexpr,
+    B_P: gl.constexpr,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    VB: gl.constexpr,
+    STRIDE: gl.constexpr,
+    OFF_KC: gl.constexpr,
+    OFF_KS: gl.constexpr,
+    OFF_KZ: gl.constexpr,
+    OFF_KT: gl.constexpr,
+    OFF_VC: gl.constexpr,
+    OFF_VCS: gl.constexpr,
+    OFF_VS: gl.constexpr,
+    OFF_VZ: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    W: gl.constexpr,
+):
+    """As :func:`kvarn_kernels.prefill_v2.prefill_v2_kernel` (the same grid, partials and
+    arguments, 64-token chunks), on the asynchronous wgmma: ``W`` warps (4 or 8, launched
+    with ``num_warps=W``) and ``16 W`` query rows."""
+    M: gl.constexpr = 16 * W
+    BN: gl.constexpr = 64
+    NCH: gl.constexpr = G // BN
+    gl.static_assert(D == 128, "head dim 128")
+    gl.static_assert(G % BN == 0, "a tile must be whole chunks")
+    # register layouts
+    KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # K bytes [32, D]
+    VL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])  # V bytes [32, VCOLS]
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # [rows, D] fp32
+    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16]
+    )
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, D, 16]
+    )
+    P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
+    SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.float16)
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
+
+    f16: gl.constexpr = gl.pointer_type(gl.float16)
+    pid = gl.program_id(0)
+    h = gl.program_id(1)
+    split = gl.program_id(2)
+
+    # the request of this tile, and the tile's first query token (as v2)
+    ridx = gl.arange(0, B_P, layout=gl.BlockedLayout([1], [32], [W], [0]))
+    qsl_v = gl.load(QSL + ridx, mask=ridx < num_reqs, other=0)
+    starts = qsl_v // BQ + ridx
+    b = gl.sum(((starts <= pid) & (ridx < num_reqs)).to(gl.int32), axis=0) - 1
+    q_begin = gl.load(QSL + b)
+    q_end = gl.load(QSL + b + 1)
+    first = q_begin + (pid - (q_begin // BQ + b)) * BQ
+    if first >= q_end:
+        return
+    seq_len = gl.load(SEQ_LENS + b)
+    ctx0 = seq_len - (q_end - q_begin)
+    pos_lo = ctx0 + first - q_begin
+    kv_len = ctx0 + gl.minimum(first + BQ, q_end) - q_begin
+
+    # queries: rows = tokens x heads, row-normalized fp16 into shared memory
+    m = gl.arange(0, M, layout=gl.SliceLayout(1, OL))
+    dd = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
+    tok = first + m // QPK_P
+    mj = m % QPK_P
+    row_ok = (mj < QPK) & (tok < q_end)
+    rows = tok.to(gl.int64) * HQ + h * QPK + mj
+    q = gl.load(Q + rows[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
+    q = q * qk_scale
+    qmax = gl.max(gl.abs(q), axis=1)
+    qmax = gl.where(qmax > 0, qmax, 1.0)
+    q_smem = gl.allocate_shared_memory(
+        gl.float16, [M, D], Q_SMEM, (q / qmax[:, None]).to(gl.float16)
+    )
+    row_scale = gl.convert_layout(2.0 * qmax, gl.SliceLayout(1, S_MMA))
+    q_pos = gl.convert_layout(pos_lo + m // QPK_P, gl.SliceLayout(1, S_MMA))
+
+    k_smem = gl.allocate_shared_memory(gl.float16, [2, BN, D], SMEM)
+    v_smem = gl.allocate_shared_memory(gl.float16, [2, BN, D], SMEM)
+
+    n_blocks = gl.cdiv(kv_len, G)
+    per = gl.cdiv(n_blocks, NUM_SPLITS)
+    blk_lo = split * per
+    blk_hi = gl.minimum(blk_lo + per, n_blocks)
+    n_it = gl.maximum(blk_hi - blk_lo, 0) * NCH
+    bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
+
+    # chunk 0 staged, chunk 1's bytes in registers
+    blk0 = gl.load(bt_row + blk_lo, mask=n_it > 0, other=0).to(gl.int64)
+    slot0 = gl.load(BLOCK_TO_SLOT + blk0, mask=n_it > 0, other=0)
+    rec0 = KV + (blk0 * HK + h) * STRIDE
+    raw = _load_raw(
+        rec0,
+        0,
+        n_it > 0,
+        D,
+        G,
+        VB,
+        OFF_KC,
+        OFF_KS,
+        OFF_KZ,
+        OFF_KT,
+        OFF_VC,
+        OFF_VCS,
+        OFF_VS,
+        OFF_VZ,
+        KL,
+        VL,
+    )
+    if slot0 >= 0:
+        _stage_pool(
+            k_smem.index(0),
+            v_smem.index(0),
+            POOL_K,
+            POOL_V,
+            slot0,
+            0,
+            blk_lo * G,
+            kv_len,
+            h,
+            HK,
+            D,
+            G,
+            OL,
+        )
+    else:
+        _stage_record(k_smem.index(0), v_smem.index(0), raw, (rec0 + OFF_VCS).to(f16), VB, D, VL)
+    ok1 = n_it > 1
+    bi1 = blk_lo + 1 // NCH
+    blk = gl.load(bt_row + bi1, mask=ok1, other=0).to(gl.int64)
+    slot = gl.load(BLOCK_TO_SLOT + blk, mask=ok1, other=0)
+    rec = KV + (blk * HK + h) * STRIDE
+    raw = _load_raw(
+        rec,
+        1 % NCH,
+        ok1,
+        D,
+        G,
+        VB,
+        OFF_KC,
+        OFF_KS,
+        OFF_KZ,
+        OFF_KT,
+        OFF_VC,
+        OFF_VCS,
+        OFF_VS,
+        OFF_VZ,
+        KL,
+        VL,
+    )
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m_i = gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA))
+    l_i = gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, S_MMA))
+    acc = gl.zeros([M, D], gl.float32, layout=O_MMA)
+    s_zero = gl.zeros([M, BN], gl.float32, layout=S_MMA)
+    tn = gl.arange(0, BN, layout=gl.SliceLayout(0, S_MMA))
+    t_chunk = 2 * (tn % 32) + tn // 32  # token of stage row tn within its chunk
+    for it in range(0, n_it):
+        st = it % 2
+        s_tok = warpgroup_mma(
+            q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True
+        )
+        # stage chunk it + 1 (its bytes came in last step) while the scores run, and load
+        # chunk it + 2's bytes
+        if it + 1 < n_it:
+            bi_n = blk_lo + (it + 1) // NCH
+            if slot >= 0:
+                _stage_pool(
+                    k_smem.index(1 - st),
+                    v_smem.index(1 - st),
+                    POOL_K,
+                    POOL_V,
+                    slot,
+                    (it + 1) % NCH,
+                    bi_n * G,
+                    kv_len,
+                    h,
+                    HK,
+                    D,
+                    G,
+                    OL,
+                )
+            else:
+                _stage_record(
+                    k_smem.index(1 - st),
+                    v_smem.index(1 - st),
+                    raw,
+                    (rec + OFF_VCS).to(f16),
+                    VB,
+                    D,
+                    VL,
+                )
+        ok2 = it + 2 < n_it
+        bi2 = blk_lo + (it + 2) // NCH
+        blk = gl.load(bt_row + bi2, mask=ok2, other=0).to(gl.int64)
+        slot = gl.load(BLOCK_TO_SLOT + blk, mask=ok2, other=0)
+        rec = KV + (blk * HK + h) * STRIDE
+        raw = _load_raw(
+            rec,
+            (it + 2) % NCH,
+            ok2,
+            D,
+            G,
+            VB,
+            OFF_KC,
+            OFF_KS,
+            OFF_KZ,
+            OFF_KT,
+            OFF_VC,
+            OFF_VCS,
+            OFF_VS,
+            OFF_VZ,
+            KL,
+            VL,
+        )
+
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
+        if t0 + BN - 1 > pos_lo:  # some row must not see some key of the chunk
+            tpos = t0 + t_chunk
+            keep = (tpos[None, :] <= q_pos[:, None]) & (tpos < kv_len)[None, :]
+            s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * row_scale)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s * row_scale[:, None] - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
+        p16 = gl.convert_layout(p.to(gl.float16), P_OP)
+        o_tok = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        fence_async_shared()
+        gl.thread_barrier()
+
+    l_safe = gl.where(l_i > 0, l_i, 1.0)
+    lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))
+    o = acc * gl.convert_layout(2.0 / l_safe, gl.SliceLayout(1, O_MMA))[:, None]
+    o = gl.convert_layout(o, OL)
+    out_row = split.to(gl.int64) * n_rows_total + rows
+    gl.store(O_PART + out_row[:, None] * D + dd[None, :], o, mask=row_ok[:, None])
+    gl.store(LSE_PART + out_row, gl.convert_layout(lse, gl.SliceLayout(1, OL)), mask=row_ok)
