@@ -70,27 +70,24 @@ def _sat16(x):
 
 
 @gluon.jit
-def _load_raw(
-    rec,
-    c,
-    ok,
-    D: gl.constexpr,
-    G: gl.constexpr,
-    VB: gl.constexpr,
-    OFF_KC: gl.constexpr,
-    OFF_KS: gl.constexpr,
-    OFF_KZ: gl.constexpr,
-    OFF_KT: gl.constexpr,
-    OFF_VC: gl.constexpr,
-    OFF_VCS: gl.constexpr,
-    OFF_VS: gl.constexpr,
-    OFF_VZ: gl.constexpr,
-    KL: gl.constexpr,
-    VL: gl.constexpr,
-):
-    """Chunk ``c`` (64 tokens) of record ``rec``: K bytes ``[32 pairs, D]``, V bytes of the even
+def _load_raw(rec, c, ok, LOADS: gl.constexpr):
+    """Chunk ``c`` (64 tokens) of record ``rec`` (``LOADS``: head dim, group, value bits, the
+    record's field offsets, K's and V's byte layouts): K bytes ``[32 pairs, D]``, V bytes of the even
     and the odd tokens ``[32 pairs, D * VB / 8]``, and the fp16 scales (channel vectors in K's
     and V's column layouts, token vectors as even / odd halves)."""
+    D: gl.constexpr = LOADS[0]
+    G: gl.constexpr = LOADS[1]
+    VB: gl.constexpr = LOADS[2]
+    OFF_KC: gl.constexpr = LOADS[3]
+    OFF_KS: gl.constexpr = LOADS[4]
+    OFF_KZ: gl.constexpr = LOADS[5]
+    OFF_KT: gl.constexpr = LOADS[6]
+    OFF_VC: gl.constexpr = LOADS[7]
+    OFF_VCS: gl.constexpr = LOADS[8]
+    OFF_VS: gl.constexpr = LOADS[9]
+    OFF_VZ: gl.constexpr = LOADS[10]
+    KL: gl.constexpr = LOADS[11]
+    VL: gl.constexpr = LOADS[12]
     VCOLS: gl.constexpr = D * VB // 8
     pr = gl.arange(0, 32, layout=gl.SliceLayout(1, KL))
     dk = gl.arange(0, D, layout=gl.SliceLayout(0, KL))
@@ -113,7 +110,14 @@ def _load_raw(
     vso = gl.load((rec + OFF_VS).to(f16) + tv + 1, mask=ok, other=0.0)
     vze = gl.load((rec + OFF_VZ).to(f16) + tv, mask=ok, other=0.0)
     vzo = gl.load((rec + OFF_VZ).to(f16) + tv + 1, mask=ok, other=0.0)
-    return kb, ve, vo, ks, kz, kte, kto, vse, vso, vze, vzo
+    # V's channel scales by bit field: channel PER * b + f of byte column b
+    PER: gl.constexpr = 8 // VB
+    vcol = (rec + OFF_VCS).to(f16) + bv * PER
+    vc0 = gl.load(vcol, mask=ok, other=0.0)
+    vc1 = gl.load(vcol + 1, mask=ok, other=0.0)
+    vc2 = gl.load(vcol + 2 % PER, mask=ok, other=0.0)  # unused at 4 bits
+    vc3 = gl.load(vcol + 3 % PER, mask=ok, other=0.0)
+    return kb, ve, vo, ks, kz, kte, kto, vse, vso, vze, vzo, vc0, vc1, vc2, vc3
 
 
 @gluon.jit
@@ -133,15 +137,13 @@ def _affine16(c1024, scale, zero, mult):
 
 
 @gluon.jit
-def _v_rows(vb, vs, vz, VCS, VB: gl.constexpr, D: gl.constexpr, VL: gl.constexpr):
+def _v_rows(vb, vs, vz, vc0, vc1, vc2, vc3, VB: gl.constexpr, D: gl.constexpr):
     """``v / 2`` of 32 tokens ``[32, D]`` fp16 from their bytes ``[32, D * VB / 8]`` (channel
     ``c`` in bits ``VB * (c % (8 / VB))`` of byte ``c // (8 / VB)``); ``vs`` and ``vz`` the
-    tokens' scale and zero, halved. Each bit field is scaled in the bytes' layout (its channel
-    scales loaded strided) and only the fp16 result is interleaved."""
-    PER: gl.constexpr = 8 // VB
+    tokens' scale and zero, halved; ``vc0 .. vc3`` the channel scales of each bit field. Each
+    field is scaled in the bytes' layout and only the fp16 result is interleaved."""
     s = vs.to(gl.float32)[:, None]
     z = vz.to(gl.float32)[:, None]
-    col = gl.arange(0, D // PER, layout=gl.SliceLayout(0, VL)) * PER
     if VB == 2:
         c0, c1, c2, c3 = gl.inline_asm_elementwise(
             _UNPACK2_ASM,
@@ -151,32 +153,41 @@ def _v_rows(vb, vs, vz, VCS, VB: gl.constexpr, D: gl.constexpr, VL: gl.constexpr
             is_pure=True,
             pack=4,
         )
-        f0 = _affine16(c0, s, z, gl.load(VCS + col).to(gl.float32)[None, :])
-        f1 = _affine16(c1, s, z, gl.load(VCS + col + 1).to(gl.float32)[None, :])
-        f2 = _affine16(c2, s, z, gl.load(VCS + col + 2).to(gl.float32)[None, :])
-        f3 = _affine16(c3, s, z, gl.load(VCS + col + 3).to(gl.float32)[None, :])
+        f0 = _affine16(c0, s, z, vc0.to(gl.float32)[None, :])
+        f1 = _affine16(c1, s, z, vc1.to(gl.float32)[None, :])
+        f2 = _affine16(c2, s, z, vc2.to(gl.float32)[None, :])
+        f3 = _affine16(c3, s, z, vc3.to(gl.float32)[None, :])
         v = gl.reshape(gl.join(gl.join(f0, f2), gl.join(f1, f3)), [32, D])
     else:
         c0, c1 = _unpack4(vb)
-        f0 = _affine16(c0, s, z, gl.load(VCS + col).to(gl.float32)[None, :])
-        f1 = _affine16(c1, s, z, gl.load(VCS + col + 1).to(gl.float32)[None, :])
+        f0 = _affine16(c0, s, z, vc0.to(gl.float32)[None, :])
+        f1 = _affine16(c1, s, z, vc1.to(gl.float32)[None, :])
         v = gl.reshape(gl.join(f0, f1), [32, D])
     return v
 
 
 @gluon.jit
-def _stage_record(k_stage, v_stage, raw, VCS, VB: gl.constexpr, D: gl.constexpr, VL: gl.constexpr):
+def _stack_rows(top, bottom, D: gl.constexpr):
+    """``[32, D]`` on ``[32, D]``: ``[64, D]`` (the even tokens' rows, then the odd ones')."""
+    return gl.reshape(gl.permute(gl.join(top, bottom), (2, 0, 1)), [64, D])
+
+
+@gluon.jit
+def _stage_record(k_stage, v_stage, raw, VB: gl.constexpr, D: gl.constexpr):
     """Dequantize one chunk's raw bytes (:func:`_load_raw`) into a shared-memory stage (rows
     parity-major)."""
-    kb, ve, vo, ks, kz, kte, kto, vse, vso, vze, vzo = raw
+    kb, ve, vo, ks, kz, kte, kto, vse, vso, vze, vzo, vc0, vc1, vc2, vc3 = raw
     lo, hi = _unpack4(kb)
     ksf = ks.to(gl.float32)[None, :]
     kzf = kz.to(gl.float32)[None, :]
     # k = (code * k_scale + k_zero) * k_token_scale, halved; even tokens in the low nibbles
-    k_stage.slice(0, 32).store(_affine16(lo, ksf, kzf, (0.5 * kte.to(gl.float32))[:, None]))
-    k_stage.slice(32, 32).store(_affine16(hi, ksf, kzf, (0.5 * kto.to(gl.float32))[:, None]))
-    v_stage.slice(0, 32).store(_v_rows(ve, 0.5 * vse, 0.5 * vze, VCS, VB, D, VL))
-    v_stage.slice(32, 32).store(_v_rows(vo, 0.5 * vso, 0.5 * vzo, VCS, VB, D, VL))
+    k_even = _affine16(lo, ksf, kzf, (0.5 * kte.to(gl.float32))[:, None])
+    k_odd = _affine16(hi, ksf, kzf, (0.5 * kto.to(gl.float32))[:, None])
+    v_even = _v_rows(ve, 0.5 * vse, 0.5 * vze, vc0, vc1, vc2, vc3, VB, D)
+    v_odd = _v_rows(vo, 0.5 * vso, 0.5 * vzo, vc0, vc1, vc2, vc3, VB, D)
+    # each stage in one store: two stores to one allocation get a barrier between them
+    k_stage.store(_stack_rows(k_even, k_odd, D))
+    v_stage.store(_stack_rows(v_even, v_odd, D))
 
 
 @gluon.jit
@@ -206,6 +217,130 @@ def _stage_pool(
     vp = gl.load(POOL_V + rows[:, None] + dd[None, :], mask=live[:, None], other=0.0)
     k_stage.store(kp * 0.5)
     v_stage.store(vp * 0.5)
+
+
+@gluon.jit
+def _next_raw(
+    bt_row,
+    BLOCK_TO_SLOT,
+    KV,
+    blk_lo,
+    it,
+    n_it,
+    h,
+    HK: gl.constexpr,
+    STRIDE: gl.constexpr,
+    NCH: gl.constexpr,
+    LOADS: gl.constexpr,
+):
+    """Chunk ``it``'s pool slot and raw record bytes (:func:`_load_raw`; ``LOADS`` its
+    constant arguments; nothing loaded past ``n_it``)."""
+    ok = it < n_it
+    blk = gl.load(bt_row + blk_lo + it // NCH, mask=ok, other=0).to(gl.int64)
+    slot = gl.load(BLOCK_TO_SLOT + blk, mask=ok, other=0)
+    raw = _load_raw(KV + (blk * HK + h) * STRIDE, it % NCH, ok, LOADS)
+    return slot, raw
+
+
+@gluon.jit
+def _step(
+    ctx,
+    ST: gl.constexpr,
+    it,
+    state,
+    nxt,
+    HK: gl.constexpr,
+    STRIDE: gl.constexpr,
+    NCH: gl.constexpr,
+    LOADS: gl.constexpr,
+    OL: gl.constexpr,
+    S_MMA: gl.constexpr,
+    O_MMA: gl.constexpr,
+    P_OP: gl.constexpr,
+    M: gl.constexpr,
+):
+    """Chunk ``it`` from stage ``ST``: its scores as an asynchronous wgmma, meanwhile chunk
+    ``it + 1`` (``nxt``: its slot and raw bytes) dequantized into stage ``1 - ST`` and chunk
+    ``it + 2``'s bytes loaded; then the softmax and ``P V``. Returns the new softmax state and
+    chunk ``it + 2``'s slot and bytes."""
+    BN: gl.constexpr = 64
+    D: gl.constexpr = LOADS[0]
+    G: gl.constexpr = LOADS[1]
+    VB: gl.constexpr = LOADS[2]
+    (
+        q_smem,
+        k0,
+        v0,
+        k1,
+        v1,
+        row_scale,
+        q_pos,
+        pos_lo,
+        kv_len,
+        blk_lo,
+        bt_row,
+        BLOCK_TO_SLOT,
+        KV,
+        POOL_K,
+        POOL_V,
+        h,
+        n_it,
+    ) = ctx
+    if ST == 0:
+        k_cur, v_cur, k_nxt, v_nxt = k0, v0, k1, v1
+    else:
+        k_cur, v_cur, k_nxt, v_nxt = k1, v1, k0, v0
+    m_i, l_i, acc = state
+    s_tok = warpgroup_mma(
+        q_smem,
+        k_cur.permute((1, 0)),
+        gl.zeros([M, BN], gl.float32, layout=S_MMA),
+        use_acc=False,
+        is_async=True,
+    )
+    slot, raw = nxt
+    if it + 1 < n_it:
+        if slot >= 0:
+            bi_n = blk_lo + (it + 1) // NCH
+            _stage_pool(
+                k_nxt,
+                v_nxt,
+                POOL_K,
+                POOL_V,
+                slot,
+                (it + 1) % NCH,
+                bi_n * G,
+                kv_len,
+                h,
+                HK,
+                D,
+                G,
+                OL,
+            )
+        else:
+            _stage_record(k_nxt, v_nxt, raw, VB, D)
+    nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 2, n_it, h, HK, STRIDE, NCH, LOADS)
+
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
+    if t0 + BN - 1 > pos_lo:  # some row must not see some key of the chunk
+        tn = gl.arange(0, BN, layout=gl.SliceLayout(0, S_MMA))
+        tpos = t0 + 2 * (tn % 32) + tn // 32  # stage row tn's token
+        keep = (tpos[None, :] <= q_pos[:, None]) & (tpos < kv_len)[None, :]
+        s = gl.where(keep, s, float("-inf"))
+    # row_scale > 0: the scores' row maximum is row_scale times the raw one
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * row_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s * row_scale[:, None] - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
+    p16 = gl.convert_layout(p.to(gl.float16), P_OP)
+    o_tok = warpgroup_mma(p16, v_cur, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[o_tok])
+    fence_async_shared()
+    gl.thread_barrier()
+    return (m_new, l_i, acc), nxt
 
 
 @gluon.jit(do_not_specialize=["num_reqs", "stride_bt"])
@@ -304,8 +439,12 @@ def prefill_v3_kernel(
     row_scale = gl.convert_layout(2.0 * qmax, gl.SliceLayout(1, S_MMA))
     q_pos = gl.convert_layout(pos_lo + m // QPK_P, gl.SliceLayout(1, S_MMA))
 
-    k_smem = gl.allocate_shared_memory(gl.float16, [2, BN, D], SMEM)
-    v_smem = gl.allocate_shared_memory(gl.float16, [2, BN, D], SMEM)
+    # two stages, each its own allocation (the barrier placement tells allocations apart,
+    # not the stages of one)
+    k0 = gl.allocate_shared_memory(gl.float16, [BN, D], SMEM)
+    v0 = gl.allocate_shared_memory(gl.float16, [BN, D], SMEM)
+    k1 = gl.allocate_shared_memory(gl.float16, [BN, D], SMEM)
+    v1 = gl.allocate_shared_memory(gl.float16, [BN, D], SMEM)
 
     n_blocks = gl.cdiv(kv_len, G)
     per = gl.cdiv(n_blocks, NUM_SPLITS)
@@ -315,13 +454,7 @@ def prefill_v3_kernel(
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
     # chunk 0 staged, chunk 1's bytes in registers
-    blk0 = gl.load(bt_row + blk_lo, mask=n_it > 0, other=0).to(gl.int64)
-    slot0 = gl.load(BLOCK_TO_SLOT + blk0, mask=n_it > 0, other=0)
-    rec0 = KV + (blk0 * HK + h) * STRIDE
-    raw = _load_raw(
-        rec0,
-        0,
-        n_it > 0,
+    LOADS: gl.constexpr = (
         D,
         G,
         VB,
@@ -336,133 +469,51 @@ def prefill_v3_kernel(
         KL,
         VL,
     )
-    if slot0 >= 0:
-        _stage_pool(
-            k_smem.index(0),
-            v_smem.index(0),
-            POOL_K,
-            POOL_V,
-            slot0,
-            0,
-            blk_lo * G,
-            kv_len,
-            h,
-            HK,
-            D,
-            G,
-            OL,
-        )
+    slot, raw = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 0, n_it, h, HK, STRIDE, NCH, LOADS)
+    if slot >= 0:
+        _stage_pool(k0, v0, POOL_K, POOL_V, slot, 0, blk_lo * G, kv_len, h, HK, D, G, OL)
     else:
-        _stage_record(k_smem.index(0), v_smem.index(0), raw, (rec0 + OFF_VCS).to(f16), VB, D, VL)
-    ok1 = n_it > 1
-    bi1 = blk_lo + 1 // NCH
-    blk = gl.load(bt_row + bi1, mask=ok1, other=0).to(gl.int64)
-    slot = gl.load(BLOCK_TO_SLOT + blk, mask=ok1, other=0)
-    rec = KV + (blk * HK + h) * STRIDE
-    raw = _load_raw(
-        rec,
-        1 % NCH,
-        ok1,
-        D,
-        G,
-        VB,
-        OFF_KC,
-        OFF_KS,
-        OFF_KZ,
-        OFF_KT,
-        OFF_VC,
-        OFF_VCS,
-        OFF_VS,
-        OFF_VZ,
-        KL,
-        VL,
-    )
+        _stage_record(k0, v0, raw, VB, D)
+    nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 1, n_it, h, HK, STRIDE, NCH, LOADS)
     fence_async_shared()
     gl.thread_barrier()
 
-    m_i = gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA))
-    l_i = gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, S_MMA))
-    acc = gl.zeros([M, D], gl.float32, layout=O_MMA)
-    s_zero = gl.zeros([M, BN], gl.float32, layout=S_MMA)
-    tn = gl.arange(0, BN, layout=gl.SliceLayout(0, S_MMA))
-    t_chunk = 2 * (tn % 32) + tn // 32  # token of stage row tn within its chunk
-    for it in range(0, n_it):
-        st = it % 2
-        s_tok = warpgroup_mma(
-            q_smem, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True
+    state = (
+        gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA)),
+        gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, S_MMA)),
+        gl.zeros([M, D], gl.float32, layout=O_MMA),
+    )
+    ctx = (
+        q_smem,
+        k0,
+        v0,
+        k1,
+        v1,
+        row_scale,
+        q_pos,
+        pos_lo,
+        kv_len,
+        blk_lo,
+        bt_row,
+        BLOCK_TO_SLOT,
+        KV,
+        POOL_K,
+        POOL_V,
+        h,
+        n_it,
+    )
+    # two chunks a trip, each with its stage a constant: with the stage a loop value, the
+    # compiler cannot tell the stages apart and put a barrier between every two shared-memory
+    # stores of a step
+    for it in range(0, n_it, 2):
+        state, nxt = _step(
+            ctx, 0, it, state, nxt, HK, STRIDE, NCH, LOADS, OL, S_MMA, O_MMA, P_OP, M
         )
-        # stage chunk it + 1 (its bytes came in last step) while the scores run, and load
-        # chunk it + 2's bytes
         if it + 1 < n_it:
-            bi_n = blk_lo + (it + 1) // NCH
-            if slot >= 0:
-                _stage_pool(
-                    k_smem.index(1 - st),
-                    v_smem.index(1 - st),
-                    POOL_K,
-                    POOL_V,
-                    slot,
-                    (it + 1) % NCH,
-                    bi_n * G,
-                    kv_len,
-                    h,
-                    HK,
-                    D,
-                    G,
-                    OL,
-                )
-            else:
-                _stage_record(
-                    k_smem.index(1 - st),
-                    v_smem.index(1 - st),
-                    raw,
-                    (rec + OFF_VCS).to(f16),
-                    VB,
-                    D,
-                    VL,
-                )
-        ok2 = it + 2 < n_it
-        bi2 = blk_lo + (it + 2) // NCH
-        blk = gl.load(bt_row + bi2, mask=ok2, other=0).to(gl.int64)
-        slot = gl.load(BLOCK_TO_SLOT + blk, mask=ok2, other=0)
-        rec = KV + (blk * HK + h) * STRIDE
-        raw = _load_raw(
-            rec,
-            (it + 2) % NCH,
-            ok2,
-            D,
-            G,
-            VB,
-            OFF_KC,
-            OFF_KS,
-            OFF_KZ,
-            OFF_KT,
-            OFF_VC,
-            OFF_VCS,
-            OFF_VS,
-            OFF_VZ,
-            KL,
-            VL,
-        )
-
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
-        if t0 + BN - 1 > pos_lo:  # some row must not see some key of the chunk
-            tpos = t0 + t_chunk
-            keep = (tpos[None, :] <= q_pos[:, None]) & (tpos < kv_len)[None, :]
-            s = gl.where(keep, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * row_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s * row_scale[:, None] - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
-        p16 = gl.convert_layout(p.to(gl.float16), P_OP)
-        o_tok = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
-        fence_async_shared()
-        gl.thread_barrier()
+            state, nxt = _step(
+                ctx, 1, it + 1, state, nxt, HK, STRIDE, NCH, LOADS, OL, S_MMA, O_MMA, P_OP, M
+            )
+    m_i, l_i, acc = state
 
     l_safe = gl.where(l_i > 0, l_i, 1.0)
     lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))
