@@ -402,7 +402,6 @@ def prefill_v3_kernel(
     SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.float16)
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
 
-    f16: gl.constexpr = gl.pointer_type(gl.float16)
     pid = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)
