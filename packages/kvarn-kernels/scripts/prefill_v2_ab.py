@@ -150,6 +150,29 @@ def profile_once(ctx: int, q_len: int, bsz: int, kernel: str) -> None:
     torch.cuda.synchronize()
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The run as a table for docs/benchmarks.md: each path's graph time (its GPU time) and
+    eager time, and both as a ratio to FA3 fp16's in the same run."""
+    fa3 = {(r["ctx"], r["q_len"], r["B"]): r for r in rows if r["path"] == "FA3 fp16"}
+    out = [
+        "| chunk | B | path | graph µs | vs FA3 (graph) | eager µs | vs FA3 (eager) | rel. diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        f = fa3[(r["ctx"], r["q_len"], r["B"])]
+        g, e = r.get("graph_us"), r.get("us")
+        out.append(
+            f"| {r['q_len']} after {r['ctx']} | {r['B']} | {r['path']} | "
+            + (f"{g:,.1f} | {g / f['graph_us']:.2f}x" if g and f.get("graph_us") else "- | -")
+            + " | "
+            + (f"{e:,.1f} | {e / f['us']:.2f}x" if e and f.get("us") else "- | -")
+            + " | "
+            + (f"{r['rel_diff']:.1e}" if "rel_diff" in r else "-")
+            + " |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -167,6 +190,7 @@ def main() -> None:
     for shape in SHAPES:
         rows += run_shape(*shape)
         (a.out / "prefill_v2_ab.json").write_text(json.dumps(rows, indent=1))
+    (a.out / "prefill_fused.md").write_text(markdown(rows))
     fa3 = {(r["ctx"], r["q_len"], r["B"]): r for r in rows if r["path"] == "FA3 fp16"}
     print(
         f"{'shape':22s} {'path':22s} {'eager us':>9s} {'graph us':>9s} {'/FA3 e':>7s} "
