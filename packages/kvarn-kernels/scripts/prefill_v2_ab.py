@@ -33,7 +33,11 @@ SHAPES: tuple[tuple[int, int, int], ...] = (
 )
 
 
-def run_shape(ctx: int, q_len: int, bsz: int) -> list[dict[str, Any]]:
+#: The rows ``--short`` keeps (prefixes of the path names).
+SHORT_PATHS = ("dequant", "v2 auto", "v3 auto", "v3 splits", "v1 (splits 1)")
+
+
+def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[str, Any]]:
     import torch
 
     from kvarn_kernels import plan_prefill_context, prefill_attention
@@ -78,6 +82,8 @@ def run_shape(ctx: int, q_len: int, bsz: int) -> list[dict[str, Any]]:
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]
+    if short:
+        paths = [p for p in paths if p[0].startswith(SHORT_PATHS)]
     if q_len > 512:  # the slow fused paths at the long chunk: the default of each only
         paths = [p for p in paths if "splits" not in p[0] or "auto" in p[0]]
         paths = [p for p in paths if p[0] not in ("v2 bn32", "v2 bn128", "v2 m64 w4", "v3 m64")]
@@ -176,6 +182,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--short", action="store_true", help=f"only the rows {SHORT_PATHS}")
     ap.add_argument(
         "--once",
         choices=("v2", "v3"),
@@ -188,7 +195,7 @@ def main() -> None:
         return
     rows: list[dict[str, Any]] = []
     for shape in SHAPES:
-        rows += run_shape(*shape)
+        rows += run_shape(*shape, short=a.short)
         (a.out / "prefill_v2_ab.json").write_text(json.dumps(rows, indent=1))
     (a.out / "prefill_fused.md").write_text(markdown(rows))
     fa3 = {(r["ctx"], r["q_len"], r["B"]): r for r in rows if r["path"] == "FA3 fp16"}

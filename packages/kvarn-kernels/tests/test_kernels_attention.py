@@ -524,11 +524,52 @@ def _tiny_prefill(device: torch.device) -> list[Any]:
         ({"seq_lens_cpu": [2]}, "query tokens but seq_lens"),
         ({"query_start_loc_cpu": [0, 2]}, "query_start_loc must have"),
         ({"max_workspace_bytes": 0}, "max_workspace_bytes must be positive"),
+        ({"fused_kernel": "v2"}, "apply to method='fused' only"),
+        ({"method": "fused", "fused_kernel": "v9"}, "fused_kernel must be"),
+        # head dim 64 (and no sm_90 GPU on the CPU): v3 does not take the call
+        ({"method": "fused", "fused_kernel": "v3"}, "fused_kernel='v3' needs an sm_90 GPU"),
+        ({"method": "fused", "fused_kernel": "v2", "prefetch": False}, "prefetch=False"),
     ],
 )
 def test_prefill_validation(device: torch.device, kw: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         prefill_attention(*_tiny_prefill(device), **kw)
+
+
+def test_prefill_v1_kernel_still_serves_prefill(device: torch.device) -> None:
+    """``fused_kernel="v1"`` (the decode kernel's prefill mode, which ``"auto"`` now picks only
+    at head dim 512) against the reference, with split-K."""
+    name, d, hq, hk, lens, qlens, _ = PREFILL_CPU[0]
+    pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
+    case = build_case(
+        name,
+        d,
+        hk,
+        lens,
+        device=device,
+        seed=2,
+        encoder="reference" if INTERPRET else "kernel",
+        pool_from=pool_from,
+    )
+    q = torch.randn(sum(qlens), hq, d, generator=torch.Generator().manual_seed(8)).half()
+    q = q.to(device)
+    args = case.prefill_args(name, q, _qsl(qlens, device), 1.0 / math.sqrt(d))
+    out = prefill_attention(*args, method="fused", fused_kernel="v1", num_splits=2)
+    _assert_close(out, prefill_attention_ref(*args))
+
+
+def test_prefill_v2_splits() -> None:
+    """One program an SM for the bench's short chunk; bounded by the context and by 64; a
+    power of two."""
+    from kvarn_kernels.attention import prefill_v2_splits
+
+    # 64 tokens of 32 heads over 8 KV heads: 2 tiles of 32 tokens, 16 programs a split
+    assert prefill_v2_splits(64, 32, 8, 128, 132) == 8
+    assert prefill_v2_splits(256, 32, 8, 128, 132) == 2  # B = 4: 64 programs a split
+    assert prefill_v2_splits(64, 32, 8, 8, 132) == 2  # 8 blocks: at least 4 a split
+    assert prefill_v2_splits(1, 8, 8, 10_000, 10_000) == 64
+    assert prefill_v2_splits(4096, 32, 8, 128, 132) == 1
+    assert prefill_v2_splits(64, 32, 8, 128, 132, block_m=64) == 4
 
 
 def test_prefill_context_plan_validation(device: torch.device) -> None:
