@@ -40,7 +40,6 @@ from triton.experimental.gluon import language as gl  # type: ignore[import-unty
 from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[import-untyped]
     fence_async_shared,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -262,9 +261,8 @@ def _step(
 ):
     """Chunk ``it`` from stage ``ST``: its scores as an asynchronous wgmma, meanwhile chunk
     ``it + 1`` (``nxt``: its slot and raw bytes) dequantized into stage ``1 - ST`` and chunk
-    ``it + 2``'s bytes loaded; then the softmax and ``P V``. Returns the new softmax state (``P V``
-    still running: its accumulator token and register operand) and chunk ``it + 2``'s slot and
-    bytes."""
+    ``it + 2``'s bytes loaded; then the softmax and ``P V``. Returns the new softmax state and
+    chunk ``it + 2``'s slot and bytes."""
     BN: gl.constexpr = 64
     D: gl.constexpr = LOADS[0]
     G: gl.constexpr = LOADS[1]
@@ -275,8 +273,6 @@ def _step(
         v0,
         k1,
         v1,
-        k2,
-        v2,
         row_scale,
         q_pos,
         pos_lo,
@@ -290,15 +286,11 @@ def _step(
         h,
         n_it,
     ) = ctx
-    # three stages: chunk it in ST, it + 1 staged into the next; the one after that was read
-    # by chunk it - 1's P V, which may still run
     if ST == 0:
         k_cur, v_cur, k_nxt, v_nxt = k0, v0, k1, v1
-    elif ST == 1:
-        k_cur, v_cur, k_nxt, v_nxt = k1, v1, k2, v2
     else:
-        k_cur, v_cur, k_nxt, v_nxt = k2, v2, k0, v0
-    m_i, l_i, acc_tok, p_prev = state
+        k_cur, v_cur, k_nxt, v_nxt = k1, v1, k0, v0
+    m_i, l_i, acc = state
     s_tok = warpgroup_mma(
         q_smem,
         k_cur.permute((1, 0)),
@@ -329,9 +321,7 @@ def _step(
             _stage_record(k_nxt, v_nxt, raw, VB, D)
     nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 2, n_it, h, HK, STRIDE, NCH, LOADS)
 
-    # the scores, and chunk it - 1's P V (issued before them: wgmma groups retire in order;
-    # its register operand p_prev stays alive until then)
-    s, acc, p_prev = warpgroup_mma_wait(0, deps=[s_tok, acc_tok, p_prev])
+    s = warpgroup_mma_wait(0, deps=[s_tok])
     t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
     if t0 + BN - 1 > pos_lo:  # some row must not see some key of the chunk
         tn = gl.arange(0, BN, layout=gl.SliceLayout(0, S_MMA))
@@ -346,11 +336,11 @@ def _step(
     l_i = l_i * alpha + gl.sum(p, axis=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
     p16 = gl.convert_layout(p.to(gl.float16), P_OP)
-    # P V runs on into the next step (its stage is not restaged until the step after)
-    acc_tok = warpgroup_mma(p16, v_cur, acc, is_async=True)
+    o_tok = warpgroup_mma(p16, v_cur, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[o_tok])
     fence_async_shared()
     gl.thread_barrier()
-    return (m_new, l_i, acc_tok, p16), nxt
+    return (m_new, l_i, acc), nxt
 
 
 @gluon.jit(do_not_specialize=["num_reqs", "stride_bt"])
@@ -454,8 +444,6 @@ def prefill_v3_kernel(
     v0 = gl.allocate_shared_memory(gl.float16, [BN, D], SMEM)
     k1 = gl.allocate_shared_memory(gl.float16, [BN, D], SMEM)
     v1 = gl.allocate_shared_memory(gl.float16, [BN, D], SMEM)
-    k2 = gl.allocate_shared_memory(gl.float16, [BN, D], SMEM)
-    v2 = gl.allocate_shared_memory(gl.float16, [BN, D], SMEM)
 
     n_blocks = gl.cdiv(kv_len, G)
     per = gl.cdiv(n_blocks, NUM_SPLITS)
@@ -492,8 +480,7 @@ def prefill_v3_kernel(
     state = (
         gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA)),
         gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, S_MMA)),
-        warpgroup_mma_init(gl.zeros([M, D], gl.float32, layout=O_MMA)),
-        gl.zeros([M, BN], gl.float16, layout=P_OP),
+        gl.zeros([M, D], gl.float32, layout=O_MMA),
     )
     ctx = (
         q_smem,
@@ -501,8 +488,6 @@ def prefill_v3_kernel(
         v0,
         k1,
         v1,
-        k2,
-        v2,
         row_scale,
         q_pos,
         pos_lo,
@@ -516,10 +501,10 @@ def prefill_v3_kernel(
         h,
         n_it,
     )
-    # three chunks a trip, each with its stage a constant: with the stage a loop value, the
-    # compiler cannot tell the stages apart and puts a barrier between every two
-    # shared-memory stores of a step
-    for it in range(0, n_it, 3):
+    # two chunks a trip, each with its stage a constant: with the stage a loop value, the
+    # compiler cannot tell the stages apart and put a barrier between every two shared-memory
+    # stores of a step
+    for it in range(0, n_it, 2):
         state, nxt = _step(
             ctx, 0, it, state, nxt, HK, STRIDE, NCH, LOADS, OL, S_MMA, O_MMA, P_OP, M
         )
@@ -527,12 +512,7 @@ def prefill_v3_kernel(
             state, nxt = _step(
                 ctx, 1, it + 1, state, nxt, HK, STRIDE, NCH, LOADS, OL, S_MMA, O_MMA, P_OP, M
             )
-        if it + 2 < n_it:
-            state, nxt = _step(
-                ctx, 2, it + 2, state, nxt, HK, STRIDE, NCH, LOADS, OL, S_MMA, O_MMA, P_OP, M
-            )
-    m_i, l_i, acc_tok, p_last = state
-    acc, p_last = warpgroup_mma_wait(0, deps=[acc_tok, p_last])
+    m_i, l_i, acc = state
 
     l_safe = gl.where(l_i > 0, l_i, 1.0)
     lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))
