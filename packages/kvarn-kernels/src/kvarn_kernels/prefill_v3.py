@@ -5,16 +5,22 @@
 :mod:`kvarn_kernels.prefill_v2` (Triton) dequantizes a chunk, then waits for each MMA before
 its next instruction: one program of 8 warps per SM, its warps stalled on the MMAs, the loads
 and the barriers in turn (docs/kernel-notes.md, twenty-fourth session: 2 warps a scheduler,
-1.05 instructions per cycle, ~7.5K cycles per 64-token step of 128 rows). Here each program is
-one warpgroup (4 warps, 64 query rows = tokens x GQA heads of one KV head) and the loop
-overlaps its parts:
+1.05 instructions per cycle, ~7.5K cycles per 64-token step of 128 rows). Here a program (8
+warps, two warpgroups, 128 query rows = tokens x GQA heads of one KV head; 4 warps and 64
+rows with ``block_m=64``) overlaps the parts of its loop:
 
 * the scores of chunk ``j`` (``Q K_j^T``) run as an asynchronous wgmma while the warps
   dequantize chunk ``j + 1`` into the other of two shared-memory stages;
 * the raw bytes and scales of chunk ``j + 2`` are loaded into registers while chunk ``j + 1``
   is dequantized (two chunks of global-load latency hidden);
 * ``P V_j`` runs from the registers' probabilities against stage ``j``;
-* a program holds ~half the registers of v2's, so two share an SM.
+* the loop takes two chunks a trip, each stage its own allocation and written by one store:
+  one barrier a step (the compiler cannot tell slices of one allocation apart and put one
+  between every two stores).
+
+On an H200 it takes 0.66-0.77x v2's time, 2.16x FA3 fp16's at 64 tokens after 16K (B = 1):
+ALU-latency-bound (~1,160 instructions a warp a step at ~1.3 a cycle over the SM). Leaving
+``P V`` running into the next step (three stages) was no faster.
 
 Layout choices that keep the dequantization free of shuffles:
 
