@@ -2177,10 +2177,14 @@ def prefill_attention(
       sync), split over the context, and a second merges the splits. It unpacks the context
       once per query tile, so it is for short chunks after a long context (an agent's turn),
       where the dequantize path spends more on the fp16 context than on the attention.
-      ``fused_kernel`` picks the kernel: ``"v2"`` (:mod:`kvarn_kernels.prefill_v2`: each chunk
-      dequantized once per 128-row tile, head_dim <= 256), ``"v1"`` (the decode kernel's
-      prefill mode, scales folded into 64-row query tiles; every head dim), ``"auto"`` (v2
-      where it applies).
+      ``fused_kernel`` picks the kernel: ``"v3"`` (:mod:`kvarn_kernels.prefill_v3`: Gluon,
+      the scores' wgmma overlapping the next chunk's dequantization; sm_90, 4-bit keys with
+      2- or 4-bit values, head_dim 128, pool slots without shadow rows), ``"v2"``
+      (:mod:`kvarn_kernels.prefill_v2`: Triton, each chunk dequantized once per 128-row
+      tile, head_dim <= 256), ``"v1"`` (the decode kernel's prefill mode, scales folded into
+      64-row query tiles; every head dim), ``"auto"`` (the first of v3, v2, v1 that takes
+      the call). On an H200 at 64 tokens after 16K of context v3 takes 2.2x FA3 fp16's GPU
+      time and the dequantize path 1.8x (docs/benchmarks.md).
 
     Args:
         q: ``[T, Hq, D]`` fp16/bf16, unrotated.
@@ -2189,11 +2193,12 @@ def prefill_attention(
         workspace: ``"fused"`` only: optional fp32,
             ``decode_workspace_numel(T, Hq, D, num_splits)`` elements.
         num_splits, block_n, num_warps, prefetch, block_m: ``"fused"`` only. ``num_splits``:
-            split-K factor over the context (default: v2 :func:`prefill_v2_splits`, v1 1);
-            ``block_m``: query rows (tokens x GQA heads) per program (v2: default 128; v1:
-            default 64, 32 for D > 128, 128 was slower on an H200 and does not compile at
-            D = 256); ``prefetch=False``: v1 only.
-        fused_kernel: ``"fused"`` only: ``"auto"``, ``"v1"`` or ``"v2"`` (above).
+            split-K factor over the context (default: v2 and v3 :func:`prefill_v2_splits`, v1
+            1); ``block_m``: query rows (tokens x GQA heads) per program (v2 and v3: default
+            128, 64 above head dim 128; v3 takes 64 or 128; v1: default 64, 32 for D > 128,
+            128 was slower on an H200 and does not compile at D = 256); ``block_n``,
+            ``num_warps``: v1 and v2; ``prefetch=False``: v1 only.
+        fused_kernel: ``"fused"`` only: ``"auto"``, ``"v1"``, ``"v2"`` or ``"v3"`` (above).
         fast_unpack: as :func:`decode_attention` (both methods).
         method: ``"dequant"`` or ``"fused"`` (above).
         sdpa_backend: ``"dequant"`` only: ``"auto"`` (varlen FlashAttention on CUDA for
