@@ -25,10 +25,10 @@ probabilities (``BLOCK_M x D`` and ``BLOCK_M x BN`` work per chunk, per query ti
 scales the codes (``D x BN`` per chunk): cheaper whenever a tile holds at least as many rows
 as a chunk has tokens, which is the short-chunk case with 128-row tiles.
 
-On an H200 (twenty-fourth session) it takes 0.38-0.45x v1's time (same split count) and 3.2x FA3 fp16's at 64
-tokens after 16K (B = 1), waiting on each wgmma in turn (1.05 instructions a cycle);
-:mod:`kvarn_kernels.prefill_v3` (Gluon) overlaps the MMA with the dequantization and takes
-its place where it applies.
+On an H200 (twenty-fourth session) it takes 0.38-0.45x v1's time at the same split count and
+3.2x FA3 fp16's at 64 tokens after 16K (B = 1), waiting on each wgmma in turn (1.05
+instructions a cycle); :mod:`kvarn_kernels.prefill_v3` (Gluon) overlaps the MMA with the
+dequantization and takes its place where it applies.
 """
 
 from __future__ import annotations
