@@ -1545,6 +1545,34 @@ def test_timing_probes_are_refused_outside_decode_v6() -> None:
         _launch_v5(*args, "v5", int(PROBE_COPIES_ONLY.value))
 
 
+def test_prefill_v3_compiles_for_sm90() -> None:
+    """The Gluon fused prefill compiles for sm_90a here, without a GPU (Gluon has no
+    interpreter): at 8 warps, no spill, and per two-chunk trip of its loop 24 wgmma
+    instructions (2 x (8 for the scores' K = 128, 4 for ``P V``'s K = 64)) and 2 barriers (one
+    a step: each stage its own allocation, written by one store)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "static_kernels.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--only",
+            "prefill_v3 kvarn_k4v2_g128 w8,prefill_v3 kvarn_k4v4_g64 w8",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("prefill_v3")]
+    assert len(rows) == 2, run.stdout + run.stderr
+    for row in rows:
+        assert "FAILED" not in row, " ".join(row)
+        _regs, spill, _smem, _loop, bar, _lds, _shfl, mma, _ldg = (int(x) for x in row[3:])
+        assert (spill, bar, mma) == (0, 2, 24), " ".join(row)
+
+
 def test_decode_v5_compiles_for_sm90() -> None:
     """v5 and v6 compile for sm_90a here, without a GPU: Gluon has no interpreter, so on the
     CPU this is the test that catches a kernel the compiler rejects. ``static_kernels.py``
