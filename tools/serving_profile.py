@@ -391,15 +391,19 @@ def parse_key_averages(text: str) -> list[KeyAveragesTable]:
 def kernel_category(name: str) -> str:
     """Which group a device kernel belongs to (by name; torch may cut names at 55 chars).
 
-    kvarn's Triton kernels keep their function names: ``decode_v4_kernel``,
-    ``_attn_kernel`` and ``_merge_unrotate_kernel`` (decode), ``_dequant_context_kernel``
-    (continuation chunks), ``_flush_kernel`` (tile quantize + store, direct and pooled) and
+    kvarn's Triton kernels keep their function names: ``decode_v4_kernel``, the Gluon
+    ``decode_v5_kernel`` / ``decode_v6_kernel``, ``decode_pool_kernel``, ``_attn_kernel`` and
+    ``_merge_unrotate_kernel`` (decode), ``_dequant_context_kernel`` (continuation chunks),
+    ``prefill_v2_kernel`` / ``prefill_v3_kernel`` (the fused prefill, ``method="fused"``), ``_flush_kernel`` (tile quantize + store, direct and pooled) and
     ``_rotate_rows_kernel`` (every Hadamard rotation: the side-pool write, the flush input
     and the continuation queries; one kernel, so the split comes from the host ranges).
     """
     low = name.lower()
-    if low.startswith(("decode_v4_kernel", "_attn_kernel", "_merge_unrotate_kernel")):
+    decode = ("decode_v4_kernel", "decode_v5_kernel", "decode_v6_kernel", "decode_pool_kernel")
+    if low.startswith((*decode, "_attn_kernel", "_merge_unrotate_kernel")):
         return "kvarn decode attention"
+    if low.startswith(("prefill_v2_kernel", "prefill_v3_kernel")):
+        return "kvarn prefill attention (fused)"
     if low.startswith("_dequant_context_kernel"):
         return "kvarn prefill dequant"
     if low.startswith("_flush_kernel"):
@@ -427,6 +431,7 @@ CATEGORY_ORDER = (
     "FlashAttention",
     "kvarn decode attention",
     "kvarn prefill dequant",
+    "kvarn prefill attention (fused)",
     "kvarn flush (quantize + store)",
     "kvarn rotate (pool write, flush in, queries)",
     "vLLM KV write (reshape_and_cache)",
