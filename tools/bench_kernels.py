@@ -600,7 +600,11 @@ def vllm_fa3() -> Any:
     return varlen_attention_from_vllm(flash_attn_varlen_func, 3)
 
 
-def bench_fa3_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
+def bench_fa3_prefill(
+    ctx_before: int, q_len: int, bsz: int, *, graph: bool = False
+) -> dict[str, Any]:
+    """vLLM's FA3 on an fp16 paged cache of the same shape, eager as a server runs prefill
+    (``graph``: replayed from a CUDA graph, its GPU time)."""
     import torch
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
@@ -627,7 +631,7 @@ def bench_fa3_prefill(ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
             block_table=bt,
             fa_version=3,
         ),
-        graph=False,
+        graph=graph,
     )
     flops = bsz * 4 * HQ * D * (q_len * ctx_before + q_len * q_len / 2)
     return {"us": us, "mode": mode, "tflops": flops / (us * 1e-6) / 1e12}

@@ -105,36 +105,7 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
     fa = bk.guarded(lambda: bk.bench_fa3_prefill(ctx, q_len, bsz))
     rows.append({"path": "FA3 fp16", "us": fa.get("us")})
 
-    # FA3 fp16 from a graph too (its GPU time): the same call as bench_fa3_prefill
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-    seq = ctx + q_len
-    nb = -(-seq // 16)
-    k = torch.randn(bsz * nb, 16, bk.HK, bk.D, device="cuda").half()
-    v = torch.randn_like(k)
-    bt = torch.randperm(bsz * nb, device="cuda").to(torch.int32).view(bsz, nb)
-    cu_q = torch.arange(bsz + 1, dtype=torch.int32, device="cuda") * q_len
-    seqused = torch.full((bsz,), seq, dtype=torch.int32, device="cuda")
-    g = bk.guarded(
-        lambda: {
-            "us": bk.timed(
-                lambda: flash_attn_varlen_func(
-                    c["q"],
-                    k,
-                    v,
-                    max_seqlen_q=q_len,
-                    cu_seqlens_q=cu_q,
-                    max_seqlen_k=seq,
-                    seqused_k=seqused,
-                    softmax_scale=scale,
-                    causal=True,
-                    block_table=bt,
-                    fa_version=3,
-                ),
-                graph=True,
-            )[0]
-        }
-    )
+    g = bk.guarded(lambda: bk.bench_fa3_prefill(ctx, q_len, bsz, graph=True))
     rows[-1]["graph_us"] = g.get("us")
     flops = bsz * 4 * bk.HQ * bk.D * (q_len * ctx + q_len * q_len / 2)
     for r in rows:

@@ -352,6 +352,22 @@ def _norm(x):
 # the attention kernel
 
 
+@triton.jit
+def _prefill_tile(QSL, num_reqs, pid, BQ: tl.constexpr, B_P: tl.constexpr):
+    """The request ``b`` of prefill tile ``pid`` (``BQ`` query tokens), its query rows
+    ``q_begin .. q_end - 1`` and the tile's first token ``first`` (the tile is empty when
+    ``first >= q_end``). Tiles of request ``r`` start at ``qsl[r] // BQ + r``, an upper bound
+    of the tiles before it, so the grid needs only ``cdiv(T, BQ) + B`` programs."""
+    ridx = tl.arange(0, B_P)
+    qsl_v = tl.load(QSL + ridx, mask=ridx < num_reqs, other=0)
+    starts = qsl_v // BQ + ridx
+    b = tl.sum(((starts <= pid) & (ridx < num_reqs)).to(tl.int32), axis=0) - 1
+    q_begin = tl.load(QSL + b)
+    q_end = tl.load(QSL + b + 1)
+    first = q_begin + (pid - (q_begin // BQ + b)) * BQ
+    return b, q_begin, q_end, first
+
+
 #: Integer arguments of the v1 kernel that follow the batch in a way the warm-up's batches
 #: of 1 and 16 requests do not cover. Triton specializes an int argument on being 1 and on
 #: being a multiple of 16, so the request count selected a third compile at 2-15, 17-31, ...
@@ -422,15 +438,7 @@ def _attn_kernel(
         q_pos = seq_len - 1 + mi * 0
         kv_len = seq_len
     else:
-        # Request of this tile: tiles of request r start at qsl[r] // BQ + r (an upper bound
-        # of the tiles before it), so the grid needs only cdiv(T, BQ) + B programs.
-        ridx = tl.arange(0, B_P)
-        qsl_v = tl.load(QSL + ridx, mask=ridx < num_reqs, other=0)
-        starts = qsl_v // BQ + ridx
-        b = tl.sum(((starts <= pid) & (ridx < num_reqs)).to(tl.int32), axis=0) - 1
-        q_begin = tl.load(QSL + b)
-        q_end = tl.load(QSL + b + 1)
-        first = q_begin + (pid - (q_begin // BQ + b)) * BQ
+        b, q_begin, q_end, first = _prefill_tile(QSL, num_reqs, pid, BQ, B_P)
         if first >= q_end:
             return
         seq_len = tl.load(SEQ_LENS + b)
@@ -972,43 +980,9 @@ def _launch_prefill_fused(
     rows = max(block_m or default_block_m(geo.head_dim), qpk_p)
     bq = rows // qpk_p
     b = int(query_start_loc.shape[0]) - 1
-    if variant == "prefill_v3":
-        from kvarn_kernels.prefill_v3 import prefill_v3_kernel
-
-        offsets = geo.offsets()
-        del offsets["K_ORDER"], offsets["V_ORDER"]
-        prefill_v3_kernel[(cdiv(t, bq) + b, hk, num_splits)](
-            q_rot,
-            kv_cache,
-            pool_k,
-            pool_v,
-            block_table,
-            seq_lens,
-            block_to_slot,
-            query_start_loc,
-            o_part,
-            lse_part,
-            float(softmax_scale) * _LOG2E,
-            block_table.stride(0),
-            n_rows,
-            b,
-            HQ=hq,
-            HK=hk,
-            QPK=qpk,
-            QPK_P=qpk_p,
-            BQ=bq,
-            B_P=next_pow2(b + 1),
-            D=geo.head_dim,
-            G=geo.group,
-            VB=geo.value_bits,
-            STRIDE=geo.record_stride,
-            **offsets,
-            NUM_SPLITS=num_splits,
-            W=rows // 16,
-            num_warps=rows // 16,
-        )
-        return
-    prefill_v2_kernel[(cdiv(t, bq) + b, hk, num_splits)](
+    grid = (cdiv(t, bq) + b, hk, num_splits)
+    # the two kernels take the same pointers, scalars and shape constants
+    args = (
         q_rot,
         kv_cache,
         pool_k,
@@ -1023,22 +997,36 @@ def _launch_prefill_fused(
         block_table.stride(0),
         n_rows,
         b,
-        HQ=hq,
-        HK=hk,
-        QPK=qpk,
-        QPK_P=qpk_p,
-        BQ=bq,
+    )
+    shape = {
+        "HQ": hq,
+        "HK": hk,
+        "QPK": qpk,
+        "QPK_P": qpk_p,
+        "BQ": bq,
+        "B_P": next_pow2(b + 1),
+        "D": geo.head_dim,
+        "G": geo.group,
+        "VB": geo.value_bits,
+        "STRIDE": geo.record_stride,
+        "NUM_SPLITS": num_splits,
+    }
+    offsets = geo.offsets()
+    if variant == "prefill_v3":
+        from kvarn_kernels.prefill_v3 import prefill_v3_kernel
+
+        # v3 is written for one pair of in-cache orders (_v3_serves checks them)
+        del offsets["K_ORDER"], offsets["V_ORDER"]
+        prefill_v3_kernel[grid](*args, **shape, **offsets, W=rows // 16, num_warps=rows // 16)
+        return
+    prefill_v2_kernel[grid](
+        *args,
+        **shape,
+        **offsets,
         BLOCK_M=rows,
-        B_P=next_pow2(b + 1),
-        D=geo.head_dim,
-        G=geo.group,
         SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
         KB=geo.key_bits,
-        VB=geo.value_bits,
-        STRIDE=geo.record_stride,
-        **geo.offsets(),
         BN=block_n or min(geo.group, 64),
-        NUM_SPLITS=num_splits,
         FAST_UNPACK=fast,
         num_warps=num_warps or PREFILL_V2_WARPS,
     )
@@ -2319,12 +2307,13 @@ def prefill_attention(
             "varlen_attention and context_plan apply to method='dequant' only"
         )
     kernel = fused_kernel
+    v3_ok = kernel in ("auto", "v3") and _v3_serves(geo, pool_k, kv_cache, q.device)
     if kernel == "auto":
         kernel = "v2" if d <= PREFILL_V2_MAX_HEAD_DIM and prefetch else "v1"
-        if kernel == "v2" and _v3_serves(geo, pool_k, kv_cache, q.device) and block_n is None:
+        if kernel == "v2" and v3_ok and block_n is None:
             kernel = "v3"
     if kernel == "v3":
-        if not _v3_serves(geo, pool_k, kv_cache, q.device):
+        if not v3_ok:
             raise ValueError(
                 "fused_kernel='v3' needs an sm_90 GPU, 4-bit keys with 2- or 4-bit values, "
                 "head_dim 128 and pool slots without shadow rows; use 'v2' or 'auto'"

@@ -37,7 +37,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from kvarn_kernels._common import pool_row_ptrs
-from kvarn_kernels.attention import _codes_f16, _load_chunk
+from kvarn_kernels.attention import _codes_f16, _load_chunk, _prefill_tile
 
 __all__ = ["PREFILL_V2_WARPS", "default_block_m", "prefill_v2_kernel"]
 
@@ -181,14 +181,7 @@ def prefill_v2_kernel(
     h = tl.program_id(1)
     split = tl.program_id(2)
 
-    # the request of this tile, and the tile's first query token
-    ridx = tl.arange(0, B_P)
-    qsl_v = tl.load(QSL + ridx, mask=ridx < num_reqs, other=0)
-    starts = qsl_v // BQ + ridx
-    b = tl.sum(((starts <= pid) & (ridx < num_reqs)).to(tl.int32), axis=0) - 1
-    q_begin = tl.load(QSL + b)
-    q_end = tl.load(QSL + b + 1)
-    first = q_begin + (pid - (q_begin // BQ + b)) * BQ
+    b, q_begin, q_end, first = _prefill_tile(QSL, num_reqs, pid, BQ, B_P)
     if first >= q_end:
         return
     seq_len = tl.load(SEQ_LENS + b)

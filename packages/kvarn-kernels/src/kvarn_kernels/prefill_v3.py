@@ -412,7 +412,7 @@ def prefill_v3_kernel(
     h = gl.program_id(1)
     split = gl.program_id(2)
 
-    # the request of this tile, and the tile's first query token (as v2)
+    # the request of this tile and its first query token: attention._prefill_tile in Gluon
     ridx = gl.arange(0, B_P, layout=gl.BlockedLayout([1], [32], [W], [0]))
     qsl_v = gl.load(QSL + ridx, mask=ridx < num_reqs, other=0)
     starts = qsl_v // BQ + ridx
