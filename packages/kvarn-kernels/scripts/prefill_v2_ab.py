@@ -34,13 +34,13 @@ SHAPES: tuple[tuple[int, int, int], ...] = (
 
 
 #: The rows ``--short`` keeps (prefixes of the path names).
-SHORT_PATHS = ("dequant", "v2 auto", "v3 auto", "v3 splits", "v1 (splits 1)")
+SHORT_PATHS = ("dequant", "v2 auto", "v3 auto", "v3 splits", "v3 fp32", "v1 (splits 1)")
 
 
 def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[str, Any]]:
     import torch
 
-    from kvarn_kernels import plan_prefill_context, prefill_attention
+    from kvarn_kernels import plan_prefill_context, prefill_attention, prefill_v3
     from kvarn_kernels.attention import _num_sms, prefill_v2_splits
 
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
@@ -57,6 +57,14 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
 
     def fused(**kw: Any) -> Callable[[], Any]:
         return lambda: prefill_attention(FMT, c["q"], *args, scale, out=out, method="fused", **kw)
+
+    def v3_fp32_dequant() -> None:
+        # the twenty-fourth session's dequantization (fp32, one rounding), for the A/B
+        prefill_v3.V3_DEQ16 = False
+        try:
+            fused(fused_kernel="v3")()
+        finally:
+            prefill_v3.V3_DEQ16 = True
 
     paths: list[tuple[str, Callable[[], Any], bool]] = [
         (
@@ -79,6 +87,7 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         (f"v3 auto (splits {auto})", fused(fused_kernel="v3"), True),
         (f"v3 splits {2 * auto}", fused(fused_kernel="v3", num_splits=2 * auto), True),
         ("v3 m64", fused(fused_kernel="v3", block_m=64), True),
+        ("v3 fp32 dequant", v3_fp32_dequant, True),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]

@@ -570,7 +570,7 @@ for _r in (128, 168):
     )
 
 
-def _prefill_v3(name: str, warps: int = 8) -> Any:
+def _prefill_v3(name: str, warps: int = 8, deq16: bool = True) -> Any:
     """The Gluon fused prefill (asynchronous wgmma), ``16 * warps`` query rows."""
     from kvarn_kernels.prefill_v3 import prefill_v3_kernel
 
@@ -590,6 +590,7 @@ def _prefill_v3(name: str, warps: int = 8) -> Any:
         **{k: v for k, v in offs.items() if k not in ("K_ORDER", "V_ORDER")},
         NUM_SPLITS=8,
         W=warps,
+        DEQ16=deq16,
     )
     return compile_kernel(prefill_v3_kernel, {**DECODE_SIG, "QSL": "*i32"}, consts, warps)
 
@@ -597,3 +598,4 @@ def _prefill_v3(name: str, warps: int = 8) -> Any:
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
     for _w in (4, 8):
         variant(f"prefill_v3 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w))
+        variant(f"prefill_v3 {_n} w{_w} fp32")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w, False))

@@ -1013,11 +1013,18 @@ def _launch_prefill_fused(
     }
     offsets = geo.offsets()
     if variant == "prefill_v3":
-        from kvarn_kernels.prefill_v3 import prefill_v3_kernel
+        from kvarn_kernels import prefill_v3
 
         # v3 is written for one pair of in-cache orders (_v3_serves checks them)
         del offsets["K_ORDER"], offsets["V_ORDER"]
-        prefill_v3_kernel[grid](*args, **shape, **offsets, W=rows // 16, num_warps=rows // 16)
+        prefill_v3.prefill_v3_kernel[grid](
+            *args,
+            **shape,
+            **offsets,
+            W=rows // 16,
+            DEQ16=prefill_v3.V3_DEQ16,
+            num_warps=rows // 16,
+        )
         return
     prefill_v2_kernel[grid](
         *args,
