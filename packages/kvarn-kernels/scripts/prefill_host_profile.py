@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import io
 import pstats
 import time
@@ -69,11 +70,14 @@ def main() -> None:
         "fused v2": lambda: prefill_attention(
             FMT, c["q"], *args, scale, out=out, method="fused", fused_kernel="v2"
         ),
+        "fused v3": lambda: prefill_attention(
+            FMT, c["q"], *args, scale, out=out, method="fused", fused_kernel="v3"
+        ),
         "rotate_into alone": lambda: rotate_into(
             c["q"].view(t * hq, d), q16.view(t * hq, d), scale
         ),
     }
-    lines = []
+    lines = components(c, args, plan, fa3, out)
     for name, fn in paths.items():
         us = host_us(fn)
         lines.append(f"{name:24s} {us:8.1f} µs host per call")
@@ -100,6 +104,89 @@ def main() -> None:
     text = "\n".join(lines)
     (a.out / "host_profile.txt").write_text(text)
     print(text)
+
+
+def components(
+    c: dict[str, Any], args: tuple[Any, ...], plan: Any, fa3: Any, out: Any
+) -> list[str]:
+    """Host µs per call of the planned dequantize path's parts, each alone (no profiler)."""
+    import torch
+    from triton.runtime import driver
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    from kvarn_kernels import attention as att
+    from kvarn_kernels import context as ctx
+    from kvarn_kernels.rotation import _rotate_rows_kernel, rotate_into, sign_matrix
+
+    q = c["q"]
+    t, hq, d = (int(s) for s in q.shape)
+    geo = att._check_varlen(FMT, q, *args, out)[0]
+    grp = plan.groups[0]
+    q16 = torch.empty((t, hq, d), dtype=torch.float16, device="cuda")
+    ws_k = torch.empty((grp.rows, bk.HK, d), dtype=torch.float16, device="cuda")
+    ws_v = torch.empty_like(ws_k)
+    cu = grp.cu_seqlens
+    assert cu is not None and grp.blocks is not None
+    kv, pool_k, pool_v, bt, _qsl, _seqs, b2s = args
+    x, y = q.view(t * hq, d), q16.view(t * hq, d)
+    s = sign_matrix(d, q.device, q.dtype)
+    rot_args = (x, y, s, s, s, s, t * hq, x.stride(0), 0, 0.1)
+    rot_const = dict(
+        HK=1,
+        D=d,
+        G=1,
+        SHADOW=0,
+        STRIDE=0,
+        IS_V=False,
+        BLOCK_R=32,
+        BLOCK_C=128,
+        OUT_F32=False,
+        OUT_BF16=False,
+        SCATTER=False,
+        IEEE=False,
+    )
+    grid = (-(-t * hq // 32),)
+    ck = _rotate_rows_kernel[grid](*rot_args, **rot_const, num_warps=4)
+    names = list(inspect.signature(_rotate_rows_kernel.fn).parameters)
+    values = (*rot_args, *(rot_const[n] for n in names[len(rot_args) :]))
+    dev = torch.cuda.current_device()
+
+    def direct() -> None:
+        stream = driver.active.get_current_stream(dev)
+        ck.run(grid[0], 1, 1, stream, ck.function, ck.packed_metadata, None, None, None, *values)
+
+    parts: dict[str, Callable[[], Any]] = {
+        "_check_varlen": lambda: att._check_varlen(FMT, q, *args, out),
+        "plan.check_call": lambda: plan.check_call(geo.group, bk.HK, d, q, bt),
+        "torch.empty (one workspace)": lambda: torch.empty_like(ws_k),
+        "rotate_into (q)": lambda: rotate_into(x, y, 0.1),
+        "rotate kernel[grid](...)": lambda: _rotate_rows_kernel[grid](
+            *rot_args, **rot_const, num_warps=4
+        ),
+        "rotate compiled.run (direct)": direct,
+        "dequant_context_into": lambda: ctx.dequant_context_into(
+            geo, kv, pool_k, pool_v, bt, b2s, grp.blocks, ws_k, ws_v
+        ),
+        "FA3 through the adapter": lambda: ctx._attend_external(
+            fa3, q16, ws_k, ws_v, cu[0], cu[1], grp.max_query_len, grp.max_context_len
+        ),
+        "flash_attn_varlen_func": lambda: flash_attn_varlen_func(
+            q=q16,
+            k=ws_k,
+            v=ws_v,
+            cu_seqlens_q=cu[0],
+            cu_seqlens_k=cu[1],
+            max_seqlen_q=grp.max_query_len,
+            max_seqlen_k=grp.max_context_len,
+            softmax_scale=2.0,
+            causal=True,
+            fa_version=3,
+        ),
+    }
+    lines = ["parts of the planned dequantize path, each alone:"]
+    for name, fn in parts.items():
+        lines.append(f"  {name:32s} {host_us(fn):8.1f} µs host per call")
+    return lines
 
 
 if __name__ == "__main__":
