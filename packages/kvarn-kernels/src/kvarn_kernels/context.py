@@ -46,6 +46,7 @@ from kvarn_kernels._common import (
     pool_shadow_rows,
     triton_interpret,
 )
+from kvarn_kernels._launch import launch
 from kvarn_kernels.attention import _codes_f16, _load_codes
 from kvarn_kernels.rotation import rotate_into
 
@@ -634,26 +635,32 @@ def dequant_context_into(
     if total == 0:
         return
     bt = 32 if d <= 128 else (16 if d <= 256 else 8)
-    _dequant_context_kernel[(total, hk)](
-        kv_cache,
-        pool_k,
-        pool_v,
-        block_table,
-        block_to_slot,
-        plan,
-        ws_k,
-        ws_v,
-        block_table.stride(0),
-        total,
-        HK=hk,
-        D=d,
-        G=g,
-        SHADOW=shadow,
-        KB=geo.key_bits,
-        VB=geo.value_bits,
-        STRIDE=geo.record_stride,
-        **geo.offsets(),
-        BT=min(bt, g),
-        FAST_UNPACK=not triton_interpret(),
+    launch(
+        _dequant_context_kernel,
+        (total, hk),
+        (
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            block_to_slot,
+            plan,
+            ws_k,
+            ws_v,
+            block_table.stride(0),
+            total,
+        ),
+        {
+            "HK": hk,
+            "D": d,
+            "G": g,
+            "SHADOW": shadow,
+            "KB": geo.key_bits,
+            "VB": geo.value_bits,
+            "STRIDE": geo.record_stride,
+            **geo.offsets(),
+            "BT": min(bt, g),
+            "FAST_UNPACK": not triton_interpret(),
+        },
         num_warps=4,
     )

@@ -170,7 +170,9 @@ def _affine(c1024, scale, zero, mult, DEQ16: gl.constexpr):
         )
     else:
         sf = scale.to(gl.float32)
-        return _sat16((c1024.to(gl.float32) * sf + (zero.to(gl.float32) - 1024.0 * sf)) * mult.to(gl.float32))
+        return _sat16(
+            (c1024.to(gl.float32) * sf + (zero.to(gl.float32) - 1024.0 * sf)) * mult.to(gl.float32)
+        )
 
 
 @gluon.jit

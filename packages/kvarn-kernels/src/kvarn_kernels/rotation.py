@@ -17,6 +17,7 @@ an incoming token is read once and written once.
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import numpy as np
@@ -38,6 +39,7 @@ from kvarn_kernels._common import (
     pool_shadow_rows,
     triton_interpret,
 )
+from kvarn_kernels._launch import launch
 
 __all__ = [
     "hadamard_matrix",
@@ -183,30 +185,36 @@ def _launch_rotate(
     block_c = min(d, 128)
     scatter = slot_mapping is not None
     dummy = s  # any tensor: the scatter-only pointers are not read in plain mode
-    grid = (cdiv(n_rows, block_r),)
-    _rotate_rows_kernel[grid](
-        x,
-        y,
-        s,
-        slot_mapping if slot_mapping is not None else dummy,
-        block_to_slot if block_to_slot is not None else dummy,
-        kv_cache if kv_cache is not None else dummy,
-        n_rows,
-        stride_t,
-        stride_h,
-        float(scale / np.sqrt(d)),
-        HK=hk,
-        D=d,
-        G=group,
-        SHADOW=shadow,
-        STRIDE=int(kv_cache.shape[-1]) if kv_cache is not None else 0,
-        IS_V=is_v and shadow > 0,  # K and V share one compile without shadow rows
-        BLOCK_R=block_r,
-        BLOCK_C=block_c,
-        OUT_F32=out_f32,
-        OUT_BF16=y.dtype == torch.bfloat16,
-        SCATTER=scatter,
-        IEEE=x.dtype == torch.float32,
+    launch(
+        _rotate_rows_kernel,
+        (cdiv(n_rows, block_r),),
+        (
+            x,
+            y,
+            s,
+            slot_mapping if slot_mapping is not None else dummy,
+            block_to_slot if block_to_slot is not None else dummy,
+            kv_cache if kv_cache is not None else dummy,
+            n_rows,
+            stride_t,
+            stride_h,
+            float(scale) / math.sqrt(d),
+        ),
+        {
+            "HK": hk,
+            "D": d,
+            "G": group,
+            "SHADOW": shadow,
+            "STRIDE": int(kv_cache.shape[-1]) if kv_cache is not None else 0,
+            # K and V share one compile without shadow rows
+            "IS_V": is_v and shadow > 0,
+            "BLOCK_R": block_r,
+            "BLOCK_C": block_c,
+            "OUT_F32": out_f32,
+            "SCATTER": scatter,
+            "OUT_BF16": y.dtype == torch.bfloat16,
+            "IEEE": x.dtype == torch.float32,
+        },
         num_warps=4,
     )
 

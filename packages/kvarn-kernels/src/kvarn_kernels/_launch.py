@@ -1,0 +1,138 @@
+"""Kernel launches that skip the Triton JIT's per-call work once a kernel is compiled.
+
+``kernel[grid](*args, **constexprs)`` binds every argument, builds Triton's specialization
+key, checks the kernel's globals and prepares launch metadata before it reaches the compiled
+binary's launcher: 15-30 µs of host time per launch on an H200 host
+(docs/kernel-notes.md, twenty-fifth session). vLLM runs prefill-with-context attention outside
+CUDA graphs, once per layer, so that time is paid by every layer of every step with a
+continuation chunk.
+
+:func:`launch` keeps the compiled kernel of each specialization under a key of its own that
+determines Triton's specialization: the constexpr values, ``num_warps``, the current device,
+and per runtime argument what Triton specializes on (a tensor's dtype and 16-byte alignment;
+an int's equality to 1, divisibility by 16 and 32-bit range). A new key goes through the JIT
+(which compiles if needed and launches), and its compiled kernel is kept; a known key calls
+the launcher directly. Two calls with one key thus get the one binary Triton would have
+picked. Under the interpreter, with a launch hook installed (profilers) or for a signature
+that does not list its runtime parameters first, every call takes the JIT's path.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from triton import knobs  # type: ignore[import-untyped]
+
+from kvarn_kernels._common import triton_interpret
+
+__all__ = ["launch", "launch_key"]
+
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+
+#: key -> (compiled kernel, the constexpr values in signature order), or None where a kernel
+#: always takes the JIT's path
+_COMPILED: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]] | None] = {}
+_NEW = object()
+
+
+def _arg_key(a: object) -> object:
+    """What Triton specializes a runtime argument on."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return ("i1", a)
+    if isinstance(a, int):
+        return (a == 1, a % 16 == 0, _INT32[0] <= a <= _INT32[1])
+    if isinstance(a, float):
+        return "fp32"
+    if a is None:
+        return None
+    raise TypeError(f"launch() cannot key an argument of type {type(a).__name__}")
+
+
+def launch_key(
+    kernel: Any, args: Sequence[object], constexprs: Mapping[str, object], num_warps: int
+) -> tuple[Any, ...]:
+    """The cache key of a launch (see the module docstring)."""
+    return (
+        kernel,
+        num_warps,
+        torch.cuda.current_device(),
+        tuple(constexprs.items()),
+        tuple(_arg_key(a) for a in args),
+    )
+
+
+def _tail(kernel: Any, n_args: int, constexprs: Mapping[str, object]) -> tuple[Any, ...] | None:
+    """The constexpr values in signature order, when the signature lists exactly ``n_args``
+    runtime parameters first and then exactly the given constexprs; else None."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    tail = names[n_args:]
+    if len(names) < n_args or set(tail) != set(constexprs):
+        return None
+    return tuple(constexprs[n] for n in tail)
+
+
+def _hooks_installed() -> bool:
+    """True when a launch hook is installed (a profiler's): those calls keep the JIT's path,
+    which builds the metadata hooks read. Triton 3.6 keeps the hooks as (usually empty)
+    chains; older versions as a callable or None."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(getattr(h, "calls", h is not None) for h in hooks)
+
+
+def _raw_stream(dev: int) -> int:
+    """The current CUDA stream's handle, as Triton's driver reads it."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return int(get(dev)) if get is not None else int(torch.cuda.current_stream(dev).cuda_stream)
+
+
+def launch(
+    kernel: Any,
+    grid: tuple[int, ...],
+    args: Sequence[object],
+    constexprs: Mapping[str, object],
+    *,
+    num_warps: int,
+) -> None:
+    """``kernel[grid](*args, **constexprs, num_warps=num_warps)``, through the compiled
+    kernel's launcher when a call with the same key has compiled it. ``args`` are the
+    kernel's leading runtime parameters in order, ``constexprs`` all the rest by name."""
+    if triton_interpret() or _hooks_installed():
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return
+    try:
+        key = launch_key(kernel, args, constexprs, num_warps)
+    except TypeError:  # an argument type launch() does not know: the JIT decides
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return
+    hit = _COMPILED.get(key, _NEW)
+    if hit is _NEW:
+        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        tail = _tail(kernel, len(args), constexprs)
+        _COMPILED[key] = None if tail is None or compiled is None else (compiled, tail)
+        return
+    if hit is None:
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return
+    compiled, tail = cast(tuple[Any, tuple[Any, ...]], hit)
+    stream = _raw_stream(key[2])
+    gx = grid[0]
+    gy = grid[1] if len(grid) > 1 else 1
+    gz = grid[2] if len(grid) > 2 else 1
+    compiled.run(
+        gx,
+        gy,
+        gz,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+        *tail,
+    )

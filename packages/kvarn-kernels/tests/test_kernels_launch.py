@@ -1,0 +1,124 @@
+"""kvarn_kernels._launch: the direct-launch cache, with a stand-in for a JIT kernel (CPU).
+
+The real launcher runs in the GPU tests of every op that launches through it (rotation, the
+dequantize path); here the cache's decisions are checked: which calls go through the JIT,
+which reach the compiled kernel's launcher, and with which arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvarn_kernels import _launch
+
+
+def _kernel_fn(X, n, scale, A, B):  # type: ignore[no-untyped-def]
+    """The stand-in kernel's signature: three runtime parameters, then two constexprs."""
+
+
+class _Compiled:
+    function = "fn-handle"
+    packed_metadata = "meta"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def run(self, *a: Any) -> None:
+        self.calls.append(a)
+
+
+class _Kernel:
+    """Records ``kernel[grid](...)`` calls; every call 'compiles' the same binary."""
+
+    fn = staticmethod(_kernel_fn)
+
+    def __init__(self) -> None:
+        self.jit_calls: list[tuple[Any, ...]] = []
+        self.compiled = _Compiled()
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def call(*args: Any, **kw: Any) -> _Compiled:
+            self.jit_calls.append((grid, args, kw))
+            return self.compiled
+
+        return call
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_launch, "_COMPILED", {})
+    monkeypatch.setattr(_launch, "triton_interpret", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_raw_stream", lambda dev: 1234)
+
+
+def test_second_call_goes_to_the_launcher(fresh: None) -> None:
+    k = _Kernel()
+    x = torch.zeros(64)
+    _launch.launch(k, (3,), (x, 7, 0.5), {"B": 2, "A": 1}, num_warps=4)
+    assert len(k.jit_calls) == 1 and not k.compiled.calls
+    _launch.launch(k, (5, 2), (x, 7, 0.25), {"B": 2, "A": 1}, num_warps=4)
+    assert len(k.jit_calls) == 1
+    (call,) = k.compiled.calls
+    # grid padded to 3-D, the stream, the handles, no metadata or hooks, then every parameter
+    # in signature order (constexprs after the runtime ones, in the signature's order)
+    assert call == (5, 2, 1, 1234, "fn-handle", "meta", None, None, None, x, 7, 0.25, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"n": 7}, {"n": 1}),  # an int equal to 1 is a constant to Triton
+        ({"n": 7}, {"n": 32}),  # divisible by 16
+        ({"n": 7}, {"n": 1 << 40}),  # 64-bit
+        ({"offset": 0}, {"offset": 2}),  # a pointer not 16-byte aligned
+        ({"dtype": torch.float32}, {"dtype": torch.float16}),
+        ({"A": 1}, {"A": 2}),  # another constexpr value
+        ({"warps": 4}, {"warps": 8}),
+    ],
+)
+def test_a_new_specialization_goes_through_the_jit(
+    fresh: None, first: dict[str, Any], second: dict[str, Any]
+) -> None:
+    k = _Kernel()
+    base = torch.zeros(64)
+
+    def call(
+        n: int = 7,
+        offset: int = 0,
+        dtype: torch.dtype = torch.float32,
+        A: int = 1,
+        warps: int = 4,
+    ) -> None:
+        x = base.to(dtype)[offset:]
+        _launch.launch(k, (1,), (x, n, 0.5), {"A": A, "B": 2}, num_warps=warps)
+
+    call(**first)
+    call(**second)
+    assert len(k.jit_calls) == 2 and not k.compiled.calls
+    call(**second)  # now known
+    assert len(k.jit_calls) == 2 and len(k.compiled.calls) == 1
+
+
+def test_unknown_argument_types_and_signatures_stay_on_the_jit(fresh: None) -> None:
+    k = _Kernel()
+    x = torch.zeros(4)
+    for _ in range(2):  # a numpy int: not keyed, never cached
+        _launch.launch(
+            k, (1,), (x, __import__("numpy").int64(3), 0.5), {"A": 1, "B": 2}, num_warps=4
+        )
+    for _ in range(2):  # constexprs that are not the signature's tail (B left to a default)
+        _launch.launch(k, (1,), (x, 3, 0.5), {"A": 1}, num_warps=4)
+    assert len(k.jit_calls) == 4 and not k.compiled.calls
+
+
+def test_interpreter_always_takes_the_jit(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_launch, "triton_interpret", lambda: True)
+    k = _Kernel()
+    x = torch.zeros(4)
+    for _ in range(3):
+        _launch.launch(k, (1,), (x, 3, 0.5), {"A": 1, "B": 2}, num_warps=4)
+    assert len(k.jit_calls) == 3 and not _launch._COMPILED
