@@ -122,3 +122,24 @@ def test_interpreter_always_takes_the_jit(fresh: None, monkeypatch: pytest.Monke
     for _ in range(3):
         _launch.launch(k, (1,), (x, 3, 0.5), {"A": 1, "B": 2}, num_warps=4)
     assert len(k.jit_calls) == 3 and not _launch._COMPILED
+
+
+@pytest.mark.gpu
+def test_direct_launches_compute_what_the_jit_does(device: torch.device) -> None:
+    """On the GPU: a rotation launched again with one specialization reaches the compiled
+    kernel's launcher (the cache holds it) and is right each time, for new inputs at other
+    addresses, an odd row count and a misaligned view (a second specialization)."""
+    from kvarn_format.hadamard import hadamard_matrix
+
+    from kvarn_kernels.rotation import _rotate_rows_kernel, rotate_into
+
+    d = 128
+    h = torch.tensor(hadamard_matrix(d), dtype=torch.float64, device=device)
+    for rows, offset in ((64, 0), (64, 0), (37, 0), (37, 0), (36, 1), (36, 1)):
+        x = torch.randn(rows * d + offset, device=device).half()[offset:].view(rows, d)
+        y = torch.empty(rows, d, device=device, dtype=torch.float16)
+        rotate_into(x, y, 0.5)
+        want = (0.5 * x.double() @ h).half()
+        torch.testing.assert_close(y, want, atol=2e-3, rtol=2e-3)
+    keys = [k for k in _launch._COMPILED if k[0] is _rotate_rows_kernel]
+    assert keys and all(_launch._COMPILED[k] is not None for k in keys)

@@ -69,6 +69,7 @@ from kvarn_kernels._common import (
     resolve_format,
     triton_interpret,
 )
+from kvarn_kernels._launch import launch
 from kvarn_kernels.rotation import _check_pool, rotate_f32, sign_matrix
 
 if TYPE_CHECKING:
@@ -1017,24 +1018,27 @@ def _launch_prefill_fused(
 
         # v3 is written for one pair of in-cache orders (_v3_serves checks them)
         del offsets["K_ORDER"], offsets["V_ORDER"]
-        prefill_v3.prefill_v3_kernel[grid](
-            *args,
-            **shape,
-            **offsets,
-            W=rows // 16,
-            DEQ16=prefill_v3.V3_DEQ16,
+        launch(
+            prefill_v3.prefill_v3_kernel,
+            grid,
+            args,
+            {**shape, **offsets, "W": rows // 16, "DEQ16": prefill_v3.V3_DEQ16},
             num_warps=rows // 16,
         )
         return
-    prefill_v2_kernel[grid](
-        *args,
-        **shape,
-        **offsets,
-        BLOCK_M=rows,
-        SHADOW=pool_shadow_rows(pool_k, geo.group, kv_cache),
-        KB=geo.key_bits,
-        BN=block_n or min(geo.group, 64),
-        FAST_UNPACK=fast,
+    launch(
+        prefill_v2_kernel,
+        grid,
+        args,
+        {
+            **shape,
+            **offsets,
+            "BLOCK_M": rows,
+            "SHADOW": pool_shadow_rows(pool_k, geo.group, kv_cache),
+            "KB": geo.key_bits,
+            "BN": block_n or min(geo.group, 64),
+            "FAST_UNPACK": fast,
+        },
         num_warps=num_warps or PREFILL_V2_WARPS,
     )
 
@@ -1334,20 +1338,26 @@ def _launch(
     # verify: a padded batch's tail tokens (past query_start_loc[B]) come out as zeros (the
     # pointer is 16-byte aligned or not with B: two compiles, both in the warm-up)
     tokens = query_start_loc[-1:] if decode and query_start_loc is not None else None
-    _merge_unrotate_kernel[(cdiv(n_rows, block_r),)](
-        o_part,
-        lse_part,
-        out,
-        sign_matrix(d, q.device, torch.float16),
-        lse_part if tokens is None else tokens,
-        n_rows,
-        1.0 / math.sqrt(d),
-        NUM_SPLITS=parts,
-        D=d,
-        BLOCK_R=block_r,
-        BLOCK_N=min(d, 128),
-        OUT_BF16=out.dtype == torch.bfloat16,
-        ROWS_PER_TOKEN=0 if tokens is None else hq,
+    launch(
+        _merge_unrotate_kernel,
+        (cdiv(n_rows, block_r),),
+        (
+            o_part,
+            lse_part,
+            out,
+            sign_matrix(d, q.device, torch.float16),
+            lse_part if tokens is None else tokens,
+            n_rows,
+            1.0 / math.sqrt(d),
+        ),
+        {
+            "NUM_SPLITS": parts,
+            "D": d,
+            "BLOCK_R": block_r,
+            "BLOCK_N": min(d, 128),
+            "OUT_BF16": out.dtype == torch.bfloat16,
+            "ROWS_PER_TOKEN": 0 if tokens is None else hq,
+        },
         num_warps=4,
     )
 
