@@ -130,7 +130,6 @@ def test_direct_launches_compute_what_the_jit_does(device: torch.device) -> None
     kernel's launcher (the cache holds it) and is right each time, for new inputs at other
     addresses, an odd row count and a misaligned view (a second specialization)."""
     from kvarn_format.hadamard import hadamard_matrix
-
     from kvarn_kernels.rotation import _rotate_rows_kernel, rotate_into
 
     d = 128
