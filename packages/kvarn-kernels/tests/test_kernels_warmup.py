@@ -11,7 +11,7 @@ from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
 
 from kvarn_format import parse_cache_dtype, record_layout
 from kvarn_kernels import decode_attention, prefill_attention, rotate, verify_attention
-from kvarn_kernels.attention import choose_decode_splits
+from kvarn_kernels.attention import choose_decode_splits, decode_plan
 from kvarn_kernels.context import _dequant_context_kernel
 from kvarn_kernels.rotation import _block_r, _rotate_rows_kernel
 from kvarn_kernels.warmup import _token_counts, warmup
@@ -223,9 +223,19 @@ def _warm_like_a_server(
 
 def _attention_compiles() -> int:
     from kvarn_kernels.attention import _attn_kernel, _merge_unrotate_kernel
+    from kvarn_kernels.decode_pool import decode_pool_kernel
     from kvarn_kernels.decode_v4 import decode_v4_kernel
+    from kvarn_kernels.decode_v5 import decode_v5_kernel
+    from kvarn_kernels.decode_v6 import decode_v6_kernel
 
-    kernels = (decode_v4_kernel, _attn_kernel, _merge_unrotate_kernel)
+    kernels = (
+        decode_v4_kernel,
+        decode_v5_kernel,
+        decode_v6_kernel,
+        decode_pool_kernel,
+        _attn_kernel,
+        _merge_unrotate_kernel,
+    )
     return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
 
 
@@ -240,6 +250,8 @@ def test_decode_after_warmup_compiles_nothing() -> None:
     block_table = torch.zeros(256, 128, dtype=torch.int32, device=dev)
     seq_lens = torch.full((256,), 3 * SERVER_G + 7, dtype=torch.int32, device=dev)
     for reqs in (1, 2, 3, 5, 17, 37, 64, 100, 200, 256):
+        # as the plugin calls it: the variant and split count of decode_plan
+        plan = decode_plan(SERVER_FMT, reqs, hq, hk, d, 128, dev)
         decode_attention(
             SERVER_FMT,
             torch.randn(reqs, hq, d, device=dev, dtype=torch.float16),
@@ -250,7 +262,8 @@ def test_decode_after_warmup_compiles_nothing() -> None:
             seq_lens[:reqs],
             block_to_slot,
             d**-0.5,
-            num_splits=choose_decode_splits(reqs, hk, 128, dev),
+            num_splits=plan.num_splits,
+            variant=plan.variant,
         )
     torch.cuda.synchronize()
     assert _attention_compiles() == before

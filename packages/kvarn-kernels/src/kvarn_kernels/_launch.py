@@ -9,10 +9,10 @@ continuation chunk.
 
 :func:`launch` keeps the compiled kernel of each specialization under a key of its own that
 determines Triton's specialization: the constexpr values, ``num_warps``, the current device,
-and per runtime argument what Triton specializes on (a tensor's dtype and 16-byte alignment;
-an int's equality to 1, divisibility by 16 and 32-bit range). A new key goes through the JIT
-(which compiles if needed and launches), and its compiled kernel is kept; a known key calls
-the launcher directly. Two calls with one key thus get the one binary Triton would have
+and each runtime argument's specialization computed by the JIT's own native function (a
+tensor's dtype and 16-byte alignment, an int's equality to 1, divisibility by 16 and width).
+A new key goes through the JIT (which compiles if needed and launches), and its compiled
+kernel is kept; a known key calls the launcher directly. Two calls with one key thus get the one binary Triton would have
 picked. Under the interpreter, with a launch hook installed (profilers) or for a signature
 that does not list its runtime parameters first, every call takes the JIT's path.
 """
@@ -21,49 +21,49 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 from typing import Any, cast
 
 import torch
 from triton import knobs  # type: ignore[import-untyped]
+from triton._C.libtriton import native_specialize_impl  # type: ignore[import-untyped]
 
 from kvarn_kernels._common import triton_interpret
 
 __all__ = ["launch", "launch_key"]
 
-_INT32 = (-(1 << 31), (1 << 31) - 1)
-
 #: key -> (compiled kernel, the constexpr values in signature order), or None where a kernel
 #: always takes the JIT's path
 _COMPILED: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]] | None] = {}
 _NEW = object()
+#: kernel -> per runtime parameter: (is_const, specialize, specialize on alignment)
+_FLAGS: dict[Any, tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]] = {}
 
 
-def _arg_key(a: object) -> object:
-    """What Triton specializes a runtime argument on."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, bool):
-        return ("i1", a)
-    if isinstance(a, int):
-        return (a == 1, a % 16 == 0, _INT32[0] <= a <= _INT32[1])
-    if isinstance(a, float):
-        return "fp32"
-    if a is None:
-        return None
-    raise TypeError(f"launch() cannot key an argument of type {type(a).__name__}")
+def _flags(kernel: Any) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
+    flags = _FLAGS.get(kernel)
+    if flags is None:
+        runtime = [p for p in kernel.params if not p.is_constexpr]
+        flags = (
+            tuple(bool(p.is_const) for p in runtime),
+            tuple(not p.do_not_specialize for p in runtime),
+            tuple(not p.do_not_specialize_on_alignment for p in runtime),
+        )
+        _FLAGS[kernel] = flags
+    return flags
 
 
 def launch_key(
     kernel: Any, args: Sequence[object], constexprs: Mapping[str, object], num_warps: int
 ) -> tuple[Any, ...]:
-    """The cache key of a launch (see the module docstring)."""
-    return (
-        kernel,
-        num_warps,
-        torch.cuda.current_device(),
-        tuple(constexprs.items()),
-        tuple(_arg_key(a) for a in args),
-    )
+    """The cache key of a launch: the kernel, ``num_warps``, the current device, the
+    constexprs, and each runtime argument's specialization as the JIT computes it (Triton's
+    own native function, mapped in C over the arguments)."""
+    dev = torch.cuda.current_device()
+    backend = kernel.device_caches[dev][3]
+    is_const, specialize, align = _flags(kernel)
+    specs = tuple(map(native_specialize_impl, repeat(backend), args, is_const, specialize, align))
+    return (kernel, num_warps, dev, tuple(constexprs.items()), specs)
 
 
 def _tail(kernel: Any, n_args: int, constexprs: Mapping[str, object]) -> tuple[Any, ...] | None:
@@ -104,11 +104,7 @@ def launch(
     if triton_interpret() or _hooks_installed():
         kernel[grid](*args, **constexprs, num_warps=num_warps)
         return
-    try:
-        key = launch_key(kernel, args, constexprs, num_warps)
-    except TypeError:  # an argument type launch() does not know: the JIT decides
-        kernel[grid](*args, **constexprs, num_warps=num_warps)
-        return
+    key = launch_key(kernel, args, constexprs, num_warps)
     hit = _COMPILED.get(key, _NEW)
     if hit is _NEW:
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
