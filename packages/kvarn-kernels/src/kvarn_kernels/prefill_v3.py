@@ -18,9 +18,10 @@ rows with ``block_m=64``) overlaps the parts of its loop:
   one barrier a step (the compiler cannot tell slices of one allocation apart and put one
   between every two stores).
 
-On an H200 it takes 0.65-0.77x v2's time, 2.16x FA3 fp16's at 64 tokens after 16K (B = 1):
-ALU-latency-bound (~1,160 instructions a warp a step at ~1.3 a cycle over the SM). Leaving
-``P V`` running into the next step (three stages) was no faster.
+On an H200 it takes 0.56-0.64x v2's time, 2.02x FA3 fp16's at 64 tokens after 16K (B = 1):
+ALU-latency-bound (~1,000 instructions a warp a step at ~1.3-1.5 a cycle over the SM).
+Leaving ``P V`` running into the next step (three stages) was no faster; dequantizing in fp16
+pairs (``DEQ16``, the default) took 16% of the instructions off and 7-14% of the time.
 
 Layout choices that keep the dequantization free of shuffles:
 
@@ -33,8 +34,10 @@ Layout choices that keep the dequantization free of shuffles:
 * K's in-cache order is transposed (channels contiguous for a token pair): a chunk's K bytes
   are one contiguous ``[32 pairs, D]`` block.
 
-Numerics as the dequantize path and v2: ``k / 2`` and ``v / 2`` rounded once to fp16 (fp32
-dequantization, saturated), the query row-normalized to fp16, fp32 scores and accumulators.
+Numerics: ``k / 2`` and ``v / 2`` in fp16, saturated to +-65504 (NaN kept), rounded twice with
+``DEQ16`` (``code * scale + zero``, then the other axis' scale, in fp16 pairs; 6e-4 from the
+dequantize path's output at the bench's shape) or once as the dequantize path and v2 do
+(fp32, ``DEQ16=False``); the query row-normalized to fp16, fp32 scores and accumulators.
 GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit values, head dim 128, pool
 slots without shadow rows; the launcher uses v2 elsewhere.
 """
