@@ -18,7 +18,7 @@ rows with ``block_m=64``) overlaps the parts of its loop:
   one barrier a step (the compiler cannot tell slices of one allocation apart and put one
   between every two stores).
 
-On an H200 it takes 0.56-0.64x v2's time, 2.02x FA3 fp16's at 64 tokens after 16K (B = 1):
+On an H200 it takes 0.56-0.71x v2's time, 2.02x FA3 fp16's at 64 tokens after 16K (B = 1):
 ALU-latency-bound (~1,000 instructions a warp a step at ~1.3-1.5 a cycle over the SM).
 Leaving ``P V`` running into the next step (three stages) was no faster; dequantizing in fp16
 pairs (``DEQ16``, the default) took 16% of the instructions off and 7-14% of the time.
