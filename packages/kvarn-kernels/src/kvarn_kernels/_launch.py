@@ -12,9 +12,11 @@ determines Triton's specialization: the constexpr values, ``num_warps``, the cur
 and each runtime argument's specialization computed by the JIT's own native function (a
 tensor's dtype and 16-byte alignment, an int's equality to 1, divisibility by 16 and width).
 A new key goes through the JIT (which compiles if needed and launches), and its compiled
-kernel is kept; a known key calls the launcher directly. Two calls with one key thus get the one binary Triton would have
-picked. Under the interpreter, with a launch hook installed (profilers) or for a signature
-that does not list its runtime parameters first, every call takes the JIT's path.
+kernel is kept; a known key calls the launcher directly. Two calls with one key thus get the
+one binary Triton would have picked. Under the interpreter, with a launch hook installed
+(profilers) or for a signature that does not list its runtime parameters first, every call
+takes the JIT's path. Launch options other than ``num_warps`` (``num_stages``, ``maxnreg``)
+are not taken: kernels launched with them keep calling the JIT.
 """
 
 from __future__ import annotations
