@@ -235,6 +235,8 @@ def test_every_kvarn_triton_kernel_has_a_kvarn_category(prof: ModuleType) -> Non
     )
     # a launch's grid may index tensors (``k[(x.shape[0], h)](``): up to the line's last ``](``
     launched = set(re.findall(r"^\s+(\w+)\[.*\]\(", src, re.M))
+    # and launches through kvarn_kernels._launch.launch(kernel, grid, ...)
+    launched |= set(re.findall(r"\blaunch\(\s*(?:\w+\.)*(\w+),", src))
     jitted = set(re.findall(r"@(?:triton|gluon)\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)\(", src))
     kernels = launched & jitted
     expected = {"decode_v4_kernel", "decode_pool_kernel", "_flush_kernel", "_rotate_rows_kernel"}
