@@ -340,16 +340,25 @@ def llama_dir64(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("direct", "padded", "decode", "dtype"),
+    ("direct", "padded", "decode", "dtype", "context"),
     [
-        ("1", False, "", DTYPE),
-        ("0", False, "", DTYPE),
-        ("1", True, "", DTYPE),
-        ("1", False, "v4d", DTYPE),
-        ("1", False, "", "kvarn_k5v5_g64"),
-        ("1", False, "", "kvarn_k4v2_g64"),
+        ("1", False, "", DTYPE, ""),
+        ("0", False, "", DTYPE, ""),
+        ("1", True, "", DTYPE, ""),
+        ("1", False, "v4d", DTYPE, ""),
+        ("1", False, "", "kvarn_k5v5_g64", ""),
+        ("1", False, "", "kvarn_k4v2_g64", ""),
+        ("1", False, "", DTYPE, "fused"),
     ],
-    ids=["direct", "pool", "direct_padded", "direct_v4d", "direct_k5v5", "direct_k4v2"],
+    ids=[
+        "direct",
+        "pool",
+        "direct_padded",
+        "direct_v4d",
+        "direct_k5v5",
+        "direct_k4v2",
+        "direct_fused_context",
+    ],
 )
 def test_serving_steps_match_references(
     kvarn: None,
@@ -359,13 +368,17 @@ def test_serving_steps_match_references(
     padded: bool,
     decode: str,
     dtype: str,
+    context: str,
 ) -> None:
     """Mixed batches, chunked prefill, flushes, prefix hits, finish and preemption, with
     direct flush (default) and with ``KVARN_DIRECT_FLUSH=0``; with records padded as in
     a hybrid model whose other layers' pages force a power-of-two stride; with decode
     on ``KVARN_DECODE_VARIANT=v4d`` and 4 query rows per program; and on the other g64
-    formats (5-bit codes, which the v1 kernels serve; 2-bit values)."""
+    formats (5-bit codes, which the v1 kernels serve; 2-bit values); and with continuation
+    chunks on the fused prefill (``KVARN_PREFILL_CONTEXT=fused``)."""
     monkeypatch.setenv("KVARN_DIRECT_FLUSH", direct)
+    if context:
+        monkeypatch.setenv("KVARN_PREFILL_CONTEXT", context)
     if decode:
         monkeypatch.setenv("KVARN_DECODE_VARIANT", decode)
         monkeypatch.setenv("KVARN_DECODE_MMA_ROWS", "4")
@@ -379,6 +392,7 @@ def test_serving_steps_match_references(
         monkeypatch.setattr(patches, "_other_pages", lambda layer, config: [4 * HK * stride])
     h = _Harness(llama_dir64, dtype=dtype)
     assert h.builder.runtime.decode_variant == (decode or "auto")
+    assert {layer.impl._context_method for layer in h.layers} == {context or "dequant"}
     if padded:
         assert h.spec.tile_stride == stride
         assert h.layers[0].kv_cache.shape[-1] == stride

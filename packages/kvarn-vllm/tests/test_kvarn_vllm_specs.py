@@ -668,6 +668,26 @@ def test_decode_kernel_setting_reaches_the_workspace_and_fails_closed(
             _serving_builder(qwen3_dir)
 
 
+def test_prefill_context_setting_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVARN_PREFILL_CONTEXT`` picks the continuation chunks' prefill method (default
+    ``dequant``); a value kvarn-kernels does not take raises at start-up, naming the choices."""
+    from kvarn_vllm.budget import prefill_context_setting
+
+    monkeypatch.delenv("KVARN_PREFILL_CONTEXT", raising=False)
+    assert prefill_context_setting() == "dequant"
+    for raw, want in (
+        ("fused", "fused"),
+        (" Fused ", "fused"),
+        ("dequant", "dequant"),
+        ("", "dequant"),
+    ):
+        monkeypatch.setenv("KVARN_PREFILL_CONTEXT", raw)
+        assert prefill_context_setting() == want
+    monkeypatch.setenv("KVARN_PREFILL_CONTEXT", "v3")
+    with pytest.raises(ValueError, match="KVARN_PREFILL_CONTEXT must be one of"):
+        prefill_context_setting()
+
+
 def test_gluon_decode_plans_reach_the_workspace_the_charge_and_the_log(
     kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

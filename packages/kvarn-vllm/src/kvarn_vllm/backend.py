@@ -50,7 +50,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.utils import record_function_or_nullcontext as _prof_range
 
 from kvarn_format import DENSE_DTYPES, DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype
-from kvarn_vllm.budget import verify_graphs_setting
+from kvarn_vllm.budget import prefill_context_setting, verify_graphs_setting
 from kvarn_vllm.runtime import DirectTiles, KvarnGroupRuntime
 from kvarn_vllm.specs import KvarnFullAttentionSpec, lookup_tile_stride
 
@@ -628,6 +628,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         self._fa_version: int | None = None
         self._fa_checked = False
         self._varlen: VarlenAttention | None = None
+        self._context_method = prefill_context_setting()
 
     # ------------------------------------------------------------------ KV write
     def do_kv_cache_update(
@@ -782,22 +783,28 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                             **fixed,
                         )
                     continue
+                context = (
+                    self.fmt,
+                    q[t0:t1],
+                    kv_cache,
+                    pools.k,
+                    pools.v,
+                    meta.block_table[run.req_start : run.req_end],
+                    run.cu_seqlens,
+                    meta.seq_lens[run.req_start : run.req_end],
+                    meta.block_to_slot,
+                    self.scale,
+                )
                 with _prof_range("kvarn: context rows"):
-                    kk.prefill_attention(
-                        self.fmt,
-                        q[t0:t1],
-                        kv_cache,
-                        pools.k,
-                        pools.v,
-                        meta.block_table[run.req_start : run.req_end],
-                        run.cu_seqlens,
-                        meta.seq_lens[run.req_start : run.req_end],
-                        meta.block_to_slot,
-                        self.scale,
-                        out=out[t0:t1],
-                        varlen_attention=self._varlen_attention(),
-                        context_plan=run.context_plan,
-                    )
+                    if self._context_method == "fused":
+                        kk.prefill_attention(*context, out=out[t0:t1], method="fused")
+                    else:
+                        kk.prefill_attention(
+                            *context,
+                            out=out[t0:t1],
+                            varlen_attention=self._varlen_attention(),
+                            context_plan=run.context_plan,
+                        )
         return output
 
     def _profile_transients(self, query: torch.Tensor) -> None:

@@ -184,6 +184,27 @@ def decode_kernel_setting() -> tuple[str, int | None]:
     return variant, int(raw)
 
 
+#: How continuation chunks attend to their cached context: ``dequant`` (default: the context
+#: dequantized to fp16, then FlashAttention; the faster on the GPU) or ``fused``
+#: (kvarn-kernels' fused prefill, one kernel on the packed records: v3 on Hopper). Eagerly, as
+#: vLLM runs this attention, the fused path took less host time at short chunks
+#: (docs/benchmarks.md, twenty-fifth session): for a serving A/B before a default changes.
+PREFILL_CONTEXT_ENV = "KVARN_PREFILL_CONTEXT"
+PREFILL_CONTEXT_METHODS = ("dequant", "fused")
+
+
+def prefill_context_setting() -> str:
+    """The ``prefill_attention`` method for continuation chunks, from env
+    ``KVARN_PREFILL_CONTEXT`` (``dequant`` when unset); another value raises here, at
+    start-up. Read in every worker."""
+    method = os.environ.get(PREFILL_CONTEXT_ENV, "").strip().lower() or "dequant"
+    if method not in PREFILL_CONTEXT_METHODS:
+        raise ValueError(
+            f"{PREFILL_CONTEXT_ENV} must be one of {PREFILL_CONTEXT_METHODS}, got {method!r}"
+        )
+    return method
+
+
 def _env_flag(name: str, default: bool = True) -> bool:
     """An on/off environment switch (``default`` when unset or empty); anything but 0/1 (or
     false/true, off/on, no/yes) raises."""
