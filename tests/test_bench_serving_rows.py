@@ -166,6 +166,13 @@ def test_the_first_engine_gets_more_time_and_candidate_kernels_their_own_rows(
     assert labels == ["auto", "kvarn_k4v2_g128[decode v5]"]
     bs.main([*argv, "--first-timeout", "300"])
     assert limits[2:] == [300, 100]
+    # and the continuation chunks' method, when not the default
+    monkeypatch.delenv("KVARN_DECODE_VARIANT")
+    monkeypatch.setenv("KVARN_PREFILL_CONTEXT", "fused")
+    out2 = tmp_path / "bs2"
+    bs.main(["--dtypes", "auto,kvarn_k4v2_g128", "--timeout", "100", "--out", str(out2)])
+    labels = sorted(json.loads(p.read_text())["label"] for p in out2.glob("row_*.json"))
+    assert labels == ["auto", "kvarn_k4v2_g128[context fused]"]
 
 
 def test_resume_skips_the_rows_already_measured(

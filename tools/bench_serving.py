@@ -455,6 +455,9 @@ def planned_rows(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         decode_variant = os.environ.get("KVARN_DECODE_VARIANT", "").strip()
         if decode_variant and cache_dtype.startswith("kvarn_"):
             label += f"[decode {decode_variant}]"  # a candidate kernel (kvarn-vllm's env)
+        context = os.environ.get("KVARN_PREFILL_CONTEXT", "").strip().lower()
+        if context and context != "dequant" and cache_dtype.startswith("kvarn_"):
+            label += f"[context {context}]"  # the continuation chunks' method (kvarn-vllm's env)
         jobs.append((cache_dtype, model_dtype, label))
     return jobs
 
