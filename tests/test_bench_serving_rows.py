@@ -149,7 +149,8 @@ def test_the_first_engine_gets_more_time_and_candidate_kernels_their_own_rows(
 ) -> None:
     """The first engine process of a call gets ``--timeout + 120`` s (or ``--first-timeout``):
     on a fresh machine it also fills vLLM's and FlashInfer's caches. With
-    ``KVARN_DECODE_VARIANT`` set, KVarN rows name the decode kernel they ran."""
+    ``KVARN_DECODE_VARIANT`` set, KVarN rows name the decode kernel they ran, and with
+    ``KVARN_PREFILL_CONTEXT`` the continuation chunks' method."""
     limits: list[float] = []
 
     def fake_run_child(cmd: list[str], env: object, log: Path, limit: float) -> tuple[int, str]:
