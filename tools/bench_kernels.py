@@ -90,6 +90,23 @@ def timed(fn: Callable[[], Any], *, graph: bool = True, rep_ms: int = 200) -> tu
     return 1000.0 * float(ms), "eager"
 
 
+def host_us(fn: Callable[[], Any], calls: int = 300, sync_every: int = 20) -> float:
+    """Host microseconds per call of ``fn`` (no profiler), the GPU queue kept from filling by a
+    sync every ``sync_every`` calls: what a launch costs the CPU, not the GPU."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    total = 0.0
+    for i in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+        if i % sync_every == sync_every - 1:
+            torch.cuda.synchronize()
+    return 1e6 * total / calls
+
+
 def ceilings() -> dict[str, float]:
     import torch
     import triton

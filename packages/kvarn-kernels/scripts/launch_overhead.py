@@ -4,33 +4,18 @@ the parts of ``launch()``'s own work (its key, the device lookup, the interprete
 checks). Two rounds; the second is the warm one (docs/kernel-notes.md, twenty-fifth
 session)::
 
-    PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src \\
+    PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools \\
         python3 packages/kvarn-kernels/scripts/launch_overhead.py
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
+import bench_kernels as bk  # tools/ on PYTHONPATH
+
 CALLS = 3000
-
-
-def host_us(fn: Callable[[], Any], calls: int = CALLS) -> float:
-    """Host microseconds per call (a sync every 50 calls keeps the queue short)."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    total = 0.0
-    for i in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        total += time.perf_counter() - t0
-        if i % 50 == 49:
-            torch.cuda.synchronize()
-    return 1e6 * total / calls
 
 
 def main() -> None:
@@ -60,7 +45,7 @@ def main() -> None:
     }
     for rnd in (1, 2):
         for name, fn in parts.items():
-            print(f"round {rnd}  {name:32s} {host_us(fn):7.1f} µs")
+            print(f"round {rnd}  {name:32s} {bk.host_us(fn, CALLS, sync_every=50):7.1f} µs")
 
 
 if __name__ == "__main__":

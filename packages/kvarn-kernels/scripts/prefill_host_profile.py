@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import inspect
 import io
 import pstats
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,22 +22,6 @@ import bench_kernels as bk  # tools/ on PYTHONPATH
 
 FMT = "kvarn_k4v2_g128"
 CALLS = 300
-
-
-def host_us(fn: Callable[[], Any], calls: int = CALLS) -> float:
-    """Host microseconds per call, the GPU queue kept from filling (a sync every 20 calls)."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    total = 0.0
-    for i in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        total += time.perf_counter() - t0
-        if i % 20 == 19:
-            torch.cuda.synchronize()
-    return 1e6 * total / calls
 
 
 def main() -> None:
@@ -79,7 +61,7 @@ def main() -> None:
     }
     lines = components(c, args, plan, fa3, out)
     for name, fn in paths.items():
-        us = host_us(fn)
+        us = bk.host_us(fn, CALLS)
         lines.append(f"{name:24s} {us:8.1f} µs host per call")
         prof = cProfile.Profile()
         fn()
@@ -116,6 +98,7 @@ def components(
 
     from kvarn_kernels import attention as att
     from kvarn_kernels import context as ctx
+    from kvarn_kernels._launch import _tail
     from kvarn_kernels.rotation import _rotate_rows_kernel, rotate_into, sign_matrix
 
     q = c["q"]
@@ -147,8 +130,9 @@ def components(
     )
     grid = (-(-t * hq // 32),)
     ck = _rotate_rows_kernel[grid](*rot_args, **rot_const, num_warps=4)
-    names = list(inspect.signature(_rotate_rows_kernel.fn).parameters)
-    values = (*rot_args, *(rot_const[n] for n in names[len(rot_args) :]))
+    tail = _tail(_rotate_rows_kernel, len(rot_args), rot_const)
+    assert tail is not None
+    values = (*rot_args, *tail)
     dev = torch.cuda.current_device()
 
     def direct() -> None:
@@ -185,7 +169,7 @@ def components(
     }
     lines = ["parts of the planned dequantize path, each alone:"]
     for name, fn in parts.items():
-        lines.append(f"  {name:32s} {host_us(fn):8.1f} µs host per call")
+        lines.append(f"  {name:32s} {bk.host_us(fn, CALLS):8.1f} µs host per call")
     return lines
 
 
