@@ -431,8 +431,12 @@ def prefill_v3_kernel(
     gl.static_assert(D == 128, "head dim 128")
     gl.static_assert(G % BN == 0, "a tile must be whole chunks")
     # register layouts
-    KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # K bytes [32, D]
-    VL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])  # V bytes [32, VCOLS]
+    if W == 16:  # the byte tiles' 32 rows over 8 warps, not 16 (no element held twice)
+        KL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 2], [1, 0])  # K bytes [32, D]
+        VL: gl.constexpr = gl.BlockedLayout([2, 1], [8, 4], [2, 8], [0, 1])  # V bytes
+    else:
+        KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # K bytes [32, D]
+        VL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])  # V [32, VCOLS]
     OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # [rows, D] fp32
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16]
