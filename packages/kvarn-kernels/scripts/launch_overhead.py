@@ -36,7 +36,9 @@ def main() -> None:
     parts: dict[str, Callable[[], Any]] = {
         "kernel[grid](...)": lambda: _rotate_rows_kernel[grid](*args, **consts, num_warps=4),
         "launch()": lambda: _launch.launch(_rotate_rows_kernel, grid, args, consts, num_warps=4),
-        "  its key": lambda: _launch.launch_key(_rotate_rows_kernel, args, consts, 4),
+        "  its key": lambda: _launch.launch_key(
+            _rotate_rows_kernel, args, consts, {"num_warps": 4}
+        ),
         "  torch.cuda.current_device": torch.cuda.current_device,
         "  interpreter and hook checks": lambda: (
             _launch.triton_interpret(),

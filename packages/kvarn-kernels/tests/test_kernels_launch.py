@@ -90,6 +90,9 @@ def test_second_call_goes_to_the_launcher(fresh: None) -> None:
         ({"dtype": torch.float32}, {"dtype": torch.float16}),
         ({"A": 1}, {"A": 2}),  # another constexpr value
         ({"warps": 4}, {"warps": 8}),
+        ({"stages": None}, {"stages": 2}),  # launch options: Triton's default, then given
+        ({"stages": 2}, {"stages": 3}),
+        ({"maxnreg": None}, {"maxnreg": 128}),
     ],
 )
 def test_a_new_specialization_goes_through_the_jit(
@@ -104,13 +107,29 @@ def test_a_new_specialization_goes_through_the_jit(
         dtype: torch.dtype = torch.float32,
         A: int = 1,
         warps: int = 4,
+        stages: int | None = None,
+        maxnreg: int | None = None,
     ) -> None:
         x = base.to(dtype)[offset:]
-        _launch.launch(k, (1,), (x, n, 0.5), {"A": A, "B": 2}, num_warps=warps)
+        _launch.launch(
+            k,
+            (1,),
+            (x, n, 0.5),
+            {"A": A, "B": 2},
+            num_warps=warps,
+            num_stages=stages,
+            maxnreg=maxnreg,
+        )
 
     call(**first)
     call(**second)
     assert len(k.jit_calls) == 2 and not k.compiled.calls
+    # the JIT got the launch options that were given, and no others
+    options = {"num_warps": "warps", "num_stages": "stages", "maxnreg": "maxnreg"}
+    for (_grid, _args, kw), given in zip(k.jit_calls, (first, second), strict=True):
+        want = {"warps": 4, "stages": None, "maxnreg": None, **given}
+        got = {o: kw.get(o) for o in options}
+        assert got == {o: want[name] for o, name in options.items()}
     call(**second)  # now known
     assert len(k.jit_calls) == 2 and len(k.compiled.calls) == 1
 
@@ -150,3 +169,50 @@ def test_direct_launches_compute_what_the_jit_does(device: torch.device) -> None
         torch.testing.assert_close(y, want, atol=2e-3, rtol=2e-3)
     keys = [k for k in _launch._COMPILED if k[0] is _rotate_rows_kernel]
     assert keys and all(_launch._COMPILED[k] is not None for k in keys)
+
+
+def test_every_launch_lists_its_whole_signature(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each op's launches pass every constexpr of their kernel (defaults too), so that
+    :func:`kvarn_kernels._launch._tail` matches and a GPU's second call takes the direct path:
+    a launch that leaves one to its default stays on the JIT, correct and ~10 µs slower. Runs
+    the store (through the case's encoder), every decode variant that takes the case, verify,
+    and both prefill methods with their fused kernels; on the CPU under the interpreter, on a
+    GPU with Gluon's variants as well."""
+    import kvarn_kernels.attention as attention
+    import kvarn_kernels.context as context
+    import kvarn_kernels.rotation as rotation
+    import kvarn_kernels.store as store
+    from kvarn_kernels import decode_attention, prefill_attention, verify_attention
+    from kvarn_kernels.testing import build_case
+
+    calls: list[tuple[Any, int, dict[str, object]]] = []
+    real = _launch.launch
+
+    def spy(kernel: Any, grid: Any, args: Any, constexprs: Any, **kw: Any) -> None:
+        calls.append((kernel, len(args), dict(constexprs)))
+        real(kernel, grid, args, constexprs, **kw)
+
+    for module in (attention, context, rotation, store):
+        monkeypatch.setattr(module, "launch", spy)
+    gpu = device.type == "cuda"
+    name, d, hq, hk = "kvarn_k4v2_g64", 128 if gpu else 64, 8, 2
+    lens, qlens = [200, 70], [3, 2]
+    case = build_case(name, d, hk, lens, device=device, seed=5)
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(1)).half()
+    args = case.decode_args(name, q.to(device), 0.125)
+    variants = ["v1", "v4", "v4b", "v4c", "v4d"] + (["v5", "v5f", "v6", "v6f"] if gpu else [])
+    for variant in variants:
+        decode_attention(*args, variant=variant)
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32, device=device)
+    qp = torch.randn(sum(qlens), hq, d, generator=torch.Generator().manual_seed(2)).half()
+    pargs = case.prefill_args(name, qp.to(device), qsl, 0.125)
+    verify_attention(*pargs, max_query_len=3)
+    prefill_attention(*pargs)
+    for kernel in ("v1", "v2"):
+        prefill_attention(*pargs, method="fused", fused_kernel=kernel)
+    launched = {k.fn.__name__ for k, _n, _c in calls}
+    assert {"_attn_kernel", "decode_v4_kernel", "decode_pool_kernel"} <= launched
+    partial = sorted({k.fn.__name__ for k, n, c in calls if _launch._tail(k, n, c) is None})
+    assert not partial, f"launches that leave constexprs to their defaults: {partial}"

@@ -13,10 +13,10 @@ and each runtime argument's specialization computed by the JIT's own native func
 tensor's dtype and 16-byte alignment, an int's equality to 1, divisibility by 16 and width).
 A new key goes through the JIT (which compiles if needed and launches), and its compiled
 kernel is kept; a known key calls the launcher directly. Two calls with one key thus get the
-one binary Triton would have picked. Under the interpreter, with a launch hook installed
+one binary Triton would have picked. The launch options ``num_warps``, ``num_stages`` and
+``maxnreg`` are part of the key. Under the interpreter, with a launch hook installed
 (profilers) or for a signature that does not list its runtime parameters first, every call
-takes the JIT's path. Launch options other than ``num_warps`` (``num_stages``, ``maxnreg``)
-are not taken: kernels launched with them keep calling the JIT.
+takes the JIT's path.
 """
 
 from __future__ import annotations
@@ -56,16 +56,20 @@ def _flags(kernel: Any) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool,
 
 
 def launch_key(
-    kernel: Any, args: Sequence[object], constexprs: Mapping[str, object], num_warps: int
+    kernel: Any,
+    args: Sequence[object],
+    constexprs: Mapping[str, object],
+    options: Mapping[str, int],
 ) -> tuple[Any, ...]:
-    """The cache key of a launch: the kernel, ``num_warps``, the current device, the
-    constexprs, and each runtime argument's specialization as the JIT computes it (Triton's
-    own native function, mapped in C over the arguments)."""
+    """The cache key of a launch: the kernel, its launch options (``num_warps`` and those
+    given of ``num_stages`` and ``maxnreg``), the current device, the constexprs, and each
+    runtime argument's specialization as the JIT computes it (Triton's own native function,
+    mapped in C over the arguments)."""
     dev = torch.cuda.current_device()
     backend = kernel.device_caches[dev][3]
     is_const, specialize, align = _flags(kernel)
     specs = tuple(map(native_specialize_impl, repeat(backend), args, is_const, specialize, align))
-    return (kernel, num_warps, dev, tuple(constexprs.items()), specs)
+    return (kernel, tuple(options.items()), dev, tuple(constexprs.items()), specs)
 
 
 def _tail(kernel: Any, n_args: int, constexprs: Mapping[str, object]) -> tuple[Any, ...] | None:
@@ -99,22 +103,31 @@ def launch(
     constexprs: Mapping[str, object],
     *,
     num_warps: int,
+    num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> None:
-    """``kernel[grid](*args, **constexprs, num_warps=num_warps)``, through the compiled
+    """``kernel[grid](*args, **constexprs, num_warps=num_warps, ...)``, through the compiled
     kernel's launcher when a call with the same key has compiled it. ``args`` are the
-    kernel's leading runtime parameters in order, ``constexprs`` all the rest by name."""
+    kernel's leading runtime parameters in order, ``constexprs`` all the rest by name;
+    ``num_stages`` and ``maxnreg``: Triton's launch options of those names, left to
+    Triton's defaults when None."""
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     if triton_interpret() or _hooks_installed():
-        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        kernel[grid](*args, **constexprs, **options)
         return
-    key = launch_key(kernel, args, constexprs, num_warps)
+    key = launch_key(kernel, args, constexprs, options)
     hit = _COMPILED.get(key, _NEW)
     if hit is _NEW:
-        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        compiled = kernel[grid](*args, **constexprs, **options)
         tail = _tail(kernel, len(args), constexprs)
         _COMPILED[key] = None if tail is None or compiled is None else (compiled, tail)
         return
     if hit is None:
-        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        kernel[grid](*args, **constexprs, **options)
         return
     compiled, tail = cast(tuple[Any, tuple[Any, ...]], hit)
     stream = _raw_stream(key[2])

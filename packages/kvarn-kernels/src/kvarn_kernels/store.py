@@ -78,6 +78,7 @@ from kvarn_kernels._common import (
     resolve_format,
     triton_interpret,
 )
+from kvarn_kernels._launch import launch
 
 __all__ = ["flush_tiles", "flush_token_tiles"]
 
@@ -993,14 +994,22 @@ def _launch(
         ROW_SCALE=row_scale,
         HAS_HEAD=heads is not None,
         MASKED=masked,
-        num_warps=num_warps or _num_warps(geo.head_dim, geo.group),
     )
+    warps = num_warps or _num_warps(geo.head_dim, geo.group)
     if shadow == 0:
-        _flush_kernel[(n, hk, 2)](*args, **consts)
+        launch(
+            _flush_kernel, (n, hk, 2), args, {**consts, "SHADOW": 0, "PART": -1}, num_warps=warps
+        )
         return
     # Two launches, K and V halves in a hazard-free order (_shadow_parts).
     for part in _shadow_parts(geo, shadow):
-        _flush_kernel[(n, hk, 1)](*args, **consts, SHADOW=shadow, PART=part)
+        launch(
+            _flush_kernel,
+            (n, hk, 1),
+            args,
+            {**consts, "SHADOW": shadow, "PART": part},
+            num_warps=warps,
+        )
 
 
 def flush_tiles(
