@@ -34,7 +34,7 @@ SHAPES: tuple[tuple[int, int, int], ...] = (
 
 
 #: The rows ``--short`` keeps (prefixes of the path names).
-SHORT_PATHS = ("dequant", "v3 auto", "v3 m256")
+SHORT_PATHS = ("dequant", "v2 auto", "v3 auto", "v3 splits", "v3 fp32", "v1 (splits 1)")
 
 
 def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[str, Any]]:
@@ -51,9 +51,9 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=bk.HK, head_dim=bk.D, device="cuda"
     )
     fa3 = bk.vllm_fa3()
-    shape = (int(c["q"].shape[0]), bk.HQ, bk.HK, int(c["bt"].shape[1]), _num_sms(c["q"].device))
-    auto = prefill_v2_splits(*shape)
-    auto256 = prefill_v2_splits(*shape, block_m=256)
+    auto = prefill_v2_splits(
+        int(c["q"].shape[0]), bk.HQ, bk.HK, int(c["bt"].shape[1]), _num_sms(c["q"].device)
+    )
 
     def fused(**kw: Any) -> Callable[[], Any]:
         return lambda: prefill_attention(FMT, c["q"], *args, scale, out=out, method="fused", **kw)
@@ -87,17 +87,6 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         (f"v3 auto (splits {auto})", fused(fused_kernel="v3"), True),
         (f"v3 splits {2 * auto}", fused(fused_kernel="v3", num_splits=2 * auto), True),
         ("v3 m64", fused(fused_kernel="v3", block_m=64), True),
-        (f"v3 m256 (splits {auto256})", fused(fused_kernel="v3", block_m=256), True),
-        (
-            f"v3 m256 splits {2 * auto256}",
-            fused(fused_kernel="v3", block_m=256, num_splits=2 * auto256),
-            True,
-        ),
-        (
-            f"v3 m256 splits {max(1, auto256 // 2)}",
-            fused(fused_kernel="v3", block_m=256, num_splits=max(1, auto256 // 2)),
-            True,
-        ),
         ("v3 fp32 dequant", v3_fp32_dequant, True),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
@@ -105,11 +94,7 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
     if short:
         paths = [p for p in paths if p[0].startswith(SHORT_PATHS)]
     if q_len > 512:  # the slow fused paths at the long chunk: the default of each only
-        paths = [
-            p
-            for p in paths
-            if "splits" not in p[0] or "auto" in p[0] or p[0].startswith("v3 m256 (")
-        ]
+        paths = [p for p in paths if "splits" not in p[0] or "auto" in p[0]]
         paths = [p for p in paths if p[0] not in ("v2 bn32", "v2 bn128", "v2 m64 w4", "v3 m64")]
 
     rows: list[dict[str, Any]] = []

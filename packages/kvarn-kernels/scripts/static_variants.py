@@ -596,6 +596,6 @@ def _prefill_v3(name: str, warps: int = 8, deq16: bool = True) -> Any:
 
 
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
-    for _w in (4, 8, 16):
+    for _w in (4, 8):
         variant(f"prefill_v3 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w))
         variant(f"prefill_v3fp32 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w, False))

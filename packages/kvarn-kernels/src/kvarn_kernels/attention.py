@@ -2254,12 +2254,11 @@ def prefill_attention(
         fmt, q, kv_cache, pool_k, pool_v, block_table, query_start_loc, seq_lens, block_to_slot, out
     )
     if block_m is not None and (
-        block_m not in (16, 32, 64, 128, 256) or (block_m > 64 and q.shape[2] > 128)
+        block_m not in (16, 32, 64, 128) or (block_m > 64 and q.shape[2] > 128)
     ):
         raise ValueError(
-            f"block_m must be 16, 32 or 64 (or 128 for head_dim <= 128, 256 for "
-            f"fused_kernel='v3'), got {block_m}; Triton 3.6 fails to compile 128-row tiles "
-            "at head_dim 256"
+            f"block_m must be 16, 32 or 64 (or 128 for head_dim <= 128), got {block_m}; "
+            "Triton 3.6 fails to compile 128-row tiles at head_dim 256"
         )
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -2358,12 +2357,10 @@ def prefill_attention(
                 "fused_kernel='v3' needs an sm_90 GPU, 4-bit keys with 2- or 4-bit values, "
                 "head_dim 128 and pool slots without shadow rows; use 'v2' or 'auto'"
             )
-        if block_m is not None and block_m not in (64, 128, 256):
-            raise ValueError(f"fused_kernel='v3' takes block_m 64, 128 or 256, got {block_m}")
+        if block_m is not None and block_m not in (64, 128):
+            raise ValueError(f"fused_kernel='v3' takes block_m 64 or 128, got {block_m}")
         if block_n is not None or num_warps is not None or not prefetch:
             raise ValueError("block_n, num_warps and prefetch=False do not apply to 'v3'")
-    if block_m == 256 and kernel != "v3":
-        raise ValueError(f"block_m=256 is for fused_kernel='v3' only; this call runs {kernel!r}")
     if kernel == "v2":
         if d > PREFILL_V2_MAX_HEAD_DIM:
             raise ValueError(

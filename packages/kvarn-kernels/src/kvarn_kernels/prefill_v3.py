@@ -423,7 +423,7 @@ def prefill_v3_kernel(
     DEQ16: gl.constexpr,
 ):
     """As :func:`kvarn_kernels.prefill_v2.prefill_v2_kernel` (the same grid, partials and
-    arguments, 64-token chunks), on the asynchronous wgmma: ``W`` warps (4, 8 or 16, launched
+    arguments, 64-token chunks), on the asynchronous wgmma: ``W`` warps (4 or 8, launched
     with ``num_warps=W``) and ``16 W`` query rows."""
     M: gl.constexpr = 16 * W
     BN: gl.constexpr = 64
@@ -431,12 +431,8 @@ def prefill_v3_kernel(
     gl.static_assert(D == 128, "head dim 128")
     gl.static_assert(G % BN == 0, "a tile must be whole chunks")
     # register layouts
-    # the byte tiles' 32 rows over at most 8 warps (at 16 warps, two across the columns), so
-    # that no thread unpacks bytes another one also unpacks
-    KWR: gl.constexpr = 8 if W == 16 else W  # warps along K's rows
-    VWR: gl.constexpr = 2 if W == 16 else 1  # warps along V's rows
-    KL: gl.constexpr = gl.BlockedLayout([1, 16 * KWR // W], [4, 8], [KWR, W // KWR], [1, 0])
-    VL: gl.constexpr = gl.BlockedLayout([4 // VWR, 1], [8, 4], [VWR, W // VWR], [0, 1])
+    KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # K bytes [32, D]
+    VL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])  # V bytes [32, VCOLS]
     OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # [rows, D] fp32
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16]
