@@ -34,7 +34,7 @@ SHAPES: tuple[tuple[int, int, int], ...] = (
 
 
 #: The rows ``--short`` keeps (prefixes of the path names).
-SHORT_PATHS = ("dequant", "v2 auto", "v3 auto", "v3 splits", "v3 fp32", "v1 (splits 1)")
+SHORT_PATHS = ("dequant", "v3 auto", "v3 ws")
 
 
 def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[str, Any]]:
@@ -66,6 +66,16 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         finally:
             prefill_v3.V3_DEQ16 = True
 
+    def v3_warp_specialized(**kw: Any) -> Callable[[], None]:
+        def run() -> None:
+            prefill_v3.V3_WARP_SPECIALIZED = True
+            try:
+                fused(fused_kernel="v3", **kw)()
+            finally:
+                prefill_v3.V3_WARP_SPECIALIZED = False
+
+        return run
+
     paths: list[tuple[str, Callable[[], Any], bool]] = [
         (
             "dequant+FA3",
@@ -88,13 +98,17 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         (f"v3 splits {2 * auto}", fused(fused_kernel="v3", num_splits=2 * auto), True),
         ("v3 m64", fused(fused_kernel="v3", block_m=64), True),
         ("v3 fp32 dequant", v3_fp32_dequant, True),
+        (f"v3 ws (splits {auto})", v3_warp_specialized(), True),
+        (f"v3 ws splits {2 * auto}", v3_warp_specialized(num_splits=2 * auto), True),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]
     if short:
         paths = [p for p in paths if p[0].startswith(SHORT_PATHS)]
     if q_len > 512:  # the slow fused paths at the long chunk: the default of each only
-        paths = [p for p in paths if "splits" not in p[0] or "auto" in p[0]]
+        paths = [
+            p for p in paths if "splits" not in p[0] or "auto" in p[0] or p[0].startswith("v3 ws (")
+        ]
         paths = [p for p in paths if p[0] not in ("v2 bn32", "v2 bn128", "v2 m64 w4", "v3 m64")]
 
     rows: list[dict[str, Any]] = []

@@ -570,9 +570,10 @@ for _r in (128, 168):
     )
 
 
-def _prefill_v3(name: str, warps: int = 8, deq16: bool = True) -> Any:
-    """The Gluon fused prefill (asynchronous wgmma), ``16 * warps`` query rows."""
-    from kvarn_kernels.prefill_v3 import prefill_v3_kernel
+def _prefill_v3(name: str, warps: int = 8, deq16: bool = True, ws: bool = False) -> Any:
+    """The Gluon fused prefill (asynchronous wgmma), ``16 * warps`` query rows; ``ws``: its
+    warp-specialized form (producer warps dequantizing)."""
+    from kvarn_kernels.prefill_v3 import WS_MAXNREG, prefill_v3_kernel, prefill_v3ws_kernel
 
     geo = _geo(name)
     offs = geo.offsets()
@@ -592,10 +593,14 @@ def _prefill_v3(name: str, warps: int = 8, deq16: bool = True) -> Any:
         W=warps,
         DEQ16=deq16,
     )
-    return compile_kernel(prefill_v3_kernel, {**DECODE_SIG, "QSL": "*i32"}, consts, warps)
+    sig = {**DECODE_SIG, "QSL": "*i32"}
+    if ws:
+        return compile_kernel(prefill_v3ws_kernel, sig, consts, warps, maxnreg=WS_MAXNREG)
+    return compile_kernel(prefill_v3_kernel, sig, consts, warps)
 
 
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
     for _w in (4, 8):
         variant(f"prefill_v3 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w))
         variant(f"prefill_v3fp32 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w, False))
+    variant(f"prefill_v3ws {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True))

@@ -1028,13 +1028,18 @@ def _launch_prefill_fused(
 
         # v3 is written for one pair of in-cache orders (_v3_serves checks them)
         del offsets["K_ORDER"], offsets["V_ORDER"]
-        launch(
-            prefill_v3.prefill_v3_kernel,
-            grid,
-            args,
-            {**shape, **offsets, "W": rows // 16, "DEQ16": prefill_v3.V3_DEQ16},
-            num_warps=rows // 16,
-        )
+        consts = {**shape, **offsets, "W": rows // 16, "DEQ16": prefill_v3.V3_DEQ16}
+        if prefill_v3.V3_WARP_SPECIALIZED and rows == 128:
+            launch(
+                prefill_v3.prefill_v3ws_kernel,
+                grid,
+                args,
+                consts,
+                num_warps=8,
+                maxnreg=prefill_v3.WS_MAXNREG,
+            )
+            return
+        launch(prefill_v3.prefill_v3_kernel, grid, args, consts, num_warps=rows // 16)
         return
     launch(
         prefill_v2_kernel,

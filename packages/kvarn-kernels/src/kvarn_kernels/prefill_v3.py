@@ -48,18 +48,21 @@ from triton.experimental import gluon  # type: ignore[import-untyped]
 from triton.experimental.gluon import language as gl  # type: ignore[import-untyped]
 from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[import-untyped]
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM
 
-__all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel"]
+__all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel", "prefill_v3ws_kernel"]
 
 #: Warps per program (``16 * V3_WARPS`` query rows: one or two warpgroups).
 V3_WARPS = 8
 #: Dequantize in fp16 pairs (two roundings a value) rather than in fp32 (one rounding).
 V3_DEQ16 = True
+#: Run 128-row tiles on the warp-specialized form (:func:`prefill_v3ws_kernel`).
+V3_WARP_SPECIALIZED = False
 #: Head dims the kernel is written for.
 V3_HEAD_DIMS = (128,)
 
@@ -331,7 +334,6 @@ def _step(
         k_cur, v_cur, k_nxt, v_nxt = k0, v0, k1, v1
     else:
         k_cur, v_cur, k_nxt, v_nxt = k1, v1, k0, v0
-    m_i, l_i, acc = state
     s_tok = warpgroup_mma(
         q_smem,
         k_cur.permute((1, 0)),
@@ -364,8 +366,23 @@ def _step(
 
     s = warpgroup_mma_wait(0, deps=[s_tok])
     t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
+    state = _softmax_pv(s, v_cur, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA, P_OP)
+    fence_async_shared()
+    gl.thread_barrier()
+    return state, nxt
+
+
+@gluon.jit
+def _softmax_pv(
+    s, v_cur, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA: gl.constexpr, P_OP: gl.constexpr
+):
+    """One chunk's online-softmax step from its scores ``s`` (``[M, 64]``, stage rows
+    parity-major from token ``t0``; keys after a row's own position or past ``kv_len``
+    masked) and ``P V`` against the stage ``v_cur``; returns the new ``(m, l, acc)``."""
+    BN: gl.constexpr = 64
+    m_i, l_i, acc = state
     if t0 + BN - 1 > pos_lo:  # some row must not see some key of the chunk
-        tn = gl.arange(0, BN, layout=gl.SliceLayout(0, S_MMA))
+        tn = gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
         tpos = t0 + 2 * (tn % 32) + tn // 32  # stage row tn's token
         keep = (tpos[None, :] <= q_pos[:, None]) & (tpos < kv_len)[None, :]
         s = gl.where(keep, s, float("-inf"))
@@ -379,9 +396,7 @@ def _step(
     p16 = gl.convert_layout(p.to(gl.float16), P_OP)
     o_tok = warpgroup_mma(p16, v_cur, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[o_tok])
-    fence_async_shared()
-    gl.thread_barrier()
-    return (m_new, l_i, acc), nxt
+    return m_new, l_i, acc
 
 
 @gluon.jit(do_not_specialize=["num_reqs", "stride_bt"])
@@ -442,43 +457,18 @@ def prefill_v3_kernel(
     )
     P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
     SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.float16)
-    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
 
     pid = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)
-
-    # the request of this tile and its first query token: attention._prefill_tile in Gluon
-    ridx = gl.arange(0, B_P, layout=gl.BlockedLayout([1], [32], [W], [0]))
-    qsl_v = gl.load(QSL + ridx, mask=ridx < num_reqs, other=0)
-    starts = qsl_v // BQ + ridx
-    b = gl.sum(((starts <= pid) & (ridx < num_reqs)).to(gl.int32), axis=0) - 1
-    q_begin = gl.load(QSL + b)
-    q_end = gl.load(QSL + b + 1)
-    first = q_begin + (pid - (q_begin // BQ + b)) * BQ
+    first, q_end, pos_lo, kv_len, m, rows, row_ok, b = _tile_rows(
+        pid, h, QSL, SEQ_LENS, num_reqs, HQ, QPK, QPK_P, BQ, B_P, M, W, OL
+    )
     if first >= q_end:
         return
-    seq_len = gl.load(SEQ_LENS + b)
-    ctx0 = seq_len - (q_end - q_begin)
-    pos_lo = ctx0 + first - q_begin
-    kv_len = ctx0 + gl.minimum(first + BQ, q_end) - q_begin
-
-    # queries: rows = tokens x heads, row-normalized fp16 into shared memory
-    m = gl.arange(0, M, layout=gl.SliceLayout(1, OL))
-    dd = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
-    tok = first + m // QPK_P
-    mj = m % QPK_P
-    row_ok = (mj < QPK) & (tok < q_end)
-    rows = tok.to(gl.int64) * HQ + h * QPK + mj
-    q = gl.load(Q + rows[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
-    q = q * qk_scale
-    qmax = gl.max(gl.abs(q), axis=1)
-    qmax = gl.where(qmax > 0, qmax, 1.0)
-    q_smem = gl.allocate_shared_memory(
-        gl.float16, [M, D], Q_SMEM, (q / qmax[:, None]).to(gl.float16)
+    q_smem, row_scale, q_pos = _query_tile(
+        Q, rows, row_ok, m, qk_scale, pos_lo, QPK_P, M, D, OL, S_MMA
     )
-    row_scale = gl.convert_layout(2.0 * qmax, gl.SliceLayout(1, S_MMA))
-    q_pos = gl.convert_layout(pos_lo + m // QPK_P, gl.SliceLayout(1, S_MMA))
 
     # two stages, each its own allocation (the barrier placement tells allocations apart,
     # not the stages of one)
@@ -487,11 +477,7 @@ def prefill_v3_kernel(
     k1 = gl.allocate_shared_memory(gl.float16, [BN, D], SMEM)
     v1 = gl.allocate_shared_memory(gl.float16, [BN, D], SMEM)
 
-    n_blocks = gl.cdiv(kv_len, G)
-    per = gl.cdiv(n_blocks, NUM_SPLITS)
-    blk_lo = split * per
-    blk_hi = gl.minimum(blk_lo + per, n_blocks)
-    n_it = gl.maximum(blk_hi - blk_lo, 0) * NCH
+    blk_lo, n_it = _context_range(kv_len, split, G, NUM_SPLITS)
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
     # chunk 0 staged, chunk 1's bytes in registers
@@ -554,12 +540,391 @@ def prefill_v3_kernel(
             state, nxt = _step(
                 ctx, 1, it + 1, state, nxt, HK, STRIDE, NCH, LOADS, OL, S_MMA, O_MMA, P_OP, M, DEQ16
             )
-    m_i, l_i, acc = state
+    _store_partials(state, rows, row_ok, split, n_rows_total, O_PART, LSE_PART, D, OL)
 
+
+@gluon.jit
+def _tile_rows(
+    pid,
+    h,
+    QSL,
+    SEQ_LENS,
+    num_reqs,
+    HQ: gl.constexpr,
+    QPK: gl.constexpr,
+    QPK_P: gl.constexpr,
+    BQ: gl.constexpr,
+    B_P: gl.constexpr,
+    M: gl.constexpr,
+    W: gl.constexpr,
+    OL: gl.constexpr,
+):
+    """Query tile ``pid``'s request ``b`` (attention._prefill_tile in Gluon), its first query
+    token and the request's query end, the first row's position and the keys the tile sees
+    (``kv_len``), and its rows (tokens x heads: ``m``, the query rows, which are real)."""
+    ridx = gl.arange(0, B_P, layout=gl.BlockedLayout([1], [32], [W], [0]))
+    qsl_v = gl.load(QSL + ridx, mask=ridx < num_reqs, other=0)
+    starts = qsl_v // BQ + ridx
+    b = gl.sum(((starts <= pid) & (ridx < num_reqs)).to(gl.int32), axis=0) - 1
+    q_begin = gl.load(QSL + b)
+    q_end = gl.load(QSL + b + 1)
+    first = q_begin + (pid - (q_begin // BQ + b)) * BQ
+    seq_len = gl.load(SEQ_LENS + b)
+    ctx0 = seq_len - (q_end - q_begin)
+    pos_lo = ctx0 + first - q_begin
+    kv_len = ctx0 + gl.minimum(first + BQ, q_end) - q_begin
+    m = gl.arange(0, M, layout=gl.SliceLayout(1, OL))
+    tok = first + m // QPK_P
+    mj = m % QPK_P
+    row_ok = (mj < QPK) & (tok < q_end)
+    rows = tok.to(gl.int64) * HQ + h * QPK + mj
+    return first, q_end, pos_lo, kv_len, m, rows, row_ok, b
+
+
+@gluon.jit
+def _query_tile(
+    Q,
+    rows,
+    row_ok,
+    m,
+    qk_scale,
+    pos_lo,
+    QPK_P: gl.constexpr,
+    M: gl.constexpr,
+    D: gl.constexpr,
+    OL: gl.constexpr,
+    S_MMA: gl.constexpr,
+):
+    """The tile's queries, row-normalized fp16, in shared memory; the rows' scale (the
+    scores' factor back) and positions in the scores' layout."""
+    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
+    dd = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
+    q = gl.load(Q + rows[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
+    q = q * qk_scale
+    qmax = gl.max(gl.abs(q), axis=1)
+    qmax = gl.where(qmax > 0, qmax, 1.0)
+    q_smem = gl.allocate_shared_memory(
+        gl.float16, [M, D], Q_SMEM, (q / qmax[:, None]).to(gl.float16)
+    )
+    row_scale = gl.convert_layout(2.0 * qmax, gl.SliceLayout(1, S_MMA))
+    q_pos = gl.convert_layout(pos_lo + m // QPK_P, gl.SliceLayout(1, S_MMA))
+    return q_smem, row_scale, q_pos
+
+
+@gluon.jit
+def _context_range(kv_len, split, G: gl.constexpr, NUM_SPLITS: gl.constexpr):
+    """Split ``split``'s first context block and its number of 64-token chunks."""
+    n_blocks = gl.cdiv(kv_len, G)
+    per = gl.cdiv(n_blocks, NUM_SPLITS)
+    blk_lo = split * per
+    blk_hi = gl.minimum(blk_lo + per, n_blocks)
+    return blk_lo, gl.maximum(blk_hi - blk_lo, 0) * (G // 64)
+
+
+@gluon.jit
+def _store_partials(
+    state, rows, row_ok, split, n_rows_total, O_PART, LSE_PART, D: gl.constexpr, OL: gl.constexpr
+):
+    """The split's partial output and base-2 LSE of the real rows (the merge's inputs)."""
+    m_i, l_i, acc = state
     l_safe = gl.where(l_i > 0, l_i, 1.0)
     lse = gl.where(l_i > 0, m_i + gl.log2(l_safe), float("-inf"))
-    o = acc * gl.convert_layout(2.0 / l_safe, gl.SliceLayout(1, O_MMA))[:, None]
+    o = acc * gl.convert_layout(2.0 / l_safe, gl.SliceLayout(1, acc.type.layout))[:, None]
     o = gl.convert_layout(o, OL)
+    dd = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
     out_row = split.to(gl.int64) * n_rows_total + rows
     gl.store(O_PART + out_row[:, None] * D + dd[None, :], o, mask=row_ok[:, None])
     gl.store(LSE_PART + out_row, gl.convert_layout(lse, gl.SliceLayout(1, OL)), mask=row_ok)
+
+
+#: Warp-specialized form (:func:`prefill_v3ws_kernel`): its stages, its producer warps and
+#: their registers, and the register cap of the launch (8 consumer warps and the producer's 4
+#: share an SM's 64K registers: 12 x 32 x 168 = 64,512).
+WS_STAGES = gl.constexpr(3)
+WS_PRODUCER_WARPS = gl.constexpr(4)
+WS_PRODUCER_REGS = gl.constexpr(192)
+WS_MAXNREG = 168
+
+
+@gluon.jit
+def _ws_produce(
+    k_bufs,
+    v_bufs,
+    ready,
+    empty,
+    KV,
+    POOL_K,
+    POOL_V,
+    BLOCK_TO_SLOT,
+    bt_row,
+    blk_lo,
+    n_it,
+    kv_len,
+    h,
+    HK: gl.constexpr,
+    STRIDE: gl.constexpr,
+    CONSTS: gl.constexpr,
+    DEQ16: gl.constexpr,
+):
+    """The producer warps: each chunk's bytes (loaded one chunk ahead) dequantized, or its
+    pool rows copied, into the next free stage, which is then marked ready. ``CONSTS``: head
+    dim, group, value bits and the record's field offsets."""
+    D: gl.constexpr = CONSTS[0]
+    G: gl.constexpr = CONSTS[1]
+    VB: gl.constexpr = CONSTS[2]
+    NCH: gl.constexpr = G // 64
+    PW: gl.constexpr = WS_PRODUCER_WARPS
+    KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [PW, 1], [1, 0])  # K bytes [32, D]
+    VL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, PW], [0, 1])  # V bytes
+    PL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PW, 1], [1, 0])  # pool rows [64, D]
+    LOADS: gl.constexpr = (
+        D,
+        G,
+        VB,
+        CONSTS[3],
+        CONSTS[4],
+        CONSTS[5],
+        CONSTS[6],
+        CONSTS[7],
+        CONSTS[8],
+        CONSTS[9],
+        CONSTS[10],
+        KL,
+        VL,
+    )
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 0, n_it, h, HK, STRIDE, NCH, LOADS)
+    for it in range(n_it):
+        st = it % STAGES
+        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # the stage's last reader done
+        slot, raw = nxt
+        nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 1, n_it, h, HK, STRIDE, NCH, LOADS)
+        if slot >= 0:
+            start = (blk_lo + it // NCH) * G
+            _stage_pool(
+                k_bufs.index(st),
+                v_bufs.index(st),
+                POOL_K,
+                POOL_V,
+                slot,
+                it % NCH,
+                start,
+                kv_len,
+                h,
+                HK,
+                D,
+                G,
+                PL,
+            )
+        else:
+            _stage_record(k_bufs.index(st), v_bufs.index(st), raw, VB, D, DEQ16)
+        fence_async_shared()  # the stores before the consumers' wgmma reads them
+        mbarrier.arrive(ready.index(st), count=1)
+
+
+@gluon.jit
+def _ws_consume(
+    q_smem,
+    k_bufs,
+    v_bufs,
+    ready,
+    empty,
+    row_scale,
+    q_pos,
+    rows,
+    row_ok,
+    pos_lo,
+    kv_len,
+    blk_lo,
+    n_it,
+    split,
+    n_rows_total,
+    O_PART,
+    LSE_PART,
+    M: gl.constexpr,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    W: gl.constexpr,
+):
+    """The consumer warpgroups: each ready stage's scores (wgmma), online softmax and ``P V``;
+    the stage is handed back to the producer as soon as ``P V`` has read it. Then the split's
+    partials."""
+    BN: gl.constexpr = 64
+    NCH: gl.constexpr = G // BN
+    STAGES: gl.constexpr = k_bufs.type.shape[0]
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16]
+    )
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, D, 16]
+    )
+    P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
+    state = (
+        gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA)),
+        gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, S_MMA)),
+        gl.zeros([M, D], gl.float32, layout=O_MMA),
+    )
+    for it in range(n_it):
+        st = it % STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        k_cur = k_bufs.index(st)
+        v_cur = v_bufs.index(st)
+        s_tok = warpgroup_mma(
+            q_smem,
+            k_cur.permute((1, 0)),
+            gl.zeros([M, BN], gl.float32, layout=S_MMA),
+            use_acc=False,
+            is_async=True,
+        )
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
+        state = _softmax_pv(s, v_cur, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA, P_OP)
+        mbarrier.arrive(empty.index(st), count=1)
+    _store_partials(state, rows, row_ok, split, n_rows_total, O_PART, LSE_PART, D, OL)
+
+
+@gluon.jit(do_not_specialize=["num_reqs", "stride_bt"])
+def prefill_v3ws_kernel(
+    Q,
+    KV,
+    POOL_K,
+    POOL_V,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    BLOCK_TO_SLOT,
+    QSL,
+    O_PART,
+    LSE_PART,
+    qk_scale,
+    stride_bt,
+    n_rows_total,
+    num_reqs,
+    HQ: gl.constexpr,
+    HK: gl.constexpr,
+    QPK: gl.constexpr,
+    QPK_P: gl.constexpr,
+    BQ: gl.constexpr,
+    B_P: gl.constexpr,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    VB: gl.constexpr,
+    STRIDE: gl.constexpr,
+    OFF_KC: gl.constexpr,
+    OFF_KS: gl.constexpr,
+    OFF_KZ: gl.constexpr,
+    OFF_KT: gl.constexpr,
+    OFF_VC: gl.constexpr,
+    OFF_VCS: gl.constexpr,
+    OFF_VS: gl.constexpr,
+    OFF_VZ: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    W: gl.constexpr,
+    DEQ16: gl.constexpr,
+):
+    """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
+    separate warps: ``W`` consumer warps (8: two warpgroups of 64 query rows; launched with
+    ``num_warps=W`` and ``maxnreg=WS_MAXNREG``) run the scores, the softmax and ``P V``, while
+    :data:`WS_PRODUCER_WARPS` producer warps dequantize the next chunks into
+    :data:`WS_STAGES` shared-memory stages, handed over through mbarriers. The consumers never
+    wait on the dequantization's instruction chain, only on a stage being ready."""
+    M: gl.constexpr = 16 * W
+    BN: gl.constexpr = 64
+    gl.static_assert(D == 128, "head dim 128")
+    gl.static_assert(G % BN == 0, "a tile must be whole chunks")
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16]
+    )
+    SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.float16)
+
+    pid = gl.program_id(0)
+    h = gl.program_id(1)
+    split = gl.program_id(2)
+    first, q_end, pos_lo, kv_len, m, rows, row_ok, b = _tile_rows(
+        pid, h, QSL, SEQ_LENS, num_reqs, HQ, QPK, QPK_P, BQ, B_P, M, W, OL
+    )
+    q_smem, row_scale, q_pos = _query_tile(
+        Q, rows, row_ok, m, qk_scale, pos_lo, QPK_P, M, D, OL, S_MMA
+    )
+    blk_lo, n_it = _context_range(kv_len, split, G, NUM_SPLITS)
+    n_it = gl.where(first < q_end, n_it, 0)  # a tile past its request's queries: no work
+    bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
+
+    k_bufs = gl.allocate_shared_memory(gl.float16, [WS_STAGES, BN, D], SMEM)
+    v_bufs = gl.allocate_shared_memory(gl.float16, [WS_STAGES, BN, D], SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(WS_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    CONSTS: gl.constexpr = (
+        D,
+        G,
+        VB,
+        OFF_KC,
+        OFF_KS,
+        OFF_KZ,
+        OFF_KT,
+        OFF_VC,
+        OFF_VCS,
+        OFF_VS,
+        OFF_VZ,
+    )
+    gl.warp_specialize(
+        [
+            (
+                _ws_consume,
+                (
+                    q_smem,
+                    k_bufs,
+                    v_bufs,
+                    ready,
+                    empty,
+                    row_scale,
+                    q_pos,
+                    rows,
+                    row_ok,
+                    pos_lo,
+                    kv_len,
+                    blk_lo,
+                    n_it,
+                    split,
+                    n_rows_total,
+                    O_PART,
+                    LSE_PART,
+                    M,
+                    D,
+                    G,
+                    W,
+                ),
+            ),
+            (
+                _ws_produce,
+                (
+                    k_bufs,
+                    v_bufs,
+                    ready,
+                    empty,
+                    KV,
+                    POOL_K,
+                    POOL_V,
+                    BLOCK_TO_SLOT,
+                    bt_row,
+                    blk_lo,
+                    n_it,
+                    kv_len,
+                    h,
+                    HK,
+                    STRIDE,
+                    CONSTS,
+                    DEQ16,
+                ),
+            ),
+        ],
+        [WS_PRODUCER_WARPS],
+        [WS_PRODUCER_REGS],
+    )
+    for i in gl.static_range(WS_STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
