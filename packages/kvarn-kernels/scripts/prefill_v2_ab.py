@@ -66,15 +66,23 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         finally:
             prefill_v3.V3_DEQ16 = True
 
-    def v3_warp_specialized(**kw: Any) -> Callable[[], None]:
+    def v3_warp_specialized(ws: dict[str, int] | None = None, **kw: Any) -> Callable[[], None]:
+        """v3's warp-specialized form; ``ws``: its ``WS_`` settings for this row."""
+        settings = {"V3_WARP_SPECIALIZED": True, **(ws or {})}
+
         def run() -> None:
-            prefill_v3.V3_WARP_SPECIALIZED = True
+            saved = {k: getattr(prefill_v3, k) for k in settings}
+            for k, v in settings.items():
+                setattr(prefill_v3, k, v)
             try:
                 fused(fused_kernel="v3", **kw)()
             finally:
-                prefill_v3.V3_WARP_SPECIALIZED = False
+                for k, v in saved.items():
+                    setattr(prefill_v3, k, v)
 
         return run
+
+    producer8 = {"WS_PRODUCER_WARPS": 8, "WS_PRODUCER_REGS": 104, "WS_MAXNREG": 128}
 
     paths: list[tuple[str, Callable[[], Any], bool]] = [
         (
@@ -99,7 +107,9 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 m64", fused(fused_kernel="v3", block_m=64), True),
         ("v3 fp32 dequant", v3_fp32_dequant, True),
         (f"v3 ws (splits {auto})", v3_warp_specialized(), True),
-        (f"v3 ws splits {2 * auto}", v3_warp_specialized(num_splits=2 * auto), True),
+        ("v3 ws 8 producer warps", v3_warp_specialized(producer8), True),
+        ("v3 ws 2 stages", v3_warp_specialized({"WS_STAGES": 2}), True),
+        ("v3 ws 4 stages", v3_warp_specialized({"WS_STAGES": 4}), True),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]

@@ -573,7 +573,7 @@ for _r in (128, 168):
 def _prefill_v3(name: str, warps: int = 8, deq16: bool = True, ws: bool = False) -> Any:
     """The Gluon fused prefill (asynchronous wgmma), ``16 * warps`` query rows; ``ws``: its
     warp-specialized form (producer warps dequantizing)."""
-    from kvarn_kernels.prefill_v3 import WS_MAXNREG, prefill_v3_kernel, prefill_v3ws_kernel
+    from kvarn_kernels import prefill_v3 as p3
 
     geo = _geo(name)
     offs = geo.offsets()
@@ -595,8 +595,9 @@ def _prefill_v3(name: str, warps: int = 8, deq16: bool = True, ws: bool = False)
     )
     sig = {**DECODE_SIG, "QSL": "*i32"}
     if ws:
-        return compile_kernel(prefill_v3ws_kernel, sig, consts, warps, maxnreg=WS_MAXNREG)
-    return compile_kernel(prefill_v3_kernel, sig, consts, warps)
+        consts.update(STAGES=p3.WS_STAGES, PW=p3.WS_PRODUCER_WARPS, PREGS=p3.WS_PRODUCER_REGS)
+        return compile_kernel(p3.prefill_v3ws_kernel, sig, consts, warps, maxnreg=p3.WS_MAXNREG)
+    return compile_kernel(p3.prefill_v3_kernel, sig, consts, warps)
 
 
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):

@@ -1030,11 +1030,16 @@ def _launch_prefill_fused(
         del offsets["K_ORDER"], offsets["V_ORDER"]
         consts = {**shape, **offsets, "W": rows // 16, "DEQ16": prefill_v3.V3_DEQ16}
         if prefill_v3.V3_WARP_SPECIALIZED and rows == 128:
+            ws = {
+                "STAGES": prefill_v3.WS_STAGES,
+                "PW": prefill_v3.WS_PRODUCER_WARPS,
+                "PREGS": prefill_v3.WS_PRODUCER_REGS,
+            }
             launch(
                 prefill_v3.prefill_v3ws_kernel,
                 grid,
                 args,
-                consts,
+                {**consts, **ws},
                 num_warps=8,
                 maxnreg=prefill_v3.WS_MAXNREG,
             )

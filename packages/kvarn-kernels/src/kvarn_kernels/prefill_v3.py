@@ -639,10 +639,11 @@ def _store_partials(
 
 #: Warp-specialized form (:func:`prefill_v3ws_kernel`): its stages, its producer warps and
 #: their registers, and the register cap of the launch (8 consumer warps and the producer's 4
-#: share an SM's 64K registers: 12 x 32 x 168 = 64,512).
-WS_STAGES = gl.constexpr(3)
-WS_PRODUCER_WARPS = gl.constexpr(4)
-WS_PRODUCER_REGS = gl.constexpr(192)
+#: share an SM's 64K registers: 12 x 32 x 168 = 64,512; the consumers get what the producer
+#: leaves, 152).
+WS_STAGES = 3
+WS_PRODUCER_WARPS = 4
+WS_PRODUCER_REGS = 192
 WS_MAXNREG = 168
 
 
@@ -665,15 +666,15 @@ def _ws_produce(
     STRIDE: gl.constexpr,
     CONSTS: gl.constexpr,
     DEQ16: gl.constexpr,
+    PW: gl.constexpr,
 ):
-    """The producer warps: each chunk's bytes (loaded one chunk ahead) dequantized, or its
+    """The producer warps (``PW``): each chunk's bytes (loaded one chunk ahead) dequantized, or its
     pool rows copied, into the next free stage, which is then marked ready. ``CONSTS``: head
     dim, group, value bits and the record's field offsets."""
     D: gl.constexpr = CONSTS[0]
     G: gl.constexpr = CONSTS[1]
     VB: gl.constexpr = CONSTS[2]
     NCH: gl.constexpr = G // 64
-    PW: gl.constexpr = WS_PRODUCER_WARPS
     KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [PW, 1], [1, 0])  # K bytes [32, D]
     VL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, PW], [0, 1])  # V bytes
     PL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PW, 1], [1, 0])  # pool rows [64, D]
@@ -821,13 +822,17 @@ def prefill_v3ws_kernel(
     NUM_SPLITS: gl.constexpr,
     W: gl.constexpr,
     DEQ16: gl.constexpr,
+    STAGES: gl.constexpr,
+    PW: gl.constexpr,
+    PREGS: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
     separate warps: ``W`` consumer warps (8: two warpgroups of 64 query rows; launched with
-    ``num_warps=W`` and ``maxnreg=WS_MAXNREG``) run the scores, the softmax and ``P V``, while
-    :data:`WS_PRODUCER_WARPS` producer warps dequantize the next chunks into
-    :data:`WS_STAGES` shared-memory stages, handed over through mbarriers. The consumers never
-    wait on the dequantization's instruction chain, only on a stage being ready."""
+    ``num_warps=W`` and a ``maxnreg`` cap) run the scores, the softmax and ``P V``, while
+    ``PW`` producer warps (``PREGS`` registers each) dequantize the next chunks into
+    ``STAGES`` shared-memory stages, handed over through mbarriers (defaults: the ``WS_``
+    constants). The consumers never wait on the dequantization's instruction chain, only on
+    a stage being ready."""
     M: gl.constexpr = 16 * W
     BN: gl.constexpr = 64
     gl.static_assert(D == 128, "head dim 128")
@@ -851,11 +856,11 @@ def prefill_v3ws_kernel(
     n_it = gl.where(first < q_end, n_it, 0)  # a tile past its request's queries: no work
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
-    k_bufs = gl.allocate_shared_memory(gl.float16, [WS_STAGES, BN, D], SMEM)
-    v_bufs = gl.allocate_shared_memory(gl.float16, [WS_STAGES, BN, D], SMEM)
-    ready = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [WS_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(WS_STAGES):
+    k_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], SMEM)
+    v_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     CONSTS: gl.constexpr = (
@@ -919,12 +924,13 @@ def prefill_v3ws_kernel(
                     STRIDE,
                     CONSTS,
                     DEQ16,
+                    PW,
                 ),
             ),
         ],
-        [WS_PRODUCER_WARPS],
-        [WS_PRODUCER_REGS],
+        [PW],
+        [PREGS],
     )
-    for i in gl.static_range(WS_STAGES):
+    for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
