@@ -147,16 +147,18 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
 
 
 def profile_once(ctx: int, q_len: int, bsz: int, kernel: str) -> None:
-    """Two fused calls (the first compiles), synchronized: what ``ncu --launch-skip``
-    takes."""
+    """Two fused calls (the first compiles), synchronized: what ``ncu --launch-skip`` and
+    compute-sanitizer take. ``kernel``: ``"v2"``, ``"v3"`` or ``"v3ws"`` (v3's
+    warp-specialized form)."""
     import torch
 
-    from kvarn_kernels import prefill_attention
+    from kvarn_kernels import prefill_attention, prefill_v3
 
+    prefill_v3.V3_WARP_SPECIALIZED = kernel == "v3ws"
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
     args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
     for _ in range(2):
-        prefill_attention(FMT, c["q"], *args, bk.D**-0.5, method="fused", fused_kernel=kernel)
+        prefill_attention(FMT, c["q"], *args, bk.D**-0.5, method="fused", fused_kernel=kernel[:2])
     torch.cuda.synchronize()
 
 
@@ -189,7 +191,7 @@ def main() -> None:
     ap.add_argument("--short", action="store_true", help=f"only the rows {SHORT_PATHS}")
     ap.add_argument(
         "--once",
-        choices=("v2", "v3"),
+        choices=("v2", "v3", "v3ws"),
         help="two calls of this fused kernel at the first shape and nothing else (a profiler's)",
     )
     a = ap.parse_args()
