@@ -34,7 +34,7 @@ SHAPES: tuple[tuple[int, int, int], ...] = (
 
 
 #: The rows ``--short`` keeps (prefixes of the path names).
-SHORT_PATHS = ("dequant", "v3 auto", "v3 ws")
+SHORT_PATHS = ("dequant", "v3 auto", "v3 one", "v3 ws")
 
 
 def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[str, Any]]:
@@ -58,17 +58,9 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
     def fused(**kw: Any) -> Callable[[], Any]:
         return lambda: prefill_attention(FMT, c["q"], *args, scale, out=out, method="fused", **kw)
 
-    def v3_fp32_dequant() -> None:
-        # the twenty-fourth session's dequantization (fp32, one rounding), for the A/B
-        prefill_v3.V3_DEQ16 = False
-        try:
-            fused(fused_kernel="v3")()
-        finally:
-            prefill_v3.V3_DEQ16 = True
-
-    def v3_warp_specialized(ws: dict[str, int] | None = None, **kw: Any) -> Callable[[], None]:
-        """v3's warp-specialized form; ``ws``: its ``WS_`` settings for this row."""
-        settings = {"V3_WARP_SPECIALIZED": True, **(ws or {})}
+    def v3_with(settings: dict[str, Any], **kw: Any) -> Callable[[], None]:
+        """v3 with module settings of :mod:`kvarn_kernels.prefill_v3` changed for this row
+        (``V3_WARP_SPECIALIZED``, ``V3_DEQ16``, the ``WS_`` constants)."""
 
         def run() -> None:
             saved = {k: getattr(prefill_v3, k) for k in settings}
@@ -82,6 +74,7 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
 
         return run
 
+    one_partition = {"V3_WARP_SPECIALIZED": False}
     producer8 = {"WS_PRODUCER_WARPS": 8, "WS_PRODUCER_REGS": 104, "WS_MAXNREG": 128}
 
     paths: list[tuple[str, Callable[[], Any], bool]] = [
@@ -105,20 +98,18 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         (f"v3 auto (splits {auto})", fused(fused_kernel="v3"), True),
         (f"v3 splits {2 * auto}", fused(fused_kernel="v3", num_splits=2 * auto), True),
         ("v3 m64", fused(fused_kernel="v3", block_m=64), True),
-        ("v3 fp32 dequant", v3_fp32_dequant, True),
-        (f"v3 ws (splits {auto})", v3_warp_specialized(), True),
-        ("v3 ws 8 producer warps", v3_warp_specialized(producer8), True),
-        ("v3 ws 2 stages", v3_warp_specialized({"WS_STAGES": 2}), True),
-        ("v3 ws 4 stages", v3_warp_specialized({"WS_STAGES": 4}), True),
+        ("v3 one partition", v3_with(one_partition), True),
+        ("v3 fp32 dequant", v3_with({**one_partition, "V3_DEQ16": False}), True),
+        ("v3 ws 8 producer warps", v3_with(producer8), True),
+        ("v3 ws 2 stages", v3_with({"WS_STAGES": 2}), True),
+        ("v3 ws 4 stages", v3_with({"WS_STAGES": 4}), True),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]
     if short:
         paths = [p for p in paths if p[0].startswith(SHORT_PATHS)]
     if q_len > 512:  # the slow fused paths at the long chunk: the default of each only
-        paths = [
-            p for p in paths if "splits" not in p[0] or "auto" in p[0] or p[0].startswith("v3 ws (")
-        ]
+        paths = [p for p in paths if "splits" not in p[0] or "auto" in p[0]]
         paths = [p for p in paths if p[0] not in ("v2 bn32", "v2 bn128", "v2 m64 w4", "v3 m64")]
 
     rows: list[dict[str, Any]] = []

@@ -2215,13 +2215,14 @@ def prefill_attention(
       once per query tile, so it is for short chunks after a long context (an agent's turn),
       where the dequantize path spends more on the fp16 context than on the attention.
       ``fused_kernel`` picks the kernel: ``"v3"`` (:mod:`kvarn_kernels.prefill_v3`: Gluon,
-      the scores' wgmma overlapping the next chunk's dequantization; sm_90, 4-bit keys with
+      producer warps dequantizing the next chunks while consumer warpgroups run the
+      wgmma and the softmax (64-row tiles: one partition); sm_90, 4-bit keys with
       2- or 4-bit values, head_dim 128, pool slots without shadow rows), ``"v2"``
       (:mod:`kvarn_kernels.prefill_v2`: Triton, each chunk dequantized once per 128-row
       tile, head_dim <= 256), ``"v1"`` (the decode kernel's prefill mode, scales folded into
       64-row query tiles; every head dim), ``"auto"`` (the first of v3, v2, v1 that takes
-      the call). On an H200 at 64 tokens after 16K of context v3 takes 2.2x FA3 fp16's GPU
-      time and the dequantize path 1.8x (docs/benchmarks.md).
+      the call). On an H200 at 64 tokens after 16K of context v3 takes 1.85x FA3 fp16's GPU
+      time and the dequantize path 1.76x (docs/benchmarks.md).
 
     Args:
         q: ``[T, Hq, D]`` fp16/bf16, unrotated.

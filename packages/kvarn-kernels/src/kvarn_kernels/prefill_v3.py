@@ -23,6 +23,11 @@ ALU-latency-bound (~1,000 instructions a warp a step at ~1.3-1.5 a cycle over th
 Leaving ``P V`` running into the next step (three stages) was no faster; dequantizing in fp16
 pairs (``DEQ16``, the default) took 16% of the instructions off and 7-14% of the time.
 
+:func:`prefill_v3ws_kernel` (the default for 128-row tiles, :data:`V3_WARP_SPECIALIZED`) splits
+the loop over warps of their own: producer warps dequantize into three stages, the two
+consumer warpgroups only wait for a stage to be ready. 0.83-0.91x this kernel's time, 1.85x
+FA3 fp16's at 64 tokens after 16K (B = 1).
+
 Layout choices that keep the dequantization free of shuffles:
 
 * tokens of a chunk are kept parity-major (row ``i`` of a stage is token ``2 (i % 32) + i //
@@ -61,8 +66,9 @@ __all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel", "prefill_v3ws_kernel
 V3_WARPS = 8
 #: Dequantize in fp16 pairs (two roundings a value) rather than in fp32 (one rounding).
 V3_DEQ16 = True
-#: Run 128-row tiles on the warp-specialized form (:func:`prefill_v3ws_kernel`).
-V3_WARP_SPECIALIZED = False
+#: Run 128-row tiles on the warp-specialized form (:func:`prefill_v3ws_kernel`): 0.83-0.91x
+#: the one-partition kernel's time on an H200 (docs/kernel-notes.md, twenty-sixth session).
+V3_WARP_SPECIALIZED = True
 #: Head dims the kernel is written for.
 V3_HEAD_DIMS = (128,)
 
