@@ -103,6 +103,12 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 ws 8 producer warps", v3_with(producer8), True),
         ("v3 ws 2 stages", v3_with({"WS_STAGES": 2}), True),
         ("v3 ws 4 stages", v3_with({"WS_STAGES": 4}), True),
+        ("v3 ws scores ahead", v3_with({"WS_SCORES_AHEAD": True}), True),
+        (
+            "v3 ws scores ahead, 168 regs each",
+            v3_with({"WS_SCORES_AHEAD": True, "WS_PRODUCER_REGS": 168}),
+            True,
+        ),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]

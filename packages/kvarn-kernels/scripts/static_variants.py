@@ -595,7 +595,12 @@ def _prefill_v3(name: str, warps: int = 8, deq16: bool = True, ws: bool = False)
     )
     sig = {**DECODE_SIG, "QSL": "*i32"}
     if ws:
-        consts.update(STAGES=p3.WS_STAGES, PW=p3.WS_PRODUCER_WARPS, PREGS=p3.WS_PRODUCER_REGS)
+        consts.update(
+            STAGES=p3.WS_STAGES,
+            PW=p3.WS_PRODUCER_WARPS,
+            PREGS=p3.WS_PRODUCER_REGS,
+            AHEAD=p3.WS_SCORES_AHEAD,
+        )
         return compile_kernel(p3.prefill_v3ws_kernel, sig, consts, warps, maxnreg=p3.WS_MAXNREG)
     return compile_kernel(p3.prefill_v3_kernel, sig, consts, warps)
 

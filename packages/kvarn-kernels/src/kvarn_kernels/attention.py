@@ -1034,6 +1034,7 @@ def _launch_prefill_fused(
                 "STAGES": prefill_v3.WS_STAGES,
                 "PW": prefill_v3.WS_PRODUCER_WARPS,
                 "PREGS": prefill_v3.WS_PRODUCER_REGS,
+                "AHEAD": prefill_v3.WS_SCORES_AHEAD,
             }
             launch(
                 prefill_v3.prefill_v3ws_kernel,

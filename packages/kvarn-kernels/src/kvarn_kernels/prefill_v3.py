@@ -382,9 +382,22 @@ def _step(
 def _softmax_pv(
     s, v_cur, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA: gl.constexpr, P_OP: gl.constexpr
 ):
-    """One chunk's online-softmax step from its scores ``s`` (``[M, 64]``, stage rows
-    parity-major from token ``t0``; keys after a row's own position or past ``kv_len``
-    masked) and ``P V`` against the stage ``v_cur``; returns the new ``(m, l, acc)``."""
+    """One chunk's online-softmax step (:func:`_softmax`) and ``P V`` against the stage
+    ``v_cur``; returns the new ``(m, l, acc)``."""
+    m_new, l_i, acc, p16 = _softmax(s, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA, P_OP)
+    o_tok = warpgroup_mma(p16, v_cur, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[o_tok])
+    return m_new, l_i, acc
+
+
+@gluon.jit
+def _softmax(
+    s, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA: gl.constexpr, P_OP: gl.constexpr
+):
+    """The online softmax of one chunk's scores ``s`` (``[M, 64]``, stage rows parity-major
+    from token ``t0``; keys after a row's own position or past ``kv_len`` masked): the new
+    row maximum and sum, the accumulator rescaled, and the probabilities as ``P V``'s fp16
+    operand."""
     BN: gl.constexpr = 64
     m_i, l_i, acc = state
     if t0 + BN - 1 > pos_lo:  # some row must not see some key of the chunk
@@ -400,9 +413,7 @@ def _softmax_pv(
     l_i = l_i * alpha + gl.sum(p, axis=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
     p16 = gl.convert_layout(p.to(gl.float16), P_OP)
-    o_tok = warpgroup_mma(p16, v_cur, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[o_tok])
-    return m_new, l_i, acc
+    return m_new, l_i, acc, p16
 
 
 @gluon.jit(do_not_specialize=["num_reqs", "stride_bt"])
@@ -651,6 +662,8 @@ WS_STAGES = 3
 WS_PRODUCER_WARPS = 4
 WS_PRODUCER_REGS = 192
 WS_MAXNREG = 168
+#: The consumers issue chunk ``j + 1``'s scores before chunk ``j``'s softmax (not yet timed).
+WS_SCORES_AHEAD = False
 
 
 @gluon.jit
@@ -752,10 +765,11 @@ def _ws_consume(
     D: gl.constexpr,
     G: gl.constexpr,
     W: gl.constexpr,
+    AHEAD: gl.constexpr,
 ):
     """The consumer warpgroups: each ready stage's scores (wgmma), online softmax and ``P V``;
     the stage is handed back to the producer as soon as ``P V`` has read it. Then the split's
-    partials."""
+    partials. ``AHEAD``: the next chunk's scores are issued before this chunk's softmax."""
     BN: gl.constexpr = 64
     NCH: gl.constexpr = G // BN
     STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -772,22 +786,42 @@ def _ws_consume(
         gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, S_MMA)),
         gl.zeros([M, D], gl.float32, layout=O_MMA),
     )
-    for it in range(n_it):
-        st = it % STAGES
-        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-        k_cur = k_bufs.index(st)
-        v_cur = v_bufs.index(st)
+    zero_s = gl.zeros([M, BN], gl.float32, layout=S_MMA)
+    if AHEAD:
+        # chunk it + 1's scores run on the tensor cores during chunk it's softmax (the stage
+        # after the last chunk holds an old chunk: its scores are computed and not used)
+        mbarrier.wait(ready.index(0), 0, pred=n_it > 0)
         s_tok = warpgroup_mma(
-            q_smem,
-            k_cur.permute((1, 0)),
-            gl.zeros([M, BN], gl.float32, layout=S_MMA),
-            use_acc=False,
-            is_async=True,
+            q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
         )
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
-        state = _softmax_pv(s, v_cur, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA, P_OP)
-        mbarrier.arrive(empty.index(st), count=1)
+        for it in range(n_it):
+            st = it % STAGES
+            nst = (it + 1) % STAGES
+            mbarrier.wait(ready.index(nst), ((it + 1) // STAGES) & 1, pred=it + 1 < n_it)
+            s_tok = warpgroup_mma(
+                q_smem, k_bufs.index(nst).permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
+            m_i, l_i, acc, p16 = _softmax(
+                s, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA, P_OP
+            )
+            o_tok = warpgroup_mma(p16, v_bufs.index(st), acc, is_async=True)
+            s, acc = warpgroup_mma_wait(0, deps=[s_tok, o_tok])
+            state = (m_i, l_i, acc)
+            mbarrier.arrive(empty.index(st), count=1)
+    else:
+        for it in range(n_it):
+            st = it % STAGES
+            mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+            v_cur = v_bufs.index(st)
+            s_tok = warpgroup_mma(
+                q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
+            state = _softmax_pv(s, v_cur, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA, P_OP)
+            mbarrier.arrive(empty.index(st), count=1)
     _store_partials(state, rows, row_ok, split, n_rows_total, O_PART, LSE_PART, D, OL)
 
 
@@ -831,12 +865,14 @@ def prefill_v3ws_kernel(
     STAGES: gl.constexpr,
     PW: gl.constexpr,
     PREGS: gl.constexpr,
+    AHEAD: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
     separate warps: ``W`` consumer warps (8: two warpgroups of 64 query rows; launched with
     ``num_warps=W`` and a ``maxnreg`` cap) run the scores, the softmax and ``P V``, while
     ``PW`` producer warps (``PREGS`` registers each) dequantize the next chunks into
-    ``STAGES`` shared-memory stages, handed over through mbarriers (defaults: the ``WS_``
+    ``STAGES`` shared-memory stages, handed over through mbarriers; ``AHEAD``: the consumers
+    issue the next chunk's scores before this chunk's softmax (defaults: the ``WS_``
     constants). The consumers never wait on the dequantization's instruction chain, only on
     a stage being ready."""
     M: gl.constexpr = 16 * W
@@ -908,6 +944,7 @@ def prefill_v3ws_kernel(
                     D,
                     G,
                     W,
+                    AHEAD,
                 ),
             ),
             (
