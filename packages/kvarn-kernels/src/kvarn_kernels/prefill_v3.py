@@ -75,6 +75,35 @@ V3_HEAD_DIMS = (128,)
 _FP16_MAX: gl.constexpr = gl.constexpr(65504.0)
 
 
+@gluon.constexpr_function
+def _rows_layout(W):
+    """``[rows, D]`` fp32 or fp16 over ``W`` warps: the outputs' store, the query load and
+    the pool rows' copy."""
+    return gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _acc_layout(W, N):
+    """The wgmma accumulator ``[rows, N]`` of ``W`` warps (a warpgroup per 64 rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, N, 16])
+
+
+@gluon.constexpr_function
+def _p_operand(W, D):
+    """``P V``'s register A operand: the probabilities against the ``[rows, D]`` output."""
+    return gl.DotOperandLayout(operand_index=0, parent=_acc_layout(W, D), k_width=2)
+
+
+@gluon.constexpr_function
+def _record_loads(D, G, VB, offsets, W):
+    """:func:`_load_raw`'s constants for ``W`` loading warps: head dim, group, value bits, the
+    record's eight field offsets, then the layouts of K's ``[32 pairs, D]`` bytes and of V's
+    ``[32 pairs, D * VB / 8]`` bytes."""
+    k_bytes = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
+    v_bytes = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])
+    return (D, G, VB, *offsets, k_bytes, v_bytes)
+
+
 @gluon.jit
 def _sat16(x):
     """fp32 to fp16, finite values beyond fp16's range clamped to +-65504 (one
@@ -462,17 +491,10 @@ def prefill_v3_kernel(
     NCH: gl.constexpr = G // BN
     gl.static_assert(D == 128, "head dim 128")
     gl.static_assert(G % BN == 0, "a tile must be whole chunks")
-    # register layouts
-    KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # K bytes [32, D]
-    VL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])  # V bytes [32, VCOLS]
-    OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # [rows, D] fp32
-    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16]
-    )
-    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, D, 16]
-    )
-    P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
+    OL: gl.constexpr = _rows_layout(W)
+    S_MMA: gl.constexpr = _acc_layout(W, BN)
+    O_MMA: gl.constexpr = _acc_layout(W, D)
+    P_OP: gl.constexpr = _p_operand(W, D)
     SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.float16)
 
     pid = gl.program_id(0)
@@ -498,21 +520,8 @@ def prefill_v3_kernel(
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
     # chunk 0 staged, chunk 1's bytes in registers
-    LOADS: gl.constexpr = (
-        D,
-        G,
-        VB,
-        OFF_KC,
-        OFF_KS,
-        OFF_KZ,
-        OFF_KT,
-        OFF_VC,
-        OFF_VCS,
-        OFF_VS,
-        OFF_VZ,
-        KL,
-        VL,
-    )
+    OFFSETS: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
+    LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, W)
     slot, raw = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 0, n_it, h, HK, STRIDE, NCH, LOADS)
     if slot >= 0:
         _stage_pool(k0, v0, POOL_K, POOL_V, slot, 0, blk_lo * G, kv_len, h, HK, D, G, OL)
@@ -683,35 +692,18 @@ def _ws_produce(
     h,
     HK: gl.constexpr,
     STRIDE: gl.constexpr,
-    CONSTS: gl.constexpr,
+    LOADS: gl.constexpr,
     DEQ16: gl.constexpr,
     PW: gl.constexpr,
 ):
     """The producer warps (``PW``): each chunk's bytes (loaded one chunk ahead) dequantized, or its
-    pool rows copied, into the next free stage, which is then marked ready. ``CONSTS``: head
-    dim, group, value bits and the record's field offsets."""
-    D: gl.constexpr = CONSTS[0]
-    G: gl.constexpr = CONSTS[1]
-    VB: gl.constexpr = CONSTS[2]
+    pool rows copied, into the next free stage, which is then marked ready. ``LOADS``:
+    :func:`_record_loads` at ``PW`` warps."""
+    D: gl.constexpr = LOADS[0]
+    G: gl.constexpr = LOADS[1]
+    VB: gl.constexpr = LOADS[2]
     NCH: gl.constexpr = G // 64
-    KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [PW, 1], [1, 0])  # K bytes [32, D]
-    VL: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, PW], [0, 1])  # V bytes
-    PL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PW, 1], [1, 0])  # pool rows [64, D]
-    LOADS: gl.constexpr = (
-        D,
-        G,
-        VB,
-        CONSTS[3],
-        CONSTS[4],
-        CONSTS[5],
-        CONSTS[6],
-        CONSTS[7],
-        CONSTS[8],
-        CONSTS[9],
-        CONSTS[10],
-        KL,
-        VL,
-    )
+    PL: gl.constexpr = _rows_layout(PW)  # pool rows [64, D]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 0, n_it, h, HK, STRIDE, NCH, LOADS)
     for it in range(n_it):
@@ -773,14 +765,10 @@ def _ws_consume(
     BN: gl.constexpr = 64
     NCH: gl.constexpr = G // BN
     STAGES: gl.constexpr = k_bufs.type.shape[0]
-    OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16]
-    )
-    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, D, 16]
-    )
-    P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
+    OL: gl.constexpr = _rows_layout(W)
+    S_MMA: gl.constexpr = _acc_layout(W, BN)
+    O_MMA: gl.constexpr = _acc_layout(W, D)
+    P_OP: gl.constexpr = _p_operand(W, D)
     state = (
         gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA)),
         gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, S_MMA)),
@@ -879,10 +867,8 @@ def prefill_v3ws_kernel(
     BN: gl.constexpr = 64
     gl.static_assert(D == 128, "head dim 128")
     gl.static_assert(G % BN == 0, "a tile must be whole chunks")
-    OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BN, 16]
-    )
+    OL: gl.constexpr = _rows_layout(W)
+    S_MMA: gl.constexpr = _acc_layout(W, BN)
     SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.float16)
 
     pid = gl.program_id(0)
@@ -905,19 +891,8 @@ def prefill_v3ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    CONSTS: gl.constexpr = (
-        D,
-        G,
-        VB,
-        OFF_KC,
-        OFF_KS,
-        OFF_KZ,
-        OFF_KT,
-        OFF_VC,
-        OFF_VCS,
-        OFF_VS,
-        OFF_VZ,
-    )
+    OFFSETS: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
+    LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, PW)  # the producer's loads
     gl.warp_specialize(
         [
             (
@@ -965,7 +940,7 @@ def prefill_v3ws_kernel(
                     h,
                     HK,
                     STRIDE,
-                    CONSTS,
+                    LOADS,
                     DEQ16,
                     PW,
                 ),
