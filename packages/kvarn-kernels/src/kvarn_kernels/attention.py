@@ -1035,6 +1035,8 @@ def _launch_prefill_fused(
                 "PW": prefill_v3.WS_PRODUCER_WARPS,
                 "PREGS": prefill_v3.WS_PRODUCER_REGS,
                 "AHEAD": prefill_v3.WS_SCORES_AHEAD,
+                "LOADS_AHEAD": prefill_v3.WS_LOADS_AHEAD,
+                "PROBE": prefill_v3.WS_PROBE,
             }
             launch(
                 prefill_v3.prefill_v3ws_kernel,
