@@ -617,11 +617,8 @@ def vllm_fa3() -> Any:
     return varlen_attention_from_vllm(flash_attn_varlen_func, 3)
 
 
-def bench_fa3_prefill(
-    ctx_before: int, q_len: int, bsz: int, *, graph: bool = False
-) -> dict[str, Any]:
-    """vLLM's FA3 on an fp16 paged cache of the same shape, eager as a server runs prefill
-    (``graph``: replayed from a CUDA graph, its GPU time)."""
+def fa3_prefill_call(ctx_before: int, q_len: int, bsz: int) -> Callable[[], Any]:
+    """One call of vLLM's FA3 on an fp16 paged cache of the shape (random data, causal)."""
     import torch
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
@@ -634,22 +631,27 @@ def bench_fa3_prefill(
     q = torch.randn(bsz * q_len, HQ, D, device="cuda").half()
     cu_q = torch.arange(bsz + 1, dtype=torch.int32, device="cuda") * q_len
     seqused = torch.full((bsz,), seq, dtype=torch.int32, device="cuda")
-    us, mode = timed(
-        lambda: flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            max_seqlen_q=q_len,
-            cu_seqlens_q=cu_q,
-            max_seqlen_k=seq,
-            seqused_k=seqused,
-            softmax_scale=D**-0.5,
-            causal=True,
-            block_table=bt,
-            fa_version=3,
-        ),
-        graph=graph,
+    return lambda: flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        max_seqlen_q=q_len,
+        cu_seqlens_q=cu_q,
+        max_seqlen_k=seq,
+        seqused_k=seqused,
+        softmax_scale=D**-0.5,
+        causal=True,
+        block_table=bt,
+        fa_version=3,
     )
+
+
+def bench_fa3_prefill(
+    ctx_before: int, q_len: int, bsz: int, *, graph: bool = False
+) -> dict[str, Any]:
+    """vLLM's FA3 on an fp16 paged cache of the same shape, eager as a server runs prefill
+    (``graph``: replayed from a CUDA graph, its GPU time)."""
+    us, mode = timed(fa3_prefill_call(ctx_before, q_len, bsz), graph=graph)
     flops = bsz * 4 * HQ * D * (q_len * ctx_before + q_len * q_len / 2)
     return {"us": us, "mode": mode, "tflops": flops / (us * 1e-6) / 1e12}
 

@@ -99,12 +99,6 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 m64", fused(fused_kernel="v3", block_m=64), True),
         ("v3 one partition", v3_with(one_partition), True),
         ("v3 fp32 dequant", v3_with({**one_partition, "V3_DEQ16": False}), True),
-        ("v3 ws scores ahead", v3_with({"WS_SCORES_AHEAD": True}), True),
-        (
-            "v3 ws scores ahead, 168 regs each",
-            v3_with({"WS_SCORES_AHEAD": True, "WS_PRODUCER_REGS": 168}),
-            True,
-        ),
         # timing probes (prefill_v3.WS_PROBE): wrong outputs by design
         ("v3 ws probe: consumers alone", v3_with({"WS_PROBE": 1}), True),
         ("v3 ws probe: producer alone", v3_with({"WS_PROBE": 2}), True),
@@ -159,6 +153,63 @@ def profile_once(ctx: int, q_len: int, bsz: int, kernel: str) -> None:
     torch.cuda.synchronize()
 
 
+def kernel_breakdown(ctx: int, q_len: int, bsz: int, calls: int = 20) -> list[dict[str, Any]]:
+    """Each GPU kernel's time per call (torch.profiler) for the warp-specialized fused path,
+    its hand-over-only probe, the dequantize path and FA3 fp16 at one shape: where the
+    fixed part of a fused call goes (docs/kernel-notes.md, twenty-seventh session)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvarn_kernels import plan_prefill_context, prefill_attention, prefill_v3
+
+    c = bk.prefill_case(FMT, ctx, q_len, bsz)
+    args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
+    scale = bk.D**-0.5
+    out = torch.empty_like(c["q"])
+    plan = plan_prefill_context(
+        c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=bk.HK, head_dim=bk.D, device="cuda"
+    )
+    fa3 = bk.vllm_fa3()
+
+    def fused(probe: int) -> Callable[[], Any]:
+        def run() -> None:
+            prefill_v3.WS_PROBE = probe
+            try:
+                prefill_attention(FMT, c["q"], *args, scale, out=out, method="fused")
+            finally:
+                prefill_v3.WS_PROBE = 0
+
+        return run
+
+    paths: list[tuple[str, Callable[[], Any]]] = [
+        ("v3 ws", fused(0)),
+        ("v3 ws probe: hand-over only", fused(3)),
+        (
+            "dequant+FA3",
+            lambda: prefill_attention(
+                FMT, c["q"], *args, scale, out=out, context_plan=plan, varlen_attention=fa3
+            ),
+        ),
+    ]
+    paths.append(("FA3 fp16", bk.fa3_prefill_call(ctx, q_len, bsz)))
+    rows: list[dict[str, Any]] = []
+    for name, fn in paths:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if e.device_type.name != "CUDA" or e.count < calls:
+                continue
+            us = e.device_time_total / calls
+            rows.append({"path": name, "kernel": e.key[:90], "us": us, "per_call": e.count / calls})
+            bk.log(f"{ctx}+{q_len} B={bsz} {name}: {e.key[:70]} {us:.1f} us x{e.count // calls}")
+    return rows
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The run as a table for docs/benchmarks.md: each path's graph time (its GPU time) and
     eager time, and both as a ratio to FA3 fp16's in the same run."""
@@ -187,6 +238,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--short", action="store_true", help=f"only the rows {SHORT_PATHS}")
     ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="each GPU kernel's time per call at the first two shapes (torch.profiler), only",
+    )
+    ap.add_argument(
         "--once",
         choices=("v2", "v3", "v3ws"),
         help="two calls of this fused kernel at the first shape and nothing else (a profiler's)",
@@ -195,6 +251,10 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     if a.once:
         profile_once(*SHAPES[0], a.once)
+        return
+    if a.kernels:
+        rows = [r for shape in SHAPES[:2] for r in kernel_breakdown(*shape)]
+        (a.out / "prefill_kernels.json").write_text(json.dumps(rows, indent=1))
         return
     rows: list[dict[str, Any]] = []
     for shape in SHAPES:

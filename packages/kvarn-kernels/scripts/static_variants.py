@@ -575,7 +575,7 @@ def _prefill_v3(
 ) -> Any:
     """The Gluon fused prefill (asynchronous wgmma), ``16 * warps`` query rows; ``ws``: its
     warp-specialized form (producer warps dequantizing), ``ws_settings`` overriding the
-    module's ``WS_`` constants (``PREGS=208``, ``LOADS_AHEAD=2``, ``MAXNREG=...``)."""
+    module's ``WS_`` constants (``PREGS=208``, ``PROBE=1``, ``MAXNREG=...``)."""
     from kvarn_kernels import prefill_v3 as p3
 
     geo = _geo(name)
@@ -602,8 +602,6 @@ def _prefill_v3(
             STAGES=p3.WS_STAGES,
             PW=p3.WS_PRODUCER_WARPS,
             PREGS=p3.WS_PRODUCER_REGS,
-            AHEAD=p3.WS_SCORES_AHEAD,
-            LOADS_AHEAD=p3.WS_LOADS_AHEAD,
             PROBE=p3.WS_PROBE,
         )
         maxnreg = ws_settings.pop("MAXNREG", p3.WS_MAXNREG)
@@ -617,7 +615,3 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
         variant(f"prefill_v3 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w))
         variant(f"prefill_v3fp32 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w, False))
     variant(f"prefill_v3ws {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True))
-for _pregs in (192, 208, 216):
-    variant(f"prefill_v3ws loads2 p{_pregs}")(
-        lambda _p=_pregs: _prefill_v3("kvarn_k4v2_g128", 8, ws=True, LOADS_AHEAD=2, PREGS=_p)
-    )

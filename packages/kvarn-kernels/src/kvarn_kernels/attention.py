@@ -1034,8 +1034,6 @@ def _launch_prefill_fused(
                 "STAGES": prefill_v3.WS_STAGES,
                 "PW": prefill_v3.WS_PRODUCER_WARPS,
                 "PREGS": prefill_v3.WS_PRODUCER_REGS,
-                "AHEAD": prefill_v3.WS_SCORES_AHEAD,
-                "LOADS_AHEAD": prefill_v3.WS_LOADS_AHEAD,
                 "PROBE": prefill_v3.WS_PROBE,
             }
             launch(

@@ -671,11 +671,6 @@ WS_STAGES = 3
 WS_PRODUCER_WARPS = 4
 WS_PRODUCER_REGS = 192
 WS_MAXNREG = 168
-#: The consumers issue chunk ``j + 1``'s scores before chunk ``j``'s softmax (not yet timed).
-WS_SCORES_AHEAD = False
-#: Chunks whose raw bytes the producer holds in registers ahead of the one it dequantizes
-#: (1 or 2): the global loads' latency is hidden behind that many dequantizations.
-WS_LOADS_AHEAD = 1
 #: Timing probes (docs/kernel-notes.md, twenty-seventh session), wrong results by design:
 #: 0 off; 1 the consumers alone (the producer hands over stages without loading or
 #: dequantizing); 2 the producer alone (the consumers hand stages back untouched); 3 only the
@@ -703,12 +698,10 @@ def _ws_produce(
     LOADS: gl.constexpr,
     DEQ16: gl.constexpr,
     PW: gl.constexpr,
-    LOADS_AHEAD: gl.constexpr,
     PROBE: gl.constexpr,
 ):
-    """The producer warps (``PW``): each chunk's bytes (loaded ``LOADS_AHEAD`` chunks ahead, 1 or
-    2) dequantized, or its pool rows copied, into the next free stage, which is then marked
-    ready. ``LOADS``: :func:`_record_loads` at ``PW`` warps; ``PROBE``: :data:`WS_PROBE`."""
+    """The producer warps (``PW``): each chunk's bytes (loaded one chunk ahead) dequantized, or
+    its pool rows copied, into the next free stage, which is then marked ready. ``LOADS``: :func:`_record_loads` at ``PW`` warps; ``PROBE``: :data:`WS_PROBE`."""
     D: gl.constexpr = LOADS[0]
     G: gl.constexpr = LOADS[1]
     VB: gl.constexpr = LOADS[2]
@@ -717,23 +710,14 @@ def _ws_produce(
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     WORK: gl.constexpr = PROBE == 0 or PROBE == 2
     nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 0, n_it, h, HK, STRIDE, NCH, LOADS)
-    after = nxt
-    if LOADS_AHEAD == 2:
-        after = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 1, n_it, h, HK, STRIDE, NCH, LOADS)
     for it in range(n_it):
         st = it % STAGES
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # the stage's last reader done
         slot, raw = nxt
         if WORK:
-            if LOADS_AHEAD == 2:
-                nxt = after
-                after = _next_raw(
-                    bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 2, n_it, h, HK, STRIDE, NCH, LOADS
-                )
-            else:
-                nxt = _next_raw(
-                    bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
-                )
+            nxt = _next_raw(
+                bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
+            )
             if slot >= 0:
                 start = (blk_lo + it // NCH) * G
                 _stage_pool(
@@ -780,13 +764,11 @@ def _ws_consume(
     D: gl.constexpr,
     G: gl.constexpr,
     W: gl.constexpr,
-    AHEAD: gl.constexpr,
     PROBE: gl.constexpr,
 ):
     """The consumer warpgroups: each ready stage's scores (wgmma), online softmax and ``P V``;
     the stage is handed back to the producer as soon as ``P V`` has read it. Then the split's
-    partials. ``AHEAD``: the next chunk's scores are issued before this chunk's softmax;
-    ``PROBE``: :data:`WS_PROBE`."""
+    partials. ``PROBE``: :data:`WS_PROBE`."""
     BN: gl.constexpr = 64
     NCH: gl.constexpr = G // BN
     STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -804,29 +786,6 @@ def _ws_consume(
         for it in range(n_it):
             st = it % STAGES
             mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-            mbarrier.arrive(empty.index(st), count=1)
-    elif AHEAD:
-        # chunk it + 1's scores run on the tensor cores during chunk it's softmax (the stage
-        # after the last chunk holds an old chunk: its scores are computed and not used)
-        mbarrier.wait(ready.index(0), 0, pred=n_it > 0)
-        s_tok = warpgroup_mma(
-            q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
-        )
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        for it in range(n_it):
-            st = it % STAGES
-            nst = (it + 1) % STAGES
-            mbarrier.wait(ready.index(nst), ((it + 1) // STAGES) & 1, pred=it + 1 < n_it)
-            s_tok = warpgroup_mma(
-                q_smem, k_bufs.index(nst).permute((1, 0)), zero_s, use_acc=False, is_async=True
-            )
-            t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
-            m_i, l_i, acc, p16 = _softmax(
-                s, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA, P_OP
-            )
-            o_tok = warpgroup_mma(p16, v_bufs.index(st), acc, is_async=True)
-            s, acc = warpgroup_mma_wait(0, deps=[s_tok, o_tok])
-            state = (m_i, l_i, acc)
             mbarrier.arrive(empty.index(st), count=1)
     else:
         for it in range(n_it):
@@ -883,18 +842,14 @@ def prefill_v3ws_kernel(
     STAGES: gl.constexpr,
     PW: gl.constexpr,
     PREGS: gl.constexpr,
-    AHEAD: gl.constexpr,
-    LOADS_AHEAD: gl.constexpr,
     PROBE: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
     separate warps: ``W`` consumer warps (8: two warpgroups of 64 query rows; launched with
     ``num_warps=W`` and a ``maxnreg`` cap) run the scores, the softmax and ``P V``, while
     ``PW`` producer warps (``PREGS`` registers each) dequantize the next chunks into
-    ``STAGES`` shared-memory stages, handed over through mbarriers, their raw bytes loaded
-    ``LOADS_AHEAD`` chunks ahead; ``AHEAD``: the consumers issue the next chunk's scores
-    before this chunk's softmax; ``PROBE``: :data:`WS_PROBE` (defaults: the ``WS_``
-    constants). The consumers never wait on the dequantization's instruction chain, only on
+    ``STAGES`` shared-memory stages, handed over through mbarriers; ``PROBE``:
+    :data:`WS_PROBE` (defaults: the ``WS_`` constants). The consumers never wait on the dequantization's instruction chain, only on
     a stage being ready."""
     M: gl.constexpr = 16 * W
     BN: gl.constexpr = 64
@@ -952,7 +907,6 @@ def prefill_v3ws_kernel(
                     D,
                     G,
                     W,
-                    AHEAD,
                     PROBE,
                 ),
             ),
@@ -977,7 +931,6 @@ def prefill_v3ws_kernel(
                     LOADS,
                     DEQ16,
                     PW,
-                    LOADS_AHEAD,
                     PROBE,
                 ),
             ),
