@@ -160,7 +160,7 @@ def kernel_breakdown(ctx: int, q_len: int, bsz: int, calls: int = 20) -> list[di
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from kvarn_kernels import plan_prefill_context, prefill_attention, prefill_v3
+    from kvarn_kernels import attention, plan_prefill_context, prefill_attention, prefill_v3
 
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
     args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
@@ -171,19 +171,25 @@ def kernel_breakdown(ctx: int, q_len: int, bsz: int, calls: int = 20) -> list[di
     )
     fa3 = bk.vllm_fa3()
 
-    def fused(probe: int) -> Callable[[], Any]:
+    def fused(
+        probe: int, merge_unroll: int = attention.MERGE_UNROLL_MAX_SPLITS
+    ) -> Callable[[], Any]:
         def run() -> None:
             prefill_v3.WS_PROBE = probe
+            attention.MERGE_UNROLL_MAX_SPLITS = merge_unroll
             try:
                 prefill_attention(FMT, c["q"], *args, scale, out=out, method="fused")
             finally:
                 prefill_v3.WS_PROBE = 0
+                attention.MERGE_UNROLL_MAX_SPLITS = unroll_default
 
         return run
 
+    unroll_default = attention.MERGE_UNROLL_MAX_SPLITS
     paths: list[tuple[str, Callable[[], Any]]] = [
         ("v3 ws", fused(0)),
         ("v3 ws probe: hand-over only", fused(3)),
+        ("v3 ws probe: hand-over only, merge as a loop", fused(3, 0)),
         (
             "dequant+FA3",
             lambda: prefill_attention(

@@ -657,8 +657,13 @@ def _merge_unrotate_kernel(
     BLOCK_N: tl.constexpr,
     OUT_BF16: tl.constexpr,
     ROWS_PER_TOKEN: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """Merge split partials by log-sum-exp, un-rotate (``@ H``) and cast to the output dtype.
+
+    ``UNROLL`` (0, or the power of two at or above ``NUM_SPLITS``; see
+    :data:`MERGE_UNROLL_MAX_SPLITS`): the split loop unrolled, so every split's partial load is
+    in flight at once rather than one loop trip's at a time.
 
     ``ROWS_PER_TOKEN > 0`` (verify): only the first ``TOKENS[0] * ROWS_PER_TOKEN`` rows hold
     partials (``TOKENS`` is ``query_start_loc[B]`` on the device); the rows of a padded batch's
@@ -671,7 +676,27 @@ def _merge_unrotate_kernel(
         visited = rmask & (rows < tl.load(TOKENS) * ROWS_PER_TOKEN)
     rows64 = rows.to(tl.int64)
     dd = tl.arange(0, D)
-    if NUM_SPLITS > 1:
+    if UNROLL > 0:
+        sp = tl.arange(0, UNROLL)
+        lse_all = tl.load(
+            LSE_PART + sp[None, :] * n_rows + rows64[:, None],
+            mask=rmask[:, None] & (sp < NUM_SPLITS)[None, :],
+            other=float("-inf"),
+        )
+        mx = tl.max(lse_all, axis=1)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w_all = tl.exp2(lse_all - mx[:, None])
+        o = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+        for j in tl.static_range(NUM_SPLITS):
+            part = tl.load(
+                O_PART + (j * n_rows + rows64)[:, None] * D + dd[None, :],
+                mask=rmask[:, None],
+                other=0.0,
+            )
+            o += tl.sum(tl.where(sp[None, :] == j, w_all, 0.0), axis=1)[:, None] * part
+        wsum = tl.sum(w_all, axis=1)
+        o = o / tl.where(wsum > 0, wsum, 1.0)[:, None]
+    elif NUM_SPLITS > 1:
         mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         for sp in range(NUM_SPLITS):
             lse = tl.load(LSE_PART + sp * n_rows + rows64, mask=rmask, other=float("-inf"))
@@ -1390,9 +1415,16 @@ def _launch(
             "BLOCK_N": min(d, 128),
             "OUT_BF16": out.dtype == torch.bfloat16,
             "ROWS_PER_TOKEN": 0 if tokens is None else hq,
+            "UNROLL": next_pow2(parts) if 1 < parts <= MERGE_UNROLL_MAX_SPLITS else 0,
         },
         num_warps=4,
     )
+
+
+#: Unroll the merge's split loop (:func:`_merge_unrotate_kernel`'s ``UNROLL``) up to this many
+#: splits (their partial loads in flight together; more would hold too many registers); 0
+#: never.
+MERGE_UNROLL_MAX_SPLITS = 16
 
 
 def _check_common(
