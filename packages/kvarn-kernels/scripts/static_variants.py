@@ -602,6 +602,7 @@ def _prefill_v3(
             STAGES=p3.WS_STAGES,
             PW=p3.WS_PRODUCER_WARPS,
             PREGS=p3.WS_PRODUCER_REGS,
+            BLOCKS_AHEAD=p3.WS_BLOCKS_AHEAD,
             PROBE=p3.WS_PROBE,
         )
         maxnreg = ws_settings.pop("MAXNREG", p3.WS_MAXNREG)

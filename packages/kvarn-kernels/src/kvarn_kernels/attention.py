@@ -1059,6 +1059,7 @@ def _launch_prefill_fused(
                 "STAGES": prefill_v3.WS_STAGES,
                 "PW": prefill_v3.WS_PRODUCER_WARPS,
                 "PREGS": prefill_v3.WS_PRODUCER_REGS,
+                "BLOCKS_AHEAD": prefill_v3.WS_BLOCKS_AHEAD,
                 "PROBE": prefill_v3.WS_PROBE,
             }
             launch(

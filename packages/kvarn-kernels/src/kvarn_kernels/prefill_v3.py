@@ -313,8 +313,31 @@ def _next_raw(
 ):
     """Chunk ``it``'s pool slot and raw record bytes (:func:`_load_raw`; ``LOADS`` its
     constant arguments; nothing loaded past ``n_it``)."""
+    blk = _chunk_block(bt_row, blk_lo, it, n_it, NCH)
+    return _chunk_raw(BLOCK_TO_SLOT, KV, blk, it, n_it, h, HK, STRIDE, NCH, LOADS)
+
+
+@gluon.jit
+def _chunk_block(bt_row, blk_lo, it, n_it, NCH: gl.constexpr):
+    """Chunk ``it``'s cache block (0 past ``n_it``)."""
+    return gl.load(bt_row + blk_lo + it // NCH, mask=it < n_it, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _chunk_raw(
+    BLOCK_TO_SLOT,
+    KV,
+    blk,
+    it,
+    n_it,
+    h,
+    HK: gl.constexpr,
+    STRIDE: gl.constexpr,
+    NCH: gl.constexpr,
+    LOADS: gl.constexpr,
+):
+    """Chunk ``it``'s pool slot and raw record bytes, its block ``blk`` already looked up."""
     ok = it < n_it
-    blk = gl.load(bt_row + blk_lo + it // NCH, mask=ok, other=0).to(gl.int64)
     slot = gl.load(BLOCK_TO_SLOT + blk, mask=ok, other=0)
     raw = _load_raw(KV + (blk * HK + h) * STRIDE, it % NCH, ok, LOADS)
     return slot, raw
@@ -676,6 +699,9 @@ WS_MAXNREG = 168
 #: dequantizing); 2 the producer alone (the consumers hand stages back untouched); 3 only the
 #: hand-over of the stages.
 WS_PROBE = 0
+#: The producer looks up the cache block of the chunk after next a step ahead, so the next
+#: chunk's byte loads are not behind a dependent table load.
+WS_BLOCKS_AHEAD = True
 
 
 @gluon.jit
@@ -698,10 +724,12 @@ def _ws_produce(
     LOADS: gl.constexpr,
     DEQ16: gl.constexpr,
     PW: gl.constexpr,
+    BLOCKS_AHEAD: gl.constexpr,
     PROBE: gl.constexpr,
 ):
     """The producer warps (``PW``): each chunk's bytes (loaded one chunk ahead) dequantized, or
-    its pool rows copied, into the next free stage, which is then marked ready. ``LOADS``: :func:`_record_loads` at ``PW`` warps; ``PROBE``: :data:`WS_PROBE`."""
+    its pool rows copied, into the next free stage, which is then marked ready;
+    ``BLOCKS_AHEAD``: the cache block of the chunk after next looked up a step earlier. ``LOADS``: :func:`_record_loads` at ``PW`` warps; ``PROBE``: :data:`WS_PROBE`."""
     D: gl.constexpr = LOADS[0]
     G: gl.constexpr = LOADS[1]
     VB: gl.constexpr = LOADS[2]
@@ -710,14 +738,22 @@ def _ws_produce(
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     WORK: gl.constexpr = PROBE == 0 or PROBE == 2
     nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 0, n_it, h, HK, STRIDE, NCH, LOADS)
+    # the block of the chunk after next: its bytes' loads do not wait on a table lookup
+    blk_after = _chunk_block(bt_row, blk_lo, 1, n_it, NCH)
     for it in range(n_it):
         st = it % STAGES
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # the stage's last reader done
         slot, raw = nxt
         if WORK:
-            nxt = _next_raw(
-                bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
-            )
+            if BLOCKS_AHEAD:
+                nxt = _chunk_raw(
+                    BLOCK_TO_SLOT, KV, blk_after, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
+                )
+                blk_after = _chunk_block(bt_row, blk_lo, it + 2, n_it, NCH)
+            else:
+                nxt = _next_raw(
+                    bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
+                )
             if slot >= 0:
                 start = (blk_lo + it // NCH) * G
                 _stage_pool(
@@ -842,6 +878,7 @@ def prefill_v3ws_kernel(
     STAGES: gl.constexpr,
     PW: gl.constexpr,
     PREGS: gl.constexpr,
+    BLOCKS_AHEAD: gl.constexpr,
     PROBE: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
@@ -931,6 +968,7 @@ def prefill_v3ws_kernel(
                     LOADS,
                     DEQ16,
                     PW,
+                    BLOCKS_AHEAD,
                     PROBE,
                 ),
             ),
