@@ -104,6 +104,12 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 ws probe: producer alone", v3_with({"WS_PROBE": 2}), True),
         ("v3 ws probe: hand-over only", v3_with({"WS_PROBE": 3}), True),
         ("v3 ws blocks with bytes", v3_with({"WS_BLOCKS_AHEAD": False}), True),
+        ("v3 ws one consumer partition", v3_with({"WS_CONSUMER_PARTITIONS": 1}), True),
+        (
+            "v3 ws probe: consumers alone, one partition",
+            v3_with({"WS_PROBE": 1, "WS_CONSUMER_PARTITIONS": 1}),
+            True,
+        ),
         (
             "v3 ws probe: producer alone, blocks with bytes",
             v3_with({"WS_PROBE": 2, "WS_BLOCKS_AHEAD": False}),

@@ -603,11 +603,14 @@ def _prefill_v3(
             PW=p3.WS_PRODUCER_WARPS,
             PREGS=p3.WS_PRODUCER_REGS,
             BLOCKS_AHEAD=p3.WS_BLOCKS_AHEAD,
+            CP=p3.WS_CONSUMER_PARTITIONS,
+            CREGS=p3.WS_CONSUMER_REGS,
             PROBE=p3.WS_PROBE,
         )
         maxnreg = ws_settings.pop("MAXNREG", p3.WS_MAXNREG)
         consts.update(ws_settings)
-        return compile_kernel(p3.prefill_v3ws_kernel, sig, consts, warps, maxnreg=maxnreg)
+        consts["W"] = warps // consts["CP"]
+        return compile_kernel(p3.prefill_v3ws_kernel, sig, consts, consts["W"], maxnreg=maxnreg)
     return compile_kernel(p3.prefill_v3_kernel, sig, consts, warps)
 
 
@@ -616,3 +619,4 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
         variant(f"prefill_v3 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w))
         variant(f"prefill_v3fp32 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w, False))
     variant(f"prefill_v3ws {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True))
+    variant(f"prefill_v3ws1 {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, CP=1))

@@ -1055,19 +1055,22 @@ def _launch_prefill_fused(
         del offsets["K_ORDER"], offsets["V_ORDER"]
         consts = {**shape, **offsets, "W": rows // 16, "DEQ16": prefill_v3.V3_DEQ16}
         if prefill_v3.V3_WARP_SPECIALIZED and rows == 128:
+            cp = prefill_v3.WS_CONSUMER_PARTITIONS
             ws = {
                 "STAGES": prefill_v3.WS_STAGES,
                 "PW": prefill_v3.WS_PRODUCER_WARPS,
                 "PREGS": prefill_v3.WS_PRODUCER_REGS,
                 "BLOCKS_AHEAD": prefill_v3.WS_BLOCKS_AHEAD,
+                "CP": prefill_v3.WS_CONSUMER_PARTITIONS,
+                "CREGS": prefill_v3.WS_CONSUMER_REGS,
                 "PROBE": prefill_v3.WS_PROBE,
             }
             launch(
                 prefill_v3.prefill_v3ws_kernel,
                 grid,
                 args,
-                {**consts, **ws},
-                num_warps=8,
+                {**consts, **ws, "W": 8 // cp},
+                num_warps=8 // cp,
                 maxnreg=prefill_v3.WS_MAXNREG,
             )
             return

@@ -623,11 +623,18 @@ def _tile_rows(
     pos_lo = ctx0 + first - q_begin
     kv_len = ctx0 + gl.minimum(first + BQ, q_end) - q_begin
     m = gl.arange(0, M, layout=gl.SliceLayout(1, OL))
+    rows, row_ok = _row_ids(m, first, q_end, h, HQ, QPK, QPK_P)
+    return first, q_end, pos_lo, kv_len, m, rows, row_ok, b
+
+
+@gluon.jit
+def _row_ids(m, first, q_end, h, HQ: gl.constexpr, QPK: gl.constexpr, QPK_P: gl.constexpr):
+    """Tile rows ``m``' query rows (token x head) and whether each is a real one."""
     tok = first + m // QPK_P
     mj = m % QPK_P
     row_ok = (mj < QPK) & (tok < q_end)
     rows = tok.to(gl.int64) * HQ + h * QPK + mj
-    return first, q_end, pos_lo, kv_len, m, rows, row_ok, b
+    return rows, row_ok
 
 
 @gluon.jit
@@ -646,6 +653,16 @@ def _query_tile(
 ):
     """The tile's queries, row-normalized fp16, in shared memory; the rows' scale (the
     scores' factor back) and positions in the scores' layout."""
+    q_smem, row_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL)
+    row_scale = gl.convert_layout(row_scale, gl.SliceLayout(1, S_MMA))
+    q_pos = gl.convert_layout(pos_lo + m // QPK_P, gl.SliceLayout(1, S_MMA))
+    return q_smem, row_scale, q_pos
+
+
+@gluon.jit
+def _query_smem(Q, rows, row_ok, qk_scale, M: gl.constexpr, D: gl.constexpr, OL: gl.constexpr):
+    """The tile's queries, each row divided by its largest magnitude, fp16 in shared memory,
+    and the rows' scale back (``2 x`` that magnitude; the stages hold ``k / 2``)."""
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
     dd = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
     q = gl.load(Q + rows[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
@@ -655,9 +672,7 @@ def _query_tile(
     q_smem = gl.allocate_shared_memory(
         gl.float16, [M, D], Q_SMEM, (q / qmax[:, None]).to(gl.float16)
     )
-    row_scale = gl.convert_layout(2.0 * qmax, gl.SliceLayout(1, S_MMA))
-    q_pos = gl.convert_layout(pos_lo + m // QPK_P, gl.SliceLayout(1, S_MMA))
-    return q_smem, row_scale, q_pos
+    return q_smem, 2.0 * qmax
 
 
 @gluon.jit
@@ -702,23 +717,16 @@ WS_PROBE = 0
 #: The producer looks up the cache block of the chunk after next a step ahead, so the next
 #: chunk's byte loads are not behind a dependent table load.
 WS_BLOCKS_AHEAD = True
+#: Consumer partitions: 1, both warpgroups in one partition (each stage hand-over
+#: synchronizes the two), or 2, a partition each (64 query rows, their own hand-overs, so
+#: one's softmax can run under the other's wgmma), the second with :data:`WS_CONSUMER_REGS`.
+WS_CONSUMER_PARTITIONS = 2
+WS_CONSUMER_REGS = 152
 
 
 @gluon.jit
 def _ws_produce(
-    k_bufs,
-    v_bufs,
-    ready,
-    empty,
-    KV,
-    POOL_K,
-    POOL_V,
-    BLOCK_TO_SLOT,
-    bt_row,
-    blk_lo,
-    n_it,
-    kv_len,
-    h,
+    chunks,
     HK: gl.constexpr,
     STRIDE: gl.constexpr,
     LOADS: gl.constexpr,
@@ -728,8 +736,13 @@ def _ws_produce(
     PROBE: gl.constexpr,
 ):
     """The producer warps (``PW``): each chunk's bytes (loaded one chunk ahead) dequantized, or
-    its pool rows copied, into the next free stage, which is then marked ready;
-    ``BLOCKS_AHEAD``: the cache block of the chunk after next looked up a step earlier. ``LOADS``: :func:`_record_loads` at ``PW`` warps; ``PROBE``: :data:`WS_PROBE`."""
+    its pool rows copied, into the next free stage, which is then marked ready. ``chunks``:
+    the stages and their barriers, the cache's tensors, the split's chunks and the KV head.
+    ``LOADS``: :func:`_record_loads` at ``PW`` warps; ``BLOCKS_AHEAD``: the cache block of
+    the chunk after next looked up a step earlier; ``PROBE``: :data:`WS_PROBE`."""
+    k_bufs, v_bufs, ready, empty = chunks[0], chunks[1], chunks[2], chunks[3]
+    KV, POOL_K, POOL_V, BLOCK_TO_SLOT = chunks[4], chunks[5], chunks[6], chunks[7]
+    bt_row, blk_lo, n_it, kv_len, h = chunks[8], chunks[9], chunks[10], chunks[11], chunks[12]
     D: gl.constexpr = LOADS[0]
     G: gl.constexpr = LOADS[1]
     VB: gl.constexpr = LOADS[2]
@@ -779,32 +792,25 @@ def _ws_produce(
 
 @gluon.jit
 def _ws_consume(
-    q_smem,
-    k_bufs,
-    v_bufs,
-    ready,
-    empty,
-    row_scale,
-    q_pos,
-    rows,
-    row_ok,
-    pos_lo,
-    kv_len,
-    blk_lo,
-    n_it,
-    split,
-    n_rows_total,
-    O_PART,
-    LSE_PART,
+    stages,
+    tile,
+    HQ: gl.constexpr,
+    QPK: gl.constexpr,
+    QPK_P: gl.constexpr,
+    ROW0: gl.constexpr,
     M: gl.constexpr,
     D: gl.constexpr,
     G: gl.constexpr,
     W: gl.constexpr,
     PROBE: gl.constexpr,
 ):
-    """The consumer warpgroups: each ready stage's scores (wgmma), online softmax and ``P V``;
-    the stage is handed back to the producer as soon as ``P V`` has read it. Then the split's
-    partials. ``PROBE``: :data:`WS_PROBE`."""
+    """A consumer partition of ``W`` warps on the tile's rows ``ROW0 .. ROW0 + M``: each
+    ready stage's scores (wgmma), online softmax and ``P V``; the stage is handed back to the
+    producer as soon as ``P V`` has read it. Then the split's partials of those rows. The
+    rows' scales come from ``scale_smem`` (a worker partition takes no tensors).
+    ``PROBE``: :data:`WS_PROBE`."""
+    q_smem, scale_smem, k_bufs, v_bufs, ready, empty = stages
+    first, q_end, pos_lo, kv_len, blk_lo, n_it, h, split, n_rows_total, O_PART, LSE_PART = tile
     BN: gl.constexpr = 64
     NCH: gl.constexpr = G // BN
     STAGES: gl.constexpr = k_bufs.type.shape[0]
@@ -812,6 +818,9 @@ def _ws_consume(
     S_MMA: gl.constexpr = _acc_layout(W, BN)
     O_MMA: gl.constexpr = _acc_layout(W, D)
     P_OP: gl.constexpr = _p_operand(W, D)
+    q_rows = q_smem.slice(ROW0, M)
+    row_scale = scale_smem.slice(ROW0, M).load(gl.SliceLayout(1, S_MMA))
+    q_pos = pos_lo + (ROW0 + gl.arange(0, M, layout=gl.SliceLayout(1, S_MMA))) // QPK_P
     state = (
         gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA)),
         gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, S_MMA)),
@@ -829,12 +838,14 @@ def _ws_consume(
             mbarrier.wait(ready.index(st), (it // STAGES) & 1)
             v_cur = v_bufs.index(st)
             s_tok = warpgroup_mma(
-                q_smem, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True
+                q_rows, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
             s = warpgroup_mma_wait(0, deps=[s_tok])
             t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
             state = _softmax_pv(s, v_cur, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA, P_OP)
             mbarrier.arrive(empty.index(st), count=1)
+    m = ROW0 + gl.arange(0, M, layout=gl.SliceLayout(1, OL))
+    rows, row_ok = _row_ids(m, first, q_end, h, HQ, QPK, QPK_P)
     _store_partials(state, rows, row_ok, split, n_rows_total, O_PART, LSE_PART, D, OL)
 
 
@@ -879,31 +890,36 @@ def prefill_v3ws_kernel(
     PW: gl.constexpr,
     PREGS: gl.constexpr,
     BLOCKS_AHEAD: gl.constexpr,
+    CP: gl.constexpr,
+    CREGS: gl.constexpr,
     PROBE: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
-    separate warps: ``W`` consumer warps (8: two warpgroups of 64 query rows; launched with
-    ``num_warps=W`` and a ``maxnreg`` cap) run the scores, the softmax and ``P V``, while
-    ``PW`` producer warps (``PREGS`` registers each) dequantize the next chunks into
-    ``STAGES`` shared-memory stages, handed over through mbarriers; ``PROBE``:
-    :data:`WS_PROBE` (defaults: the ``WS_`` constants). The consumers never wait on the dequantization's instruction chain, only on
-    a stage being ready."""
-    M: gl.constexpr = 16 * W
+    separate warps. ``CP`` consumer partitions of ``W`` warps each (launched with
+    ``num_warps=W`` and a ``maxnreg`` cap; ``16 W CP = 128`` query rows; the second partition
+    with ``CREGS`` registers) run the scores, the softmax and ``P V``, while ``PW`` producer
+    warps (``PREGS`` registers each) dequantize the next chunks into ``STAGES`` shared-memory
+    stages, handed over through mbarriers. ``BLOCKS_AHEAD``, ``PROBE``: :data:`WS_BLOCKS_AHEAD`,
+    :data:`WS_PROBE` (defaults: the ``WS_`` constants). The consumers never wait on the
+    dequantization's instruction chain, only on a stage being ready."""
+    M: gl.constexpr = 16 * W * CP
+    MP: gl.constexpr = 16 * W  # a consumer partition's rows
     BN: gl.constexpr = 64
     gl.static_assert(D == 128, "head dim 128")
     gl.static_assert(G % BN == 0, "a tile must be whole chunks")
+    gl.static_assert(CP == 1 or CP == 2, "one or two consumer partitions")
     OL: gl.constexpr = _rows_layout(W)
-    S_MMA: gl.constexpr = _acc_layout(W, BN)
     SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.float16)
 
     pid = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)
-    first, q_end, pos_lo, kv_len, m, rows, row_ok, b = _tile_rows(
+    first, q_end, pos_lo, kv_len, _, rows, row_ok, b = _tile_rows(
         pid, h, QSL, SEQ_LENS, num_reqs, HQ, QPK, QPK_P, BQ, B_P, M, W, OL
     )
-    q_smem, row_scale, q_pos = _query_tile(
-        Q, rows, row_ok, m, qk_scale, pos_lo, QPK_P, M, D, OL, S_MMA
+    q_smem, row_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL)
+    scale_smem = gl.allocate_shared_memory(
+        gl.float32, [M], gl.SwizzledSharedLayout(1, 1, 1, [0]), row_scale
     )
     blk_lo, n_it = _context_range(kv_len, split, G, NUM_SPLITS)
     n_it = gl.where(first < q_end, n_it, 0)  # a tile past its request's queries: no work
@@ -915,67 +931,45 @@ def prefill_v3ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CP)  # each consumer partition hands it back
     OFFSETS: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
     LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, PW)  # the producer's loads
-    gl.warp_specialize(
-        [
-            (
-                _ws_consume,
-                (
-                    q_smem,
-                    k_bufs,
-                    v_bufs,
-                    ready,
-                    empty,
-                    row_scale,
-                    q_pos,
-                    rows,
-                    row_ok,
-                    pos_lo,
-                    kv_len,
-                    blk_lo,
-                    n_it,
-                    split,
-                    n_rows_total,
-                    O_PART,
-                    LSE_PART,
-                    M,
-                    D,
-                    G,
-                    W,
-                    PROBE,
-                ),
-            ),
-            (
-                _ws_produce,
-                (
-                    k_bufs,
-                    v_bufs,
-                    ready,
-                    empty,
-                    KV,
-                    POOL_K,
-                    POOL_V,
-                    BLOCK_TO_SLOT,
-                    bt_row,
-                    blk_lo,
-                    n_it,
-                    kv_len,
-                    h,
-                    HK,
-                    STRIDE,
-                    LOADS,
-                    DEQ16,
-                    PW,
-                    BLOCKS_AHEAD,
-                    PROBE,
-                ),
-            ),
-        ],
-        [PW],
-        [PREGS],
-    )
+    stages = (q_smem, scale_smem, k_bufs, v_bufs, ready, empty)
+    tile = (first, q_end, pos_lo, kv_len, blk_lo, n_it, h, split, n_rows_total, O_PART, LSE_PART)
+    producer = (
+        k_bufs,
+        v_bufs,
+        ready,
+        empty,
+        KV,
+        POOL_K,
+        POOL_V,
+        BLOCK_TO_SLOT,
+        bt_row,
+        blk_lo,
+        n_it,
+        kv_len,
+        h,
+    )  # then the constexprs, in the calls (a variable's tuple cannot hold LOADS' layouts)
+    if CP == 2:
+        gl.warp_specialize(
+            [
+                (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE)),
+                (_ws_consume, (stages, tile, HQ, QPK, QPK_P, MP, MP, D, G, W, PROBE)),
+                (_ws_produce, (producer, HK, STRIDE, LOADS, DEQ16, PW, BLOCKS_AHEAD, PROBE)),
+            ],
+            [W, PW],
+            [CREGS, PREGS],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE)),
+                (_ws_produce, (producer, HK, STRIDE, LOADS, DEQ16, PW, BLOCKS_AHEAD, PROBE)),
+            ],
+            [PW],
+            [PREGS],
+        )
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
