@@ -610,6 +610,7 @@ def _prefill_v3(
         maxnreg = ws_settings.pop("MAXNREG", p3.WS_MAXNREG)
         consts.update(ws_settings)
         consts["W"] = warps // consts["CP"]
+        sig = {**sig, "Q": "*fp16", "S": "*fp16"}  # the queries unrotated (rotated in-kernel)
         return compile_kernel(p3.prefill_v3ws_kernel, sig, consts, consts["W"], maxnreg=maxnreg)
     return compile_kernel(p3.prefill_v3_kernel, sig, consts, warps)
 

@@ -982,6 +982,16 @@ def _launch_pool(
     )
 
 
+def _v3_warp_specialized(head_dim: int, qpk: int, block_m: int | None) -> bool:
+    """Whether ``prefill_v3`` runs its warp-specialized form: 128-row tiles
+    (:data:`kvarn_kernels.prefill_v3.V3_WARP_SPECIALIZED`)."""
+    from kvarn_kernels import prefill_v3
+    from kvarn_kernels.prefill_v2 import default_block_m
+
+    rows = max(block_m or default_block_m(head_dim), next_pow2(qpk))
+    return prefill_v3.V3_WARP_SPECIALIZED and rows == 128
+
+
 def _launch_prefill_fused(
     variant: str,
     geo: DenseGeometry,
@@ -1006,7 +1016,9 @@ def _launch_prefill_fused(
 ) -> None:
     """A fused prefill kernel into ``num_splits`` partials: ``"prefill_v2"``
     (:mod:`kvarn_kernels.prefill_v2`) or ``"prefill_v3"`` (:mod:`kvarn_kernels.prefill_v3`,
-    the same grid and arguments; ``block_m`` 64 or 128 picks its warps)."""
+    the same grid and arguments; ``block_m`` 64 or 128 picks its warps). ``q_rot``: the
+    rotated fp32 queries, or for the warp-specialized v3 (:func:`_v3_warp_specialized`) the
+    queries themselves, contiguous, which it rotates."""
     from kvarn_kernels.prefill_v2 import PREFILL_V2_WARPS, default_block_m, prefill_v2_kernel
 
     t = n_rows // hq
@@ -1054,7 +1066,7 @@ def _launch_prefill_fused(
         # v3 is written for one pair of in-cache orders (_v3_serves checks them)
         del offsets["K_ORDER"], offsets["V_ORDER"]
         consts = {**shape, **offsets, "W": rows // 16, "DEQ16": prefill_v3.V3_DEQ16}
-        if prefill_v3.V3_WARP_SPECIALIZED and rows == 128:
+        if _v3_warp_specialized(geo.head_dim, qpk, block_m):
             cp = prefill_v3.WS_CONSUMER_PARTITIONS
             ws = {
                 "STAGES": prefill_v3.WS_STAGES,
@@ -1068,7 +1080,7 @@ def _launch_prefill_fused(
             launch(
                 prefill_v3.prefill_v3ws_kernel,
                 grid,
-                args,
+                (*args, sign_matrix(geo.head_dim, q_rot.device, q_rot.dtype)),
                 {**consts, **ws, "W": 8 // cp},
                 num_warps=8 // cp,
                 maxnreg=prefill_v3.WS_MAXNREG,
@@ -1233,7 +1245,10 @@ def _launch(
     q_rot = workspace[: n_rows * d]
     o_part = workspace[n_rows * d : n_rows * d * (1 + parts)]
     lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
-    rotate_f32(q, out=q_rot)
+    # the warp-specialized prefill rotates its query tiles itself (one launch less)
+    rotates_itself = variant == "prefill_v3" and _v3_warp_specialized(geo.head_dim, qpk, block_m)
+    if not rotates_itself:
+        rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
 
     def launch_pool() -> None:  # the pool tiles of the POOL_SPLIT_VARIANTS, partial num_splits
@@ -1318,7 +1333,7 @@ def _launch(
         _launch_prefill_fused(
             variant,
             geo,
-            q_rot,
+            (q if q.is_contiguous() else q.contiguous()) if rotates_itself else q_rot,
             kv_cache,
             pool_k,
             pool_v,
