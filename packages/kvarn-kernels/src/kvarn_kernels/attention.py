@@ -992,6 +992,14 @@ def _v3_warp_specialized(head_dim: int, qpk: int, block_m: int | None) -> bool:
     return prefill_v3.V3_WARP_SPECIALIZED and rows == 128
 
 
+def _v3ws_rotates(head_dim: int, qpk: int, block_m: int | None) -> bool:
+    """Whether the warp-specialized v3 runs and rotates its query tiles itself
+    (:data:`kvarn_kernels.prefill_v3.WS_ROTATES_QUERIES`)."""
+    from kvarn_kernels import prefill_v3
+
+    return _v3_warp_specialized(head_dim, qpk, block_m) and prefill_v3.WS_ROTATES_QUERIES
+
+
 def _launch_prefill_fused(
     variant: str,
     geo: DenseGeometry,
@@ -1075,8 +1083,10 @@ def _launch_prefill_fused(
                 "BLOCKS_AHEAD": prefill_v3.WS_BLOCKS_AHEAD,
                 "CP": prefill_v3.WS_CONSUMER_PARTITIONS,
                 "CREGS": prefill_v3.WS_CONSUMER_REGS,
+                "ROTATE": prefill_v3.WS_ROTATES_QUERIES,
                 "PROBE": prefill_v3.WS_PROBE,
             }
+            # (with fp32 queries, ROTATE off, the sign matrix is passed and not read)
             launch(
                 prefill_v3.prefill_v3ws_kernel,
                 grid,
@@ -1246,7 +1256,7 @@ def _launch(
     o_part = workspace[n_rows * d : n_rows * d * (1 + parts)]
     lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
     # the warp-specialized prefill rotates its query tiles itself (one launch less)
-    rotates_itself = variant == "prefill_v3" and _v3_warp_specialized(geo.head_dim, qpk, block_m)
+    rotates_itself = variant == "prefill_v3" and _v3ws_rotates(geo.head_dim, qpk, block_m)
     if not rotates_itself:
         rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack

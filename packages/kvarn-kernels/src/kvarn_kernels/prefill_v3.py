@@ -771,6 +771,8 @@ WS_BLOCKS_AHEAD = True
 #: one's softmax can run under the other's wgmma), the second with :data:`WS_CONSUMER_REGS`.
 WS_CONSUMER_PARTITIONS = 2
 WS_CONSUMER_REGS = 152
+#: The kernel rotates its query tiles itself (the call makes no rotation launch).
+WS_ROTATES_QUERIES = True
 
 
 @gluon.jit
@@ -942,11 +944,12 @@ def prefill_v3ws_kernel(
     BLOCKS_AHEAD: gl.constexpr,
     CP: gl.constexpr,
     CREGS: gl.constexpr,
+    ROTATE: gl.constexpr,
     PROBE: gl.constexpr,
 ):
-    """:func:`prefill_v3_kernel` (same grid, arguments and partials, but ``Q`` the queries
-    themselves, fp16 or bf16 ``[T, HQ, D]``, rotated here by ``S``, the sign matrix in their
-    dtype) with its parts in separate warps. ``CP`` consumer partitions of ``W`` warps each (launched with
+    """:func:`prefill_v3_kernel` (same grid, arguments and partials; with ``ROTATE``, ``Q``
+    the queries themselves, fp16 or bf16 ``[T, HQ, D]``, rotated here by ``S``, the sign
+    matrix in their dtype) with its parts in separate warps. ``CP`` consumer partitions of ``W`` warps each (launched with
     ``num_warps=W`` and a ``maxnreg`` cap; ``16 W CP = 128`` query rows; the second partition
     with ``CREGS`` registers) run the scores, the softmax and ``P V``, while ``PW`` producer
     warps (``PREGS`` registers each) dequantize the next chunks into ``STAGES`` shared-memory
@@ -968,7 +971,13 @@ def prefill_v3ws_kernel(
     first, q_end, pos_lo, kv_len, _, rows, row_ok, b = _tile_rows(
         pid, h, QSL, SEQ_LENS, num_reqs, HQ, QPK, QPK_P, BQ, B_P, M, W, OL
     )
-    q_smem, scale_smem = _rotated_query_smem(Q, S, rows, row_ok, qk_scale, M, D, W, OL)
+    if ROTATE:
+        q_smem, scale_smem = _rotated_query_smem(Q, S, rows, row_ok, qk_scale, M, D, W, OL)
+    else:
+        q_smem, row_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL)
+        scale_smem = gl.allocate_shared_memory(
+            gl.float32, [M], gl.SwizzledSharedLayout(1, 1, 1, [0]), row_scale
+        )
     blk_lo, n_it = _context_range(kv_len, split, G, NUM_SPLITS)
     n_it = gl.where(first < q_end, n_it, 0)  # a tile past its request's queries: no work
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
