@@ -262,6 +262,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--short", action="store_true", help=f"only the rows {SHORT_PATHS}")
     ap.add_argument(
+        "--shapes", type=int, default=len(SHAPES), help="only the first N shapes of SHAPES"
+    )
+    ap.add_argument(
         "--kernels",
         action="store_true",
         help="each GPU kernel's time per call at the first two shapes (torch.profiler), only",
@@ -281,7 +284,7 @@ def main() -> None:
         (a.out / "prefill_kernels.json").write_text(json.dumps(rows, indent=1))
         return
     rows: list[dict[str, Any]] = []
-    for shape in SHAPES:
+    for shape in SHAPES[: a.shapes]:
         rows += run_shape(*shape, short=a.short)
         (a.out / "prefill_v2_ab.json").write_text(json.dumps(rows, indent=1))
     (a.out / "prefill_fused.md").write_text(markdown(rows))
