@@ -1868,3 +1868,27 @@ def test_padded_records_decode_and_prefill(
     qsl = torch.tensor([0, 20, 21], dtype=torch.int32, device=device)
     args = case.prefill_args(name, qp, qsl, scale)
     _assert_close(prefill_attention(*args), prefill_attention_ref(*args))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("splits", [3, 8, 20])
+def test_merge_unrolled_and_looped_agree(
+    device: torch.device, splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The merge's unrolled split loop (up to ``MERGE_UNROLL_MAX_SPLITS`` splits; 3 pads to
+    4 with masked splits) gives the looped merge's output, up to the order of the weights'
+    sum; 20 splits are past the unroll limit and take the loop either way."""
+    from kvarn_kernels import attention
+
+    name, d, hk, hq = "kvarn_k4v2_g64", 64, 2, 8
+    case = shared_case(name, d, hk, [2000, 700, 65], device=device, seed=5, constant_tile=True)
+    q = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(2)).half().to(device)
+    scale = 1.0 / math.sqrt(d)
+    outs = []
+    for unroll_max in (attention.MERGE_UNROLL_MAX_SPLITS, 0):
+        monkeypatch.setattr(attention, "MERGE_UNROLL_MAX_SPLITS", unroll_max)
+        outs.append(
+            decode_attention(*case.decode_args(name, q, scale), num_splits=splits, variant="v1")
+        )
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=1e-5)
+    ref = decode_attention_ref(*case.decode_args(name, q, scale))
+    _assert_close(outs[0], ref)
