@@ -1870,18 +1870,18 @@ def test_padded_records_decode_and_prefill(
     _assert_close(prefill_attention(*args), prefill_attention_ref(*args))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("splits", [3, 8, 20])
+@pytest.mark.parametrize("splits", [3, 8])
 def test_merge_unrolled_and_looped_agree(
     device: torch.device, splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The merge's unrolled split loop (up to ``MERGE_UNROLL_MAX_SPLITS`` splits; 3 pads to
     4 with masked splits) gives the looped merge's output, up to the order of the weights'
-    sum; 20 splits are past the unroll limit and take the loop either way."""
+    sum. The first request's 16 blocks give each of 8 splits some."""
     from kvarn_kernels import attention
 
     name, d, hk, hq = "kvarn_k4v2_g64", 64, 2, 8
-    case = shared_case(name, d, hk, [2000, 700, 65], device=device, seed=5, constant_tile=True)
-    q = torch.randn(3, hq, d, generator=torch.Generator().manual_seed(2)).half().to(device)
+    case = shared_case(name, d, hk, [1024, 65], device=device, seed=5, constant_tile=True)
+    q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(2)).half().to(device)
     scale = 1.0 / math.sqrt(d)
     outs = []
     for unroll_max in (attention.MERGE_UNROLL_MAX_SPLITS, 0):
