@@ -105,7 +105,6 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 ws probe: hand-over only", v3_with({"WS_PROBE": 3}), True),
         ("v3 ws blocks with bytes", v3_with({"WS_BLOCKS_AHEAD": False}), True),
         ("v3 ws one consumer partition", v3_with({"WS_CONSUMER_PARTITIONS": 1}), True),
-        ("v3 ws rotation launch", v3_with({"WS_ROTATES_QUERIES": False}), True),
         (
             "v3 ws probe: consumers alone, one partition",
             v3_with({"WS_PROBE": 1, "WS_CONSUMER_PARTITIONS": 1}),
@@ -185,20 +184,15 @@ def kernel_breakdown(ctx: int, q_len: int, bsz: int, calls: int = 20) -> list[di
     fa3 = bk.vllm_fa3()
 
     unroll_default = attention.MERGE_UNROLL_MAX_SPLITS
-    rotates_default = prefill_v3.WS_ROTATES_QUERIES
 
-    def fused(
-        probe: int, merge_unroll: int = unroll_default, rotates: bool = rotates_default
-    ) -> Callable[[], Any]:
+    def fused(probe: int, merge_unroll: int = unroll_default) -> Callable[[], Any]:
         def run() -> None:
             prefill_v3.WS_PROBE = probe
-            prefill_v3.WS_ROTATES_QUERIES = rotates
             attention.MERGE_UNROLL_MAX_SPLITS = merge_unroll
             try:
                 prefill_attention(FMT, c["q"], *args, scale, out=out, method="fused")
             finally:
                 prefill_v3.WS_PROBE = 0
-                prefill_v3.WS_ROTATES_QUERIES = rotates_default
                 attention.MERGE_UNROLL_MAX_SPLITS = unroll_default
 
         return run
@@ -207,7 +201,6 @@ def kernel_breakdown(ctx: int, q_len: int, bsz: int, calls: int = 20) -> list[di
         ("v3 ws", fused(0)),
         ("v3 ws probe: hand-over only", fused(3)),
         ("v3 ws probe: hand-over only, merge as a loop", fused(3, 0)),
-        ("v3 ws probe: hand-over only, rotation launch", fused(3, rotates=False)),
         (
             "dequant+FA3",
             lambda: prefill_attention(

@@ -605,14 +605,11 @@ def _prefill_v3(
             BLOCKS_AHEAD=p3.WS_BLOCKS_AHEAD,
             CP=p3.WS_CONSUMER_PARTITIONS,
             CREGS=p3.WS_CONSUMER_REGS,
-            ROTATE=p3.WS_ROTATES_QUERIES,
             PROBE=p3.WS_PROBE,
         )
         maxnreg = ws_settings.pop("MAXNREG", p3.WS_MAXNREG)
         consts.update(ws_settings)
         consts["W"] = warps // consts["CP"]
-        if consts["ROTATE"]:  # the queries unrotated, rotated in the kernel
-            sig = {**sig, "Q": "*fp16", "S": "*fp16"}
         return compile_kernel(p3.prefill_v3ws_kernel, sig, consts, consts["W"], maxnreg=maxnreg)
     return compile_kernel(p3.prefill_v3_kernel, sig, consts, warps)
 

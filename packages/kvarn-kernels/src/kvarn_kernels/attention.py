@@ -992,14 +992,6 @@ def _v3_warp_specialized(head_dim: int, qpk: int, block_m: int | None) -> bool:
     return prefill_v3.V3_WARP_SPECIALIZED and rows == 128
 
 
-def _v3ws_rotates(head_dim: int, qpk: int, block_m: int | None) -> bool:
-    """Whether the warp-specialized v3 runs and rotates its query tiles itself
-    (:data:`kvarn_kernels.prefill_v3.WS_ROTATES_QUERIES`)."""
-    from kvarn_kernels import prefill_v3
-
-    return _v3_warp_specialized(head_dim, qpk, block_m) and prefill_v3.WS_ROTATES_QUERIES
-
-
 def _launch_prefill_fused(
     variant: str,
     geo: DenseGeometry,
@@ -1024,9 +1016,7 @@ def _launch_prefill_fused(
 ) -> None:
     """A fused prefill kernel into ``num_splits`` partials: ``"prefill_v2"``
     (:mod:`kvarn_kernels.prefill_v2`) or ``"prefill_v3"`` (:mod:`kvarn_kernels.prefill_v3`,
-    the same grid and arguments; ``block_m`` 64 or 128 picks its warps). ``q_rot``: the
-    rotated fp32 queries, or for the warp-specialized v3 (:func:`_v3_warp_specialized`) the
-    queries themselves, contiguous, which it rotates."""
+    the same grid and arguments; ``block_m`` 64 or 128 picks its warps)."""
     from kvarn_kernels.prefill_v2 import PREFILL_V2_WARPS, default_block_m, prefill_v2_kernel
 
     t = n_rows // hq
@@ -1083,14 +1073,12 @@ def _launch_prefill_fused(
                 "BLOCKS_AHEAD": prefill_v3.WS_BLOCKS_AHEAD,
                 "CP": prefill_v3.WS_CONSUMER_PARTITIONS,
                 "CREGS": prefill_v3.WS_CONSUMER_REGS,
-                "ROTATE": prefill_v3.WS_ROTATES_QUERIES,
                 "PROBE": prefill_v3.WS_PROBE,
             }
-            # (with fp32 queries, ROTATE off, the sign matrix is passed and not read)
             launch(
                 prefill_v3.prefill_v3ws_kernel,
                 grid,
-                (*args, sign_matrix(geo.head_dim, q_rot.device, q_rot.dtype)),
+                args,
                 {**consts, **ws, "W": 8 // cp},
                 num_warps=8 // cp,
                 maxnreg=prefill_v3.WS_MAXNREG,
@@ -1255,10 +1243,7 @@ def _launch(
     q_rot = workspace[: n_rows * d]
     o_part = workspace[n_rows * d : n_rows * d * (1 + parts)]
     lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
-    # the warp-specialized prefill rotates its query tiles itself (one launch less)
-    rotates_itself = variant == "prefill_v3" and _v3ws_rotates(geo.head_dim, qpk, block_m)
-    if not rotates_itself:
-        rotate_f32(q, out=q_rot)
+    rotate_f32(q, out=q_rot)
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
 
     def launch_pool() -> None:  # the pool tiles of the POOL_SPLIT_VARIANTS, partial num_splits
@@ -1343,7 +1328,7 @@ def _launch(
         _launch_prefill_fused(
             variant,
             geo,
-            (q if q.is_contiguous() else q.contiguous()) if rotates_itself else q_rot,
+            q_rot,
             kv_cache,
             pool_k,
             pool_v,

@@ -660,55 +660,6 @@ def _query_tile(
 
 
 @gluon.jit
-def _rotated_query_smem(
-    Q,
-    S,
-    rows,
-    row_ok,
-    qk_scale,
-    M: gl.constexpr,
-    D: gl.constexpr,
-    W: gl.constexpr,
-    OL: gl.constexpr,
-):
-    """:func:`_query_smem` of the unrotated queries ``Q`` (fp16 or bf16): rotated here by the
-    sign matrix ``S`` (``x @ S / sqrt(D)``, the products exact, fp32 sums as
-    :func:`kvarn_kernels.rotation.rotate_f32` forms them), ``16 W`` rows a wgmma; the rows'
-    scales in shared memory (fp32 ``[M]``)."""
-    DT: gl.constexpr = Q.dtype.element_ty
-    MW: gl.constexpr = 16 * W
-    ACC: gl.constexpr = _acc_layout(W, D)
-    dd = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
-    dk = gl.arange(0, D, layout=gl.SliceLayout(1, OL))
-    x = gl.load(Q + rows[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
-    x_smem = gl.allocate_shared_memory(
-        DT, [M, D], gl.NVMMASharedLayout.get_default_for([M, D], DT), x
-    )
-    s_smem = gl.allocate_shared_memory(
-        DT,
-        [D, D],
-        gl.NVMMASharedLayout.get_default_for([D, D], DT),
-        gl.load(S + dk[:, None] * D + dd[None, :]),
-    )
-    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
-    q_smem = gl.allocate_shared_memory(gl.float16, [M, D], Q_SMEM)
-    scale_smem = gl.allocate_shared_memory(gl.float32, [M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    fence_async_shared()
-    for i in gl.static_range(M // MW):
-        acc = warpgroup_mma(
-            x_smem.slice(i * MW, MW), s_smem, gl.zeros([MW, D], gl.float32, layout=ACC)
-        )
-        q = acc * (qk_scale / gl.sqrt(float(D)))
-        qmax = gl.max(gl.abs(q), axis=1)
-        qmax = gl.where(qmax > 0, qmax, 1.0)
-        q_smem.slice(i * MW, MW).store((q / qmax[:, None]).to(gl.float16))
-        scale_smem.slice(i * MW, MW).store(2.0 * qmax)
-    fence_async_shared()
-    gl.thread_barrier()
-    return q_smem, scale_smem
-
-
-@gluon.jit
 def _query_smem(Q, rows, row_ok, qk_scale, M: gl.constexpr, D: gl.constexpr, OL: gl.constexpr):
     """The tile's queries, each row divided by its largest magnitude, fp16 in shared memory,
     and the rows' scale back (``2 x`` that magnitude; the stages hold ``k / 2``)."""
@@ -771,8 +722,6 @@ WS_BLOCKS_AHEAD = True
 #: one's softmax can run under the other's wgmma), the second with :data:`WS_CONSUMER_REGS`.
 WS_CONSUMER_PARTITIONS = 2
 WS_CONSUMER_REGS = 152
-#: The kernel rotates its query tiles itself (the call makes no rotation launch).
-WS_ROTATES_QUERIES = True
 
 
 @gluon.jit
@@ -916,7 +865,6 @@ def prefill_v3ws_kernel(
     stride_bt,
     n_rows_total,
     num_reqs,
-    S,
     HQ: gl.constexpr,
     HK: gl.constexpr,
     QPK: gl.constexpr,
@@ -944,12 +892,10 @@ def prefill_v3ws_kernel(
     BLOCKS_AHEAD: gl.constexpr,
     CP: gl.constexpr,
     CREGS: gl.constexpr,
-    ROTATE: gl.constexpr,
     PROBE: gl.constexpr,
 ):
-    """:func:`prefill_v3_kernel` (same grid, arguments and partials; with ``ROTATE``, ``Q``
-    the queries themselves, fp16 or bf16 ``[T, HQ, D]``, rotated here by ``S``, the sign
-    matrix in their dtype) with its parts in separate warps. ``CP`` consumer partitions of ``W`` warps each (launched with
+    """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
+    separate warps. ``CP`` consumer partitions of ``W`` warps each (launched with
     ``num_warps=W`` and a ``maxnreg`` cap; ``16 W CP = 128`` query rows; the second partition
     with ``CREGS`` registers) run the scores, the softmax and ``P V``, while ``PW`` producer
     warps (``PREGS`` registers each) dequantize the next chunks into ``STAGES`` shared-memory
@@ -971,13 +917,10 @@ def prefill_v3ws_kernel(
     first, q_end, pos_lo, kv_len, _, rows, row_ok, b = _tile_rows(
         pid, h, QSL, SEQ_LENS, num_reqs, HQ, QPK, QPK_P, BQ, B_P, M, W, OL
     )
-    if ROTATE:
-        q_smem, scale_smem = _rotated_query_smem(Q, S, rows, row_ok, qk_scale, M, D, W, OL)
-    else:
-        q_smem, row_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL)
-        scale_smem = gl.allocate_shared_memory(
-            gl.float32, [M], gl.SwizzledSharedLayout(1, 1, 1, [0]), row_scale
-        )
+    q_smem, row_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL)
+    scale_smem = gl.allocate_shared_memory(
+        gl.float32, [M], gl.SwizzledSharedLayout(1, 1, 1, [0]), row_scale
+    )
     blk_lo, n_it = _context_range(kv_len, split, G, NUM_SPLITS)
     n_it = gl.where(first < q_end, n_it, 0)  # a tile past its request's queries: no work
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
