@@ -982,16 +982,6 @@ def _launch_pool(
     )
 
 
-def _v3_warp_specialized(head_dim: int, qpk: int, block_m: int | None) -> bool:
-    """Whether ``prefill_v3`` runs its warp-specialized form: 128-row tiles
-    (:data:`kvarn_kernels.prefill_v3.V3_WARP_SPECIALIZED`)."""
-    from kvarn_kernels import prefill_v3
-    from kvarn_kernels.prefill_v2 import default_block_m
-
-    rows = max(block_m or default_block_m(head_dim), next_pow2(qpk))
-    return prefill_v3.V3_WARP_SPECIALIZED and rows == 128
-
-
 def _launch_prefill_fused(
     variant: str,
     geo: DenseGeometry,
@@ -1064,7 +1054,7 @@ def _launch_prefill_fused(
         # v3 is written for one pair of in-cache orders (_v3_serves checks them)
         del offsets["K_ORDER"], offsets["V_ORDER"]
         consts = {**shape, **offsets, "W": rows // 16, "DEQ16": prefill_v3.V3_DEQ16}
-        if _v3_warp_specialized(geo.head_dim, qpk, block_m):
+        if prefill_v3.V3_WARP_SPECIALIZED and rows == 128:
             cp = prefill_v3.WS_CONSUMER_PARTITIONS
             ws = {
                 "STAGES": prefill_v3.WS_STAGES,
