@@ -299,19 +299,27 @@ def vllm_available() -> bool:
     return True
 
 
+def fa3_paged_cache(bsz: int, seq: int) -> tuple[Any, Any, Any, Any]:
+    """A random fp16 paged KV cache for vLLM's FA3 (16-token blocks, shuffled): ``k``, ``v``,
+    the block table and the per-request lengths (``seq`` each)."""
+    import torch
+
+    bs = 16
+    nb = -(-seq // bs)
+    k = torch.randn(bsz * nb, bs, HK, D, device="cuda").half()
+    v = torch.randn_like(k)
+    bt = torch.randperm(bsz * nb, device="cuda").to(torch.int32).view(bsz, nb)
+    seqused = torch.full((bsz,), seq, dtype=torch.int32, device="cuda")
+    return k, v, bt, seqused
+
+
 def bench_fa3_decode(bsz: int, seq: int) -> dict[str, Any]:
     import torch
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    bs = 16
-    nb = -(-seq // bs)
-    num_blocks = bsz * nb
-    k = torch.randn(num_blocks, bs, HK, D, device="cuda").half()
-    v = torch.randn_like(k)
-    bt = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(bsz, nb)
+    k, v, bt, seqused = fa3_paged_cache(bsz, seq)
     q = torch.randn(bsz, HQ, D, device="cuda").half()
     cu_q = torch.arange(bsz + 1, dtype=torch.int32, device="cuda")
-    seqused = torch.full((bsz,), seq, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
 
     def fn() -> None:
@@ -473,6 +481,22 @@ def prefill_case(fmt_name: str, ctx_before: int, q_len: int, bsz: int) -> dict[s
     }
 
 
+def prefill_args(c: dict[str, Any]) -> tuple[Any, ...]:
+    """``prefill_attention``'s arguments between the queries and the scale for a
+    :func:`prefill_case`: the cache, the pool, the block table and the batch's lengths."""
+    return (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
+
+
+def prefill_plan(c: dict[str, Any]) -> Any:
+    """The dequantize path's context plan for a :func:`prefill_case`, built once per batch as
+    the plugin builds it."""
+    from kvarn_kernels import plan_prefill_context
+
+    return plan_prefill_context(
+        c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=HK, head_dim=D, device="cuda"
+    )
+
+
 def bench_prefill(
     fmt_name: str,
     ctx_before: int,
@@ -485,7 +509,7 @@ def bench_prefill(
     ``method="dequant"`` the batch's ``context_plan`` is built once, as the plugin does."""
     import torch
 
-    from kvarn_kernels import plan_prefill_context, prefill_attention
+    from kvarn_kernels import prefill_attention
 
     c = prefill_case(fmt_name, ctx_before, q_len, bsz)
     out = torch.empty_like(c["q"])
@@ -495,20 +519,10 @@ def bench_prefill(
     if kw.get("method", "dequant") == "dequant":
         # One plan per batch, built before the step and shared by its layers, as the plugin
         # builds it: the timed call is one layer's.
-        kw.setdefault(
-            "context_plan",
-            plan_prefill_context(
-                c["group"],
-                c["seq_host"],
-                c["qsl_host"],
-                num_kv_heads=HK,
-                head_dim=D,
-                device="cuda",
-            ),
-        )
+        kw.setdefault("context_plan", prefill_plan(c))
     else:
         kw.setdefault("method", "fused")
-    args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
+    args = prefill_args(c)
     us, mode = timed(
         lambda: prefill_attention(fmt_name, c["q"], *args, D**-0.5, out=out, **kw), graph=False
     )
@@ -525,20 +539,13 @@ def bench_verify(fmt_name: str, ctx_before: int, width: int, bsz: int) -> list[d
     the same shape (vLLM's fp16 verify). Outputs are cross-checked against the first."""
     import torch
 
-    from kvarn_kernels import (
-        decode_attention,
-        plan_prefill_context,
-        prefill_attention,
-        verify_attention,
-    )
+    from kvarn_kernels import decode_attention, prefill_attention, verify_attention
     from kvarn_kernels.attention import verify_rows
 
     c = prefill_case(fmt_name, ctx_before, width, bsz)
     # the sixth session's plugin path: one decode row per query token, built once per step
     rows_bt, rows_len = verify_rows(c["bt"], c["qsl"], c["seqs"], int(c["q"].shape[0]))
-    plan = plan_prefill_context(
-        c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=HK, head_dim=D, device="cuda"
-    )
+    plan = prefill_plan(c)
     try:
         fa: Any = {"varlen_attention": vllm_fa3()}
     except Exception:  # without vLLM: torch's FlashAttention
@@ -623,14 +630,9 @@ def fa3_prefill_call(ctx_before: int, q_len: int, bsz: int) -> Callable[[], Any]
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     seq = ctx_before + q_len
-    bs = 16
-    nb = -(-seq // bs)
-    k = torch.randn(bsz * nb, bs, HK, D, device="cuda").half()
-    v = torch.randn_like(k)
-    bt = torch.randperm(bsz * nb, device="cuda").to(torch.int32).view(bsz, nb)
+    k, v, bt, seqused = fa3_paged_cache(bsz, seq)
     q = torch.randn(bsz * q_len, HQ, D, device="cuda").half()
     cu_q = torch.arange(bsz + 1, dtype=torch.int32, device="cuda") * q_len
-    seqused = torch.full((bsz,), seq, dtype=torch.int32, device="cuda")
     return lambda: flash_attn_varlen_func(
         q,
         k,

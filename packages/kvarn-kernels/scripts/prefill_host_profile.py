@@ -32,16 +32,14 @@ def main() -> None:
 
     import torch
 
-    from kvarn_kernels import plan_prefill_context, prefill_attention
+    from kvarn_kernels import prefill_attention
     from kvarn_kernels.rotation import rotate_into
 
     c = bk.prefill_case(FMT, 16320, 64, 1)
-    args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
+    args = bk.prefill_args(c)
     scale = bk.D**-0.5
     out = torch.empty_like(c["q"])
-    plan = plan_prefill_context(
-        c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=bk.HK, head_dim=bk.D, device="cuda"
-    )
+    plan = bk.prefill_plan(c)
     fa3 = bk.vllm_fa3()
     t, hq, d = (int(s) for s in c["q"].shape)
     q16 = torch.empty((t, hq, d), dtype=torch.float16, device="cuda")

@@ -15,8 +15,9 @@ counts, chunk sizes and tile heights; outputs against the dequantize path's. Wri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +38,30 @@ SHAPES: tuple[tuple[int, int, int], ...] = (
 SHORT_PATHS = ("dequant", "v3 auto", "v3 one", "v3 ws")
 
 
+@contextlib.contextmanager
+def module_settings(module: Any, settings: dict[str, Any]) -> Iterator[None]:
+    """``module``'s attributes set to ``settings`` for the body, then restored."""
+    saved = {k: getattr(module, k) for k in settings}
+    for k, v in settings.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
 def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[str, Any]]:
     import torch
 
-    from kvarn_kernels import plan_prefill_context, prefill_attention, prefill_v3
+    from kvarn_kernels import prefill_attention, prefill_v3
     from kvarn_kernels.attention import _num_sms, prefill_v2_splits
 
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
-    args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
+    args = bk.prefill_args(c)
     scale = bk.D**-0.5
     out = torch.empty_like(c["q"])
-    plan = plan_prefill_context(
-        c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=bk.HK, head_dim=bk.D, device="cuda"
-    )
+    plan = bk.prefill_plan(c)
     fa3 = bk.vllm_fa3()
     auto = prefill_v2_splits(
         int(c["q"].shape[0]), bk.HQ, bk.HK, int(c["bt"].shape[1]), _num_sms(c["q"].device)
@@ -63,14 +75,8 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         (``V3_WARP_SPECIALIZED``, ``V3_DEQ16``, the ``WS_`` constants)."""
 
         def run() -> None:
-            saved = {k: getattr(prefill_v3, k) for k in settings}
-            for k, v in settings.items():
-                setattr(prefill_v3, k, v)
-            try:
+            with module_settings(prefill_v3, settings):
                 fused(fused_kernel="v3", **kw)()
-            finally:
-                for k, v in saved.items():
-                    setattr(prefill_v3, k, v)
 
         return run
 
@@ -159,7 +165,7 @@ def profile_once(ctx: int, q_len: int, bsz: int, kernel: str) -> None:
 
     prefill_v3.V3_WARP_SPECIALIZED = kernel == "v3ws"
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
-    args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
+    args = bk.prefill_args(c)
     for _ in range(2):
         prefill_attention(FMT, c["q"], *args, bk.D**-0.5, method="fused", fused_kernel=kernel[:2])
     torch.cuda.synchronize()
@@ -172,28 +178,25 @@ def kernel_breakdown(ctx: int, q_len: int, bsz: int, calls: int = 20) -> list[di
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from kvarn_kernels import attention, plan_prefill_context, prefill_attention, prefill_v3
+    from kvarn_kernels import attention, prefill_attention, prefill_v3
 
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
-    args = (c["kv"], c["pool_k"], c["pool_v"], c["bt"], c["qsl"], c["seqs"], c["b2s"])
+    args = bk.prefill_args(c)
     scale = bk.D**-0.5
     out = torch.empty_like(c["q"])
-    plan = plan_prefill_context(
-        c["group"], c["seq_host"], c["qsl_host"], num_kv_heads=bk.HK, head_dim=bk.D, device="cuda"
-    )
+    plan = bk.prefill_plan(c)
     fa3 = bk.vllm_fa3()
 
-    unroll_default = attention.MERGE_UNROLL_MAX_SPLITS
+    def fused(probe: int, merge_unroll: int | None = None) -> Callable[[], Any]:
+        """The fused call with ``WS_PROBE = probe`` (and the merge's unroll limit)."""
+        merge = {} if merge_unroll is None else {"MERGE_UNROLL_MAX_SPLITS": merge_unroll}
 
-    def fused(probe: int, merge_unroll: int = unroll_default) -> Callable[[], Any]:
         def run() -> None:
-            prefill_v3.WS_PROBE = probe
-            attention.MERGE_UNROLL_MAX_SPLITS = merge_unroll
-            try:
+            with (
+                module_settings(prefill_v3, {"WS_PROBE": probe}),
+                module_settings(attention, merge),
+            ):
                 prefill_attention(FMT, c["q"], *args, scale, out=out, method="fused")
-            finally:
-                prefill_v3.WS_PROBE = 0
-                attention.MERGE_UNROLL_MAX_SPLITS = unroll_default
 
         return run
 
@@ -207,8 +210,8 @@ def kernel_breakdown(ctx: int, q_len: int, bsz: int, calls: int = 20) -> list[di
                 FMT, c["q"], *args, scale, out=out, context_plan=plan, varlen_attention=fa3
             ),
         ),
+        ("FA3 fp16", bk.fa3_prefill_call(ctx, q_len, bsz)),
     ]
-    paths.append(("FA3 fp16", bk.fa3_prefill_call(ctx, q_len, bsz)))
     rows: list[dict[str, Any]] = []
     for name, fn in paths:
         for _ in range(3):
@@ -273,8 +276,8 @@ def main() -> None:
         profile_once(*SHAPES[0], a.once)
         return
     if a.kernels:
-        rows = [r for shape in SHAPES[:2] for r in kernel_breakdown(*shape)]
-        (a.out / "prefill_kernels.json").write_text(json.dumps(rows, indent=1))
+        kernels = [r for shape in SHAPES[:2] for r in kernel_breakdown(*shape)]
+        (a.out / "prefill_kernels.json").write_text(json.dumps(kernels, indent=1))
         return
     rows: list[dict[str, Any]] = []
     for shape in SHAPES[: a.shapes]:
