@@ -434,22 +434,9 @@ def _step(
 def _softmax_pv(
     s, v_cur, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA: gl.constexpr, P_OP: gl.constexpr
 ):
-    """One chunk's online-softmax step (:func:`_softmax`) and ``P V`` against the stage
-    ``v_cur``; returns the new ``(m, l, acc)``."""
-    m_new, l_i, acc, p16 = _softmax(s, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA, P_OP)
-    o_tok = warpgroup_mma(p16, v_cur, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[o_tok])
-    return m_new, l_i, acc
-
-
-@gluon.jit
-def _softmax(
-    s, state, t0, row_scale, q_pos, pos_lo, kv_len, O_MMA: gl.constexpr, P_OP: gl.constexpr
-):
     """The online softmax of one chunk's scores ``s`` (``[M, 64]``, stage rows parity-major
-    from token ``t0``; keys after a row's own position or past ``kv_len`` masked): the new
-    row maximum and sum, the accumulator rescaled, and the probabilities as ``P V``'s fp16
-    operand."""
+    from token ``t0``; keys after a row's own position or past ``kv_len`` masked), then ``P V``
+    against the stage ``v_cur``; returns the new ``(m, l, acc)``."""
     BN: gl.constexpr = 64
     m_i, l_i, acc = state
     if t0 + BN - 1 > pos_lo:  # some row must not see some key of the chunk
@@ -465,7 +452,9 @@ def _softmax(
     l_i = l_i * alpha + gl.sum(p, axis=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
     p16 = gl.convert_layout(p.to(gl.float16), P_OP)
-    return m_new, l_i, acc, p16
+    o_tok = warpgroup_mma(p16, v_cur, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[o_tok])
+    return m_new, l_i, acc
 
 
 @gluon.jit(do_not_specialize=["num_reqs", "stride_bt"])
