@@ -605,6 +605,7 @@ def _prefill_v3(
             BLOCKS_AHEAD=p3.WS_BLOCKS_AHEAD,
             CP=p3.WS_CONSUMER_PARTITIONS,
             CREGS=p3.WS_CONSUMER_REGS,
+            RING=p3.WS_RING,
             PROBE=p3.WS_PROBE,
         )
         maxnreg = ws_settings.pop("MAXNREG", p3.WS_MAXNREG)
@@ -620,3 +621,4 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
         variant(f"prefill_v3fp32 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w, False))
     variant(f"prefill_v3ws {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True))
     variant(f"prefill_v3ws1 {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, CP=1))
+    variant(f"prefill_v3ws_noring {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, RING=0))

@@ -1063,6 +1063,7 @@ def _launch_prefill_fused(
                 "BLOCKS_AHEAD": prefill_v3.WS_BLOCKS_AHEAD,
                 "CP": prefill_v3.WS_CONSUMER_PARTITIONS,
                 "CREGS": prefill_v3.WS_CONSUMER_REGS,
+                "RING": prefill_v3.WS_RING,
                 "PROBE": prefill_v3.WS_PROBE,
             }
             launch(

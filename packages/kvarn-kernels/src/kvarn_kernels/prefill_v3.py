@@ -51,6 +51,9 @@ from __future__ import annotations
 
 from triton.experimental import gluon  # type: ignore[import-untyped]
 from triton.experimental.gluon import language as gl  # type: ignore[import-untyped]
+from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[import-untyped]
+    async_copy,
+)
 from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[import-untyped]
     fence_async_shared,
     mbarrier,
@@ -711,6 +714,152 @@ WS_BLOCKS_AHEAD = True
 #: one's softmax can run under the other's wgmma), the second with :data:`WS_CONSUMER_REGS`.
 WS_CONSUMER_PARTITIONS = 2
 WS_CONSUMER_REGS = 152
+#: The producer's raw chunks in flight: 0, one chunk ahead in registers (two chunks spill);
+#: ``R >= 2``, a ring of ``R`` chunks in shared memory filled by ``cp.async``, so ``R - 1``
+#: chunks' loads are in flight while one is dequantized.
+WS_RING = 4
+
+
+@gluon.constexpr_function
+def _ring_copies(PW):
+    """The ring's ``cp.async`` layouts for ``PW`` producer warps, 16 bytes a copy: ``[rows,
+    32]`` words (K's 32 pair rows of ``D`` bytes, the scale rows), V's ``[2 D VB / 8, 8]``
+    words (parity x byte column: the chunk's 32 pairs), and the chunk's pool slot id."""
+    return (
+        gl.BlockedLayout([1, 4], [4, 8], [PW, 1], [1, 0]),
+        gl.BlockedLayout([1, 4], [16, 2], [PW, 1], [1, 0]),
+        gl.BlockedLayout([1], [32], [PW], [0]),
+    )
+
+
+@gluon.jit
+def _ring_issue(
+    ring,
+    r,
+    KV,
+    BLOCK_TO_SLOT,
+    blk,
+    it,
+    n_it,
+    h,
+    HK: gl.constexpr,
+    STRIDE: gl.constexpr,
+    NCH: gl.constexpr,
+    LOADS: gl.constexpr,
+    COPIES: gl.constexpr,
+):
+    """Start the copies of chunk ``it`` (cache block ``blk``) into ring slot ``r`` (``ring``:
+    K's, V's and the scales' words and the pool slot ids, ``[RING, ...]``): K's and V's bytes,
+    the record's channel scales (D fp16 each: two rows of 32 words), the chunk's token scales
+    (one row each) and the block's pool slot. Past ``n_it`` zeros land."""
+    D: gl.constexpr = LOADS[0]
+    G: gl.constexpr = LOADS[1]
+    VB: gl.constexpr = LOADS[2]
+    OFF_KC: gl.constexpr = LOADS[3]
+    OFF_KS: gl.constexpr = LOADS[4]
+    OFF_KZ: gl.constexpr = LOADS[5]
+    OFF_KT: gl.constexpr = LOADS[6]
+    OFF_VC: gl.constexpr = LOADS[7]
+    OFF_VCS: gl.constexpr = LOADS[8]
+    OFF_VS: gl.constexpr = LOADS[9]
+    OFF_VZ: gl.constexpr = LOADS[10]
+    WORDS: gl.constexpr = COPIES[0]
+    V_WORDS: gl.constexpr = COPIES[1]
+    ONE: gl.constexpr = COPIES[2]
+    VCOLS: gl.constexpr = D * VB // 8
+    k_raw, v_raw, s_raw, slot_raw = ring
+    ok = it < n_it
+    c = it % NCH
+    rec = KV + (blk * HK + h) * STRIDE
+    i32 = gl.pointer_type(gl.int32)
+    # K, transposed in-cache order: the chunk's 32 pair rows of D bytes, contiguous
+    kj = gl.arange(0, 32, layout=gl.SliceLayout(1, WORDS))
+    w32 = gl.arange(0, 32, layout=gl.SliceLayout(0, WORDS))
+    k_src = (rec + OFF_KC + (c * 32 + kj)[:, None] * D).to(i32) + w32[None, :]
+    async_copy.async_copy_global_to_shared(k_raw.index(r), k_src, mask=ok)
+    # V, parity order: 32 bytes (the chunk's pairs) of each parity's byte column
+    vr = gl.arange(0, 2 * VCOLS, layout=gl.SliceLayout(1, V_WORDS))
+    v_row = (vr // VCOLS) * (VCOLS * (G // 2)) + (vr % VCOLS) * (G // 2) + c * 32
+    v_w = gl.arange(0, 8, layout=gl.SliceLayout(0, V_WORDS))
+    v_src = (rec + OFF_VC + v_row[:, None]).to(i32) + v_w[None, :]
+    async_copy.async_copy_global_to_shared(v_raw.index(r), v_src, mask=ok)
+    # scale rows: 0-1 K's channel scales, 2-3 K's channel zeros, 4-5 V's channel scales,
+    # 6-8 the chunk's K token scales, V token scales and V token zeros; 9-15 unused
+    sr = gl.arange(0, 16, layout=gl.SliceLayout(1, WORDS))
+    token_row = gl.where(sr == 6, OFF_KT, gl.where(sr == 7, OFF_VS, OFF_VZ)) + c * 128
+    channel_row = gl.where(sr < 2, OFF_KS, gl.where(sr < 4, OFF_KZ, OFF_VCS)) + (sr % 2) * 128
+    s_at = gl.where(sr < 6, channel_row, token_row)
+    s_src = (rec + s_at[:, None]).to(i32) + w32[None, :]
+    async_copy.async_copy_global_to_shared(s_raw.index(r), s_src, mask=ok & (sr < 9)[:, None])
+    one = gl.arange(0, 1, layout=ONE)
+    async_copy.async_copy_global_to_shared(slot_raw.index(r), BLOCK_TO_SLOT + blk + one, mask=ok)
+
+
+@gluon.jit
+def _fp16_field(words, f: gl.constexpr):
+    """The fp16 in bits ``16 f .. 16 f + 15`` of integer ``words``."""
+    return ((words >> (16 * f)) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
+
+
+@gluon.jit
+def _ring_read(ring, r, LOADS: gl.constexpr, COPIES: gl.constexpr):
+    """Ring slot ``r``'s chunk as :func:`_load_raw` returns it (same layouts), and its pool
+    slot."""
+    ONE: gl.constexpr = COPIES[2]
+    D: gl.constexpr = LOADS[0]
+    VB: gl.constexpr = LOADS[2]
+    KL: gl.constexpr = LOADS[11]
+    VL: gl.constexpr = LOADS[12]
+    VCOLS: gl.constexpr = D * VB // 8
+    k_raw, v_raw, s_raw, slot_raw = ring
+    R: gl.constexpr = k_raw.type.shape[0]
+    # (a ring's layout orders the dims after the slot's)
+    FLAT3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    FLAT2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    kb = k_raw._reinterpret(gl.uint8, [R, 32, D], FLAT3).index(r).load(KL)
+    v8 = v_raw._reinterpret(gl.uint8, [R, 2 * VCOLS, 32], FLAT3).index(r)
+    ve = v8.slice(0, VCOLS).permute((1, 0)).load(VL)
+    vo = v8.slice(VCOLS, VCOLS).permute((1, 0)).load(VL)
+    s16 = s_raw._reinterpret(gl.float16, [R, 1024], FLAT2).index(r)
+    ks = s16.slice(0, D).load(gl.SliceLayout(0, KL))
+    kz = s16.slice(D, D).load(gl.SliceLayout(0, KL))
+    s32 = s_raw._reinterpret(gl.int32, [R, 512], FLAT2).index(r)
+    kt = s32.slice(192, 32).load(gl.SliceLayout(1, KL))  # token pair words (even low)
+    vs = s32.slice(224, 32).load(gl.SliceLayout(1, VL))
+    vz = s32.slice(256, 32).load(gl.SliceLayout(1, VL))
+    # V's channel scales by bit field: channel PER * b + f of byte column b, one word a column
+    if VB == 2:
+        vc = s_raw._reinterpret(gl.int64, [R, 256], FLAT2).index(r).slice(64, VCOLS)
+        vcw = vc.load(gl.SliceLayout(0, VL))
+        vc0, vc1, vc2, vc3 = (
+            _fp16_field(vcw, 0),
+            _fp16_field(vcw, 1),
+            _fp16_field(vcw, 2),
+            _fp16_field(vcw, 3),
+        )
+    else:
+        vcw = s32.slice(128, VCOLS).load(gl.SliceLayout(0, VL))
+        vc0, vc1 = _fp16_field(vcw, 0), _fp16_field(vcw, 1)
+        vc2, vc3 = vc0, vc1  # unused at 4 bits
+    raw = (
+        kb,
+        ve,
+        vo,
+        ks,
+        kz,
+        _fp16_field(kt, 0),
+        _fp16_field(kt, 1),
+        _fp16_field(vs, 0),
+        _fp16_field(vs, 1),
+        _fp16_field(vz, 0),
+        _fp16_field(vz, 1),
+        vc0,
+        vc1,
+        vc2,
+        vc3,
+    )
+    slot = gl.max(slot_raw.index(r).load(ONE), axis=0)
+    return raw, slot
 
 
 @gluon.jit
@@ -722,13 +871,15 @@ def _ws_produce(
     DEQ16: gl.constexpr,
     PW: gl.constexpr,
     BLOCKS_AHEAD: gl.constexpr,
+    RING: gl.constexpr,
     PROBE: gl.constexpr,
 ):
-    """The producer warps (``PW``): each chunk's bytes (loaded one chunk ahead) dequantized, or
-    its pool rows copied, into the next free stage, which is then marked ready. ``chunks``:
-    the stages and their barriers, the cache's tensors, the split's chunks and the KV head.
+    """The producer warps (``PW``): each chunk's bytes dequantized, or its pool rows copied,
+    into the next free stage, which is then marked ready. ``chunks``: the stages and their
+    barriers, the cache's tensors, the split's chunks, the KV head and the ring's buffers.
     ``LOADS``: :func:`_record_loads` at ``PW`` warps; ``BLOCKS_AHEAD``: the cache block of
-    the chunk after next looked up a step earlier; ``PROBE``: :data:`WS_PROBE`."""
+    the chunk after next looked up a step earlier; ``RING``: :data:`WS_RING`; ``PROBE``:
+    :data:`WS_PROBE`."""
     k_bufs, v_bufs, ready, empty = chunks[0], chunks[1], chunks[2], chunks[3]
     KV, POOL_K, POOL_V, BLOCK_TO_SLOT = chunks[4], chunks[5], chunks[6], chunks[7]
     bt_row, blk_lo, n_it, kv_len, h = chunks[8], chunks[9], chunks[10], chunks[11], chunks[12]
@@ -739,44 +890,105 @@ def _ws_produce(
     PL: gl.constexpr = _rows_layout(PW)  # pool rows [64, D]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     WORK: gl.constexpr = PROBE == 0 or PROBE == 2
-    nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 0, n_it, h, HK, STRIDE, NCH, LOADS)
-    # the block of the chunk after next: its bytes' loads do not wait on a table lookup
-    blk_after = _chunk_block(bt_row, blk_lo, 1, n_it, NCH)
-    for it in range(n_it):
-        st = it % STAGES
-        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # the stage's last reader done
-        slot, raw = nxt
-        if WORK:
-            if BLOCKS_AHEAD:
-                nxt = _chunk_raw(
-                    BLOCK_TO_SLOT, KV, blk_after, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
+    if RING > 0:
+        ring = (chunks[13], chunks[14], chunks[15], chunks[16])
+        COPIES: gl.constexpr = _ring_copies(PW)
+        # chunks 0 .. RING - 2 in flight; each step then reads one and starts one
+        for i in gl.static_range(RING - 1):
+            if WORK:
+                blk = _chunk_block(bt_row, blk_lo, i, n_it, NCH)
+                _ring_issue(
+                    ring, i, KV, BLOCK_TO_SLOT, blk, i, n_it, h, HK, STRIDE, NCH, LOADS, COPIES
                 )
-                blk_after = _chunk_block(bt_row, blk_lo, it + 2, n_it, NCH)
-            else:
-                nxt = _next_raw(
-                    bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
-                )
-            if slot >= 0:
-                start = (blk_lo + it // NCH) * G
-                _stage_pool(
-                    k_bufs.index(st),
-                    v_bufs.index(st),
-                    POOL_K,
-                    POOL_V,
-                    slot,
-                    it % NCH,
-                    start,
-                    kv_len,
+            async_copy.commit_group()
+        blk_next = _chunk_block(bt_row, blk_lo, RING - 1, n_it, NCH)
+        for it in range(n_it):
+            st = it % STAGES
+            async_copy.wait_group(RING - 2)  # this thread's copies of chunk it landed
+            gl.thread_barrier()  # and every producer thread's; slot it - 1 read by all
+            if WORK:
+                raw, slot = _ring_read(ring, it % RING, LOADS, COPIES)
+                j = it + RING - 1
+                _ring_issue(
+                    ring,
+                    j % RING,
+                    KV,
+                    BLOCK_TO_SLOT,
+                    blk_next,
+                    j,
+                    n_it,
                     h,
                     HK,
-                    D,
-                    G,
-                    PL,
+                    STRIDE,
+                    NCH,
+                    LOADS,
+                    COPIES,
                 )
-            else:
-                _stage_record(k_bufs.index(st), v_bufs.index(st), raw, VB, D, DEQ16)
-        fence_async_shared()  # the stores before the consumers' wgmma reads them
-        mbarrier.arrive(ready.index(st), count=1)
+                blk_next = _chunk_block(bt_row, blk_lo, j + 1, n_it, NCH)
+            async_copy.commit_group()
+            mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # its last reader done
+            if WORK:
+                if slot >= 0:
+                    start = (blk_lo + it // NCH) * G
+                    _stage_pool(
+                        k_bufs.index(st),
+                        v_bufs.index(st),
+                        POOL_K,
+                        POOL_V,
+                        slot,
+                        it % NCH,
+                        start,
+                        kv_len,
+                        h,
+                        HK,
+                        D,
+                        G,
+                        PL,
+                    )
+                else:
+                    _stage_record(k_bufs.index(st), v_bufs.index(st), raw, VB, D, DEQ16)
+            fence_async_shared()  # the stores before the consumers' wgmma reads them
+            mbarrier.arrive(ready.index(st), count=1)
+        async_copy.wait_group(0)
+    else:
+        nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 0, n_it, h, HK, STRIDE, NCH, LOADS)
+        # the block of the chunk after next: its bytes' loads do not wait on a table lookup
+        blk_after = _chunk_block(bt_row, blk_lo, 1, n_it, NCH)
+        for it in range(n_it):
+            st = it % STAGES
+            mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # the stage's last reader done
+            slot, raw = nxt
+            if WORK:
+                if BLOCKS_AHEAD:
+                    nxt = _chunk_raw(
+                        BLOCK_TO_SLOT, KV, blk_after, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
+                    )
+                    blk_after = _chunk_block(bt_row, blk_lo, it + 2, n_it, NCH)
+                else:
+                    nxt = _next_raw(
+                        bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
+                    )
+                if slot >= 0:
+                    start = (blk_lo + it // NCH) * G
+                    _stage_pool(
+                        k_bufs.index(st),
+                        v_bufs.index(st),
+                        POOL_K,
+                        POOL_V,
+                        slot,
+                        it % NCH,
+                        start,
+                        kv_len,
+                        h,
+                        HK,
+                        D,
+                        G,
+                        PL,
+                    )
+                else:
+                    _stage_record(k_bufs.index(st), v_bufs.index(st), raw, VB, D, DEQ16)
+            fence_async_shared()  # the stores before the consumers' wgmma reads them
+            mbarrier.arrive(ready.index(st), count=1)
 
 
 @gluon.jit
@@ -881,6 +1093,7 @@ def prefill_v3ws_kernel(
     BLOCKS_AHEAD: gl.constexpr,
     CP: gl.constexpr,
     CREGS: gl.constexpr,
+    RING: gl.constexpr,
     PROBE: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
@@ -921,6 +1134,15 @@ def prefill_v3ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CP)  # each consumer partition hands it back
+    # the producer's ring of raw chunks (one unused slot when RING is 0)
+    R: gl.constexpr = RING if RING > 0 else 1
+    FLAT3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # the dims after the slot's
+    k_raw = gl.allocate_shared_memory(gl.int32, [R, 32, D // 4], FLAT3)
+    v_raw = gl.allocate_shared_memory(gl.int32, [R, D * VB // 4, 8], FLAT3)
+    s_raw = gl.allocate_shared_memory(gl.int32, [R, 16, 32], FLAT3)
+    slot_raw = gl.allocate_shared_memory(
+        BLOCK_TO_SLOT.dtype.element_ty, [R, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
+    )
     OFFSETS: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
     LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, PW)  # the producer's loads
     stages = (q_smem, scale_smem, k_bufs, v_bufs, ready, empty)
@@ -939,13 +1161,17 @@ def prefill_v3ws_kernel(
         n_it,
         kv_len,
         h,
+        k_raw,
+        v_raw,
+        s_raw,
+        slot_raw,
     )  # then the constexprs, in the calls (a variable's tuple cannot hold LOADS' layouts)
     if CP == 2:
         gl.warp_specialize(
             [
                 (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE)),
                 (_ws_consume, (stages, tile, HQ, QPK, QPK_P, MP, MP, D, G, W, PROBE)),
-                (_ws_produce, (producer, HK, STRIDE, LOADS, DEQ16, PW, BLOCKS_AHEAD, PROBE)),
+                (_ws_produce, (producer, HK, STRIDE, LOADS, DEQ16, PW, BLOCKS_AHEAD, RING, PROBE)),
             ],
             [W, PW],
             [CREGS, PREGS],
@@ -954,7 +1180,7 @@ def prefill_v3ws_kernel(
         gl.warp_specialize(
             [
                 (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE)),
-                (_ws_produce, (producer, HK, STRIDE, LOADS, DEQ16, PW, BLOCKS_AHEAD, PROBE)),
+                (_ws_produce, (producer, HK, STRIDE, LOADS, DEQ16, PW, BLOCKS_AHEAD, RING, PROBE)),
             ],
             [PW],
             [PREGS],
