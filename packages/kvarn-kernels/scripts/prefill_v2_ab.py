@@ -31,6 +31,9 @@ SHAPES: tuple[tuple[int, int, int], ...] = (
     (16256, 128, 1),
     (6080, 64, 16),
     (14336, 2048, 1),
+    (16128, 256, 1),
+    (15872, 512, 1),
+    (3584, 512, 8),
 )
 
 
@@ -115,6 +118,11 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 ws ring 3", v3_with({"WS_RING": 3}), True),
         ("v3 ws ring 6", v3_with({"WS_RING": 6}), True),
         ("v3 ws one consumer partition", v3_with({"WS_CONSUMER_PARTITIONS": 1}), True),
+        (
+            "v3 ws one consumer partition, ring 6",
+            v3_with({"WS_CONSUMER_PARTITIONS": 1, "WS_RING": 6}),
+            True,
+        ),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]
