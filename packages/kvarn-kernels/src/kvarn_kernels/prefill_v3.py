@@ -863,6 +863,37 @@ def _ring_read(ring, r, LOADS: gl.constexpr, COPIES: gl.constexpr):
 
 
 @gluon.jit
+def _stage_chunk(
+    stage,
+    slot,
+    raw,
+    it,
+    blk_lo,
+    kv_len,
+    h,
+    HK: gl.constexpr,
+    LOADS: gl.constexpr,
+    DEQ16: gl.constexpr,
+    PL: gl.constexpr,
+):
+    """Chunk ``it`` into a stage (``stage``: its K and V buffers, then the pool's K and V):
+    its pool block's rows when ``slot >= 0``, else its record's raw bytes ``raw``
+    dequantized."""
+    k_stage, v_stage, POOL_K, POOL_V = stage
+    D: gl.constexpr = LOADS[0]
+    G: gl.constexpr = LOADS[1]
+    VB: gl.constexpr = LOADS[2]
+    NCH: gl.constexpr = G // 64
+    if slot >= 0:
+        start = (blk_lo + it // NCH) * G
+        _stage_pool(
+            k_stage, v_stage, POOL_K, POOL_V, slot, it % NCH, start, kv_len, h, HK, D, G, PL
+        )
+    else:
+        _stage_record(k_stage, v_stage, raw, VB, D, DEQ16)
+
+
+@gluon.jit
 def _ws_produce(
     chunks,
     HK: gl.constexpr,
@@ -883,10 +914,7 @@ def _ws_produce(
     k_bufs, v_bufs, ready, empty = chunks[0], chunks[1], chunks[2], chunks[3]
     KV, POOL_K, POOL_V, BLOCK_TO_SLOT = chunks[4], chunks[5], chunks[6], chunks[7]
     bt_row, blk_lo, n_it, kv_len, h = chunks[8], chunks[9], chunks[10], chunks[11], chunks[12]
-    D: gl.constexpr = LOADS[0]
-    G: gl.constexpr = LOADS[1]
-    VB: gl.constexpr = LOADS[2]
-    NCH: gl.constexpr = G // 64
+    NCH: gl.constexpr = LOADS[1] // 64
     PL: gl.constexpr = _rows_layout(PW)  # pool rows [64, D]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     WORK: gl.constexpr = PROBE == 0 or PROBE == 2
@@ -928,25 +956,8 @@ def _ws_produce(
             async_copy.commit_group()
             mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # its last reader done
             if WORK:
-                if slot >= 0:
-                    start = (blk_lo + it // NCH) * G
-                    _stage_pool(
-                        k_bufs.index(st),
-                        v_bufs.index(st),
-                        POOL_K,
-                        POOL_V,
-                        slot,
-                        it % NCH,
-                        start,
-                        kv_len,
-                        h,
-                        HK,
-                        D,
-                        G,
-                        PL,
-                    )
-                else:
-                    _stage_record(k_bufs.index(st), v_bufs.index(st), raw, VB, D, DEQ16)
+                stage = (k_bufs.index(st), v_bufs.index(st), POOL_K, POOL_V)
+                _stage_chunk(stage, slot, raw, it, blk_lo, kv_len, h, HK, LOADS, DEQ16, PL)
             fence_async_shared()  # the stores before the consumers' wgmma reads them
             mbarrier.arrive(ready.index(st), count=1)
         async_copy.wait_group(0)
@@ -968,25 +979,8 @@ def _ws_produce(
                     nxt = _next_raw(
                         bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
                     )
-                if slot >= 0:
-                    start = (blk_lo + it // NCH) * G
-                    _stage_pool(
-                        k_bufs.index(st),
-                        v_bufs.index(st),
-                        POOL_K,
-                        POOL_V,
-                        slot,
-                        it % NCH,
-                        start,
-                        kv_len,
-                        h,
-                        HK,
-                        D,
-                        G,
-                        PL,
-                    )
-                else:
-                    _stage_record(k_bufs.index(st), v_bufs.index(st), raw, VB, D, DEQ16)
+                stage = (k_bufs.index(st), v_bufs.index(st), POOL_K, POOL_V)
+                _stage_chunk(stage, slot, raw, it, blk_lo, kv_len, h, HK, LOADS, DEQ16, PL)
             fence_async_shared()  # the stores before the consumers' wgmma reads them
             mbarrier.arrive(ready.index(st), count=1)
 
