@@ -1025,28 +1025,36 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k4v2_g64"])
 @pytest.mark.parametrize(("hq", "hk"), [(32, 8), (16, 2), (8, 8)])
 @pytest.mark.parametrize(
-    ("specialized", "ring"), [(False, 0), (True, 0), (True, 4)], ids=["v3", "v3ws", "v3ws_ring"]
+    "settings",
+    [
+        {"V3_WARP_SPECIALIZED": False},
+        {"WS_RING": 0},
+        {"WS_RING": 4, "WS_CONSUMER_PARTITIONS": 2},
+        {"WS_RING": 4, "WS_CONSUMER_PARTITIONS": 1},
+    ],
+    ids=["v3", "v3ws_registers", "v3ws_ring", "v3ws_ring_cp1"],
 )
 def test_prefill_v3_gpu(
     device: torch.device,
     name: str,
     hq: int,
     hk: int,
-    specialized: bool,
-    ring: int,
+    settings: dict[str, int],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The Gluon fused prefill (sm_90 only) against the float64 reference: ragged requests
     (a first chunk, short and long continuations, chunks that start and end inside a tile),
-    GQA 4, 8 and 1, both tile heights and several split counts; with ``specialized`` the
-    128-row tiles run the warp-specialized form, its producer's raw chunks in registers or
-    (``ring``) in a shared-memory ring."""
+    GQA 4, 8 and 1, both tile heights and several split counts. ``settings``: prefill_v3's
+    module constants for the case (the one-partition kernel; the warp-specialized form with
+    its producer's raw chunks in registers or in a shared-memory ring, one or two consumer
+    partitions)."""
     if torch.cuda.get_device_capability(device) != (9, 0):
         pytest.skip("prefill_v3 runs on sm_90 only")
     from kvarn_kernels import prefill_v3
 
-    monkeypatch.setattr(prefill_v3, "V3_WARP_SPECIALIZED", specialized)
-    monkeypatch.setattr(prefill_v3, "WS_RING", ring)
+    monkeypatch.setattr(prefill_v3, "V3_WARP_SPECIALIZED", True)
+    for key, value in settings.items():
+        monkeypatch.setattr(prefill_v3, key, value)
     d = 128
     lens = [2048 + 512, 1030, 300, 4000, 77]
     qlens = [512, 6, 300, 64, 77]
