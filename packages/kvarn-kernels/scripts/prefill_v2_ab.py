@@ -38,7 +38,7 @@ SHAPES: tuple[tuple[int, int, int], ...] = (
 
 
 #: The rows ``--short`` keeps (prefixes of the path names).
-SHORT_PATHS = ("dequant", "v3 auto", "v3 one", "v3 ws")
+SHORT_PATHS = ("dequant", "v3 auto", "v3 ws")
 
 
 @contextlib.contextmanager
@@ -115,12 +115,10 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         # the producer's raw chunks: one ahead in registers against a ring of WS_RING
         ("v3 ws registers", v3_with({"WS_RING": 0}), True),
         ("v3 ws probe: producer alone, registers", v3_with({"WS_PROBE": 2, "WS_RING": 0}), True),
-        ("v3 ws ring 3", v3_with({"WS_RING": 3}), True),
-        ("v3 ws ring 6", v3_with({"WS_RING": 6}), True),
         ("v3 ws one consumer partition", v3_with({"WS_CONSUMER_PARTITIONS": 1}), True),
         (
-            "v3 ws one consumer partition, ring 6",
-            v3_with({"WS_CONSUMER_PARTITIONS": 1, "WS_RING": 6}),
+            "v3 ws probe: consumers alone, one partition",
+            v3_with({"WS_PROBE": 1, "WS_CONSUMER_PARTITIONS": 1}),
             True,
         ),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
