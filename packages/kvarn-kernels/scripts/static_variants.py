@@ -571,11 +571,17 @@ for _r in (128, 168):
 
 
 def _prefill_v3(
-    name: str, warps: int = 8, deq16: bool = True, ws: bool = False, **ws_settings: Any
+    name: str,
+    warps: int = 8,
+    deq16: bool = True,
+    ws: bool = False,
+    shadow: int = 0,
+    **ws_settings: Any,
 ) -> Any:
     """The Gluon fused prefill (asynchronous wgmma), ``16 * warps`` query rows; ``ws``: its
     warp-specialized form (producer warps dequantizing), ``ws_settings`` overriding the
-    module's ``WS_`` constants (``PREGS=208``, ``PROBE=1``, ``MAXNREG=...``)."""
+    module's ``WS_`` constants (``PREGS=208``, ``PROBE=1``, ``MAXNREG=...``); ``shadow``:
+    the side pool's shadow rows."""
     from kvarn_kernels import prefill_v3 as p3
 
     geo = _geo(name)
@@ -595,6 +601,7 @@ def _prefill_v3(
         NUM_SPLITS=8,
         W=warps,
         DEQ16=deq16,
+        SHADOW=shadow,
     )
     sig = {**DECODE_SIG, "QSL": "*i32"}
     if ws:
@@ -622,3 +629,5 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
     variant(f"prefill_v3ws {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True))
     variant(f"prefill_v3ws1 {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, CP=1))
     variant(f"prefill_v3ws_noring {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, RING=0))
+    variant(f"prefill_v3ws_shadow {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, shadow=27))
+    variant(f"prefill_v3_shadow {_n} w4")(lambda _n=_n: _prefill_v3(_n, 4, shadow=27))

@@ -1076,6 +1076,51 @@ def test_prefill_v3_gpu(
         _assert_close(out, ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g64"])
+@pytest.mark.parametrize(
+    "cfg", [{}, {"block_m": 64}, {"num_splits": 1}], ids=["ws_ring", "m64", "one_split"]
+)
+def test_prefill_v3_shadow_rows_gpu(device: torch.device, name: str, cfg: dict[str, int]) -> None:
+    """The Gluon fused prefill on a side pool with shadow rows (each pool tile's first rows in
+    its block's record area, as the plugin lays it out): matches the reference, and equals bit
+    for bit the same case without shadow rows. Pool tiles are the sink-free in-progress tiles
+    of requests whose chunks end inside a tile, and the tiles of the chunks themselves."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        pytest.skip("prefill_v3 runs on sm_90 only")
+    d, hq, hk = 128, 32, 8
+    lens = [2048 + 300, 1030, 4000, 77]
+    qlens = [300, 6, 64, 77]
+    pool_from = tuple(n - ql for n, ql in zip(lens, qlens, strict=True))
+    q = torch.randn(sum(qlens), hq, d, device=device).half()
+    qsl = _qsl(qlens, device)
+    scale = 1.0 / math.sqrt(d)
+
+    def case_with(rows: int) -> PagedCase:
+        return build_case(
+            name, d, hk, lens, device=device, seed=11, pool_from=pool_from, shadow_rows=rows
+        )
+
+    def run(case: PagedCase) -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        prefill_attention(
+            *case.prefill_args(name, q, qsl, scale),
+            out=out,
+            method="fused",
+            fused_kernel="v3",
+            **cfg,  # type: ignore[arg-type]
+        )
+        return out
+
+    _check_reference_and_shadow_twin(
+        name,
+        _shadow_rows(name, d, "max"),
+        case_with,
+        run,
+        lambda case: prefill_attention_ref(*case.prefill_args(name, q, qsl, scale)),
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # speculative verify (small sizes, CPU interpreter or GPU)
 

@@ -1053,7 +1053,13 @@ def _launch_prefill_fused(
 
         # v3 is written for one pair of in-cache orders (_v3_serves checks them)
         del offsets["K_ORDER"], offsets["V_ORDER"]
-        consts = {**shape, **offsets, "W": rows // 16, "DEQ16": prefill_v3.V3_DEQ16}
+        consts = {
+            **shape,
+            **offsets,
+            "W": rows // 16,
+            "DEQ16": prefill_v3.V3_DEQ16,
+            "SHADOW": pool_shadow_rows(pool_k, geo.group, kv_cache),
+        }
         if prefill_v3.V3_WARP_SPECIALIZED and rows == 128:
             cp = prefill_v3.WS_CONSUMER_PARTITIONS
             ws = {
@@ -1523,9 +1529,7 @@ def _capability(device_index: int) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _v3_serves(
-    geo: DenseGeometry, pool_k: torch.Tensor, kv_cache: torch.Tensor, device: torch.device
-) -> bool:
+def _v3_serves(geo: DenseGeometry, device: torch.device) -> bool:
     """Whether the Gluon fused prefill (:mod:`kvarn_kernels.prefill_v3`) runs this call."""
     from kvarn_kernels.prefill_v3 import V3_HEAD_DIMS
 
@@ -1535,7 +1539,6 @@ def _v3_serves(
     return (
         geo.head_dim in V3_HEAD_DIMS
         and (geo.k_order, geo.v_order) == (CodeOrder.TRANSPOSED, CodeOrder.PARITY)
-        and pool_shadow_rows(pool_k, geo.group, kv_cache) == 0
         and _capability(index) == (9, 0)
     )
 
@@ -2255,7 +2258,7 @@ def prefill_attention(
       ``fused_kernel`` picks the kernel: ``"v3"`` (:mod:`kvarn_kernels.prefill_v3`: Gluon,
       producer warps dequantizing the next chunks while consumer warpgroups run the
       wgmma and the softmax (64-row tiles: one partition); sm_90, 4-bit keys with
-      2- or 4-bit values, head_dim 128, pool slots without shadow rows), ``"v2"``
+      2- or 4-bit values, head_dim 128), ``"v2"``
       (:mod:`kvarn_kernels.prefill_v2`: Triton, each chunk dequantized once per 128-row
       tile, head_dim <= 256), ``"v1"`` (the decode kernel's prefill mode, scales folded into
       64-row query tiles; every head dim), ``"auto"`` (the first of v3, v2, v1 that takes
@@ -2395,7 +2398,7 @@ def prefill_attention(
             "varlen_attention and context_plan apply to method='dequant' only"
         )
     kernel = fused_kernel
-    v3_ok = kernel in ("auto", "v3") and _v3_serves(geo, pool_k, kv_cache, q.device)
+    v3_ok = kernel in ("auto", "v3") and _v3_serves(geo, q.device)
     if kernel == "auto":
         kernel = "v2" if d <= PREFILL_V2_MAX_HEAD_DIM and prefetch else "v1"
         if kernel == "v2" and v3_ok and block_n is None:
@@ -2403,8 +2406,8 @@ def prefill_attention(
     if kernel == "v3":
         if not v3_ok:
             raise ValueError(
-                "fused_kernel='v3' needs an sm_90 GPU, 4-bit keys with 2- or 4-bit values, "
-                "head_dim 128 and pool slots without shadow rows; use 'v2' or 'auto'"
+                "fused_kernel='v3' needs an sm_90 GPU, 4-bit keys with 2- or 4-bit values "
+                "and head_dim 128; use 'v2' or 'auto'"
             )
         if block_m is not None and block_m not in (64, 128):
             raise ValueError(f"fused_kernel='v3' takes block_m 64 or 128, got {block_m}")

@@ -43,8 +43,8 @@ Numerics: ``k / 2`` and ``v / 2`` in fp16, saturated to +-65504 (NaN kept), roun
 ``DEQ16`` (``code * scale + zero``, then the other axis' scale, in fp16 pairs; 6e-4 from the
 dequantize path's output at the bench's shape) or once as the dequantize path and v2 do
 (fp32, ``DEQ16=False``); the query row-normalized to fp16, fp32 scores and accumulators.
-GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit values, head dim 128, pool
-slots without shadow rows; the launcher uses v2 elsewhere.
+GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit values, head dim 128 (pool
+slots with or without shadow rows); the launcher uses v2 elsewhere.
 """
 
 from __future__ import annotations
@@ -275,8 +275,7 @@ def _stage_record(k_stage, v_stage, raw, VB: gl.constexpr, D: gl.constexpr, DEQ1
 def _stage_pool(
     k_stage,
     v_stage,
-    POOL_K,
-    POOL_V,
+    pool,
     slot,
     c,
     live_from,
@@ -285,17 +284,33 @@ def _stage_pool(
     HK: gl.constexpr,
     D: gl.constexpr,
     G: gl.constexpr,
+    SHADOW: gl.constexpr,
+    STRIDE: gl.constexpr,
     PL: gl.constexpr,
 ):
     """A pool block's chunk ``c`` (fp16, halved) into a stage, rows parity-major; rows past
-    ``kv_len`` are zero (stale rows, NaN poison)."""
+    ``kv_len`` are zero (stale rows, NaN poison). ``pool``: the pool's K and V, the paged
+    cache and the block: with ``SHADOW`` rows, a tile's first ``SHADOW`` rows are in the
+    block's record area (K's rows, then V's; ``_common.pool_row_ptrs``), the others in pool
+    slots of ``G - SHADOW`` rows."""
+    POOL_K, POOL_V, KV, blk = pool
     i = gl.arange(0, 64, layout=gl.SliceLayout(1, PL))
     dd = gl.arange(0, D, layout=gl.SliceLayout(0, PL))
     t = c * 64 + 2 * (i % 32) + i // 32  # token of stage row i within the tile
     live = live_from + t < kv_len
-    rows = ((slot.to(gl.int64) * G + t) * HK + h) * D
-    kp = gl.load(POOL_K + rows[:, None] + dd[None, :], mask=live[:, None], other=0.0)
-    vp = gl.load(POOL_V + rows[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+    if SHADOW == 0:
+        rows = ((slot.to(gl.int64) * G + t) * HK + h) * D
+        k_src = POOL_K + rows
+        v_src = POOL_V + rows
+    else:
+        pooled = t >= SHADOW
+        rows = ((slot.to(gl.int64) * (G - SHADOW) + gl.where(pooled, t - SHADOW, 0)) * HK + h) * D
+        record = (KV + (blk * HK + h) * STRIDE).to(gl.pointer_type(gl.float16))
+        in_record = gl.where(pooled, 0, t) * D
+        k_src = gl.where(pooled, POOL_K + rows, record + in_record)
+        v_src = gl.where(pooled, POOL_V + rows, record + SHADOW * D + in_record)
+    kp = gl.load(k_src[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+    vp = gl.load(v_src[:, None] + dd[None, :], mask=live[:, None], other=0.0)
     k_stage.store(kp * 0.5)
     v_stage.store(vp * 0.5)
 
@@ -363,6 +378,7 @@ def _step(
     P_OP: gl.constexpr,
     M: gl.constexpr,
     DEQ16: gl.constexpr,
+    SHADOW: gl.constexpr,
 ):
     """Chunk ``it`` from stage ``ST``: its scores as an asynchronous wgmma, meanwhile chunk
     ``it + 1`` (``nxt``: its slot and raw bytes) dequantized into stage ``1 - ST`` and chunk
@@ -406,11 +422,11 @@ def _step(
     if it + 1 < n_it:
         if slot >= 0:
             bi_n = blk_lo + (it + 1) // NCH
+            pool = (POOL_K, POOL_V, KV, _chunk_block(bt_row, blk_lo, it + 1, n_it, NCH))
             _stage_pool(
                 k_nxt,
                 v_nxt,
-                POOL_K,
-                POOL_V,
+                pool,
                 slot,
                 (it + 1) % NCH,
                 bi_n * G,
@@ -419,6 +435,8 @@ def _step(
                 HK,
                 D,
                 G,
+                SHADOW,
+                STRIDE,
                 OL,
             )
         else:
@@ -497,6 +515,7 @@ def prefill_v3_kernel(
     NUM_SPLITS: gl.constexpr,
     W: gl.constexpr,
     DEQ16: gl.constexpr,
+    SHADOW: gl.constexpr,
 ):
     """As :func:`kvarn_kernels.prefill_v2.prefill_v2_kernel` (the same grid, partials and
     arguments, 64-token chunks), on the asynchronous wgmma: ``W`` warps (4 or 8, launched
@@ -539,7 +558,8 @@ def prefill_v3_kernel(
     LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, W)
     slot, raw = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 0, n_it, h, HK, STRIDE, NCH, LOADS)
     if slot >= 0:
-        _stage_pool(k0, v0, POOL_K, POOL_V, slot, 0, blk_lo * G, kv_len, h, HK, D, G, OL)
+        pool = (POOL_K, POOL_V, KV, _chunk_block(bt_row, blk_lo, 0, n_it, NCH))
+        _stage_pool(k0, v0, pool, slot, 0, blk_lo * G, kv_len, h, HK, D, G, SHADOW, STRIDE, OL)
     else:
         _stage_record(k0, v0, raw, VB, D, DEQ16)
     nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 1, n_it, h, HK, STRIDE, NCH, LOADS)
@@ -575,11 +595,26 @@ def prefill_v3_kernel(
     # stores of a step
     for it in range(0, n_it, 2):
         state, nxt = _step(
-            ctx, 0, it, state, nxt, HK, STRIDE, NCH, LOADS, OL, S_MMA, O_MMA, P_OP, M, DEQ16
+            ctx, 0, it, state, nxt, HK, STRIDE, NCH, LOADS, OL, S_MMA, O_MMA, P_OP, M, DEQ16, SHADOW
         )
         if it + 1 < n_it:
             state, nxt = _step(
-                ctx, 1, it + 1, state, nxt, HK, STRIDE, NCH, LOADS, OL, S_MMA, O_MMA, P_OP, M, DEQ16
+                ctx,
+                1,
+                it + 1,
+                state,
+                nxt,
+                HK,
+                STRIDE,
+                NCH,
+                LOADS,
+                OL,
+                S_MMA,
+                O_MMA,
+                P_OP,
+                M,
+                DEQ16,
+                SHADOW,
             )
     _store_partials(state, rows, row_ok, split, n_rows_total, O_PART, LSE_PART, D, OL)
 
@@ -868,26 +903,42 @@ def _stage_chunk(
     slot,
     raw,
     it,
-    blk_lo,
-    kv_len,
-    h,
+    tile,
     HK: gl.constexpr,
     LOADS: gl.constexpr,
     DEQ16: gl.constexpr,
+    SHADOW: gl.constexpr,
+    STRIDE: gl.constexpr,
     PL: gl.constexpr,
 ):
-    """Chunk ``it`` into a stage (``stage``: its K and V buffers, then the pool's K and V):
-    its pool block's rows when ``slot >= 0``, else its record's raw bytes ``raw``
-    dequantized."""
-    k_stage, v_stage, POOL_K, POOL_V = stage
+    """Chunk ``it`` into a stage (``stage``: its K and V buffers, then the pool's K and V and
+    the paged cache): its pool block's rows when ``slot >= 0``, else its record's raw bytes
+    ``raw`` dequantized. ``tile``: the block table's row, the split's first block and
+    chunks, the keys the tile sees and the KV head."""
+    k_stage, v_stage, POOL_K, POOL_V, KV = stage
+    bt_row, blk_lo, n_it, kv_len, h = tile
     D: gl.constexpr = LOADS[0]
     G: gl.constexpr = LOADS[1]
     VB: gl.constexpr = LOADS[2]
     NCH: gl.constexpr = G // 64
     if slot >= 0:
         start = (blk_lo + it // NCH) * G
+        pool = (POOL_K, POOL_V, KV, _chunk_block(bt_row, blk_lo, it, n_it, NCH))
         _stage_pool(
-            k_stage, v_stage, POOL_K, POOL_V, slot, it % NCH, start, kv_len, h, HK, D, G, PL
+            k_stage,
+            v_stage,
+            pool,
+            slot,
+            it % NCH,
+            start,
+            kv_len,
+            h,
+            HK,
+            D,
+            G,
+            SHADOW,
+            STRIDE,
+            PL,
         )
     else:
         _stage_record(k_stage, v_stage, raw, VB, D, DEQ16)
@@ -900,6 +951,7 @@ def _ws_produce(
     STRIDE: gl.constexpr,
     LOADS: gl.constexpr,
     DEQ16: gl.constexpr,
+    SHADOW: gl.constexpr,
     PW: gl.constexpr,
     BLOCKS_AHEAD: gl.constexpr,
     RING: gl.constexpr,
@@ -908,7 +960,8 @@ def _ws_produce(
     """The producer warps (``PW``): each chunk's bytes dequantized, or its pool rows copied,
     into the next free stage, which is then marked ready. ``chunks``: the stages and their
     barriers, the cache's tensors, the split's chunks, the KV head and the ring's buffers.
-    ``LOADS``: :func:`_record_loads` at ``PW`` warps; ``BLOCKS_AHEAD``: the cache block of
+    ``LOADS``: :func:`_record_loads` at ``PW`` warps; ``SHADOW``: the pool's shadow rows
+    (:func:`_stage_pool`); ``BLOCKS_AHEAD``: the cache block of
     the chunk after next looked up a step earlier; ``RING``: :data:`WS_RING`; ``PROBE``:
     :data:`WS_PROBE`."""
     k_bufs, v_bufs, ready, empty = chunks[0], chunks[1], chunks[2], chunks[3]
@@ -956,8 +1009,9 @@ def _ws_produce(
             async_copy.commit_group()
             mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # its last reader done
             if WORK:
-                stage = (k_bufs.index(st), v_bufs.index(st), POOL_K, POOL_V)
-                _stage_chunk(stage, slot, raw, it, blk_lo, kv_len, h, HK, LOADS, DEQ16, PL)
+                stage = (k_bufs.index(st), v_bufs.index(st), POOL_K, POOL_V, KV)
+                tile = (bt_row, blk_lo, n_it, kv_len, h)
+                _stage_chunk(stage, slot, raw, it, tile, HK, LOADS, DEQ16, SHADOW, STRIDE, PL)
             fence_async_shared()  # the stores before the consumers' wgmma reads them
             mbarrier.arrive(ready.index(st), count=1)
         async_copy.wait_group(0)
@@ -979,8 +1033,9 @@ def _ws_produce(
                     nxt = _next_raw(
                         bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
                     )
-                stage = (k_bufs.index(st), v_bufs.index(st), POOL_K, POOL_V)
-                _stage_chunk(stage, slot, raw, it, blk_lo, kv_len, h, HK, LOADS, DEQ16, PL)
+                stage = (k_bufs.index(st), v_bufs.index(st), POOL_K, POOL_V, KV)
+                tile = (bt_row, blk_lo, n_it, kv_len, h)
+                _stage_chunk(stage, slot, raw, it, tile, HK, LOADS, DEQ16, SHADOW, STRIDE, PL)
             fence_async_shared()  # the stores before the consumers' wgmma reads them
             mbarrier.arrive(ready.index(st), count=1)
 
@@ -1081,6 +1136,7 @@ def prefill_v3ws_kernel(
     NUM_SPLITS: gl.constexpr,
     W: gl.constexpr,
     DEQ16: gl.constexpr,
+    SHADOW: gl.constexpr,
     STAGES: gl.constexpr,
     PW: gl.constexpr,
     PREGS: gl.constexpr,
@@ -1165,7 +1221,10 @@ def prefill_v3ws_kernel(
             [
                 (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE)),
                 (_ws_consume, (stages, tile, HQ, QPK, QPK_P, MP, MP, D, G, W, PROBE)),
-                (_ws_produce, (producer, HK, STRIDE, LOADS, DEQ16, PW, BLOCKS_AHEAD, RING, PROBE)),
+                (
+                    _ws_produce,
+                    (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, BLOCKS_AHEAD, RING, PROBE),
+                ),
             ],
             [W, PW],
             [CREGS, PREGS],
@@ -1174,7 +1233,10 @@ def prefill_v3ws_kernel(
         gl.warp_specialize(
             [
                 (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE)),
-                (_ws_produce, (producer, HK, STRIDE, LOADS, DEQ16, PW, BLOCKS_AHEAD, RING, PROBE)),
+                (
+                    _ws_produce,
+                    (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, BLOCKS_AHEAD, RING, PROBE),
+                ),
             ],
             [PW],
             [PREGS],
