@@ -1076,6 +1076,29 @@ def test_prefill_v3_gpu(
         _assert_close(out, ref)
 
 
+def test_prefill_method_picks_fused_for_short_chunks_where_v3_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``prefill_method``: the fused kernel for chunks of up to ``FUSED_PREFILL_MAX_QUERY``
+    tokens where the Gluon kernel runs (faked here), the dequantize path for longer chunks
+    and wherever it does not run; bad arguments raise."""
+    import kvarn_kernels.attention as attention
+    from kvarn_kernels import prefill_method
+
+    cpu = torch.device("cpu")
+    limit = attention.FUSED_PREFILL_MAX_QUERY
+    assert prefill_method("kvarn_k4v2_g128", 128, 1, cpu) == "dequant"  # no Gluon on a CPU
+    monkeypatch.setattr(attention, "_v3_serves", lambda geo, device: geo.head_dim == 128)
+    assert prefill_method("kvarn_k4v2_g128", 128, 1, cpu) == "fused"
+    assert prefill_method("kvarn_k4v2_g128", 128, limit, cpu) == "fused"
+    assert prefill_method("kvarn_k4v2_g128", 128, limit + 1, cpu) == "dequant"
+    assert prefill_method("kvarn_k4v4_g64", 64, 16, cpu) == "dequant"
+    with pytest.raises(ValueError, match="max_query_len"):
+        prefill_method("kvarn_k4v2_g128", 128, -1, cpu)
+    with pytest.raises(ValueError, match="kvarn_k9v9"):
+        prefill_method("kvarn_k9v9_g128", 128, 1, cpu)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g64"])
 @pytest.mark.parametrize(

@@ -349,6 +349,7 @@ def llama_dir64(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("1", False, "", "kvarn_k5v5_g64", ""),
         ("1", False, "", "kvarn_k4v2_g64", ""),
         ("1", False, "", DTYPE, "fused"),
+        ("1", False, "", DTYPE, "auto"),
     ],
     ids=[
         "direct",
@@ -358,6 +359,7 @@ def llama_dir64(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "direct_k5v5",
         "direct_k4v2",
         "direct_fused_context",
+        "direct_auto_context",
     ],
 )
 def test_serving_steps_match_references(
@@ -375,10 +377,21 @@ def test_serving_steps_match_references(
     a hybrid model whose other layers' pages force a power-of-two stride; with decode
     on ``KVARN_DECODE_VARIANT=v4d`` and 4 query rows per program; and on the other g64
     formats (5-bit codes, which the v1 kernels serve; 2-bit values); and with continuation
-    chunks on the fused prefill (``KVARN_PREFILL_CONTEXT=fused``)."""
+    chunks on the fused prefill (``KVARN_PREFILL_CONTEXT=fused``) or on the method picked per
+    batch (``auto``; kvarn_kernels.prefill_method faked to pick the fused kernel for this
+    test's 20- and 22-token chunks and the dequantize path for its 30-token ones)."""
     monkeypatch.setenv("KVARN_DIRECT_FLUSH", direct)
     if context:
         monkeypatch.setenv("KVARN_PREFILL_CONTEXT", context)
+    picked: list[str] = []
+    if context == "auto":
+        import kvarn_kernels
+
+        def pick(fmt: object, head_dim: int, max_query_len: int, device: object) -> str:
+            picked.append("fused" if max_query_len <= 25 else "dequant")
+            return picked[-1]
+
+        monkeypatch.setattr(kvarn_kernels, "prefill_method", pick)
     if decode:
         monkeypatch.setenv("KVARN_DECODE_VARIANT", decode)
         monkeypatch.setenv("KVARN_DECODE_MMA_ROWS", "4")
@@ -437,6 +450,8 @@ def test_serving_steps_match_references(
         assert (tr.tracker.total_flushed, tr.tracker.total_direct) == (0, 1)
     else:
         assert (tr.tracker.total_flushed, tr.tracker.total_direct) == (1, 0)
+    if context == "auto":
+        assert set(picked) == {"fused", "dequant"}, "both methods must have run"
 
 
 def test_async_spec_verify_rows_attend_on_device_lengths(kvarn: None, llama_dir64: Path) -> None:

@@ -678,6 +678,7 @@ def test_prefill_context_setting_fails_closed(monkeypatch: pytest.MonkeyPatch) -
     for raw, want in (
         ("fused", "fused"),
         (" Fused ", "fused"),
+        ("auto", "auto"),
         ("dequant", "dequant"),
         ("", "dequant"),
     ):

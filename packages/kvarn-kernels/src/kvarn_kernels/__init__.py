@@ -28,6 +28,7 @@ from kvarn_kernels.attention import (
     decode_workspace_numel,
     max_decode_partials,
     prefill_attention,
+    prefill_method,
     verify_attention,
 )
 from kvarn_kernels.context import ContextPlan, plan_prefill_context
@@ -52,6 +53,7 @@ __all__ = [
     "max_decode_partials",
     "plan_prefill_context",
     "prefill_attention",
+    "prefill_method",
     "rotate",
     "verify_attention",
     "warmup",

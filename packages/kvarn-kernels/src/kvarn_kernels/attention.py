@@ -84,6 +84,7 @@ __all__ = [
     "decode_plan",
     "decode_workspace_numel",
     "prefill_attention",
+    "prefill_method",
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
@@ -1831,6 +1832,33 @@ class DecodePlan:
     def partials(self) -> int:
         """Partial outputs the launch merges (:func:`decode_partials`)."""
         return decode_partials(self.variant, self.num_splits)
+
+
+#: The longest chunk (query tokens of a request) :func:`prefill_method` sends to the fused
+#: kernel. On an H200 (docs/kernel-notes.md, twenty-eighth session) the Gluon fused prefill
+#: at 64 tokens after 6-16K of context took 0.97-1.04x the dequantize path's GPU time and
+#: 0.58x, 0.75x and 0.93x its eager time (B = 1, 4, 16: the dequantize path's host work).
+#: At 128 tokens it took 1.21x the GPU time (B = 1), so larger batches would lose; from 256
+#: tokens 1.5-2x.
+FUSED_PREFILL_MAX_QUERY = 64
+
+
+def prefill_method(
+    fmt: KVarNFormat | str, head_dim: int, max_query_len: int, device: torch.device
+) -> str:
+    """The faster :func:`prefill_attention` method for a batch whose longest request has
+    ``max_query_len`` query tokens: ``"fused"`` for chunks of up to
+    :data:`FUSED_PREFILL_MAX_QUERY` tokens where the Gluon kernel
+    (:mod:`kvarn_kernels.prefill_v3`) runs this format on ``device``, else ``"dequant"``
+    (the Triton fused kernels were no faster than the dequantize path where measured)."""
+    dense = resolve_format(fmt)
+    check_head_dim(head_dim)
+    if max_query_len < 0:
+        raise ValueError(f"max_query_len must be >= 0, got {max_query_len}")
+    geo = dense_geometry(dense, head_dim, record_layout(dense, head_dim).tile_bytes)
+    if max_query_len <= FUSED_PREFILL_MAX_QUERY and _v3_serves(geo, device):
+        return "fused"
+    return "dequant"
 
 
 def decode_plan(

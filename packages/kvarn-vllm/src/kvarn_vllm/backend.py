@@ -795,8 +795,13 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                     meta.block_to_slot,
                     self.scale,
                 )
+                method = self._context_method
+                if method == "auto":
+                    method = kk.prefill_method(
+                        self.fmt, self.head_size, run.max_query_len, q.device
+                    )
                 with _prof_range("kvarn: context rows"):
-                    if self._context_method == "fused":
+                    if method == "fused":
                         kk.prefill_attention(*context, out=out[t0:t1], method="fused")
                     else:
                         kk.prefill_attention(

@@ -185,12 +185,13 @@ def decode_kernel_setting() -> tuple[str, int | None]:
 
 
 #: How continuation chunks attend to their cached context: ``dequant`` (default: the context
-#: dequantized to fp16, then FlashAttention; the faster on the GPU) or ``fused``
-#: (kvarn-kernels' fused prefill, one kernel on the packed records: v3 on Hopper). Eagerly, as
-#: vLLM runs this attention, the fused path took less host time at short chunks
-#: (docs/benchmarks.md, twenty-fifth session): for a serving A/B before a default changes.
+#: dequantized to fp16, then FlashAttention), ``fused`` (kvarn-kernels' fused prefill, one
+#: kernel on the packed records: v3 on Hopper) or ``auto`` (per batch,
+#: :func:`kvarn_kernels.prefill_method`: fused for chunks of up to 64 tokens where v3 runs,
+#: where it took 0.58-0.93x the dequantize path's eager time; docs/kernel-notes.md,
+#: twenty-eighth session).
 PREFILL_CONTEXT_ENV = "KVARN_PREFILL_CONTEXT"
-PREFILL_CONTEXT_METHODS = ("dequant", "fused")
+PREFILL_CONTEXT_METHODS = ("auto", "dequant", "fused")
 
 
 def prefill_context_setting() -> str:
