@@ -112,9 +112,7 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 ws probe: consumers alone", v3_with({"WS_PROBE": 1}), True),
         ("v3 ws probe: producer alone", v3_with({"WS_PROBE": 2}), True),
         ("v3 ws probe: hand-over only", v3_with({"WS_PROBE": 3}), True),
-        # the producer's raw chunks: one ahead in registers against a ring of WS_RING
-        ("v3 ws registers", v3_with({"WS_RING": 0}), True),
-        ("v3 ws probe: producer alone, registers", v3_with({"WS_PROBE": 2, "WS_RING": 0}), True),
+        ("v3 ws ring 6", v3_with({"WS_RING": 6}), True),
         ("v3 ws one consumer partition", v3_with({"WS_CONSUMER_PARTITIONS": 1}), True),
         (
             "v3 ws probe: consumers alone, one partition",

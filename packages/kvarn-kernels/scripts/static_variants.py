@@ -609,7 +609,6 @@ def _prefill_v3(
             STAGES=p3.WS_STAGES,
             PW=p3.WS_PRODUCER_WARPS,
             PREGS=p3.WS_PRODUCER_REGS,
-            BLOCKS_AHEAD=p3.WS_BLOCKS_AHEAD,
             CP=p3.WS_CONSUMER_PARTITIONS,
             CREGS=p3.WS_CONSUMER_REGS,
             RING=p3.WS_RING,
@@ -628,6 +627,5 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
         variant(f"prefill_v3fp32 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w, False))
     variant(f"prefill_v3ws {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True))
     variant(f"prefill_v3ws1 {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, CP=1))
-    variant(f"prefill_v3ws_noring {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, RING=0))
     variant(f"prefill_v3ws_shadow {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, shadow=27))
     variant(f"prefill_v3_shadow {_n} w4")(lambda _n=_n: _prefill_v3(_n, 4, shadow=27))

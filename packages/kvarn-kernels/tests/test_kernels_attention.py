@@ -1028,11 +1028,10 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
     "settings",
     [
         {"V3_WARP_SPECIALIZED": False},
-        {"WS_RING": 0},
         {"WS_RING": 4, "WS_CONSUMER_PARTITIONS": 2},
         {"WS_RING": 4, "WS_CONSUMER_PARTITIONS": 1},
     ],
-    ids=["v3", "v3ws_registers", "v3ws_ring", "v3ws_ring_cp1"],
+    ids=["v3", "v3ws", "v3ws_cp1"],
 )
 def test_prefill_v3_gpu(
     device: torch.device,
@@ -1046,8 +1045,7 @@ def test_prefill_v3_gpu(
     (a first chunk, short and long continuations, chunks that start and end inside a tile),
     GQA 4, 8 and 1, both tile heights and several split counts. ``settings``: prefill_v3's
     module constants for the case (the one-partition kernel; the warp-specialized form with
-    its producer's raw chunks in registers or in a shared-memory ring, one or two consumer
-    partitions)."""
+    one or two consumer partitions)."""
     if torch.cuda.get_device_capability(device) != (9, 0):
         pytest.skip("prefill_v3 runs on sm_90 only")
     from kvarn_kernels import prefill_v3

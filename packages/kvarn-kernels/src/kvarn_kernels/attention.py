@@ -1067,7 +1067,6 @@ def _launch_prefill_fused(
                 "STAGES": prefill_v3.WS_STAGES,
                 "PW": prefill_v3.WS_PRODUCER_WARPS,
                 "PREGS": prefill_v3.WS_PRODUCER_REGS,
-                "BLOCKS_AHEAD": prefill_v3.WS_BLOCKS_AHEAD,
                 "CP": prefill_v3.WS_CONSUMER_PARTITIONS,
                 "CREGS": prefill_v3.WS_CONSUMER_REGS,
                 "RING": prefill_v3.WS_RING,

@@ -331,34 +331,17 @@ def _next_raw(
 ):
     """Chunk ``it``'s pool slot and raw record bytes (:func:`_load_raw`; ``LOADS`` its
     constant arguments; nothing loaded past ``n_it``)."""
+    ok = it < n_it
     blk = _chunk_block(bt_row, blk_lo, it, n_it, NCH)
-    return _chunk_raw(BLOCK_TO_SLOT, KV, blk, it, n_it, h, HK, STRIDE, NCH, LOADS)
+    slot = gl.load(BLOCK_TO_SLOT + blk, mask=ok, other=0)
+    raw = _load_raw(KV + (blk * HK + h) * STRIDE, it % NCH, ok, LOADS)
+    return slot, raw
 
 
 @gluon.jit
 def _chunk_block(bt_row, blk_lo, it, n_it, NCH: gl.constexpr):
     """Chunk ``it``'s cache block (0 past ``n_it``)."""
     return gl.load(bt_row + blk_lo + it // NCH, mask=it < n_it, other=0).to(gl.int64)
-
-
-@gluon.jit
-def _chunk_raw(
-    BLOCK_TO_SLOT,
-    KV,
-    blk,
-    it,
-    n_it,
-    h,
-    HK: gl.constexpr,
-    STRIDE: gl.constexpr,
-    NCH: gl.constexpr,
-    LOADS: gl.constexpr,
-):
-    """Chunk ``it``'s pool slot and raw record bytes, its block ``blk`` already looked up."""
-    ok = it < n_it
-    slot = gl.load(BLOCK_TO_SLOT + blk, mask=ok, other=0)
-    raw = _load_raw(KV + (blk * HK + h) * STRIDE, it % NCH, ok, LOADS)
-    return slot, raw
 
 
 @gluon.jit
@@ -741,17 +724,15 @@ WS_MAXNREG = 168
 #: dequantizing); 2 the producer alone (the consumers hand stages back untouched); 3 only the
 #: hand-over of the stages.
 WS_PROBE = 0
-#: The producer looks up the cache block of the chunk after next a step ahead, so the next
-#: chunk's byte loads are not behind a dependent table load.
-WS_BLOCKS_AHEAD = True
 #: Consumer partitions: 1, both warpgroups in one partition (each stage hand-over
 #: synchronizes the two), or 2, a partition each (64 query rows, their own hand-overs, so
 #: one's softmax can run under the other's wgmma), the second with :data:`WS_CONSUMER_REGS`.
 WS_CONSUMER_PARTITIONS = 2
 WS_CONSUMER_REGS = 152
-#: The producer's raw chunks in flight: 0, one chunk ahead in registers (two chunks spill);
-#: ``R >= 2``, a ring of ``R`` chunks in shared memory filled by ``cp.async``, so ``R - 1``
-#: chunks' loads are in flight while one is dequantized.
+#: The producer's ring of raw chunks in shared memory, filled by ``cp.async``: ``R - 1``
+#: chunks' loads in flight while one is dequantized (0.92-0.96x the time of one chunk ahead
+#: in registers, which is as deep as registers go without spilling; rings of 3 and 6 within
+#: 1.5% of 4: docs/kernel-notes.md, twenty-eighth session).
 WS_RING = 4
 
 
@@ -953,17 +934,15 @@ def _ws_produce(
     DEQ16: gl.constexpr,
     SHADOW: gl.constexpr,
     PW: gl.constexpr,
-    BLOCKS_AHEAD: gl.constexpr,
-    RING: gl.constexpr,
     PROBE: gl.constexpr,
 ):
-    """The producer warps (``PW``): each chunk's bytes dequantized, or its pool rows copied,
-    into the next free stage, which is then marked ready. ``chunks``: the stages and their
-    barriers, the cache's tensors, the split's chunks, the KV head and the ring's buffers.
-    ``LOADS``: :func:`_record_loads` at ``PW`` warps; ``SHADOW``: the pool's shadow rows
-    (:func:`_stage_pool`); ``BLOCKS_AHEAD``: the cache block of
-    the chunk after next looked up a step earlier; ``RING``: :data:`WS_RING`; ``PROBE``:
-    :data:`WS_PROBE`."""
+    """The producer warps (``PW``): each chunk's raw bytes taken from the ring (``RING``
+    slots: :data:`WS_RING`), then dequantized, or its pool rows copied, into the next free
+    stage, which is then marked ready. ``chunks``: the stages and their barriers, the cache's
+    tensors, the split's chunks, the KV head and the ring's buffers. ``LOADS``:
+    :func:`_record_loads` at ``PW`` warps; ``SHADOW``: the pool's shadow rows
+    (:func:`_stage_pool`); ``PROBE``: :data:`WS_PROBE`. The block of the chunk after the
+    one a step starts is looked up a step ahead (its copies' addresses wait on nothing)."""
     k_bufs, v_bufs, ready, empty = chunks[0], chunks[1], chunks[2], chunks[3]
     KV, POOL_K, POOL_V, BLOCK_TO_SLOT = chunks[4], chunks[5], chunks[6], chunks[7]
     bt_row, blk_lo, n_it, kv_len, h = chunks[8], chunks[9], chunks[10], chunks[11], chunks[12]
@@ -971,73 +950,48 @@ def _ws_produce(
     PL: gl.constexpr = _rows_layout(PW)  # pool rows [64, D]
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     WORK: gl.constexpr = PROBE == 0 or PROBE == 2
-    if RING > 0:
-        ring = (chunks[13], chunks[14], chunks[15], chunks[16])
-        COPIES: gl.constexpr = _ring_copies(PW)
-        # chunks 0 .. RING - 2 in flight; each step then reads one and starts one
-        for i in gl.static_range(RING - 1):
-            if WORK:
-                blk = _chunk_block(bt_row, blk_lo, i, n_it, NCH)
-                _ring_issue(
-                    ring, i, KV, BLOCK_TO_SLOT, blk, i, n_it, h, HK, STRIDE, NCH, LOADS, COPIES
-                )
-            async_copy.commit_group()
-        blk_next = _chunk_block(bt_row, blk_lo, RING - 1, n_it, NCH)
-        for it in range(n_it):
-            st = it % STAGES
-            async_copy.wait_group(RING - 2)  # this thread's copies of chunk it landed
-            gl.thread_barrier()  # and every producer thread's; slot it - 1 read by all
-            if WORK:
-                raw, slot = _ring_read(ring, it % RING, LOADS, COPIES)
-                j = it + RING - 1
-                _ring_issue(
-                    ring,
-                    j % RING,
-                    KV,
-                    BLOCK_TO_SLOT,
-                    blk_next,
-                    j,
-                    n_it,
-                    h,
-                    HK,
-                    STRIDE,
-                    NCH,
-                    LOADS,
-                    COPIES,
-                )
-                blk_next = _chunk_block(bt_row, blk_lo, j + 1, n_it, NCH)
-            async_copy.commit_group()
-            mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # its last reader done
-            if WORK:
-                stage = (k_bufs.index(st), v_bufs.index(st), POOL_K, POOL_V, KV)
-                tile = (bt_row, blk_lo, n_it, kv_len, h)
-                _stage_chunk(stage, slot, raw, it, tile, HK, LOADS, DEQ16, SHADOW, STRIDE, PL)
-            fence_async_shared()  # the stores before the consumers' wgmma reads them
-            mbarrier.arrive(ready.index(st), count=1)
-        async_copy.wait_group(0)
-    else:
-        nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 0, n_it, h, HK, STRIDE, NCH, LOADS)
-        # the block of the chunk after next: its bytes' loads do not wait on a table lookup
-        blk_after = _chunk_block(bt_row, blk_lo, 1, n_it, NCH)
-        for it in range(n_it):
-            st = it % STAGES
-            mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # the stage's last reader done
-            slot, raw = nxt
-            if WORK:
-                if BLOCKS_AHEAD:
-                    nxt = _chunk_raw(
-                        BLOCK_TO_SLOT, KV, blk_after, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
-                    )
-                    blk_after = _chunk_block(bt_row, blk_lo, it + 2, n_it, NCH)
-                else:
-                    nxt = _next_raw(
-                        bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 1, n_it, h, HK, STRIDE, NCH, LOADS
-                    )
-                stage = (k_bufs.index(st), v_bufs.index(st), POOL_K, POOL_V, KV)
-                tile = (bt_row, blk_lo, n_it, kv_len, h)
-                _stage_chunk(stage, slot, raw, it, tile, HK, LOADS, DEQ16, SHADOW, STRIDE, PL)
-            fence_async_shared()  # the stores before the consumers' wgmma reads them
-            mbarrier.arrive(ready.index(st), count=1)
+    RING: gl.constexpr = chunks[13].type.shape[0]
+    ring = (chunks[13], chunks[14], chunks[15], chunks[16])
+    COPIES: gl.constexpr = _ring_copies(PW)
+    # chunks 0 .. RING - 2 in flight; each step then reads one and starts one
+    for i in gl.static_range(RING - 1):
+        if WORK:
+            blk = _chunk_block(bt_row, blk_lo, i, n_it, NCH)
+            _ring_issue(ring, i, KV, BLOCK_TO_SLOT, blk, i, n_it, h, HK, STRIDE, NCH, LOADS, COPIES)
+        async_copy.commit_group()
+    blk_next = _chunk_block(bt_row, blk_lo, RING - 1, n_it, NCH)
+    for it in range(n_it):
+        st = it % STAGES
+        async_copy.wait_group(RING - 2)  # this thread's copies of chunk it landed
+        gl.thread_barrier()  # and every producer thread's; slot it - 1 read by all
+        if WORK:
+            raw, slot = _ring_read(ring, it % RING, LOADS, COPIES)
+            j = it + RING - 1
+            _ring_issue(
+                ring,
+                j % RING,
+                KV,
+                BLOCK_TO_SLOT,
+                blk_next,
+                j,
+                n_it,
+                h,
+                HK,
+                STRIDE,
+                NCH,
+                LOADS,
+                COPIES,
+            )
+            blk_next = _chunk_block(bt_row, blk_lo, j + 1, n_it, NCH)
+        async_copy.commit_group()
+        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # its last reader done
+        if WORK:
+            stage = (k_bufs.index(st), v_bufs.index(st), POOL_K, POOL_V, KV)
+            tile = (bt_row, blk_lo, n_it, kv_len, h)
+            _stage_chunk(stage, slot, raw, it, tile, HK, LOADS, DEQ16, SHADOW, STRIDE, PL)
+        fence_async_shared()  # the stores before the consumers' wgmma reads them
+        mbarrier.arrive(ready.index(st), count=1)
+    async_copy.wait_group(0)
 
 
 @gluon.jit
@@ -1140,7 +1094,6 @@ def prefill_v3ws_kernel(
     STAGES: gl.constexpr,
     PW: gl.constexpr,
     PREGS: gl.constexpr,
-    BLOCKS_AHEAD: gl.constexpr,
     CP: gl.constexpr,
     CREGS: gl.constexpr,
     RING: gl.constexpr,
@@ -1151,9 +1104,10 @@ def prefill_v3ws_kernel(
     ``num_warps=W`` and a ``maxnreg`` cap; ``16 W CP = 128`` query rows; the second partition
     with ``CREGS`` registers) run the scores, the softmax and ``P V``, while ``PW`` producer
     warps (``PREGS`` registers each) dequantize the next chunks into ``STAGES`` shared-memory
-    stages, handed over through mbarriers. ``BLOCKS_AHEAD``, ``PROBE``: :data:`WS_BLOCKS_AHEAD`,
-    :data:`WS_PROBE` (defaults: the ``WS_`` constants). The consumers never wait on the
-    dequantization's instruction chain, only on a stage being ready."""
+    stages, their raw bytes copied ahead into a ring of ``RING`` slots; handed over through
+    mbarriers. ``RING``, ``PROBE``: :data:`WS_RING`, :data:`WS_PROBE` (defaults: the ``WS_``
+    constants). The consumers never wait on the dequantization's instruction chain, only on a
+    stage being ready."""
     M: gl.constexpr = 16 * W * CP
     MP: gl.constexpr = 16 * W  # a consumer partition's rows
     BN: gl.constexpr = 64
@@ -1184,8 +1138,9 @@ def prefill_v3ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CP)  # each consumer partition hands it back
-    # the producer's ring of raw chunks (one unused slot when RING is 0)
-    R: gl.constexpr = RING if RING > 0 else 1
+    # the producer's ring of raw chunks
+    gl.static_assert(RING >= 2, "a ring of two or more chunks")
+    R: gl.constexpr = RING
     FLAT3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # the dims after the slot's
     k_raw = gl.allocate_shared_memory(gl.int32, [R, 32, D // 4], FLAT3)
     v_raw = gl.allocate_shared_memory(gl.int32, [R, D * VB // 4, 8], FLAT3)
@@ -1223,7 +1178,7 @@ def prefill_v3ws_kernel(
                 (_ws_consume, (stages, tile, HQ, QPK, QPK_P, MP, MP, D, G, W, PROBE)),
                 (
                     _ws_produce,
-                    (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, BLOCKS_AHEAD, RING, PROBE),
+                    (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, PROBE),
                 ),
             ],
             [W, PW],
@@ -1235,7 +1190,7 @@ def prefill_v3ws_kernel(
                 (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE)),
                 (
                     _ws_produce,
-                    (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, BLOCKS_AHEAD, RING, PROBE),
+                    (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, PROBE),
                 ),
             ],
             [PW],
