@@ -784,6 +784,7 @@ def _ring_issue(
     V_WORDS: gl.constexpr = COPIES[1]
     ONE: gl.constexpr = COPIES[2]
     VCOLS: gl.constexpr = D * VB // 8
+    gl.static_assert(D == 128, "a channel vector is two scale rows of 32 words")
     k_raw, v_raw, s_raw, slot_raw = ring
     ok = it < n_it
     c = it % NCH
@@ -837,17 +838,20 @@ def _ring_read(ring, r, LOADS: gl.constexpr, COPIES: gl.constexpr):
     v8 = v_raw._reinterpret(gl.uint8, [R, 2 * VCOLS, 32], FLAT3).index(r)
     ve = v8.slice(0, VCOLS).permute((1, 0)).load(VL)
     vo = v8.slice(VCOLS, VCOLS).permute((1, 0)).load(VL)
-    s16 = s_raw._reinterpret(gl.float16, [R, 1024], FLAT2).index(r)
-    ks = s16.slice(0, D).load(gl.SliceLayout(0, KL))
-    kz = s16.slice(D, D).load(gl.SliceLayout(0, KL))
-    s32 = s_raw._reinterpret(gl.int32, [R, 512], FLAT2).index(r)
-    kt = s32.slice(192, 32).load(gl.SliceLayout(1, KL))  # token pair words (even low)
-    vs = s32.slice(224, 32).load(gl.SliceLayout(1, VL))
-    vz = s32.slice(256, 32).load(gl.SliceLayout(1, VL))
-    # V's channel scales by bit field: channel PER * b + f of byte column b, one word a column
+    # the scale rows (:func:`_ring_issue`), 32 words each, flat
+    ROW: gl.constexpr = 32
+    s16 = s_raw._reinterpret(gl.float16, [R, 32 * ROW], FLAT2).index(r)
+    ks = s16.slice(0, D).load(gl.SliceLayout(0, KL))  # rows 0-1
+    kz = s16.slice(D, D).load(gl.SliceLayout(0, KL))  # rows 2-3
+    s32 = s_raw._reinterpret(gl.int32, [R, 16 * ROW], FLAT2).index(r)
+    kt = s32.slice(6 * ROW, 32).load(gl.SliceLayout(1, KL))  # token pair words (even low)
+    vs = s32.slice(7 * ROW, 32).load(gl.SliceLayout(1, VL))
+    vz = s32.slice(8 * ROW, 32).load(gl.SliceLayout(1, VL))
+    # V's channel scales (rows 4-5) by bit field: channel PER * b + f of byte column b, one
+    # word a column
     if VB == 2:
-        vc = s_raw._reinterpret(gl.int64, [R, 256], FLAT2).index(r).slice(64, VCOLS)
-        vcw = vc.load(gl.SliceLayout(0, VL))
+        s64 = s_raw._reinterpret(gl.int64, [R, 8 * ROW], FLAT2).index(r)
+        vcw = s64.slice(2 * ROW, VCOLS).load(gl.SliceLayout(0, VL))
         vc0, vc1, vc2, vc3 = (
             _fp16_field(vcw, 0),
             _fp16_field(vcw, 1),
@@ -855,7 +859,7 @@ def _ring_read(ring, r, LOADS: gl.constexpr, COPIES: gl.constexpr):
             _fp16_field(vcw, 3),
         )
     else:
-        vcw = s32.slice(128, VCOLS).load(gl.SliceLayout(0, VL))
+        vcw = s32.slice(4 * ROW, VCOLS).load(gl.SliceLayout(0, VL))
         vc0, vc1 = _fp16_field(vcw, 0), _fp16_field(vcw, 1)
         vc2, vc3 = vc0, vc1  # unused at 4 bits
     raw = (
