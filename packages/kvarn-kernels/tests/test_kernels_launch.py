@@ -179,7 +179,7 @@ def test_every_launch_lists_its_whole_signature(
     a launch that leaves one to its default stays on the JIT, correct and ~10 µs slower. Runs
     the store (through the case's encoder), every decode variant that takes the case, verify,
     and both prefill methods with their fused kernels; on the CPU under the interpreter, on a
-    GPU with Gluon's variants as well."""
+    GPU with Gluon's variants (decode v5/v6, prefill v3) as well."""
     import kvarn_kernels.attention as attention
     import kvarn_kernels.context as context
     import kvarn_kernels.rotation as rotation
@@ -210,7 +210,7 @@ def test_every_launch_lists_its_whole_signature(
     pargs = case.prefill_args(name, qp.to(device), qsl, 0.125)
     verify_attention(*pargs, max_query_len=3)
     prefill_attention(*pargs)
-    for kernel in ("v1", "v2"):
+    for kernel in ("v1", "v2", *(("v3",) if gpu else ())):
         prefill_attention(*pargs, method="fused", fused_kernel=kernel)
     launched = {k.fn.__name__ for k, _n, _c in calls}
     assert {"_attn_kernel", "decode_v4_kernel", "decode_pool_kernel"} <= launched
