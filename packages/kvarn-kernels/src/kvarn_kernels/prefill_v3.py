@@ -317,6 +317,53 @@ def _stage_pool(
 
 
 @gluon.jit
+def _stage_chunk(
+    stage,
+    slot,
+    raw,
+    it,
+    tile,
+    HK: gl.constexpr,
+    LOADS: gl.constexpr,
+    DEQ16: gl.constexpr,
+    SHADOW: gl.constexpr,
+    STRIDE: gl.constexpr,
+    PL: gl.constexpr,
+):
+    """Chunk ``it`` into a stage (``stage``: its K and V buffers, then the pool's K and V and
+    the paged cache): its pool block's rows when ``slot >= 0``, else its record's raw bytes
+    ``raw`` dequantized. ``tile``: the block table's row, the split's first block and
+    chunks, the keys the tile sees and the KV head."""
+    k_stage, v_stage, POOL_K, POOL_V, KV = stage
+    bt_row, blk_lo, n_it, kv_len, h = tile
+    D: gl.constexpr = LOADS[0]
+    G: gl.constexpr = LOADS[1]
+    VB: gl.constexpr = LOADS[2]
+    NCH: gl.constexpr = G // 64
+    if slot >= 0:
+        start = (blk_lo + it // NCH) * G
+        pool = (POOL_K, POOL_V, KV, _chunk_block(bt_row, blk_lo, it, n_it, NCH))
+        _stage_pool(
+            k_stage,
+            v_stage,
+            pool,
+            slot,
+            it % NCH,
+            start,
+            kv_len,
+            h,
+            HK,
+            D,
+            G,
+            SHADOW,
+            STRIDE,
+            PL,
+        )
+    else:
+        _stage_record(k_stage, v_stage, raw, VB, D, DEQ16)
+
+
+@gluon.jit
 def _next_raw(
     bt_row,
     BLOCK_TO_SLOT,
@@ -369,9 +416,7 @@ def _step(
     ``it + 2``'s bytes loaded; then the softmax and ``P V``. Returns the new softmax state and
     chunk ``it + 2``'s slot and bytes."""
     BN: gl.constexpr = 64
-    D: gl.constexpr = LOADS[0]
     G: gl.constexpr = LOADS[1]
-    VB: gl.constexpr = LOADS[2]
     (
         q_smem,
         k0,
@@ -404,27 +449,9 @@ def _step(
     )
     slot, raw = nxt
     if it + 1 < n_it:
-        if slot >= 0:
-            bi_n = blk_lo + (it + 1) // NCH
-            pool = (POOL_K, POOL_V, KV, _chunk_block(bt_row, blk_lo, it + 1, n_it, NCH))
-            _stage_pool(
-                k_nxt,
-                v_nxt,
-                pool,
-                slot,
-                (it + 1) % NCH,
-                bi_n * G,
-                kv_len,
-                h,
-                HK,
-                D,
-                G,
-                SHADOW,
-                STRIDE,
-                OL,
-            )
-        else:
-            _stage_record(k_nxt, v_nxt, raw, VB, D, DEQ16)
+        stage = (k_nxt, v_nxt, POOL_K, POOL_V, KV)
+        tile = (bt_row, blk_lo, n_it, kv_len, h)
+        _stage_chunk(stage, slot, raw, it + 1, tile, HK, LOADS, DEQ16, SHADOW, STRIDE, OL)
     nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, it + 2, n_it, h, HK, STRIDE, NCH, LOADS)
 
     s = warpgroup_mma_wait(0, deps=[s_tok])
@@ -541,11 +568,10 @@ def prefill_v3_kernel(
     OFFSETS: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
     LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, W)
     slot, raw = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 0, n_it, h, HK, STRIDE, NCH, LOADS)
-    if slot >= 0:
-        pool = (POOL_K, POOL_V, KV, _chunk_block(bt_row, blk_lo, 0, n_it, NCH))
-        _stage_pool(k0, v0, pool, slot, 0, blk_lo * G, kv_len, h, HK, D, G, SHADOW, STRIDE, OL)
-    else:
-        _stage_record(k0, v0, raw, VB, D, DEQ16)
+    tile = (bt_row, blk_lo, n_it, kv_len, h)
+    _stage_chunk(
+        (k0, v0, POOL_K, POOL_V, KV), slot, raw, 0, tile, HK, LOADS, DEQ16, SHADOW, STRIDE, OL
+    )
     nxt = _next_raw(bt_row, BLOCK_TO_SLOT, KV, blk_lo, 1, n_it, h, HK, STRIDE, NCH, LOADS)
     fence_async_shared()
     gl.thread_barrier()
@@ -881,53 +907,6 @@ def _ring_read(ring, r, LOADS: gl.constexpr, COPIES: gl.constexpr):
     )
     slot = gl.max(slot_raw.index(r).load(ONE), axis=0)
     return raw, slot
-
-
-@gluon.jit
-def _stage_chunk(
-    stage,
-    slot,
-    raw,
-    it,
-    tile,
-    HK: gl.constexpr,
-    LOADS: gl.constexpr,
-    DEQ16: gl.constexpr,
-    SHADOW: gl.constexpr,
-    STRIDE: gl.constexpr,
-    PL: gl.constexpr,
-):
-    """Chunk ``it`` into a stage (``stage``: its K and V buffers, then the pool's K and V and
-    the paged cache): its pool block's rows when ``slot >= 0``, else its record's raw bytes
-    ``raw`` dequantized. ``tile``: the block table's row, the split's first block and
-    chunks, the keys the tile sees and the KV head."""
-    k_stage, v_stage, POOL_K, POOL_V, KV = stage
-    bt_row, blk_lo, n_it, kv_len, h = tile
-    D: gl.constexpr = LOADS[0]
-    G: gl.constexpr = LOADS[1]
-    VB: gl.constexpr = LOADS[2]
-    NCH: gl.constexpr = G // 64
-    if slot >= 0:
-        start = (blk_lo + it // NCH) * G
-        pool = (POOL_K, POOL_V, KV, _chunk_block(bt_row, blk_lo, it, n_it, NCH))
-        _stage_pool(
-            k_stage,
-            v_stage,
-            pool,
-            slot,
-            it % NCH,
-            start,
-            kv_len,
-            h,
-            HK,
-            D,
-            G,
-            SHADOW,
-            STRIDE,
-            PL,
-        )
-    else:
-        _stage_record(k_stage, v_stage, raw, VB, D, DEQ16)
 
 
 @gluon.jit
