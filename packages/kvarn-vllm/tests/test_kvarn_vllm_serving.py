@@ -405,7 +405,7 @@ def test_serving_steps_match_references(
         monkeypatch.setattr(patches, "_other_pages", lambda layer, config: [4 * HK * stride])
     h = _Harness(llama_dir64, dtype=dtype)
     assert h.builder.runtime.decode_variant == (decode or "auto")
-    assert {layer.impl._context_method for layer in h.layers} == {context or "dequant"}
+    assert h.builder.runtime.prefill_context == (context or "dequant")
     if padded:
         assert h.spec.tile_stride == stride
         assert h.layers[0].kv_cache.shape[-1] == stride

@@ -395,7 +395,8 @@ def test_capture_of_multi_token_batches_is_the_uniform_verify_run(
 
 def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path) -> None:
     """The builder plans each continuation run once (kvarn-kernels' ``ContextPlan``, shared by
-    the layers); first chunks attend to their own K/V and carry none."""
+    the layers); first chunks attend to their own K/V and carry none, nor do continuation runs
+    on the fused kernel."""
     from kvarn_vllm.backend import KvarnMetadataBuilder
 
     config = _config(qwen3_dir)
@@ -419,6 +420,17 @@ def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path
     grp = plan.groups[0]
     assert grp.rows == 212 and grp.blocks is not None and grp.cu_seqlens is not None
     assert grp.cu_seqlens.tolist() == [[0, 3, 5], [0, 203, 212]]
+    assert context.context_method == "dequant"
+    # a run the fused kernel takes (the method is asked once, with the run's longest query)
+    # carries no plan
+    asked: list[int] = []
+
+    def fused(max_query_len: int) -> str:
+        asked.append(max_query_len)
+        return "fused"
+
+    _, context = KvarnMetadataBuilder._prefill_runs(cam, 1, spec, context_method=fused)
+    assert (context.context_method, context.context_plan, asked) == ("fused", None, [3])
 
 
 def test_verify_rows_are_verify_runs(kvarn: None, qwen3_dir: Path) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -50,7 +51,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.utils import record_function_or_nullcontext as _prof_range
 
 from kvarn_format import DENSE_DTYPES, DENSE_HEAD_DIMS, DenseFormat, parse_cache_dtype
-from kvarn_vllm.budget import prefill_context_setting, verify_graphs_setting
+from kvarn_vllm.budget import verify_graphs_setting
 from kvarn_vllm.runtime import DirectTiles, KvarnGroupRuntime
 from kvarn_vllm.specs import KvarnFullAttentionSpec, lookup_tile_stride
 
@@ -266,8 +267,12 @@ class PrefillRun:
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     cu_host: list[int] = field(default_factory=list)
-    #: ``context`` runs: kvarn-kernels' schedule of the run, built once here and shared by
-    #: every layer's ``prefill_attention`` (saves each layer the planning and its copy).
+    #: ``context`` runs: the ``prefill_attention`` method, decided once here for every layer
+    #: (``"dequant"`` or ``"fused"``: the runtime's ``context_method``).
+    context_method: str = "dequant"
+    #: ``context`` runs on the dequantize path: kvarn-kernels' schedule of the run, built once
+    #: here and shared by every layer's ``prefill_attention`` (saves each layer the planning
+    #: and its copy).
     context_plan: ContextPlan | None = None
     #: ``verify`` runs: the run's block-table rows and device lengths, copied once per step
     #: into fresh tensors (16-byte aligned: Triton compiles a kernel again for a pointer
@@ -395,6 +400,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                     self.kv_cache_spec,
                     verify_width=rt.verify_width,
                     exact_host_lens=not rt.spec_margin,
+                    context_method=rt.context_method,
                 )
         # The fixed decode workspace exists before any decode kernel runs (or is captured).
         self.runtime.ensure_decode_workspace(num_decodes)
@@ -457,6 +463,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         spec: AttentionSpec,
         verify_width: int = 0,
         exact_host_lens: bool = True,
+        context_method: Callable[[int], str] | None = None,
     ) -> list[PrefillRun]:
         """The batch's rows from ``first_row`` on, in runs of one kind: ``first`` chunks,
         ``context`` continuations (planned on the host lengths) and ``verify`` rows.
@@ -471,7 +478,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         accepted and a plan on them would put the queries past the true end of the context.
         Without ``is_prefilling`` in the metadata, continuation rows of at most
         ``verify_width`` tokens count as verify rows when the host lengths are not exact (on
-        the device lengths, any row is attended correctly)."""
+        the device lengths, any row is attended correctly). ``context_method`` gives a
+        context run's ``prefill_attention`` method from its longest query (default: the
+        dequantize path); only dequantize runs are planned."""
         qsl = cam.query_start_loc_cpu.numpy()[: cam.num_reqs + 1]
         seq_cpu = cam.seq_lens_cpu_upper_bound
         if seq_cpu is None:
@@ -503,11 +512,15 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             cu = cam.query_start_loc[row : end + 1] - t0
             cu_host = [int(x) - t0 for x in qsl[row : end + 1]]
             seq_host = [int(x) for x in seq[row:end]]
+            max_query_len = int(q_lens[row:end].max())
             plan = verify_table = verify_lens = None
+            method = "dequant"
             if kind == "verify":
                 verify_table = cam.block_table_tensor[row:end].clone()
                 verify_lens = cam.seq_lens[row:end].clone()
-            if kind == "context":
+            if kind == "context" and context_method is not None:
+                method = context_method(max_query_len)
+            if kind == "context" and method == "dequant":
                 plan = _kernels().plan_prefill_context(
                     spec.block_size,
                     seq_host,
@@ -524,12 +537,13 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                     req_end=end,
                     tok_start=t0,
                     tok_end=t1,
-                    max_query_len=int(q_lens[row:end].max()),
+                    max_query_len=max_query_len,
                     max_seq_len=int(seq[row:end].max()),
                     cu_seqlens=cu,
                     query_lens=[int(x) for x in q_lens[row:end]],
                     seq_lens=seq_host,
                     cu_host=cu_host,
+                    context_method=method,
                     context_plan=plan,
                     verify_block_table=verify_table,
                     verify_seq_lens=verify_lens,
@@ -628,7 +642,6 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         self._fa_version: int | None = None
         self._fa_checked = False
         self._varlen: VarlenAttention | None = None
-        self._context_method = prefill_context_setting()
 
     # ------------------------------------------------------------------ KV write
     def do_kv_cache_update(
@@ -795,13 +808,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                     meta.block_to_slot,
                     self.scale,
                 )
-                method = self._context_method
-                if method == "auto":
-                    method = kk.prefill_method(
-                        self.fmt, self.head_size, run.max_query_len, q.device
-                    )
                 with _prof_range("kvarn: context rows"):
-                    if method == "fused":
+                    if run.context_method == "fused":
                         kk.prefill_attention(*context, out=out[t0:t1], method="fused")
                     else:
                         kk.prefill_attention(

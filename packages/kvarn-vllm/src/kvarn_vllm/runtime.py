@@ -36,7 +36,7 @@ import torch
 
 from kvarn_format import DenseFormat, record_layout
 from kvarn_format.sizing import dense_pool_rows, dense_slot_bytes
-from kvarn_vllm.budget import pool_slots_for, serving_limits
+from kvarn_vllm.budget import pool_slots_for, prefill_context_setting, serving_limits
 from kvarn_vllm.tracker import CachedRequest, NewRequest, SidePoolTracker, StepInput, StepPlan
 
 if TYPE_CHECKING:
@@ -170,6 +170,8 @@ class KvarnGroupRuntime:
         #: decode_attention's variant and query rows per program (env, budget.py)
         self.decode_variant = limits.decode_variant
         self.decode_mma_rows = limits.decode_mma_rows
+        #: continuation chunks' prefill method (env KVARN_PREFILL_CONTEXT, budget.py)
+        self.prefill_context = prefill_context_setting()
         if self.decode_mma_rows is not None:
             # budget.decode_kernel_setting admits only MMA_ROWS: what fails here is the GQA group
             kernels: Any = importlib.import_module("kvarn_kernels.attention")
@@ -277,6 +279,16 @@ class KvarnGroupRuntime:
                 (num_blocks,), -1, dtype=torch.int32, device=self.device
             )
         return self.block_to_slot
+
+    def context_method(self, max_query_len: int) -> str:
+        """The ``prefill_attention`` method of a continuation run whose longest request has
+        ``max_query_len`` query tokens: :attr:`prefill_context`, with ``auto`` decided per
+        run by :func:`kvarn_kernels.prefill_method`."""
+        if self.prefill_context != "auto":
+            return self.prefill_context
+        kk: Any = importlib.import_module("kvarn_kernels")
+        method: str = kk.prefill_method(self.fmt, self.head_size, max_query_len, self.device)
+        return method
 
     def decode_plan(self, batch: int) -> DecodePlan:
         """The decode kernel variant and split count for ``batch`` requests (static shapes
