@@ -12,10 +12,15 @@ from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
 import kvarn_kernels._launch
 from kvarn_format import parse_cache_dtype, record_layout
 from kvarn_kernels import decode_attention, prefill_attention, rotate, verify_attention
-from kvarn_kernels.attention import choose_decode_splits, decode_plan
+from kvarn_kernels.attention import (
+    choose_decode_splits,
+    decode_plan,
+    prefill_v2_splits,
+    request_slots,
+)
 from kvarn_kernels.context import _dequant_context_kernel
 from kvarn_kernels.rotation import _block_r, _rotate_rows_kernel
-from kvarn_kernels.warmup import _token_counts, warmup
+from kvarn_kernels.warmup import _token_counts, fused_prefill_batches, warmup
 
 # The integer arguments of prefill-side kernels that change between steps or between the
 # warm-up's scratch launches and a server's (its block-table width).
@@ -109,6 +114,82 @@ def test_warmup_compiles_decode_and_verify_for_every_split_count(
     assert with_drafts["decode_attention"] == plain["decode_attention"]
     assert len(with_drafts["prefill_attention"]) == len(_token_counts(8, 2))
     assert len(with_drafts["rotate"]) == len(_token_counts(8, 2)) + 2
+
+
+@pytest.mark.parametrize(
+    ("hq", "hk", "d", "width", "seqs", "max_query", "budget"),
+    [
+        (32, 8, 128, 128, 40, 64, None),  # Qwen3-8B, auto
+        (8, 1, 128, 128, 150, 64, None),  # rows not always a multiple of 16; two slot classes
+        (12, 4, 64, 6, 20, 64, 300),  # a narrow table; the token budget bounds the batches
+        (16, 2, 256, 64, 9, 700, 2048),  # fused for every chunk: a step's budget
+    ],
+)
+def test_fused_prefill_batches_cover_every_compile_class(
+    hq: int, hk: int, d: int, width: int, seqs: int, max_query: int, budget: int | None
+) -> None:
+    """Every batch a server can send to the fused prefill (1 to ``seqs`` requests of 1 to
+    ``max_query`` tokens each, within the table and the budget) falls in the compile class
+    of one warm-up batch, each warm-up batch is such a batch, and it is the smallest of its
+    class."""
+    g, sms = 64, 132
+    from kvarn_kernels.prefill_v2 import default_block_m
+
+    def compile_class(reqs: int, tokens: int) -> tuple[int, int, int]:
+        rows = tokens * hq
+        splits = prefill_v2_splits(tokens, hq, hk, width, sms, block_m=default_block_m(d))
+        return splits, request_slots(reqs), 1 if rows == 1 else 16 if rows % 16 == 0 else 0
+
+    longest = min(max_query, width * g - 1)
+    cap = seqs * longest if budget is None else budget
+    smallest: dict[tuple[int, int, int], int] = {}
+    for reqs in range(1, seqs + 1):
+        for tokens in range(reqs, min(reqs * longest, cap) + 1):
+            key = compile_class(reqs, tokens)
+            smallest[key] = min(smallest.get(key, tokens), tokens)
+    batches = fused_prefill_batches(
+        hq, hk, d, g, width, sms, max_num_seqs=seqs, max_query=max_query, max_tokens=budget
+    )
+    for reqs, tokens in batches:
+        assert 1 <= reqs <= seqs and reqs <= tokens <= min(reqs * longest, cap)
+    warmed = {compile_class(*b): b[1] for b in batches}
+    assert warmed == smallest
+    assert len(batches) == len(warmed)  # one batch per class
+    assert fused_prefill_batches(hq, hk, d, g, width, sms, max_num_seqs=seqs, max_query=0) == []
+
+
+def test_warmup_launches_the_fused_prefill_batches(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``fused_prefill_max_query``, one fused prefill per batch of
+    :func:`fused_prefill_batches`, of those requests and tokens; none without it."""
+    import importlib
+
+    warmup_module = importlib.import_module("kvarn_kernels.warmup")
+    fused: list[tuple[int, int]] = []
+
+    def record(fmt: Any, q: torch.Tensor, *args: Any, method: str = "dequant", **kw: Any) -> None:
+        if method == "fused":
+            qsl = args[4]
+            fused.append((int(qsl.numel()) - 1, int(q.shape[0])))
+            assert int(qsl[-1]) == q.shape[0]
+
+    monkeypatch.setattr(warmup_module, "prefill_attention", record)
+    for name in ("flush_tiles", "flush_token_tiles", "rotate", "write_side_pool"):
+        monkeypatch.setattr(warmup_module, name, lambda *args, **kw: args[0] if args else None)
+    monkeypatch.setattr(warmup_module, "decode_attention", lambda *args, **kw: None)
+    kw: dict[str, Any] = dict(head_dim=64, num_q_heads=8, num_kv_heads=1, device=device)
+    server: dict[str, Any] = dict(max_num_seqs=20, block_table_width=8)
+    warmup("kvarn_k4v2_g64", **kw, **server)
+    assert fused == []
+    warmup("kvarn_k4v2_g64", **kw, **server, fused_prefill_max_query=64)
+    sms = (
+        8
+        if torch.device(device).type == "cpu"
+        else torch.cuda.get_device_properties(device).multi_processor_count
+    )
+    expected = fused_prefill_batches(8, 1, 64, 64, 8, sms, max_num_seqs=20, max_query=64)
+    assert len(expected) > 3 and sorted(fused) == expected
 
 
 def test_warmup_runs_the_servers_decode_variant(
@@ -297,6 +378,63 @@ def test_verify_after_warmup_compiles_nothing() -> None:
         )
     torch.cuda.synchronize()
     assert _attention_compiles() == before
+
+
+@pytest.mark.gpu
+def test_fused_prefill_after_warmup_compiles_nothing() -> None:
+    """After a warm-up with ``fused_prefill_max_query`` (as the plugin's ``auto`` does),
+    batches of short chunks of 1-256 requests (ragged, with and without cached context) find
+    the fused prefill's kernels compiled: with it off, the fused kernels compiled while
+    serving (docs/vllm-plugin.md)."""
+    from kvarn_kernels.attention import _merge_unrotate_kernel
+    from kvarn_kernels.prefill_v2 import prefill_v2_kernel
+    from kvarn_kernels.prefill_v3 import prefill_v3_kernel, prefill_v3ws_kernel
+
+    def compiles() -> int:
+        kernels = (prefill_v3ws_kernel, prefill_v3_kernel, prefill_v2_kernel)
+        return sum(
+            len(c[0]) for k in (*kernels, _merge_unrotate_kernel) for c in k.device_caches.values()
+        )
+
+    dev, hq, hk, d, g = torch.device("cuda"), SERVER_HQ, SERVER_HK, SERVER_D, SERVER_G
+    warmup(
+        SERVER_FMT,
+        head_dim=d,
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        device=dev,
+        max_num_seqs=256,
+        block_table_width=128,
+        fused_prefill_max_query=64,
+        max_num_batched_tokens=8192,
+    )
+    before = compiles()
+    assert before > 0
+    tile_bytes = record_layout(parse_cache_dtype(SERVER_FMT), d).tile_bytes
+    kv_cache = torch.zeros(8, hk, tile_bytes, dtype=torch.uint8, device=dev)
+    pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=dev)
+    block_to_slot = torch.full((8,), -1, dtype=torch.int32, device=dev)
+    gen = torch.Generator().manual_seed(1)
+    for reqs in (1, 2, 3, 7, 20, 64, 127, 128, 200, 256):
+        for longest in (1, 17, 64):
+            q_lens = torch.randint(1, longest + 1, (reqs,), generator=gen)
+            context = torch.randint(0, 6 * g, (reqs,), generator=gen)
+            qsl = [0, *q_lens.cumsum(0).tolist()]
+            prefill_attention(
+                SERVER_FMT,
+                torch.randn(qsl[-1], hq, d, device=dev, dtype=torch.float16),
+                kv_cache,
+                pool_k,
+                torch.zeros_like(pool_k),
+                torch.zeros(reqs, 128, dtype=torch.int32, device=dev),
+                torch.tensor(qsl, dtype=torch.int32, device=dev),
+                (q_lens + context).to(device=dev, dtype=torch.int32),
+                block_to_slot,
+                d**-0.5,
+                method="fused",
+            )
+    torch.cuda.synchronize()
+    assert compiles() == before
 
 
 def test_gpu_launches_run_on_threads_on_the_callers_device_and_stream(

@@ -815,6 +815,42 @@ def test_runtime_warms_up_the_prefill_kernels_with_its_geometry(
     assert call["record_stride"] == rt.layout.tile_bytes  # not a hybrid model: unpadded
 
 
+@pytest.mark.parametrize(
+    ("context", "v3_serves", "expected"),
+    [("dequant", True, 0), ("auto", False, 0), ("auto", True, 64), ("fused", False, "budget")],
+)
+def test_runtime_warms_up_the_fused_prefill_it_may_run(
+    kvarn: None,
+    qwen3_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    context: str,
+    v3_serves: bool,
+    expected: int | str,
+) -> None:
+    """The warm-up compiles the fused prefill for the chunks the server sends it: none with
+    ``dequant`` (or ``auto`` where the Gluon kernel does not run), chunks of up to
+    ``FUSED_PREFILL_MAX_QUERY`` tokens with ``auto``, any within the step's token budget
+    with ``fused``."""
+    import kvarn_kernels
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(kvarn_kernels, "warmup", lambda fmt, **kw: calls.append(kw) or 1)
+    monkeypatch.setattr(
+        kvarn_kernels,
+        "prefill_method",
+        lambda fmt, d, max_query_len, dev: (
+            "fused" if v3_serves and max_query_len <= 64 else "dequant"
+        ),
+    )
+    monkeypatch.setenv("KVARN_PREFILL_CONTEXT", context)
+    rt = _serving_builder(qwen3_dir).runtime
+    rt._warm_up_kernels(torch.float16)
+    (call,) = calls
+    budget = rt.max_num_batched_tokens
+    assert call["max_num_batched_tokens"] == budget > 64
+    assert call["fused_prefill_max_query"] == (budget if expected == "budget" else expected)
+
+
 def test_a_failing_warmup_is_logged_not_fatal(
     kvarn: None,
     qwen3_dir: Path,

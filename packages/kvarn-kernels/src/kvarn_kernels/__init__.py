@@ -19,6 +19,7 @@ Pure-torch references live in :mod:`kvarn_kernels.reference`.
 """
 
 from kvarn_kernels.attention import (
+    FUSED_PREFILL_MAX_QUERY,
     DecodePlan,
     choose_decode_splits,
     decode_attention,
@@ -39,6 +40,7 @@ from kvarn_kernels.warmup import warmup
 __version__ = "0.1.0"
 
 __all__ = [
+    "FUSED_PREFILL_MAX_QUERY",
     "ContextPlan",
     "DecodePlan",
     "choose_decode_splits",

@@ -370,6 +370,19 @@ def _prefill_tile(QSL, num_reqs, pid, BQ: tl.constexpr, B_P: tl.constexpr):
     return b, q_begin, q_end, first
 
 
+#: The fewest request slots (``B_P``, a compile-time constant) a prefill tile searches for its
+#: request: a batch of ``B`` requests takes ``next_pow2(B + 1)`` slots, at least this many, so
+#: that batches of up to 127 requests share one compile. The slots are spread one a thread
+#: over the program's warps, so in programs of 4 warps or more 128 slots cost no more
+#: instructions than 2 (the loads past the batch are predicated off).
+MIN_REQUEST_SLOTS = 128
+
+
+def request_slots(num_reqs: int) -> int:
+    """The prefill kernels' ``B_P`` for a batch of ``num_reqs`` requests."""
+    return max(next_pow2(num_reqs + 1), MIN_REQUEST_SLOTS)
+
+
 #: Integer arguments of the v1 kernel that follow the batch in a way the warm-up's batches
 #: of 1 and 16 requests do not cover. Triton specializes an int argument on being 1 and on
 #: being a multiple of 16, so the request count selected a third compile at 2-15, 17-31, ...
@@ -1041,7 +1054,7 @@ def _launch_prefill_fused(
         "QPK": qpk,
         "QPK_P": qpk_p,
         "BQ": bq,
-        "B_P": next_pow2(b + 1),
+        "B_P": request_slots(b),
         "D": geo.head_dim,
         "G": geo.group,
         "VB": geo.value_bits,
@@ -1387,7 +1400,7 @@ def _launch(
                 "BLOCK_M": block_m,
                 # the request search of prefill tiles only: a constant for decode, whose
                 # batch size would otherwise select a new compile per power of two
-                "B_P": 1 if decode else next_pow2(b + 1),
+                "B_P": 1 if decode else request_slots(b),
                 "D": d,
                 "G": geo.group,
                 "SHADOW": pool_shadow_rows(pool_k, geo.group, kv_cache),

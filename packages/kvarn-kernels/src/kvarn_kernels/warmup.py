@@ -22,7 +22,11 @@ What selects a compile, and how the scratch launches match the serving ones:
   and the query-row count (specialized: one request and 16, both divisibility classes);
 * integer arguments of the prefill side: the per-step counts are not specialized
   (``do_not_specialize``), and the strides of contiguous scratch tensors fall in the same
-  divisibility class as vLLM's (multiples of 16 at every supported head dim).
+  divisibility class as vLLM's (multiples of 16 at every supported head dim);
+* the fused prefill (``prefill_attention(method="fused")``, when the server sends chunks to
+  it): its split count and request slots (compile-time constants that follow the batch's
+  requests and tokens) and its row count's divisibility class. Every batch a server can form
+  is walked on the host and one scratch batch launched per class found, the smallest.
 
 Nothing outside the scratch tensors is read or written.
 
@@ -39,6 +43,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -47,12 +52,16 @@ from kvarn_format import record_layout
 from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import resolve_format
 from kvarn_kernels.attention import (
+    _num_sms,
     choose_verify_splits,
     decode_attention,
     decode_plan,
     prefill_attention,
+    prefill_v2_splits,
+    request_slots,
     verify_attention,
 )
+from kvarn_kernels.prefill_v2 import default_block_m
 from kvarn_kernels.rotation import ROW_TILE_EDGES, rotate, write_side_pool
 from kvarn_kernels.store import flush_tiles, flush_token_tiles
 
@@ -85,6 +94,8 @@ def warmup(
     max_threads: int | None = None,
     decode_variant: str = "auto",
     decode_mma_rows: int | None = None,
+    fused_prefill_max_query: int = 0,
+    max_num_batched_tokens: int | None = None,
 ) -> int:
     """Launch every kernel a serving step can select once on scratch tensors (those that a
     FULL CUDA-graph capture compiles too); returns the launch count.
@@ -111,6 +122,14 @@ def warmup(
             machine's CPU count, at most 16. 1 launches in order on the calling thread.
         decode_variant, decode_mma_rows: the server's :func:`decode_attention` ``variant``
             and ``mma_rows``.
+        fused_prefill_max_query: the most query tokens of one request in a batch the server
+            runs through ``prefill_attention(method="fused")``: ``FUSED_PREFILL_MAX_QUERY``
+            where :func:`~kvarn_kernels.prefill_method` picks the method, the step's token
+            budget where every continuation goes fused; 0 (default) where none does. The
+            fused kernels are then compiled for every batch of 1 to ``max_num_seqs`` requests
+            of up to that many tokens each, on a ``block_table_width``-wide table.
+        max_num_batched_tokens: the server's token budget of a step (bounds those batches;
+            default ``max_num_seqs * fused_prefill_max_query``).
     """
     dense = resolve_format(fmt)
     dev = torch.device(device)
@@ -251,8 +270,76 @@ def warmup(
                         num_splits=n,
                     )
                 )
+    fused_batches = fused_prefill_batches(
+        hq,
+        hk,
+        d,
+        g,
+        block_table_width,
+        _num_sms(dev),
+        max_num_seqs=max(max_num_seqs, 1),
+        max_query=fused_prefill_max_query,
+        max_tokens=max_num_batched_tokens,
+    )
+
+    def fused_prefill(reqs: int, tokens: int) -> None:
+        # each request after one packed block where the table has room; zeros, made here
+        # rather than up front (a batch can be large): only the kernels' compile matters
+        q_lens = [tokens // reqs + (r < tokens % reqs) for r in range(reqs)]
+        room = block_table_width * g
+        seq_lens = [n + g if n + g <= room else n for n in q_lens]
+        qsl = torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=dev)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        table = torch.ones(reqs, block_table_width, dtype=torch.int32, device=dev)
+        table[:, 0] = 0  # block 0 packed, then block 1 (pool slot 0)
+        q = torch.zeros(tokens, hq, d, dtype=dtype, device=dev)
+        paged = (kv_cache, pool_k, pool_v, table, qsl, lens, block_to_slot)
+        prefill_attention(dense, q, *paged, scale, method="fused")
+
+    jobs.extend(partial(fused_prefill, reqs, tokens) for reqs, tokens in fused_batches)
     _run_all(jobs, dev, max_threads)
     return len(jobs)
+
+
+def fused_prefill_batches(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    group: int,
+    block_table_width: int,
+    num_sms: int,
+    *,
+    max_num_seqs: int,
+    max_query: int,
+    max_tokens: int | None = None,
+) -> list[tuple[int, int]]:
+    """(requests, tokens) of the smallest batch of each compile class of the fused prefill:
+    the class is its split count (:func:`~kvarn_kernels.attention.prefill_v2_splits` on a
+    ``block_table_width``-wide table and ``num_sms`` SMs), its request slots
+    (:func:`~kvarn_kernels.attention.request_slots`) and the JIT's class of its row count
+    (``tokens x num_q_heads``: 1, a multiple of 16, other), over batches of 1 to
+    ``max_num_seqs`` requests of 1 to ``max_query`` tokens each that fit the table, at most
+    ``max_tokens`` tokens in all (default ``max_num_seqs * max_query``)."""
+    if max_query <= 0:
+        return []
+    longest = min(max_query, block_table_width * group - 1)  # tokens of one request
+    budget = max_num_seqs * longest if max_tokens is None else max_tokens
+    block_m = default_block_m(head_dim)
+    found: dict[tuple[int, int, int], tuple[int, int]] = {}
+    by_slots: dict[int, list[int]] = {}
+    for reqs in range(1, max_num_seqs + 1):
+        by_slots.setdefault(request_slots(reqs), []).append(reqs)
+    for slots, members in by_slots.items():
+        lo, hi = members[0], members[-1]
+        for tokens in range(lo, min(hi * longest, budget) + 1):
+            reqs = max(lo, -(-tokens // longest))  # the fewest requests that hold them
+            rows = tokens * num_q_heads
+            splits = prefill_v2_splits(
+                tokens, num_q_heads, num_kv_heads, block_table_width, num_sms, block_m=block_m
+            )
+            row_class = 1 if rows == 1 else 16 if rows % 16 == 0 else 0
+            found.setdefault((splits, slots, row_class), (reqs, tokens))
+    return sorted(set(found.values()))
 
 
 def _run_all(jobs: list[Callable[[], object]], dev: torch.device, max_threads: int | None) -> None:
@@ -287,11 +374,27 @@ def _make_device_caches(dev: torch.device) -> None:
     serving (found reading Triton 3.6's ``JITFunction.run``)."""
     from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
 
-    from kvarn_kernels import _common, attention, context, decode_v4, rotation, store
+    from kvarn_kernels import (
+        _common,
+        attention,
+        context,
+        decode_pool,
+        decode_v4,
+        decode_v5,
+        decode_v6,
+        prefill_v2,
+        prefill_v3,
+        rotation,
+        store,
+    )
 
+    modules = (
+        *(_common, attention, context, rotation, store),
+        *(decode_pool, decode_v4, decode_v5, decode_v6, prefill_v2, prefill_v3),
+    )
     with torch.cuda.device(dev):
         index = torch.cuda.current_device()
-        for module in (_common, attention, context, decode_v4, rotation, store):
+        for module in modules:
             for obj in vars(module).values():
                 if isinstance(obj, JITFunction):
                     obj.device_caches[index]

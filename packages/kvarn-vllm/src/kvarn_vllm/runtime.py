@@ -167,6 +167,7 @@ class KvarnGroupRuntime:
             vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         )
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self.max_num_batched_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         #: decode_attention's variant and query rows per program (env, budget.py)
         self.decode_variant = limits.decode_variant
         self.decode_mma_rows = limits.decode_mma_rows
@@ -237,6 +238,9 @@ class KvarnGroupRuntime:
                 block_table_width=self.max_blocks,
                 decode_variant=self.decode_variant,
                 decode_mma_rows=self.decode_mma_rows,
+                # the fused prefill for every batch of continuation chunks it can take
+                fused_prefill_max_query=self.fused_prefill_max_query(),
+                max_num_batched_tokens=self.max_num_batched_tokens,
             )
         except Exception as exc:  # a warm-up bug must not stop a server that would work
             logger.warning(
@@ -289,6 +293,18 @@ class KvarnGroupRuntime:
         kk: Any = importlib.import_module("kvarn_kernels")
         method: str = kk.prefill_method(self.fmt, self.head_size, max_query_len, self.device)
         return method
+
+    def fused_prefill_max_query(self) -> int:
+        """The most query tokens of a request in a continuation run that goes to the fused
+        prefill: none with ``dequant``, any with ``fused``, up to
+        ``kvarn_kernels.FUSED_PREFILL_MAX_QUERY`` with ``auto`` where it picks the fused
+        method at all."""
+        if self.prefill_context == "fused":
+            return self.max_num_batched_tokens
+        if self.prefill_context == "auto" and self.context_method(1) == "fused":
+            kk: Any = importlib.import_module("kvarn_kernels")
+            return int(kk.FUSED_PREFILL_MAX_QUERY)
+        return 0
 
     def decode_plan(self, batch: int) -> DecodePlan:
         """The decode kernel variant and split count for ``batch`` requests (static shapes
