@@ -291,7 +291,7 @@ def run_agent_turns(
     return {
         "turns": turns,
         "tool_len": tool_len,
-        "turn_s": [round(x, 2) for x in turn_s],
+        "turn_s": [round(x, 4) for x in turn_s],
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
         "cached_tokens": cached,
