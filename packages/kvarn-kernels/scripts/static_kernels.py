@@ -37,15 +37,16 @@ def compile_kernel(
     maxnreg: int | None = None,
 ) -> Any:
     """``fn`` (a Triton or a Gluon kernel) compiled for sm_90a; pointers get the 16-byte
-    divisibility the JIT gives them."""
+    divisibility the JIT gives them, except those it does not specialize on alignment."""
     full = {}
     attrs = {}
+    unaligned = {p.name for p in fn.params if p.do_not_specialize_on_alignment}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             full[name] = "constexpr"
         else:
             full[name] = sig.get(name, "i32")
-            if full[name].startswith("*"):
+            if full[name].startswith("*") and name not in unaligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     if getattr(fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource  # type: ignore[import-untyped]

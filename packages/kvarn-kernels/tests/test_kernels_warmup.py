@@ -231,6 +231,31 @@ def test_per_step_integers_are_not_specialized() -> None:
         assert names <= unspecialized, (kernel.__name__, names - unspecialized)
 
 
+def test_sliced_pointers_are_not_specialized_on_alignment() -> None:
+    """The plugin passes each run's rows of the batch's block table and lengths, slices that
+    start at any row: a prefill kernel specialized on their 16-byte alignment would compile
+    again in the middle of serving whenever a run starts at another row."""
+    from kvarn_kernels._common import SLICED_POINTERS
+    from kvarn_kernels.attention import _attn_kernel
+    from kvarn_kernels.prefill_v2 import prefill_v2_kernel
+    from kvarn_kernels.prefill_v3 import prefill_v3_kernel, prefill_v3ws_kernel
+
+    kernels = (
+        _attn_kernel,
+        prefill_v2_kernel,
+        prefill_v3_kernel,
+        prefill_v3ws_kernel,
+        _dequant_context_kernel,
+    )
+    for kernel in kernels:
+        if not isinstance(kernel, JITFunction):  # the interpreter's wrapper keeps the options
+            kernel = JITFunction(kernel.fn, **kernel.kwargs)
+        names = {p.name for p in kernel.params}
+        unaligned = {p.name for p in kernel.params if p.do_not_specialize_on_alignment}
+        assert "BLOCK_TABLE" in names
+        assert names & set(SLICED_POINTERS) <= unaligned, kernel.__name__
+
+
 def _compiled_variants() -> dict[str, int]:
     return {
         kernel.__name__: sum(len(caches[0]) for caches in kernel.device_caches.values())
@@ -241,9 +266,9 @@ def _compiled_variants() -> dict[str, int]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("shadow", [0, 27])
 def test_prefill_after_warmup_compiles_nothing(shadow: int) -> None:
-    """After the warm-up, a prefill step shaped like a server's (a 128-wide block table,
-    ragged requests, a token count the warm-up never used, whole-tile or shadowed pool
-    slots) finds every kernel compiled."""
+    """After the warm-up, a prefill step shaped like a server's (a 79-wide block table whose
+    rows are sliced from the batch's at an unaligned row, ragged requests, a token count the
+    warm-up never used, whole-tile or shadowed pool slots) finds every kernel compiled."""
     dev = torch.device("cuda")
     fmt, g, hq, hk, d = "kvarn_k4v2_g128", 128, 32, 8, 128
     warmup(fmt, head_dim=d, num_q_heads=hq, num_kv_heads=hk, device=dev, shadow_rows=shadow)
@@ -252,7 +277,7 @@ def test_prefill_after_warmup_compiles_nothing(shadow: int) -> None:
     seq_lens, new_tokens = [3 * g + 5, 2 * g + 77], [301, 76]
     kv_cache = torch.zeros(8, hk, tile_bytes, dtype=torch.uint8, device=dev)
     pool_k = torch.zeros(2, g - shadow, hk, d, dtype=torch.float16, device=dev)
-    block_table = torch.zeros(2, 128, dtype=torch.int32, device=dev)
+    block_table = torch.zeros(3, 79, dtype=torch.int32, device=dev)[1:]  # row 1: 316 bytes in
     block_table[0, :4] = torch.tensor([0, 1, 2, 3])
     block_table[1, :3] = torch.tensor([4, 5, 6])
     block_to_slot = torch.full((8,), -1, dtype=torch.int32, device=dev)
@@ -383,9 +408,10 @@ def test_verify_after_warmup_compiles_nothing() -> None:
 @pytest.mark.gpu
 def test_fused_prefill_after_warmup_compiles_nothing() -> None:
     """After a warm-up with ``fused_prefill_max_query`` (as the plugin's ``auto`` does),
-    batches of short chunks of 1-256 requests (ragged, with and without cached context) find
-    the fused prefill's kernels compiled: with it off, the fused kernels compiled while
-    serving (docs/vllm-plugin.md)."""
+    batches of short chunks of 1-256 requests (ragged, with and without cached context;
+    their block-table rows and lengths sliced from a batch's at any row, as the plugin's runs
+    are) find the fused prefill's kernels compiled: with it off, the fused kernels compiled
+    while serving (docs/vllm-plugin.md)."""
     from kvarn_kernels.attention import _merge_unrotate_kernel
     from kvarn_kernels.prefill_v2 import prefill_v2_kernel
     from kvarn_kernels.prefill_v3 import prefill_v3_kernel, prefill_v3ws_kernel
@@ -397,6 +423,7 @@ def test_fused_prefill_after_warmup_compiles_nothing() -> None:
         )
 
     dev, hq, hk, d, g = torch.device("cuda"), SERVER_HQ, SERVER_HK, SERVER_D, SERVER_G
+    width = 79  # rows of 316 bytes: one row in four starts 16-byte aligned
     warmup(
         SERVER_FMT,
         head_dim=d,
@@ -404,7 +431,7 @@ def test_fused_prefill_after_warmup_compiles_nothing() -> None:
         num_kv_heads=hk,
         device=dev,
         max_num_seqs=256,
-        block_table_width=128,
+        block_table_width=width,
         fused_prefill_max_query=64,
         max_num_batched_tokens=8192,
     )
@@ -415,20 +442,24 @@ def test_fused_prefill_after_warmup_compiles_nothing() -> None:
     pool_k = torch.zeros(2, g, hk, d, dtype=torch.float16, device=dev)
     block_to_slot = torch.full((8,), -1, dtype=torch.int32, device=dev)
     gen = torch.Generator().manual_seed(1)
+    batch_table = torch.zeros(260, width, dtype=torch.int32, device=dev)
+    batch_lens = torch.zeros(260, dtype=torch.int32, device=dev)
     for reqs in (1, 2, 3, 7, 20, 64, 127, 128, 200, 256):
-        for longest in (1, 17, 64):
+        for start, longest in enumerate((1, 17, 64)):  # the run's first row: 0, 1, 2
             q_lens = torch.randint(1, longest + 1, (reqs,), generator=gen)
             context = torch.randint(0, 6 * g, (reqs,), generator=gen)
             qsl = [0, *q_lens.cumsum(0).tolist()]
+            rows = slice(start, start + reqs)
+            batch_lens[rows] = (q_lens + context).to(device=dev, dtype=torch.int32)
             prefill_attention(
                 SERVER_FMT,
                 torch.randn(qsl[-1], hq, d, device=dev, dtype=torch.float16),
                 kv_cache,
                 pool_k,
                 torch.zeros_like(pool_k),
-                torch.zeros(reqs, 128, dtype=torch.int32, device=dev),
+                batch_table[rows],
                 torch.tensor(qsl, dtype=torch.int32, device=dev),
-                (q_lens + context).to(device=dev, dtype=torch.int32),
+                batch_lens[rows],
                 block_to_slot,
                 d**-0.5,
                 method="fused",

@@ -23,6 +23,7 @@ from kvarn_format.registry import KVarNFormat
 
 __all__ = [
     "ACT_DTYPES",
+    "SLICED_POINTERS",
     "DenseGeometry",
     "check_device",
     "check_dtype",
@@ -43,6 +44,13 @@ __all__ = [
 
 #: Activation dtypes the ops accept for q/k/v.
 ACT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+#: Pointer arguments of the prefill kernels that a server passes as row slices of its
+#: batch's tensors (kvarn-vllm: a run's rows of the block table and of the sequence lengths).
+#: A slice's address is 16-byte aligned or not with the run's first row, and Triton compiles
+#: once per alignment of each pointer: so these are not specialized on it
+#: (``do_not_specialize_on_alignment``), and any slice runs the warm-up's compile.
+SLICED_POINTERS = ("BLOCK_TABLE", "SEQ_LENS")
 
 
 def cdiv(a: int, b: int) -> int:

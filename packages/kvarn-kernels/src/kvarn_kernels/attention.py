@@ -52,6 +52,7 @@ from kvarn_format.cache_order import CodeOrder
 from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import (
     ACT_DTYPES,
+    SLICED_POINTERS,
     DenseGeometry,
     cdiv,
     check_device,
@@ -392,7 +393,7 @@ def request_slots(num_reqs: int) -> int:
 BATCH_INTS = ("num_reqs",)
 
 
-@triton.jit(do_not_specialize=BATCH_INTS)
+@triton.jit(do_not_specialize=BATCH_INTS, do_not_specialize_on_alignment=SLICED_POINTERS)
 def _attn_kernel(
     Q,
     KV,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from kvarn_kernels._common import pool_row_ptrs
+from kvarn_kernels._common import SLICED_POINTERS, pool_row_ptrs
 from kvarn_kernels.attention import _codes_f16, _load_chunk, _prefill_tile
 
 __all__ = ["PREFILL_V2_WARPS", "default_block_m", "prefill_v2_kernel"]
@@ -127,7 +127,9 @@ def _attend_chunk(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
+@triton.jit(
+    do_not_specialize=["num_reqs", "stride_bt"], do_not_specialize_on_alignment=SLICED_POINTERS
+)
 def prefill_v2_kernel(
     Q,
     KV,

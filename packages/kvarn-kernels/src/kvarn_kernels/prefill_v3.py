@@ -62,6 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[i
     warpgroup_mma_wait,
 )
 
+from kvarn_kernels._common import SLICED_POINTERS
 from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM
 
 __all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel", "prefill_v3ws_kernel"]
@@ -489,7 +490,9 @@ def _softmax_pv(
     return m_new, l_i, acc
 
 
-@gluon.jit(do_not_specialize=["num_reqs", "stride_bt"])
+@gluon.jit(
+    do_not_specialize=["num_reqs", "stride_bt"], do_not_specialize_on_alignment=SLICED_POINTERS
+)
 def prefill_v3_kernel(
     Q,
     KV,
@@ -1037,7 +1040,9 @@ def _ws_consume(
     _store_partials(state, rows, row_ok, split, n_rows_total, O_PART, LSE_PART, D, OL)
 
 
-@gluon.jit(do_not_specialize=["num_reqs", "stride_bt"])
+@gluon.jit(
+    do_not_specialize=["num_reqs", "stride_bt"], do_not_specialize_on_alignment=SLICED_POINTERS
+)
 def prefill_v3ws_kernel(
     Q,
     KV,
