@@ -221,6 +221,21 @@ def test_warmup_refuses_an_unknown_format(device: torch.device) -> None:
         warmup("kvarn_k9v9_g128", head_dim=64, num_q_heads=4, num_kv_heads=1, device=device)
 
 
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"fused_prefill_max_query": -1}, "fused_prefill_max_query must be >= 0"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1"),
+    ],
+)
+def test_warmup_refuses_bad_fused_prefill_bounds(
+    device: torch.device, bad: dict[str, int], match: str
+) -> None:
+    geometry: dict[str, Any] = dict(head_dim=64, num_q_heads=4, num_kv_heads=1, device=device)
+    with pytest.raises(ValueError, match=match):
+        warmup("kvarn_k4v2_g64", **geometry, **bad)
+
+
 def test_per_step_integers_are_not_specialized() -> None:
     """Triton specializes an integer on its value being 1 or a multiple of 16; one that
     changes per step would select a new compile in the middle of serving."""

@@ -132,6 +132,10 @@ def warmup(
             default ``max_num_seqs * fused_prefill_max_query``).
     """
     dense = resolve_format(fmt)
+    if fused_prefill_max_query < 0:
+        raise ValueError(f"fused_prefill_max_query must be >= 0, got {fused_prefill_max_query}")
+    if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
     dev = torch.device(device)
     g, hk, hq, d = dense.group, num_kv_heads, num_q_heads, head_dim
     tile_bytes = record_layout(dense, d).tile_bytes if record_stride is None else record_stride
