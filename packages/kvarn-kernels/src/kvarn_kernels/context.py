@@ -72,10 +72,15 @@ _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 # n_progs changes every step and stride_bt is the server's block-table width (the warm-up's
 # scratch table has another); unspecialized, so neither is a new compile (seconds) in the
 # middle of serving. Both only address scalar loads, so specializing them bought nothing.
-@triton.jit(
-    do_not_specialize=["stride_bt", "n_progs"],
-    do_not_specialize_on_alignment=["BLOCK_TABLE"],  # a run's rows (_common.SLICED_POINTERS)
-)
+#: What the kernel's JIT must not specialize: the per-step counts, and the alignment of a run's
+#: rows of the block table (:data:`kvarn_kernels._common.SLICED_POINTERS`).
+_UNSPECIALIZED = {
+    "do_not_specialize": ["stride_bt", "n_progs"],
+    "do_not_specialize_on_alignment": ["BLOCK_TABLE"],
+}
+
+
+@triton.jit(**_UNSPECIALIZED)
 def _dequant_context_kernel(
     KV,
     POOL_K,

@@ -127,9 +127,15 @@ def _attend_chunk(
     return m_new, l_i, acc
 
 
-@triton.jit(
-    do_not_specialize=["num_reqs", "stride_bt"], do_not_specialize_on_alignment=SLICED_POINTERS
-)
+#: What the kernel's JIT must not specialize: the per-step counts, and the alignment of the row
+#: slices a server passes (:data:`kvarn_kernels._common.SLICED_POINTERS`).
+UNSPECIALIZED = {
+    "do_not_specialize": ["num_reqs", "stride_bt"],
+    "do_not_specialize_on_alignment": SLICED_POINTERS,
+}
+
+
+@triton.jit(**UNSPECIALIZED)
 def prefill_v2_kernel(
     Q,
     KV,
