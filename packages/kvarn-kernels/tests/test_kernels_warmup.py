@@ -120,7 +120,7 @@ def test_warmup_compiles_decode_and_verify_for_every_split_count(
     ("hq", "hk", "d", "width", "seqs", "max_query", "budget"),
     [
         (32, 8, 128, 128, 40, 64, None),  # Qwen3-8B, auto
-        (8, 1, 128, 128, 150, 64, None),  # rows not always a multiple of 16; two slot classes
+        (8, 1, 128, 128, 150, 16, None),  # rows not always a multiple of 16; two slot classes
         (12, 4, 64, 6, 20, 64, 300),  # a narrow table; the token budget bounds the batches
         (16, 2, 256, 64, 9, 700, 2048),  # fused for every chunk: a step's budget
     ],
