@@ -271,11 +271,13 @@ def test_sliced_pointers_are_not_specialized_on_alignment() -> None:
         assert names & set(SLICED_POINTERS) <= unaligned, kernel.__name__
 
 
+def _compiles(*kernels: Any) -> int:
+    """The kernels' compiled variants, on every device."""
+    return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+
+
 def _compiled_variants() -> dict[str, int]:
-    return {
-        kernel.__name__: sum(len(caches[0]) for caches in kernel.device_caches.values())
-        for kernel in PER_STEP_INTEGERS
-    }
+    return {kernel.__name__: _compiles(kernel) for kernel in PER_STEP_INTEGERS}
 
 
 @pytest.mark.gpu
@@ -358,7 +360,7 @@ def _attention_compiles() -> int:
         _attn_kernel,
         _merge_unrotate_kernel,
     )
-    return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+    return _compiles(*kernels)
 
 
 @pytest.mark.gpu
@@ -431,12 +433,7 @@ def test_fused_prefill_after_warmup_compiles_nothing() -> None:
     from kvarn_kernels.prefill_v2 import prefill_v2_kernel
     from kvarn_kernels.prefill_v3 import prefill_v3_kernel, prefill_v3ws_kernel
 
-    def compiles() -> int:
-        kernels = (prefill_v3ws_kernel, prefill_v3_kernel, prefill_v2_kernel)
-        return sum(
-            len(c[0]) for k in (*kernels, _merge_unrotate_kernel) for c in k.device_caches.values()
-        )
-
+    fused = (prefill_v3ws_kernel, prefill_v3_kernel, prefill_v2_kernel, _merge_unrotate_kernel)
     dev, hq, hk, d, g = torch.device("cuda"), SERVER_HQ, SERVER_HK, SERVER_D, SERVER_G
     width = 79  # rows of 316 bytes: one row in four starts 16-byte aligned
     warmup(
@@ -450,7 +447,7 @@ def test_fused_prefill_after_warmup_compiles_nothing() -> None:
         fused_prefill_max_query=64,
         max_num_batched_tokens=8192,
     )
-    before = compiles()
+    before = _compiles(*fused)
     assert before > 0
     tile_bytes = record_layout(parse_cache_dtype(SERVER_FMT), d).tile_bytes
     kv_cache = torch.zeros(8, hk, tile_bytes, dtype=torch.uint8, device=dev)
@@ -480,7 +477,7 @@ def test_fused_prefill_after_warmup_compiles_nothing() -> None:
                 method="fused",
             )
     torch.cuda.synchronize()
-    assert compiles() == before
+    assert _compiles(*fused) == before
 
 
 def test_gpu_launches_run_on_threads_on_the_callers_device_and_stream(

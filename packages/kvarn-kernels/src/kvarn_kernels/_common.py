@@ -23,6 +23,7 @@ from kvarn_format.registry import KVarNFormat
 
 __all__ = [
     "ACT_DTYPES",
+    "PREFILL_UNSPECIALIZED",
     "SLICED_POINTERS",
     "DenseGeometry",
     "check_device",
@@ -51,6 +52,13 @@ ACT_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 #: once per alignment of each pointer: so these are not specialized on it
 #: (``do_not_specialize_on_alignment``), and any slice runs the warm-up's compile.
 SLICED_POINTERS = ("BLOCK_TABLE", "SEQ_LENS")
+
+#: The JIT options of the fused prefill kernels (v2, v3): the per-step counts are not
+#: specialized, nor the alignment of the row slices a server passes.
+PREFILL_UNSPECIALIZED = {
+    "do_not_specialize": ["num_reqs", "stride_bt"],
+    "do_not_specialize_on_alignment": SLICED_POINTERS,
+}
 
 
 def cdiv(a: int, b: int) -> int:

@@ -70,10 +70,9 @@ _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 
 
 # n_progs changes every step and stride_bt is the server's block-table width (the warm-up's
-# scratch table has another); unspecialized, so neither is a new compile (seconds) in the
-# middle of serving. Both only address scalar loads, so specializing them bought nothing.
-#: What the kernel's JIT must not specialize: the per-step counts, and the alignment of a run's
-#: rows of the block table (:data:`kvarn_kernels._common.SLICED_POINTERS`).
+# scratch table has another), and the block table is a run's rows of the batch's, aligned or
+# not (_common.SLICED_POINTERS); unspecialized, so none is a new compile (seconds) in the
+# middle of serving. All only address scalar loads, so specializing them bought nothing.
 _UNSPECIALIZED = {
     "do_not_specialize": ["stride_bt", "n_progs"],
     "do_not_specialize_on_alignment": ["BLOCK_TABLE"],

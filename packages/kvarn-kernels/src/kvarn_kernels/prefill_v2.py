@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from kvarn_kernels._common import SLICED_POINTERS, pool_row_ptrs
+from kvarn_kernels._common import PREFILL_UNSPECIALIZED, pool_row_ptrs
 from kvarn_kernels.attention import _codes_f16, _load_chunk, _prefill_tile
 
 __all__ = ["PREFILL_V2_WARPS", "default_block_m", "prefill_v2_kernel"]
@@ -127,15 +127,7 @@ def _attend_chunk(
     return m_new, l_i, acc
 
 
-#: What the kernel's JIT must not specialize: the per-step counts, and the alignment of the row
-#: slices a server passes (:data:`kvarn_kernels._common.SLICED_POINTERS`).
-UNSPECIALIZED = {
-    "do_not_specialize": ["num_reqs", "stride_bt"],
-    "do_not_specialize_on_alignment": SLICED_POINTERS,
-}
-
-
-@triton.jit(**UNSPECIALIZED)
+@triton.jit(**PREFILL_UNSPECIALIZED)
 def prefill_v2_kernel(
     Q,
     KV,

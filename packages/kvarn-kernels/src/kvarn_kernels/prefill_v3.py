@@ -62,8 +62,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[i
     warpgroup_mma_wait,
 )
 
+from kvarn_kernels._common import PREFILL_UNSPECIALIZED
 from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM
-from kvarn_kernels.prefill_v2 import UNSPECIALIZED
 
 __all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel", "prefill_v3ws_kernel"]
 
@@ -490,7 +490,7 @@ def _softmax_pv(
     return m_new, l_i, acc
 
 
-@gluon.jit(**UNSPECIALIZED)
+@gluon.jit(**PREFILL_UNSPECIALIZED)
 def prefill_v3_kernel(
     Q,
     KV,
@@ -1038,7 +1038,7 @@ def _ws_consume(
     _store_partials(state, rows, row_ok, split, n_rows_total, O_PART, LSE_PART, D, OL)
 
 
-@gluon.jit(**UNSPECIALIZED)
+@gluon.jit(**PREFILL_UNSPECIALIZED)
 def prefill_v3ws_kernel(
     Q,
     KV,

@@ -343,7 +343,7 @@ def fused_prefill_batches(
             )
             row_class = 1 if rows == 1 else 16 if rows % 16 == 0 else 0
             found.setdefault((splits, slots, row_class), (reqs, tokens))
-    return sorted(set(found.values()))
+    return sorted(found.values())
 
 
 def _run_all(jobs: list[Callable[[], object]], dev: torch.device, max_threads: int | None) -> None:
