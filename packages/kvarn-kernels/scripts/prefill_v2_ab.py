@@ -39,10 +39,6 @@ SHAPES: tuple[tuple[int, int, int], ...] = (
 
 #: The rows ``--short`` keeps (prefixes of the path names).
 SHORT_PATHS = ("dequant", "v3 auto", "v3 ws")
-#: The warp-specialized kernel with eight producer warps (16 warps: the launch caps registers
-#: at 128; the producer gets 96, no spill with the ring: docs/kernel-notes.md, twenty-ninth
-#: session).
-EIGHT_PRODUCER_WARPS = {"WS_PRODUCER_WARPS": 8, "WS_PRODUCER_REGS": 96, "WS_MAXNREG": 128}
 
 
 @contextlib.contextmanager
@@ -116,12 +112,6 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 ws probe: consumers alone", v3_with({"WS_PROBE": 1}), True),
         ("v3 ws probe: producer alone", v3_with({"WS_PROBE": 2}), True),
         ("v3 ws probe: hand-over only", v3_with({"WS_PROBE": 3}), True),
-        ("v3 ws 8 producer warps", v3_with(EIGHT_PRODUCER_WARPS), True),
-        (
-            "v3 ws probe: producer alone, 8 producer warps",
-            v3_with({**EIGHT_PRODUCER_WARPS, "WS_PROBE": 2}),
-            True,
-        ),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]

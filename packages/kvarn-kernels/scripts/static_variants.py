@@ -628,8 +628,4 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
     variant(f"prefill_v3ws {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True))
     variant(f"prefill_v3ws1 {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, CP=1))
     variant(f"prefill_v3ws_shadow {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, shadow=27))
-    # eight producer warps with the ring (16 warps: the launch caps registers at 128)
-    variant(f"prefill_v3ws_pw8 {_n} w8")(
-        lambda _n=_n: _prefill_v3(_n, 8, ws=True, PW=8, PREGS=96, CREGS=152, MAXNREG=128)
-    )
     variant(f"prefill_v3_shadow {_n} w4")(lambda _n=_n: _prefill_v3(_n, 4, shadow=27))

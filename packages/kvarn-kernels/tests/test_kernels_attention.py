@@ -1030,9 +1030,8 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
         {"V3_WARP_SPECIALIZED": False},
         {"WS_RING": 4, "WS_CONSUMER_PARTITIONS": 2},
         {"WS_RING": 4, "WS_CONSUMER_PARTITIONS": 1},
-        {"WS_PRODUCER_WARPS": 8, "WS_PRODUCER_REGS": 96, "WS_MAXNREG": 128},
     ],
-    ids=["v3", "v3ws", "v3ws_cp1", "v3ws_pw8"],
+    ids=["v3", "v3ws", "v3ws_cp1"],
 )
 def test_prefill_v3_gpu(
     device: torch.device,
