@@ -146,15 +146,16 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
     return rows
 
 
-def profile_once(ctx: int, q_len: int, bsz: int, kernel: str) -> None:
+def profile_once(ctx: int, q_len: int, bsz: int, kernel: str, probe: int = 0) -> None:
     """Two fused calls (the first compiles), synchronized: what ``ncu --launch-skip`` and
     compute-sanitizer take. ``kernel``: ``"v2"``, ``"v3"`` or ``"v3ws"`` (v3's
-    warp-specialized form)."""
+    warp-specialized form); ``probe``: v3ws's ``WS_PROBE`` (0: the real kernel)."""
     import torch
 
     from kvarn_kernels import prefill_attention, prefill_v3
 
     prefill_v3.V3_WARP_SPECIALIZED = kernel == "v3ws"
+    prefill_v3.WS_PROBE = probe
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
     args = bk.prefill_args(c)
     for _ in range(2):
@@ -261,10 +262,18 @@ def main() -> None:
         choices=("v2", "v3", "v3ws"),
         help="two calls of this fused kernel at the first shape and nothing else (a profiler's)",
     )
+    ap.add_argument(
+        "--probe",
+        type=int,
+        default=0,
+        choices=(0, 1, 2, 3),
+        help="with --once v3ws: the timing probe (prefill_v3.WS_PROBE; 0: the real kernel)",
+    )
+    ap.add_argument("--shape", type=int, default=0, help="with --once: index into SHAPES")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.once:
-        profile_once(*SHAPES[0], a.once)
+        profile_once(*SHAPES[a.shape], a.once, a.probe)
         return
     if a.kernels:
         kernels = [r for shape in SHAPES[:2] for r in kernel_breakdown(*shape)]
