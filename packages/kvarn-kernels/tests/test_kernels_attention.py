@@ -1030,8 +1030,9 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
         {"V3_WARP_SPECIALIZED": False},
         {"WS_RING": 4, "WS_CONSUMER_PARTITIONS": 2},
         {"WS_RING": 4, "WS_CONSUMER_PARTITIONS": 1},
+        {"WS_SPREAD_STORES": False},
     ],
-    ids=["v3", "v3ws", "v3ws_cp1"],
+    ids=["v3", "v3ws", "v3ws_cp1", "v3ws_unspread"],
 )
 def test_prefill_v3_gpu(
     device: torch.device,

@@ -1086,6 +1086,7 @@ def _launch_prefill_fused(
                 "CREGS": prefill_v3.WS_CONSUMER_REGS,
                 "RING": prefill_v3.WS_RING,
                 "PROBE": prefill_v3.WS_PROBE,
+                "SPREAD": prefill_v3.WS_SPREAD_STORES,
             }
             launch(
                 prefill_v3.prefill_v3ws_kernel,

@@ -100,12 +100,25 @@ def _p_operand(W, D):
 
 
 @gluon.constexpr_function
-def _record_loads(D, G, VB, offsets, W):
+def _record_loads(D, G, VB, offsets, W, SPREAD=False):
     """:func:`_load_raw`'s constants for ``W`` loading warps: head dim, group, value bits, the
     record's eight field offsets, then the layouts of K's ``[32 pairs, D]`` bytes and of V's
-    ``[32 pairs, D * VB / 8]`` bytes."""
-    k_bytes = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
-    v_bytes = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])
+    ``[32 pairs, D * VB / 8]`` bytes.
+
+    ``SPREAD`` (:data:`WS_SPREAD_STORES`): layouts whose stage stores touch every bank of
+    shared memory once a wavefront. A stage row is 128-byte swizzled: its 16-byte chunk ``c``
+    lies at ``c ^ (row % 8)``. Eight lanes of a row, 16 channels each, put their first
+    chunks at only four places (chunks 0, 2, 4, 6 of both 64-channel halves), so K's
+    ``STS.128`` took 2 wavefronts where 1 does; V's lanes held rows 4 apart, two swizzle
+    phases among 8 rows, and its ``STS.64`` took 4 (Nsight Compute, docs/kernel-notes.md,
+    thirtieth session). Spread: K's lanes 4 to a row (two rows of a wavefront, adjacent
+    phases), V's rows 2 apart a lane (four even phases)."""
+    if SPREAD:
+        k_bytes = gl.BlockedLayout([1, 16], [8, 4], [W, 1], [1, 0])
+        v_bytes = gl.BlockedLayout([2, 1], [8, 4], [1, W], [1, 0])
+    else:
+        k_bytes = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
+        v_bytes = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])
     return (D, G, VB, *offsets, k_bytes, v_bytes)
 
 
@@ -762,6 +775,9 @@ WS_CONSUMER_REGS = 152
 #: in registers, which is as deep as registers go without spilling; rings of 3 and 6 within
 #: 1.5% of 4: docs/kernel-notes.md, twenty-eighth session).
 WS_RING = 4
+#: The producer's register layouts spread each stage store over all shared-memory banks
+#: (:func:`_record_loads`'s ``SPREAD``).
+WS_SPREAD_STORES = True
 
 
 @gluon.constexpr_function
@@ -1083,6 +1099,7 @@ def prefill_v3ws_kernel(
     CREGS: gl.constexpr,
     RING: gl.constexpr,
     PROBE: gl.constexpr,
+    SPREAD: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
     separate warps. ``CP`` consumer partitions of ``W`` warps each (launched with
@@ -1090,8 +1107,8 @@ def prefill_v3ws_kernel(
     with ``CREGS`` registers) run the scores, the softmax and ``P V``, while ``PW`` producer
     warps (``PREGS`` registers each) dequantize the next chunks into ``STAGES`` shared-memory
     stages, their raw bytes copied ahead into a ring of ``RING`` slots; handed over through
-    mbarriers. ``RING``, ``PROBE``: :data:`WS_RING`, :data:`WS_PROBE` (defaults: the ``WS_``
-    constants). The consumers never wait on the dequantization's instruction chain, only on a
+    mbarriers. ``RING``, ``PROBE``, ``SPREAD``: :data:`WS_RING`, :data:`WS_PROBE`,
+    :data:`WS_SPREAD_STORES` (defaults: the ``WS_`` constants). The consumers never wait on the dequantization's instruction chain, only on a
     stage being ready."""
     M: gl.constexpr = 16 * W * CP
     MP: gl.constexpr = 16 * W  # a consumer partition's rows
@@ -1134,7 +1151,7 @@ def prefill_v3ws_kernel(
         BLOCK_TO_SLOT.dtype.element_ty, [R, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
     )
     OFFSETS: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
-    LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, PW)  # the producer's loads
+    LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, PW, SPREAD)  # the producer's
     stages = (q_smem, scale_smem, k_bufs, v_bufs, ready, empty)
     tile = (first, q_end, pos_lo, kv_len, blk_lo, n_it, h, split, n_rows_total, O_PART, LSE_PART)
     producer = (
