@@ -26,8 +26,9 @@ pairs (``DEQ16``, the default) took 16% of the instructions off and 7-14% of the
 :func:`prefill_v3ws_kernel` (the default for 128-row tiles, :data:`V3_WARP_SPECIALIZED`) splits
 the loop over warps of their own: producer warps copy raw chunks ahead into a shared-memory
 ring with ``cp.async`` and dequantize them into three stages, the two consumer warpgroups
-only wait for a stage to be ready. 0.80-0.84x this kernel's time, 1.72x FA3 fp16's at 64 tokens
-after 16K (B = 1).
+only wait for a stage to be ready. 0.80-0.84x this kernel's time; with the stage stores spread
+over the shared-memory banks (:data:`WS_SPREAD_STORES`) 1.58x FA3 fp16's at 64 tokens after
+16K (B = 1).
 
 Layout choices that keep the dequantization free of shuffles:
 
