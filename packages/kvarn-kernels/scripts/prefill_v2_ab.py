@@ -107,11 +107,17 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         (f"v3 splits {2 * auto}", fused(fused_kernel="v3", num_splits=2 * auto), True),
         ("v3 m64", fused(fused_kernel="v3", block_m=64), True),
         ("v3 one partition", v3_with(one_partition), True),
-        ("v3 fp32 dequant", v3_with({**one_partition, "V3_DEQ16": False}), True),
+        ("v3 fp32 dequant", v3_with({**one_partition, "V3_DEQ16": prefill_v3.DEQ_FP32}), True),
         # timing probes (prefill_v3.WS_PROBE): wrong outputs by design
         ("v3 ws probe: consumers alone", v3_with({"WS_PROBE": 1}), True),
         ("v3 ws probe: producer alone", v3_with({"WS_PROBE": 2}), True),
         ("v3 ws probe: hand-over only", v3_with({"WS_PROBE": 3}), True),
+        ("v3 ws xorsign saturation", v3_with({"V3_DEQ16": prefill_v3.DEQ_FP16_XORSIGN}), True),
+        (
+            "v3 ws probe: producer alone, xorsign saturation",
+            v3_with({"V3_DEQ16": prefill_v3.DEQ_FP16_XORSIGN, "WS_PROBE": 2}),
+            True,
+        ),
         ("v3 ws unspread stores", v3_with({"WS_SPREAD_STORES": False}), True),
         (
             "v3 ws probe: producer alone, unspread stores",

@@ -21,6 +21,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -1100,6 +1101,56 @@ def test_prefill_method_picks_fused_for_short_chunks_where_v3_runs(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g64"])
+def test_prefill_v3_saturations_agree_gpu(
+    device: torch.device, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v3's two fp16 saturations of the dequantized values (a ``min`` and a ``max``, or one
+    ``min.xorsign.abs``) give the same output bits: on ordinary records, and on records whose
+    K channel scales were overwritten so that ``code * scale`` overflows fp16 (saturated to
+    +-65504: the output stays finite, and differs from the ordinary case's)."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        pytest.skip("prefill_v3 runs on sm_90 only")
+    from kvarn_kernels import prefill_v3
+
+    d, hq, hk = 128, 32, 8
+    lens, qlens = [2048 + 64, 1030], [64, 6]
+    case = build_case(name, d, hk, lens, device=device, seed=5)
+    q = torch.randn(sum(qlens), hq, d, device=device).half()
+    qsl = _qsl(qlens, device)
+    scale = 1.0 / math.sqrt(d)
+
+    def run(form: int) -> torch.Tensor:
+        monkeypatch.setattr(prefill_v3, "V3_DEQ16", form)
+        out = torch.full_like(q, float("nan"))
+        prefill_attention(
+            *case.prefill_args(name, q, qsl, scale), out=out, method="fused", fused_kernel="v3"
+        )
+        return out
+
+    ordinary = run(prefill_v3.DEQ_FP16)
+    _assert_close(ordinary, prefill_attention_ref(*case.prefill_args(name, q, qsl, scale)))
+    assert torch.equal(run(prefill_v3.DEQ_FP16_XORSIGN), ordinary)
+
+    k_scale = next(
+        f for f in record_layout(parse_cache_dtype(name), d).fields if f.name == "k_scale"
+    )
+    records = [
+        int(blk)
+        for blk in case.block_table.flatten().tolist()
+        if blk >= 0 and int(case.block_to_slot[blk]) < 0
+    ]
+    assert records, "the case must hold packed records"
+    huge = torch.full((d,), 30000.0, dtype=torch.float16, device=device).view(torch.uint8)
+    for blk in records:
+        case.kv_cache[blk, :, k_scale.offset : k_scale.offset + k_scale.size] = huge
+    saturated = run(prefill_v3.DEQ_FP16)
+    assert bool(torch.isfinite(saturated).all())
+    assert not torch.equal(saturated, ordinary)
+    assert torch.equal(run(prefill_v3.DEQ_FP16_XORSIGN), saturated)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g64"])
 @pytest.mark.parametrize(
     "cfg", [{}, {"block_m": 64}, {"num_splits": 1}], ids=["ws_ring", "m64", "one_split"]
 )
@@ -1674,6 +1725,36 @@ def test_prefill_v3_compiles_for_sm90() -> None:
         assert "FAILED" not in row, " ".join(row)
         _regs, spill, _smem, _loop, bar, _lds, _shfl, mma, _ldg = (int(x) for x in row[3:])
         assert (spill, bar, mma) == (0, 2, 24), " ".join(row)
+
+
+def test_prefill_v3ws_saturation_instructions() -> None:
+    """The warp-specialized prefill's dequantization saturates each fp16 pair with two
+    ``HMNMX2`` (a ``min`` and a ``max``) by default and with one ``HMNMX2.XORSIGN`` at
+    ``DEQ_FP16_XORSIGN``: 128 against 64 in the producer's loop at k4v2_g128 (K's 32 pairs and
+    V's 32 a lane and chunk), compiled for sm_90a here, without a GPU."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "static_kernels.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                "--only",
+                "prefill_v3ws kvarn_k4v2_g128,prefill_v3ws_xorsign kvarn_k4v2_g128",
+                "--sass",
+                tmp,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+            check=True,
+        )
+        sass = {f.stem: f.read_text() for f in Path(tmp).glob("*.sass")}
+    default = sass["prefill_v3ws kvarn_k4v2_g128 w8"]
+    xorsign = sass["prefill_v3ws_xorsign kvarn_k4v2_g128 w8"]
+    assert (default.count("HMNMX2.NAN "), default.count("XORSIGN")) == (128, 0)
+    assert (xorsign.count("HMNMX2.NAN "), xorsign.count("HMNMX2.NAN.XORSIGN ")) == (0, 64)
 
 
 def test_decode_v5_compiles_for_sm90() -> None:

@@ -44,7 +44,7 @@ Layout choices that keep the dequantization free of shuffles:
 Numerics: ``k / 2`` and ``v / 2`` in fp16, saturated to +-65504 (NaN kept), rounded twice with
 ``DEQ16`` (``code * scale + zero``, then the other axis' scale, in fp16 pairs; 6e-4 from the
 dequantize path's output at the bench's shape) or once as the dequantize path and v2 do
-(fp32, ``DEQ16=False``); the query row-normalized to fp16, fp32 scores and accumulators.
+(fp32, :data:`DEQ_FP32`); the query row-normalized to fp16, fp32 scores and accumulators.
 GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit values, head dim 128 (pool
 slots with or without shadow rows); the launcher uses v2 elsewhere.
 """
@@ -70,8 +70,14 @@ __all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel", "prefill_v3ws_kernel
 
 #: Warps per program (``16 * V3_WARPS`` query rows: one or two warpgroups).
 V3_WARPS = 8
-#: Dequantize in fp16 pairs (two roundings a value) rather than in fp32 (one rounding).
-V3_DEQ16 = True
+#: How the producer dequantizes (:func:`_affine`): ``DEQ_FP32`` (one rounding a value),
+#: ``DEQ_FP16`` (fp16 pairs, two roundings, saturated by a ``min`` and a ``max``) or
+#: ``DEQ_FP16_XORSIGN`` (the same values, saturated by one ``min.xorsign.abs``: 64 fewer
+#: ALU-pipe instructions a producer warp and chunk; not yet run on a GPU, so not the default).
+V3_DEQ16 = 1
+DEQ_FP32 = 0
+DEQ_FP16 = 1
+DEQ_FP16_XORSIGN = 2
 #: Run 128-row tiles on the warp-specialized form (:func:`prefill_v3ws_kernel`): 0.83-0.91x
 #: the one-partition kernel's time on an H200 (docs/kernel-notes.md, twenty-sixth session).
 V3_WARP_SPECIALIZED = True
@@ -199,7 +205,7 @@ def _unpack4(b):
 
 # ((c1024 - 1024) * scale + zero) * mult on fp16 pairs, saturated to +-65504 (NaN kept):
 # 2.5 instructions a value where the fp32 form takes ~7 with its conversions
-_AFFINE16X2_ASM: gl.constexpr = gl.constexpr("""
+_AFFINE16X2_HEAD = """
 {
 .reg .b32 t, k;
 mov.b32 k, 0x64006400;
@@ -207,19 +213,38 @@ sub.rn.f16x2 t, $1, k;
 fma.rn.f16x2 t, t, $2, $3;
 mul.rn.f16x2 t, t, $4;
 mov.b32 k, 0x7BFF7BFF;
-min.NaN.f16x2 t, t, k;
+"""
+_AFFINE16X2_ASM: gl.constexpr = gl.constexpr(
+    _AFFINE16X2_HEAD
+    + """min.NaN.f16x2 t, t, k;
 mov.b32 k, 0xFBFFFBFF;
 max.NaN.f16x2 $0, t, k;
 }
-""")
+"""
+)
+# the same saturation in one instruction (sm_86+): |result| = min(|t|, 65504) with t's sign
+# (the sign is the XOR of both operands' and 65504's is +), NaN kept
+_AFFINE16X2_XORSIGN_ASM: gl.constexpr = gl.constexpr(
+    _AFFINE16X2_HEAD + "min.NaN.xorsign.abs.f16x2 $0, t, k;\n}\n"
+)
 
 
 @gluon.jit
 def _affine(c1024, scale, zero, mult, DEQ16: gl.constexpr):
     """fp16 ``((c1024 - 1024) * scale + zero) * mult``, saturated; ``scale``, ``zero`` and
-    ``mult`` fp16, broadcast. ``DEQ16``: in fp16 pairs (two roundings); else in fp32 (one
+    ``mult`` fp16, broadcast. ``DEQ16`` (:data:`V3_DEQ16`): in fp16 pairs (two roundings;
+    saturated by two instructions, or by one at ``DEQ_FP16_XORSIGN``); else in fp32 (one
     rounding, the dequantize path's values)."""
-    if DEQ16:
+    if DEQ16 == 2:  # DEQ_FP16_XORSIGN
+        return gl.inline_asm_elementwise(
+            _AFFINE16X2_XORSIGN_ASM,
+            "=r,r,r,r,r",
+            [c1024, scale, zero, mult],
+            dtype=gl.float16,
+            is_pure=True,
+            pack=2,
+        )
+    elif DEQ16:
         return gl.inline_asm_elementwise(
             _AFFINE16X2_ASM,
             "=r,r,r,r,r",
