@@ -112,10 +112,10 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 ws probe: consumers alone", v3_with({"WS_PROBE": 1}), True),
         ("v3 ws probe: producer alone", v3_with({"WS_PROBE": 2}), True),
         ("v3 ws probe: hand-over only", v3_with({"WS_PROBE": 3}), True),
-        ("v3 ws xorsign saturation", v3_with({"V3_DEQ16": prefill_v3.DEQ_FP16_XORSIGN}), True),
+        ("v3 ws lean dequantization", v3_with({"V3_DEQ16": prefill_v3.DEQ_FP16_LEAN}), True),
         (
-            "v3 ws probe: producer alone, xorsign saturation",
-            v3_with({"V3_DEQ16": prefill_v3.DEQ_FP16_XORSIGN, "WS_PROBE": 2}),
+            "v3 ws probe: producer alone, lean dequantization",
+            v3_with({"V3_DEQ16": prefill_v3.DEQ_FP16_LEAN, "WS_PROBE": 2}),
             True,
         ),
         ("v3 ws unspread stores", v3_with({"WS_SPREAD_STORES": False}), True),

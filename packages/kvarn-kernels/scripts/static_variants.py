@@ -628,7 +628,7 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
         variant(f"prefill_v3fp32 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w, 0))
     variant(f"prefill_v3ws {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True))
     variant(f"prefill_v3ws1 {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, CP=1))
-    variant(f"prefill_v3ws_xorsign {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, 2, ws=True))
+    variant(f"prefill_v3ws_lean {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, 2, ws=True))
     variant(f"prefill_v3ws_unspread {_n} w8")(
         lambda _n=_n: _prefill_v3(_n, 8, ws=True, SPREAD=False)
     )

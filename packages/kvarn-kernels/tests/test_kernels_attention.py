@@ -1101,13 +1101,15 @@ def test_prefill_method_picks_fused_for_short_chunks_where_v3_runs(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g64"])
-def test_prefill_v3_saturations_agree_gpu(
+def test_prefill_v3_lean_dequantization_agrees_gpu(
     device: torch.device, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """v3's two fp16 saturations of the dequantized values (a ``min`` and a ``max``, or one
-    ``min.xorsign.abs``) give the same output bits: on ordinary records, and on records whose
-    K channel scales were overwritten so that ``code * scale`` overflows fp16 (saturated to
-    +-65504: the output stays finite, and differs from the ordinary case's)."""
+    """v3's two fp16 dequantizations give the same output bits: the default, and the lean one
+    (codes unpacked without shifts, each field against its own fp16 base; saturated by one
+    ``min.xorsign.abs`` instead of a ``min`` and a ``max``). On ordinary records, and on records
+    whose K channel scales were overwritten so that ``code * scale`` overflows fp16 (saturated
+    to +-65504: the output stays finite, and differs from the ordinary case's). Both value
+    widths: 2-bit values at k4v2_g128, 4-bit at k4v4_g64."""
     if torch.cuda.get_device_capability(device) != (9, 0):
         pytest.skip("prefill_v3 runs on sm_90 only")
     from kvarn_kernels import prefill_v3
@@ -1129,7 +1131,7 @@ def test_prefill_v3_saturations_agree_gpu(
 
     ordinary = run(prefill_v3.DEQ_FP16)
     _assert_close(ordinary, prefill_attention_ref(*case.prefill_args(name, q, qsl, scale)))
-    assert torch.equal(run(prefill_v3.DEQ_FP16_XORSIGN), ordinary)
+    assert torch.equal(run(prefill_v3.DEQ_FP16_LEAN), ordinary)
 
     k_scale = next(
         f for f in record_layout(parse_cache_dtype(name), d).fields if f.name == "k_scale"
@@ -1146,7 +1148,7 @@ def test_prefill_v3_saturations_agree_gpu(
     saturated = run(prefill_v3.DEQ_FP16)
     assert bool(torch.isfinite(saturated).all())
     assert not torch.equal(saturated, ordinary)
-    assert torch.equal(run(prefill_v3.DEQ_FP16_XORSIGN), saturated)
+    assert torch.equal(run(prefill_v3.DEQ_FP16_LEAN), saturated)
 
 
 @pytest.mark.gpu
@@ -1727,11 +1729,12 @@ def test_prefill_v3_compiles_for_sm90() -> None:
         assert (spill, bar, mma) == (0, 2, 24), " ".join(row)
 
 
-def test_prefill_v3ws_saturation_instructions() -> None:
-    """The warp-specialized prefill's dequantization saturates each fp16 pair with two
-    ``HMNMX2`` (a ``min`` and a ``max``) by default and with one ``HMNMX2.XORSIGN`` at
-    ``DEQ_FP16_XORSIGN``: 128 against 64 in the producer's loop at k4v2_g128 (K's 32 pairs and
-    V's 32 a lane and chunk), compiled for sm_90a here, without a GPU."""
+def test_prefill_v3ws_lean_dequantization_instructions() -> None:
+    """The warp-specialized prefill's lean dequantization (``DEQ_FP16_LEAN``), compiled for
+    sm_90a here, without a GPU, at k4v2_g128: each fp16 pair saturated by one
+    ``HMNMX2.XORSIGN`` instead of two ``HMNMX2`` (64 against 128: K's 32 pairs and V's 32 a
+    lane and chunk), and the codes unpacked without shifts (40 fewer ``SHF``: 2 a K byte pair
+    and 6 a V one, 8 and 4 registers a lane)."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "static_kernels.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -1740,7 +1743,7 @@ def test_prefill_v3ws_saturation_instructions() -> None:
                 sys.executable,
                 str(script),
                 "--only",
-                "prefill_v3ws kvarn_k4v2_g128,prefill_v3ws_xorsign kvarn_k4v2_g128",
+                "prefill_v3ws kvarn_k4v2_g128,prefill_v3ws_lean kvarn_k4v2_g128",
                 "--sass",
                 tmp,
             ],
@@ -1752,9 +1755,10 @@ def test_prefill_v3ws_saturation_instructions() -> None:
         )
         sass = {f.stem: f.read_text() for f in Path(tmp).glob("*.sass")}
     default = sass["prefill_v3ws kvarn_k4v2_g128 w8"]
-    xorsign = sass["prefill_v3ws_xorsign kvarn_k4v2_g128 w8"]
+    lean = sass["prefill_v3ws_lean kvarn_k4v2_g128 w8"]
     assert (default.count("HMNMX2.NAN "), default.count("XORSIGN")) == (128, 0)
-    assert (xorsign.count("HMNMX2.NAN "), xorsign.count("HMNMX2.NAN.XORSIGN ")) == (0, 64)
+    assert (lean.count("HMNMX2.NAN "), lean.count("HMNMX2.NAN.XORSIGN ")) == (0, 64)
+    assert default.count("SHF.R.U32.HI") - lean.count("SHF.R.U32.HI") == 40
 
 
 def test_decode_v5_compiles_for_sm90() -> None:

@@ -70,14 +70,14 @@ __all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel", "prefill_v3ws_kernel
 
 #: Warps per program (``16 * V3_WARPS`` query rows: one or two warpgroups).
 V3_WARPS = 8
-#: How the producer dequantizes (:func:`_affine`): ``DEQ_FP32`` (one rounding a value),
-#: ``DEQ_FP16`` (fp16 pairs, two roundings, saturated by a ``min`` and a ``max``) or
-#: ``DEQ_FP16_XORSIGN`` (the same values, saturated by one ``min.xorsign.abs``: 64 fewer
-#: ALU-pipe instructions a producer warp and chunk; not yet run on a GPU, so not the default).
+#: How a chunk is dequantized (:func:`_stage_record`): ``DEQ_FP32`` (one rounding a value),
+#: ``DEQ_FP16`` (fp16 pairs, two roundings) or ``DEQ_FP16_LEAN`` (the same values in fewer
+#: instructions: codes unpacked without shifts, saturated by one ``min.xorsign.abs``; 104
+#: fewer a producer warp and chunk at k4v2_g128; not yet run on a GPU, so not the default).
 V3_DEQ16 = 1
 DEQ_FP32 = 0
 DEQ_FP16 = 1
-DEQ_FP16_XORSIGN = 2
+DEQ_FP16_LEAN = 2
 #: Run 128-row tiles on the warp-specialized form (:func:`prefill_v3ws_kernel`): 0.83-0.91x
 #: the one-partition kernel's time on an H200 (docs/kernel-notes.md, twenty-sixth session).
 V3_WARP_SPECIALIZED = True
@@ -195,60 +195,87 @@ def _load_raw(rec, c, ok, LOADS: gl.constexpr):
 
 
 @gluon.jit
-def _unpack4(b):
-    """Two fp16 tensors of ``1024 + code`` for the low and the high nibbles of bytes ``b``
-    (attention.py's PTX: about one instruction per code)."""
+def _unpack_nibbles(b, DEQ16: gl.constexpr):
+    """Two fp16 tensors for the low and the high nibbles of bytes ``b``: ``base + code``, the
+    bases :func:`_field_base`'s (attention.py's PTX, or without shifts at ``DEQ_FP16_LEAN``:
+    about one instruction per code)."""
     return gl.inline_asm_elementwise(
-        _UNPACK4_ASM, "=r,=r,=r,=r,r", [b], dtype=(gl.float16, gl.float16), is_pure=True, pack=4
+        _unpack_lean_asm(4) if _lean(DEQ16) else _UNPACK4_ASM,
+        "=r,=r,=r,=r,r",
+        [b],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=4,
     )
 
 
-# ((c1024 - 1024) * scale + zero) * mult on fp16 pairs, saturated to +-65504 (NaN kept):
-# 2.5 instructions a value where the fp32 form takes ~7 with its conversions
-_AFFINE16X2_HEAD = """
-{
-.reg .b32 t, k;
-mov.b32 k, 0x64006400;
-sub.rn.f16x2 t, $1, k;
-fma.rn.f16x2 t, t, $2, $3;
-mul.rn.f16x2 t, t, $4;
-mov.b32 k, 0x7BFF7BFF;
-"""
-_AFFINE16X2_ASM: gl.constexpr = gl.constexpr(
-    _AFFINE16X2_HEAD
-    + """min.NaN.f16x2 t, t, k;
-mov.b32 k, 0xFBFFFBFF;
-max.NaN.f16x2 $0, t, k;
-}
-"""
-)
-# the same saturation in one instruction (sm_86+): |result| = min(|t|, 65504) with t's sign
-# (the sign is the XOR of both operands' and 65504's is +), NaN kept
-_AFFINE16X2_XORSIGN_ASM: gl.constexpr = gl.constexpr(
-    _AFFINE16X2_HEAD + "min.NaN.xorsign.abs.f16x2 $0, t, k;\n}\n"
-)
+@gluon.constexpr_function
+def _unpack_lean_asm(BITS):
+    """PTX unpacking the ``8 / BITS`` fields of 4 bytes without shifts (``DEQ_FP16_LEAN``):
+    a field at bit ``k`` of a 16-bit half, masked in place and OR-ed into the fp16 whose
+    mantissa bit ``k`` weighs 1 (:func:`_field_base`), reads ``base + code``. Two instructions
+    a byte pair fewer than attention.py's shifts for 4-bit codes, six for 2-bit ones."""
+    fields = 8 // BITS
+    lines = [
+        "{",
+        ".reg .b32 t0, t1;",
+        f"prmt.b32 t0, ${2 * fields}, 0, 0x4140;",
+        f"prmt.b32 t1, ${2 * fields}, 0, 0x4342;",
+    ]
+    for f in range(fields):
+        mask = ((1 << BITS) - 1) << (BITS * f)
+        base = (25 - BITS * f) << 10  # the fp16 bits of 2 ** (10 - BITS * f)
+        for half in range(2):
+            lines.append(
+                f"lop3.b32 ${2 * f + half}, t{half}, 0x{mask:04X}{mask:04X}, "
+                f"0x{base:04X}{base:04X}, 0xEA;"
+            )
+    return "\n".join([*lines, "}"])
+
+
+@gluon.constexpr_function
+def _lean(DEQ16):
+    """Whether ``DEQ16`` (:data:`V3_DEQ16`) is ``DEQ_FP16_LEAN``."""
+    return DEQ16 == DEQ_FP16_LEAN
+
+
+@gluon.constexpr_function
+def _field_base(f, BITS, DEQ16):
+    """The fp16 that field ``f`` (``BITS`` wide) of a byte is read against: 1024, or at
+    ``DEQ_FP16_LEAN`` the one whose mantissa bit ``BITS * f`` weighs 1."""
+    return 1024.0 / (1 << (BITS * f)) if _lean(DEQ16) else 1024.0
+
+
+@gluon.constexpr_function
+def _affine16x2_asm(base, DEQ16):
+    """PTX for ``((c - base) * scale + zero) * mult`` on fp16 pairs (``base`` a power of two),
+    saturated to +-65504 with NaN kept: by a ``min`` and a ``max``, or at ``DEQ_FP16_LEAN`` by
+    one ``min.xorsign.abs`` (sm_86+: ``|t|`` capped at 65504 keeps ``t``'s sign, the XOR of
+    its own and 65504's). ~2.5 instructions a value where the fp32 form takes ~7."""
+    half = (int(base).bit_length() - 1 + 15) << 10  # base's fp16 bits
+    if _lean(DEQ16):
+        saturate = "min.NaN.xorsign.abs.f16x2 $0, t, k;\n"
+    else:
+        saturate = "min.NaN.f16x2 t, t, k;\nmov.b32 k, 0xFBFFFBFF;\nmax.NaN.f16x2 $0, t, k;\n"
+    return (
+        "{\n.reg .b32 t, k;\n"
+        f"mov.b32 k, 0x{half:04X}{half:04X};\n"
+        "sub.rn.f16x2 t, $1, k;\nfma.rn.f16x2 t, t, $2, $3;\nmul.rn.f16x2 t, t, $4;\n"
+        "mov.b32 k, 0x7BFF7BFF;\n" + saturate + "}\n"
+    )
 
 
 @gluon.jit
-def _affine(c1024, scale, zero, mult, DEQ16: gl.constexpr):
-    """fp16 ``((c1024 - 1024) * scale + zero) * mult``, saturated; ``scale``, ``zero`` and
-    ``mult`` fp16, broadcast. ``DEQ16`` (:data:`V3_DEQ16`): in fp16 pairs (two roundings;
-    saturated by two instructions, or by one at ``DEQ_FP16_XORSIGN``); else in fp32 (one
-    rounding, the dequantize path's values)."""
-    if DEQ16 == 2:  # DEQ_FP16_XORSIGN
+def _affine(c, base: gl.constexpr, scale, zero, mult, DEQ16: gl.constexpr):
+    """fp16 ``((c - base) * scale + zero) * mult``, saturated; ``c`` a code read against
+    ``base`` (:func:`_field_base`), ``scale``, ``zero`` and ``mult`` fp16, broadcast.
+    ``DEQ16`` (:data:`V3_DEQ16`): in fp16 pairs (two roundings); else in fp32 (one rounding,
+    the dequantize path's values)."""
+    if DEQ16:
         return gl.inline_asm_elementwise(
-            _AFFINE16X2_XORSIGN_ASM,
+            _affine16x2_asm(base, DEQ16),
             "=r,r,r,r,r",
-            [c1024, scale, zero, mult],
-            dtype=gl.float16,
-            is_pure=True,
-            pack=2,
-        )
-    elif DEQ16:
-        return gl.inline_asm_elementwise(
-            _AFFINE16X2_ASM,
-            "=r,r,r,r,r",
-            [c1024, scale, zero, mult],
+            [c, scale, zero, mult],
             dtype=gl.float16,
             is_pure=True,
             pack=2,
@@ -256,7 +283,7 @@ def _affine(c1024, scale, zero, mult, DEQ16: gl.constexpr):
     else:
         sf = scale.to(gl.float32)
         return _sat16(
-            (c1024.to(gl.float32) * sf + (zero.to(gl.float32) - 1024.0 * sf)) * mult.to(gl.float32)
+            (c.to(gl.float32) * sf + (zero.to(gl.float32) - base * sf)) * mult.to(gl.float32)
         )
 
 
@@ -270,22 +297,22 @@ def _v_rows(vb, vs, vz, vc0, vc1, vc2, vc3, VB: gl.constexpr, D: gl.constexpr, D
     z = vz[:, None]
     if VB == 2:
         c0, c1, c2, c3 = gl.inline_asm_elementwise(
-            _UNPACK2_ASM,
+            _unpack_lean_asm(2) if _lean(DEQ16) else _UNPACK2_ASM,
             "=r,=r,=r,=r,=r,=r,=r,=r,r",
             [vb],
             dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
             is_pure=True,
             pack=4,
         )
-        f0 = _affine(c0, s, z, vc0[None, :], DEQ16)
-        f1 = _affine(c1, s, z, vc1[None, :], DEQ16)
-        f2 = _affine(c2, s, z, vc2[None, :], DEQ16)
-        f3 = _affine(c3, s, z, vc3[None, :], DEQ16)
+        f0 = _affine(c0, _field_base(0, 2, DEQ16), s, z, vc0[None, :], DEQ16)
+        f1 = _affine(c1, _field_base(1, 2, DEQ16), s, z, vc1[None, :], DEQ16)
+        f2 = _affine(c2, _field_base(2, 2, DEQ16), s, z, vc2[None, :], DEQ16)
+        f3 = _affine(c3, _field_base(3, 2, DEQ16), s, z, vc3[None, :], DEQ16)
         v = gl.reshape(gl.join(gl.join(f0, f2), gl.join(f1, f3)), [32, D])
     else:
-        c0, c1 = _unpack4(vb)
-        f0 = _affine(c0, s, z, vc0[None, :], DEQ16)
-        f1 = _affine(c1, s, z, vc1[None, :], DEQ16)
+        c0, c1 = _unpack_nibbles(vb, DEQ16)
+        f0 = _affine(c0, _field_base(0, 4, DEQ16), s, z, vc0[None, :], DEQ16)
+        f1 = _affine(c1, _field_base(1, 4, DEQ16), s, z, vc1[None, :], DEQ16)
         v = gl.reshape(gl.join(f0, f1), [32, D])
     return v
 
@@ -301,10 +328,14 @@ def _stage_record(k_stage, v_stage, raw, VB: gl.constexpr, D: gl.constexpr, DEQ1
     """Dequantize one chunk's raw bytes (:func:`_load_raw`) into a shared-memory stage (rows
     parity-major)."""
     kb, ve, vo, ks, kz, kte, kto, vse, vso, vze, vzo, vc0, vc1, vc2, vc3 = raw
-    lo, hi = _unpack4(kb)
+    lo, hi = _unpack_nibbles(kb, DEQ16)
     # k = (code * k_scale + k_zero) * k_token_scale, halved; even tokens in the low nibbles
-    k_even = _affine(lo, ks[None, :], kz[None, :], (kte * 0.5)[:, None], DEQ16)
-    k_odd = _affine(hi, ks[None, :], kz[None, :], (kto * 0.5)[:, None], DEQ16)
+    k_even = _affine(
+        lo, _field_base(0, 4, DEQ16), ks[None, :], kz[None, :], (kte * 0.5)[:, None], DEQ16
+    )
+    k_odd = _affine(
+        hi, _field_base(1, 4, DEQ16), ks[None, :], kz[None, :], (kto * 0.5)[:, None], DEQ16
+    )
     v_even = _v_rows(ve, vse * 0.5, vze * 0.5, vc0, vc1, vc2, vc3, VB, D, DEQ16)
     v_odd = _v_rows(vo, vso * 0.5, vzo * 0.5, vc0, vc1, vc2, vc3, VB, D, DEQ16)
     # each stage in one store: two stores to one allocation get a barrier between them
