@@ -72,7 +72,7 @@ __all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel", "prefill_v3ws_kernel
 V3_WARPS = 8
 #: How a chunk is dequantized (:func:`_stage_record`): ``DEQ_FP32`` (one rounding a value),
 #: ``DEQ_FP16`` (fp16 pairs, two roundings) or ``DEQ_FP16_LEAN`` (the same values in fewer
-#: instructions: codes unpacked without shifts, saturated by one ``min.xorsign.abs``; 104
+#: instructions: codes unpacked without shifts, saturated by one ``min.xorsign.abs``; 100
 #: fewer a producer warp and chunk at k4v2_g128; not yet run on a GPU, so not the default).
 V3_DEQ16 = 1
 DEQ_FP32 = 0
