@@ -84,6 +84,7 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         return run
 
     one_partition = {"V3_WARP_SPECIALIZED": False}
+    lean_vt = {"V3_DEQ16": prefill_v3.DEQ_FP16_LEAN, "WS_V_CHANNEL_MAJOR": True}
 
     paths: list[tuple[str, Callable[[], Any], bool]] = [
         (
@@ -116,6 +117,13 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         (
             "v3 ws probe: producer alone, lean dequantization",
             v3_with({"V3_DEQ16": prefill_v3.DEQ_FP16_LEAN, "WS_PROBE": 2}),
+            True,
+        ),
+        ("v3 ws channel-major V", v3_with({"WS_V_CHANNEL_MAJOR": True}), True),
+        ("v3 ws lean, channel-major V", v3_with(lean_vt), True),
+        (
+            "v3 ws probe: producer alone, lean, channel-major V",
+            v3_with({**lean_vt, "WS_PROBE": 2}),
             True,
         ),
         ("v3 ws unspread stores", v3_with({"WS_SPREAD_STORES": False}), True),

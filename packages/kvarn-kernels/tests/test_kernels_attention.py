@@ -1032,8 +1032,10 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
         {"WS_RING": 4, "WS_CONSUMER_PARTITIONS": 2},
         {"WS_RING": 4, "WS_CONSUMER_PARTITIONS": 1},
         {"WS_SPREAD_STORES": False},
+        {"WS_V_CHANNEL_MAJOR": True},
+        {"WS_V_CHANNEL_MAJOR": True, "V3_DEQ16": 2},
     ],
-    ids=["v3", "v3ws", "v3ws_cp1", "v3ws_unspread"],
+    ids=["v3", "v3ws", "v3ws_cp1", "v3ws_unspread", "v3ws_vt", "v3ws_lean_vt"],
 )
 def test_prefill_v3_gpu(
     device: torch.device,
@@ -1729,36 +1731,47 @@ def test_prefill_v3_compiles_for_sm90() -> None:
         assert (spill, bar, mma) == (0, 2, 24), " ".join(row)
 
 
-def test_prefill_v3ws_lean_dequantization_instructions() -> None:
-    """The warp-specialized prefill's lean dequantization (``DEQ_FP16_LEAN``), compiled for
-    sm_90a here, without a GPU, at k4v2_g128: each fp16 pair saturated by one
-    ``HMNMX2.XORSIGN`` instead of two ``HMNMX2`` (64 against 128: K's 32 pairs and V's 32 a
-    lane and chunk), and the codes unpacked without shifts (40 fewer ``SHF``: 2 a K byte pair
-    and 6 a V one, 8 and 4 registers a lane)."""
+def test_prefill_v3ws_producer_variants_compile() -> None:
+    """The warp-specialized prefill's opt-in producer forms compile for sm_90a here, without a
+    GPU, at k4v2_g128, without spills, and change what they should:
+
+    - the lean dequantization (``DEQ_FP16_LEAN``): each fp16 pair saturated by one
+      ``HMNMX2.XORSIGN`` instead of two ``HMNMX2`` (64 against 128: K's 32 pairs and V's 32
+      a lane and chunk), and the codes unpacked without shifts (40 fewer ``SHF``: 2 a K byte
+      pair and 6 a V one, 8 and 4 registers a lane);
+    - the channel-major V stage (``WS_V_CHANNEL_MAJOR``): V's fields no longer re-paired
+      (60 fewer ``PRMT`` in a record chunk, 28 in the kernel once the pool path's transposed
+      stores are counted)."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "static_kernels.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    names = ["prefill_v3ws", "prefill_v3ws_lean", "prefill_v3ws_vt", "prefill_v3ws_lean_vt"]
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
+        run = subprocess.run(
             [
                 sys.executable,
                 str(script),
                 "--only",
-                "prefill_v3ws kvarn_k4v2_g128,prefill_v3ws_lean kvarn_k4v2_g128",
+                ",".join(f"{n} kvarn_k4v2_g128" for n in names),
                 "--sass",
                 tmp,
             ],
             capture_output=True,
             text=True,
             env=env,
-            timeout=600,
+            timeout=900,
             check=True,
         )
-        sass = {f.stem: f.read_text() for f in Path(tmp).glob("*.sass")}
-    default = sass["prefill_v3ws kvarn_k4v2_g128 w8"]
-    lean = sass["prefill_v3ws_lean kvarn_k4v2_g128 w8"]
+        sass = {f.stem.split()[0]: f.read_text() for f in Path(tmp).glob("*.sass")}
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("prefill_v3ws")]
+    assert sorted(r[0] for r in rows) == sorted(names), run.stdout + run.stderr
+    for row in rows:
+        assert "FAILED" not in row and row[4] == "0", " ".join(row)  # compiled, no spill
+    default, lean, vt = sass["prefill_v3ws"], sass["prefill_v3ws_lean"], sass["prefill_v3ws_vt"]
     assert (default.count("HMNMX2.NAN "), default.count("XORSIGN")) == (128, 0)
     assert (lean.count("HMNMX2.NAN "), lean.count("HMNMX2.NAN.XORSIGN ")) == (0, 64)
     assert default.count("SHF.R.U32.HI") - lean.count("SHF.R.U32.HI") == 40
+    assert default.count("PRMT") - vt.count("PRMT") >= 25
+    assert sass["prefill_v3ws_lean_vt"].count("HMNMX2.NAN.XORSIGN ") == 64
 
 
 def test_decode_v5_compiles_for_sm90() -> None:

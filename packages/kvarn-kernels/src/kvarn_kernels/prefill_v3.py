@@ -107,7 +107,7 @@ def _p_operand(W, D):
 
 
 @gluon.constexpr_function
-def _record_loads(D, G, VB, offsets, W, SPREAD=False):
+def _record_loads(D, G, VB, offsets, W, SPREAD=False, VT=False):
     """:func:`_load_raw`'s constants for ``W`` loading warps: head dim, group, value bits, the
     record's eight field offsets, then the layouts of K's ``[32 pairs, D]`` bytes and of V's
     ``[32 pairs, D * VB / 8]`` bytes.
@@ -119,12 +119,19 @@ def _record_loads(D, G, VB, offsets, W, SPREAD=False):
     ``STS.128`` took 2 wavefronts where 1 does; V's lanes held rows 4 apart, two swizzle
     phases among 8 rows, and its ``STS.64`` took 4 (Nsight Compute, docs/kernel-notes.md,
     thirtieth session). Spread: K's lanes 4 to a row (two rows of a wavefront, adjacent
-    phases), V's rows 2 apart a lane (four even phases)."""
+    phases), V's rows 2 apart a lane (four even phases).
+
+    ``VT`` (:data:`WS_V_CHANNEL_MAJOR`): V's stage is channel-major, and a lane's 4 pairs of
+    one byte column (one ``LDS.32`` from the ring) become 4 tokens of a channel, 8 bytes of
+    one stage row: a half-warp's 16 stores cover two channel rows at chunk places ``0-3 ^
+    (c % 8)`` and ``0-3 ^ ((c + 4) % 8)``, all 32 banks."""
     if SPREAD:
         k_bytes = gl.BlockedLayout([1, 16], [8, 4], [W, 1], [1, 0])
-        v_bytes = gl.BlockedLayout([2, 1], [8, 4], [1, W], [1, 0])
     else:
         k_bytes = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
+    if SPREAD and not VT:
+        v_bytes = gl.BlockedLayout([2, 1], [8, 4], [1, W], [1, 0])
+    else:
         v_bytes = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])
     return (D, G, VB, *offsets, k_bytes, v_bytes)
 
@@ -288,11 +295,24 @@ def _affine(c, base: gl.constexpr, scale, zero, mult, DEQ16: gl.constexpr):
 
 
 @gluon.jit
-def _v_rows(vb, vs, vz, vc0, vc1, vc2, vc3, VB: gl.constexpr, D: gl.constexpr, DEQ16: gl.constexpr):
+def _v_rows(
+    vb,
+    vs,
+    vz,
+    vc0,
+    vc1,
+    vc2,
+    vc3,
+    VB: gl.constexpr,
+    D: gl.constexpr,
+    DEQ16: gl.constexpr,
+    VT: gl.constexpr,
+):
     """``v / 2`` of 32 tokens ``[32, D]`` fp16 from their bytes ``[32, D * VB / 8]`` (channel
     ``c`` in bits ``VB * (c % (8 / VB))`` of byte ``c // (8 / VB)``); ``vs`` and ``vz`` the
     tokens' scale and zero, halved; ``vc0 .. vc3`` the channel scales of each bit field. Each
-    field is scaled in the bytes' layout and only the fp16 result is interleaved."""
+    field is scaled in the bytes' layout and only the fp16 result is interleaved. ``VT``:
+    transposed, ``[D, 32]`` (a lane's pairs of a byte column stay pairs of tokens)."""
     s = vs[:, None]
     z = vz[:, None]
     if VB == 2:
@@ -308,13 +328,27 @@ def _v_rows(vb, vs, vz, vc0, vc1, vc2, vc3, VB: gl.constexpr, D: gl.constexpr, D
         f1 = _affine(c1, _field_base(1, 2, DEQ16), s, z, vc1[None, :], DEQ16)
         f2 = _affine(c2, _field_base(2, 2, DEQ16), s, z, vc2[None, :], DEQ16)
         f3 = _affine(c3, _field_base(3, 2, DEQ16), s, z, vc3[None, :], DEQ16)
-        v = gl.reshape(gl.join(gl.join(f0, f2), gl.join(f1, f3)), [32, D])
+        fields = gl.join(gl.join(f0, f2), gl.join(f1, f3))  # [32, D / 4, 2, 2]: f0 f1 f2 f3
+        if VT:
+            v = gl.reshape(gl.permute(fields, (1, 2, 3, 0)), [D, 32])
+        else:
+            v = gl.reshape(fields, [32, D])
     else:
         c0, c1 = _unpack_nibbles(vb, DEQ16)
         f0 = _affine(c0, _field_base(0, 4, DEQ16), s, z, vc0[None, :], DEQ16)
         f1 = _affine(c1, _field_base(1, 4, DEQ16), s, z, vc1[None, :], DEQ16)
-        v = gl.reshape(gl.join(f0, f1), [32, D])
+        if VT:
+            v = gl.reshape(gl.permute(gl.join(f0, f1), (1, 2, 0)), [D, 32])
+        else:
+            v = gl.reshape(gl.join(f0, f1), [32, D])
     return v
+
+
+@gluon.constexpr_function
+def _channel_major(shape, D):
+    """Whether a V stage of this shape is channel-major, ``[D, 64]`` (:data:`WS_V_CHANNEL_MAJOR`)
+    rather than ``[64, D]``."""
+    return list(shape)[-2:] == [D, 64] and D != 64
 
 
 @gluon.jit
@@ -336,11 +370,15 @@ def _stage_record(k_stage, v_stage, raw, VB: gl.constexpr, D: gl.constexpr, DEQ1
     k_odd = _affine(
         hi, _field_base(1, 4, DEQ16), ks[None, :], kz[None, :], (kto * 0.5)[:, None], DEQ16
     )
-    v_even = _v_rows(ve, vse * 0.5, vze * 0.5, vc0, vc1, vc2, vc3, VB, D, DEQ16)
-    v_odd = _v_rows(vo, vso * 0.5, vzo * 0.5, vc0, vc1, vc2, vc3, VB, D, DEQ16)
+    VT: gl.constexpr = _channel_major(v_stage.type.shape, D)
+    v_even = _v_rows(ve, vse * 0.5, vze * 0.5, vc0, vc1, vc2, vc3, VB, D, DEQ16, VT)
+    v_odd = _v_rows(vo, vso * 0.5, vzo * 0.5, vc0, vc1, vc2, vc3, VB, D, DEQ16, VT)
     # each stage in one store: two stores to one allocation get a barrier between them
     k_stage.store(_stack_rows(k_even, k_odd, D))
-    v_stage.store(_stack_rows(v_even, v_odd, D))
+    if VT:  # [D, 64]: the even tokens' columns, then the odd ones'
+        v_stage.store(gl.reshape(gl.permute(gl.join(v_even, v_odd), (0, 2, 1)), [D, 64]))
+    else:
+        v_stage.store(_stack_rows(v_even, v_odd, D))
 
 
 @gluon.jit
@@ -384,7 +422,10 @@ def _stage_pool(
     kp = gl.load(k_src[:, None] + dd[None, :], mask=live[:, None], other=0.0)
     vp = gl.load(v_src[:, None] + dd[None, :], mask=live[:, None], other=0.0)
     k_stage.store(kp * 0.5)
-    v_stage.store(vp * 0.5)
+    if _channel_major(v_stage.type.shape, D):
+        v_stage.permute((1, 0)).store(vp * 0.5)
+    else:
+        v_stage.store(vp * 0.5)
 
 
 @gluon.jit
@@ -835,6 +876,11 @@ WS_RING = 4
 #: The producer's register layouts spread each stage store over all shared-memory banks
 #: (:func:`_record_loads`'s ``SPREAD``).
 WS_SPREAD_STORES = True
+#: V's stages channel-major (``[D, 64]``, tokens contiguous, as the scores' wgmma reads K's
+#: through a permuted view, ``P V`` reads V's): a lane's unpacked pairs are then two tokens
+#: of one channel, stored as they come, where a token-major stage needs V's fields re-paired
+#: (docs/kernel-notes.md, thirty-first session). Not yet run on a GPU, so not the default.
+WS_V_CHANNEL_MAJOR = False
 
 
 @gluon.constexpr_function
@@ -1099,6 +1145,8 @@ def _ws_consume(
             st = it % STAGES
             mbarrier.wait(ready.index(st), (it // STAGES) & 1)
             v_cur = v_bufs.index(st)
+            if _channel_major(v_bufs.type.shape, D):  # P V reads it through a permuted view
+                v_cur = v_cur.permute((1, 0))
             s_tok = warpgroup_mma(
                 q_rows, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
@@ -1157,6 +1205,7 @@ def prefill_v3ws_kernel(
     RING: gl.constexpr,
     PROBE: gl.constexpr,
     SPREAD: gl.constexpr,
+    VT: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
     separate warps. ``CP`` consumer partitions of ``W`` warps each (launched with
@@ -1164,8 +1213,8 @@ def prefill_v3ws_kernel(
     with ``CREGS`` registers) run the scores, the softmax and ``P V``, while ``PW`` producer
     warps (``PREGS`` registers each) dequantize the next chunks into ``STAGES`` shared-memory
     stages, their raw bytes copied ahead into a ring of ``RING`` slots; handed over through
-    mbarriers. ``RING``, ``PROBE``, ``SPREAD``: :data:`WS_RING`, :data:`WS_PROBE`,
-    :data:`WS_SPREAD_STORES` (defaults: the ``WS_`` constants). The consumers never wait on the dequantization's instruction chain, only on a
+    mbarriers. ``RING``, ``PROBE``, ``SPREAD``, ``VT``: :data:`WS_RING`, :data:`WS_PROBE`,
+    :data:`WS_SPREAD_STORES`, :data:`WS_V_CHANNEL_MAJOR` (defaults: the ``WS_`` constants). The consumers never wait on the dequantization's instruction chain, only on a
     stage being ready."""
     M: gl.constexpr = 16 * W * CP
     MP: gl.constexpr = 16 * W  # a consumer partition's rows
@@ -1191,7 +1240,11 @@ def prefill_v3ws_kernel(
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
     k_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], SMEM)
-    v_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], SMEM)
+    if VT:
+        SMEM_T: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BN], gl.float16)
+        v_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, D, BN], SMEM_T)
+    else:
+        v_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -1208,7 +1261,7 @@ def prefill_v3ws_kernel(
         BLOCK_TO_SLOT.dtype.element_ty, [R, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
     )
     OFFSETS: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
-    LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, PW, SPREAD)  # the producer's
+    LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, PW, SPREAD, VT)  # the producer's
     stages = (q_smem, scale_smem, k_bufs, v_bufs, ready, empty)
     tile = (first, q_end, pos_lo, kv_len, blk_lo, n_it, h, split, n_rows_total, O_PART, LSE_PART)
     producer = (
