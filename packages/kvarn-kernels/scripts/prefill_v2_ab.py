@@ -166,10 +166,18 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
     return rows
 
 
-def profile_once(ctx: int, q_len: int, bsz: int, kernel: str, probe: int = 0) -> None:
+def profile_once(
+    ctx: int,
+    q_len: int,
+    bsz: int,
+    kernel: str,
+    probe: int = 0,
+    settings: dict[str, int] | None = None,
+) -> None:
     """Two fused calls (the first compiles), synchronized: what ``ncu --launch-skip`` and
     compute-sanitizer take. ``kernel``: ``"v2"``, ``"v3"`` or ``"v3ws"`` (v3's
-    warp-specialized form); ``probe``: v3ws's ``WS_PROBE`` (0: the real kernel)."""
+    warp-specialized form); ``probe``: v3ws's ``WS_PROBE`` (0: the real kernel); ``settings``:
+    other :mod:`kvarn_kernels.prefill_v3` settings for the calls."""
     import torch
 
     from kvarn_kernels import prefill_attention, prefill_v3
@@ -178,9 +186,26 @@ def profile_once(ctx: int, q_len: int, bsz: int, kernel: str, probe: int = 0) ->
     prefill_v3.WS_PROBE = probe
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
     args = bk.prefill_args(c)
-    for _ in range(2):
-        prefill_attention(FMT, c["q"], *args, bk.D**-0.5, method="fused", fused_kernel=kernel[:2])
+    with module_settings(prefill_v3, settings or {}):
+        for _ in range(2):
+            prefill_attention(
+                FMT, c["q"], *args, bk.D**-0.5, method="fused", fused_kernel=kernel[:2]
+            )
     torch.cuda.synchronize()
+
+
+def parse_setting(text: str) -> tuple[str, int]:
+    """``NAME=INT`` for ``--setting``: an integer or boolean setting of
+    :mod:`kvarn_kernels.prefill_v3` (``V3_DEQ16=2``, ``WS_V_CHANNEL_MAJOR=1``)."""
+    from kvarn_kernels import prefill_v3
+
+    name, sep, value = text.partition("=")
+    current = getattr(prefill_v3, name, None)
+    if not sep or not isinstance(current, int) or not value.lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected NAME=INT with NAME an integer or boolean setting of prefill_v3"
+        )
+    return name, int(value)
 
 
 def kernel_breakdown(ctx: int, q_len: int, bsz: int, calls: int = 20) -> list[dict[str, Any]]:
@@ -290,10 +315,18 @@ def main() -> None:
         help="with --once v3ws: the timing probe (prefill_v3.WS_PROBE; 0: the real kernel)",
     )
     ap.add_argument("--shape", type=int, default=0, help="with --once: index into SHAPES")
+    ap.add_argument(
+        "--setting",
+        type=parse_setting,
+        action="append",
+        default=[],
+        metavar="NAME=INT",
+        help="with --once: a prefill_v3 setting for the calls (repeatable), e.g. V3_DEQ16=2",
+    )
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.once:
-        profile_once(*SHAPES[a.shape], a.once, a.probe)
+        profile_once(*SHAPES[a.shape], a.once, a.probe, dict(a.setting))
         return
     if a.kernels:
         kernels = [r for shape in SHAPES[:2] for r in kernel_breakdown(*shape)]
