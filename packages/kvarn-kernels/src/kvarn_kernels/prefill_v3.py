@@ -1214,8 +1214,9 @@ def prefill_v3ws_kernel(
     warps (``PREGS`` registers each) dequantize the next chunks into ``STAGES`` shared-memory
     stages, their raw bytes copied ahead into a ring of ``RING`` slots; handed over through
     mbarriers. ``RING``, ``PROBE``, ``SPREAD``, ``VT``: :data:`WS_RING`, :data:`WS_PROBE`,
-    :data:`WS_SPREAD_STORES`, :data:`WS_V_CHANNEL_MAJOR` (defaults: the ``WS_`` constants). The consumers never wait on the dequantization's instruction chain, only on a
-    stage being ready."""
+    :data:`WS_SPREAD_STORES`, :data:`WS_V_CHANNEL_MAJOR` (defaults: the ``WS_`` constants).
+    The consumers never wait on the dequantization's instruction chain, only on a stage being
+    ready."""
     M: gl.constexpr = 16 * W * CP
     MP: gl.constexpr = 16 * W  # a consumer partition's rows
     BN: gl.constexpr = 64
