@@ -126,12 +126,6 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
             v3_with({**lean_vt, "WS_PROBE": 2}),
             True,
         ),
-        ("v3 ws unspread stores", v3_with({"WS_SPREAD_STORES": False}), True),
-        (
-            "v3 ws probe: producer alone, unspread stores",
-            v3_with({"WS_SPREAD_STORES": False, "WS_PROBE": 2}),
-            True,
-        ),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]
