@@ -1033,7 +1033,7 @@ def test_prefill_attention_gpu(device: torch.device, name: str, d: int, method: 
         {"WS_RING": 4, "WS_CONSUMER_PARTITIONS": 1},
         {"WS_SPREAD_STORES": False},
         {"WS_V_CHANNEL_MAJOR": True},
-        {"WS_V_CHANNEL_MAJOR": True, "V3_DEQ16": 2},
+        {"WS_V_CHANNEL_MAJOR": True, "V3_DEQ16": 2},  # prefill_v3.DEQ_FP16_LEAN
     ],
     ids=["v3", "v3ws", "v3ws_cp1", "v3ws_unspread", "v3ws_vt", "v3ws_lean_vt"],
 )
@@ -1703,26 +1703,23 @@ def test_timing_probes_are_refused_outside_decode_v6() -> None:
         _launch_v5(*args, "v5", int(PROBE_COPIES_ONLY.value))
 
 
+def _static_kernels(only: str, sass: Path | None = None, timeout: int = 600) -> Any:
+    """``scripts/static_kernels.py --only ONLY`` (and ``--sass SASS``) in a process of its own,
+    without the interpreter (under which Gluon's library functions do not compile); checked."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "static_kernels.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(script), "--only", only]
+    if sass is not None:
+        cmd += ["--sass", str(sass)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=True)
+
+
 def test_prefill_v3_compiles_for_sm90() -> None:
     """The Gluon fused prefill compiles for sm_90a here, without a GPU (Gluon has no
     interpreter): at 8 warps, no spill, and per two-chunk trip of its loop 24 wgmma
     instructions (2 x (8 for the scores' K = 128, 4 for ``P V``'s K = 64)) and 2 barriers (one
     a step: each stage its own allocation, written by one store)."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "static_kernels.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--only",
-            "prefill_v3 kvarn_k4v2_g128 w8,prefill_v3 kvarn_k4v4_g64 w8",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=True,
-    )
+    run = _static_kernels("prefill_v3 kvarn_k4v2_g128 w8,prefill_v3 kvarn_k4v4_g64 w8")
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("prefill_v3")]
     assert len(rows) == 2, run.stdout + run.stderr
     for row in rows:
@@ -1742,25 +1739,10 @@ def test_prefill_v3ws_producer_variants_compile() -> None:
     - the channel-major V stage (``WS_V_CHANNEL_MAJOR``): V's fields no longer re-paired
       (60 fewer ``PRMT`` in a record chunk, 28 in the kernel once the pool path's transposed
       stores are counted)."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "static_kernels.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     names = ["prefill_v3ws", "prefill_v3ws_lean", "prefill_v3ws_vt", "prefill_v3ws_lean_vt"]
     with tempfile.TemporaryDirectory() as tmp:
-        run = subprocess.run(
-            [
-                sys.executable,
-                str(script),
-                "--only",
-                ",".join(f"{n} kvarn_k4v2_g128" for n in names),
-                "--sass",
-                tmp,
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=900,
-            check=True,
-        )
+        only = ",".join(f"{n} kvarn_k4v2_g128" for n in names)
+        run = _static_kernels(only, Path(tmp), timeout=900)
         sass = {f.stem.split()[0]: f.read_text() for f in Path(tmp).glob("*.sass")}
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("prefill_v3ws")]
     assert sorted(r[0] for r in rows) == sorted(names), run.stdout + run.stderr
@@ -1783,16 +1765,7 @@ def test_decode_v5_compiles_for_sm90() -> None:
     2 x 16 at k4v4), v6's 64 (its tokens in M) and v6f's 88 (24 more: its folds' column
     sums, 8 + 8 for K's and 4 + 4 for V's), the pipeline's barriers, and no more than a few
     spilled registers."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "static_kernels.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, str(script), "--only", "decode_v5,decode_v6"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=True,
-    )
+    run = _static_kernels("decode_v5,decode_v6")
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("decode_v")]
     # three formats; 2 and 1 warps, and 3 stages at 4 and 1 warps, at k4v2_g128; v5f at the
     # three formats (152 MMAs: 24 more for its per-row terms) and lazily rescaled at one; v6

@@ -217,6 +217,12 @@ def _unpack_nibbles(b, DEQ16: gl.constexpr):
 
 
 @gluon.constexpr_function
+def _fp16_pow2_bits(x):
+    """The fp16 bits of the power of two ``x``, for PTX immediates."""
+    return (int(x).bit_length() - 1 + 15) << 10
+
+
+@gluon.constexpr_function
 def _unpack_lean_asm(BITS):
     """PTX unpacking the ``8 / BITS`` fields of 4 bytes without shifts (``DEQ_FP16_LEAN``):
     a field at bit ``k`` of a 16-bit half, masked in place and OR-ed into the fp16 whose
@@ -231,7 +237,7 @@ def _unpack_lean_asm(BITS):
     ]
     for f in range(fields):
         mask = ((1 << BITS) - 1) << (BITS * f)
-        base = (25 - BITS * f) << 10  # the fp16 bits of 2 ** (10 - BITS * f)
+        base = _fp16_pow2_bits(_field_base(f, BITS, DEQ_FP16_LEAN))
         for half in range(2):
             lines.append(
                 f"lop3.b32 ${2 * f + half}, t{half}, 0x{mask:04X}{mask:04X}, "
@@ -259,7 +265,7 @@ def _affine16x2_asm(base, DEQ16):
     saturated to +-65504 with NaN kept: by a ``min`` and a ``max``, or at ``DEQ_FP16_LEAN`` by
     one ``min.xorsign.abs`` (sm_86+: ``|t|`` capped at 65504 keeps ``t``'s sign, the XOR of
     its own and 65504's). ~2.5 instructions a value where the fp32 form takes ~7."""
-    half = (int(base).bit_length() - 1 + 15) << 10  # base's fp16 bits
+    half = _fp16_pow2_bits(base)
     if _lean(DEQ16):
         saturate = "min.NaN.xorsign.abs.f16x2 $0, t, k;\n"
     else:
