@@ -84,7 +84,6 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         return run
 
     one_partition = {"V3_WARP_SPECIALIZED": False}
-    lean_vt = {"V3_DEQ16": prefill_v3.DEQ_FP16_LEAN, "WS_V_CHANNEL_MAJOR": True}
 
     paths: list[tuple[str, Callable[[], Any], bool]] = [
         (
@@ -108,24 +107,11 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         (f"v3 splits {2 * auto}", fused(fused_kernel="v3", num_splits=2 * auto), True),
         ("v3 m64", fused(fused_kernel="v3", block_m=64), True),
         ("v3 one partition", v3_with(one_partition), True),
-        ("v3 fp32 dequant", v3_with({**one_partition, "V3_DEQ16": prefill_v3.DEQ_FP32}), True),
+        ("v3 fp32 dequant", v3_with({**one_partition, "V3_DEQ16": False}), True),
         # timing probes (prefill_v3.WS_PROBE): wrong outputs by design
         ("v3 ws probe: consumers alone", v3_with({"WS_PROBE": 1}), True),
         ("v3 ws probe: producer alone", v3_with({"WS_PROBE": 2}), True),
         ("v3 ws probe: hand-over only", v3_with({"WS_PROBE": 3}), True),
-        ("v3 ws lean dequantization", v3_with({"V3_DEQ16": prefill_v3.DEQ_FP16_LEAN}), True),
-        (
-            "v3 ws probe: producer alone, lean dequantization",
-            v3_with({"V3_DEQ16": prefill_v3.DEQ_FP16_LEAN, "WS_PROBE": 2}),
-            True,
-        ),
-        ("v3 ws channel-major V", v3_with({"WS_V_CHANNEL_MAJOR": True}), True),
-        ("v3 ws lean, channel-major V", v3_with(lean_vt), True),
-        (
-            "v3 ws probe: producer alone, lean, channel-major V",
-            v3_with({**lean_vt, "WS_PROBE": 2}),
-            True,
-        ),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]
@@ -190,7 +176,7 @@ def profile_once(
 
 def parse_setting(text: str) -> tuple[str, int]:
     """``NAME=INT`` for ``--setting``: an integer or boolean setting of
-    :mod:`kvarn_kernels.prefill_v3` (``V3_DEQ16=2``, ``WS_V_CHANNEL_MAJOR=1``)."""
+    :mod:`kvarn_kernels.prefill_v3` (``V3_DEQ16=0``, ``WS_RING=3``)."""
     from kvarn_kernels import prefill_v3
 
     name, sep, value = text.partition("=")
@@ -315,7 +301,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="NAME=INT",
-        help="with --once: a prefill_v3 setting for the calls (repeatable), e.g. V3_DEQ16=2",
+        help="with --once: a prefill_v3 setting for the calls (repeatable), e.g. WS_RING=3",
     )
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)

@@ -573,7 +573,7 @@ for _r in (128, 168):
 def _prefill_v3(
     name: str,
     warps: int = 8,
-    deq16: int = 1,
+    deq16: bool = True,
     ws: bool = False,
     shadow: int = 0,
     **ws_settings: Any,
@@ -614,7 +614,6 @@ def _prefill_v3(
             RING=p3.WS_RING,
             PROBE=p3.WS_PROBE,
             SPREAD=p3.WS_SPREAD_STORES,
-            VT=p3.WS_V_CHANNEL_MAJOR,
         )
         maxnreg = ws_settings.pop("MAXNREG", p3.WS_MAXNREG)
         consts.update(ws_settings)
@@ -626,12 +625,9 @@ def _prefill_v3(
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
     for _w in (4, 8):
         variant(f"prefill_v3 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w))
-        variant(f"prefill_v3fp32 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w, 0))
+        variant(f"prefill_v3fp32 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w, False))
     variant(f"prefill_v3ws {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True))
     variant(f"prefill_v3ws1 {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, CP=1))
-    variant(f"prefill_v3ws_lean {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, 2, ws=True))
-    variant(f"prefill_v3ws_vt {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, VT=True))
-    variant(f"prefill_v3ws_lean_vt {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, 2, ws=True, VT=True))
     variant(f"prefill_v3ws_unspread {_n} w8")(
         lambda _n=_n: _prefill_v3(_n, 8, ws=True, SPREAD=False)
     )

@@ -1087,7 +1087,6 @@ def _launch_prefill_fused(
                 "RING": prefill_v3.WS_RING,
                 "PROBE": prefill_v3.WS_PROBE,
                 "SPREAD": prefill_v3.WS_SPREAD_STORES,
-                "VT": prefill_v3.WS_V_CHANNEL_MAJOR,
             }
             launch(
                 prefill_v3.prefill_v3ws_kernel,
@@ -2306,8 +2305,8 @@ def prefill_attention(
       (:mod:`kvarn_kernels.prefill_v2`: Triton, each chunk dequantized once per 128-row
       tile, head_dim <= 256), ``"v1"`` (the decode kernel's prefill mode, scales folded into
       64-row query tiles; every head dim), ``"auto"`` (the first of v3, v2, v1 that takes
-      the call). On an H200 at 64 tokens after 16K of context v3 takes 1.58x FA3 fp16's GPU
-      time and the dequantize path 1.75x, and eagerly 0.58x the dequantize path's time;
+      the call). On an H200 at 64 tokens after 16K of context v3 takes 1.53x FA3 fp16's GPU
+      time and the dequantize path 1.73x, and eagerly 0.58x the dequantize path's time;
       :func:`prefill_method` picks the faster method for a batch (docs/benchmarks.md).
 
     Args:

@@ -27,8 +27,8 @@ pairs (``DEQ16``, the default) took 16% of the instructions off and 7-14% of the
 the loop over warps of their own: producer warps copy raw chunks ahead into a shared-memory
 ring with ``cp.async`` and dequantize them into three stages, the two consumer warpgroups
 only wait for a stage to be ready. 0.80-0.84x this kernel's time; with the stage stores spread
-over the shared-memory banks (:data:`WS_SPREAD_STORES`) 1.58x FA3 fp16's at 64 tokens after
-16K (B = 1).
+over the shared-memory banks (:data:`WS_SPREAD_STORES`) and the codes unpacked without
+shifts 1.53x FA3 fp16's at 64 tokens after 16K (B = 1).
 
 Layout choices that keep the dequantization free of shuffles:
 
@@ -42,9 +42,9 @@ Layout choices that keep the dequantization free of shuffles:
   are one contiguous ``[32 pairs, D]`` block.
 
 Numerics: ``k / 2`` and ``v / 2`` in fp16, saturated to +-65504 (NaN kept), rounded twice with
-``DEQ16`` (``code * scale + zero``, then the other axis' scale, in fp16 pairs; 6e-4 from the
-dequantize path's output at the bench's shape) or once as the dequantize path and v2 do
-(fp32, :data:`DEQ_FP32`); the query row-normalized to fp16, fp32 scores and accumulators.
+:data:`V3_DEQ16` (``code * scale + zero``, then the other axis' scale, in fp16 pairs; 6e-4
+from the dequantize path's output at the bench's shape) or once as the dequantize path and v2
+do (fp32, ``V3_DEQ16 = False``); the query row-normalized to fp16, fp32 scores and accumulators.
 GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit values, head dim 128 (pool
 slots with or without shadow rows); the launcher uses v2 elsewhere.
 """
@@ -64,20 +64,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[i
 )
 
 from kvarn_kernels._common import PREFILL_UNSPECIALIZED
-from kvarn_kernels.attention import _UNPACK2_ASM, _UNPACK4_ASM
 
 __all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel", "prefill_v3ws_kernel"]
 
 #: Warps per program (``16 * V3_WARPS`` query rows: one or two warpgroups).
 V3_WARPS = 8
-#: How a chunk is dequantized (:func:`_stage_record`): ``DEQ_FP32`` (one rounding a value),
-#: ``DEQ_FP16`` (fp16 pairs, two roundings) or ``DEQ_FP16_LEAN`` (the same values in fewer
-#: instructions: codes unpacked without shifts, saturated by one ``min.xorsign.abs``; 100
-#: fewer a producer warp and chunk at k4v2_g128; not yet run on a GPU, so not the default).
-V3_DEQ16 = 1
-DEQ_FP32 = 0
-DEQ_FP16 = 1
-DEQ_FP16_LEAN = 2
+#: Dequantize a chunk (:func:`_stage_record`) in fp16 pairs (two roundings a value; codes
+#: unpacked without shifts, saturated by one ``min.xorsign.abs``), else in fp32 (one
+#: rounding, the dequantize path's values).
+V3_DEQ16 = True
 #: Run 128-row tiles on the warp-specialized form (:func:`prefill_v3ws_kernel`): 0.83-0.91x
 #: the one-partition kernel's time on an H200 (docs/kernel-notes.md, twenty-sixth session).
 V3_WARP_SPECIALIZED = True
@@ -107,7 +102,7 @@ def _p_operand(W, D):
 
 
 @gluon.constexpr_function
-def _record_loads(D, G, VB, offsets, W, SPREAD=False, VT=False):
+def _record_loads(D, G, VB, offsets, W, SPREAD=False):
     """:func:`_load_raw`'s constants for ``W`` loading warps: head dim, group, value bits, the
     record's eight field offsets, then the layouts of K's ``[32 pairs, D]`` bytes and of V's
     ``[32 pairs, D * VB / 8]`` bytes.
@@ -119,19 +114,12 @@ def _record_loads(D, G, VB, offsets, W, SPREAD=False, VT=False):
     ``STS.128`` took 2 wavefronts where 1 does; V's lanes held rows 4 apart, two swizzle
     phases among 8 rows, and its ``STS.64`` took 4 (Nsight Compute, docs/kernel-notes.md,
     thirtieth session). Spread: K's lanes 4 to a row (two rows of a wavefront, adjacent
-    phases), V's rows 2 apart a lane (four even phases).
-
-    ``VT`` (:data:`WS_V_CHANNEL_MAJOR`): V's stage is channel-major, and a lane's 4 pairs of
-    one byte column (one ``LDS.32`` from the ring) become 4 tokens of a channel, 8 bytes of
-    one stage row: a half-warp's 16 stores cover two channel rows at chunk places ``0-3 ^
-    (c % 8)`` and ``0-3 ^ ((c + 4) % 8)``, all 32 banks."""
+    phases), V's rows 2 apart a lane (four even phases)."""
     if SPREAD:
         k_bytes = gl.BlockedLayout([1, 16], [8, 4], [W, 1], [1, 0])
-    else:
-        k_bytes = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
-    if SPREAD and not VT:
         v_bytes = gl.BlockedLayout([2, 1], [8, 4], [1, W], [1, 0])
     else:
+        k_bytes = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
         v_bytes = gl.BlockedLayout([4, 1], [8, 4], [1, W], [0, 1])
     return (D, G, VB, *offsets, k_bytes, v_bytes)
 
@@ -202,12 +190,11 @@ def _load_raw(rec, c, ok, LOADS: gl.constexpr):
 
 
 @gluon.jit
-def _unpack_nibbles(b, DEQ16: gl.constexpr):
+def _unpack_nibbles(b):
     """Two fp16 tensors for the low and the high nibbles of bytes ``b``: ``base + code``, the
-    bases :func:`_field_base`'s (attention.py's PTX, or without shifts at ``DEQ_FP16_LEAN``:
-    about one instruction per code)."""
+    bases :func:`_field_base`'s (about one instruction per code)."""
     return gl.inline_asm_elementwise(
-        _unpack_lean_asm(4) if _lean(DEQ16) else _UNPACK4_ASM,
+        _unpack_asm(4),
         "=r,=r,=r,=r,r",
         [b],
         dtype=(gl.float16, gl.float16),
@@ -223,11 +210,12 @@ def _fp16_pow2_bits(x):
 
 
 @gluon.constexpr_function
-def _unpack_lean_asm(BITS):
-    """PTX unpacking the ``8 / BITS`` fields of 4 bytes without shifts (``DEQ_FP16_LEAN``):
-    a field at bit ``k`` of a 16-bit half, masked in place and OR-ed into the fp16 whose
-    mantissa bit ``k`` weighs 1 (:func:`_field_base`), reads ``base + code``. Two instructions
-    a byte pair fewer than attention.py's shifts for 4-bit codes, six for 2-bit ones."""
+def _unpack_asm(BITS):
+    """PTX unpacking the ``8 / BITS`` fields of 4 bytes without shifts: a field at bit ``k``
+    of a 16-bit half, masked in place and OR-ed into the fp16 whose mantissa bit ``k`` weighs
+    1 (:func:`_field_base`), reads ``base + code``. Two instructions a byte pair fewer than
+    attention.py's shifting unpack for 4-bit codes, six for 2-bit ones (docs/kernel-notes.md,
+    thirty-first and thirty-second sessions)."""
     fields = 8 // BITS
     lines = [
         "{",
@@ -237,7 +225,7 @@ def _unpack_lean_asm(BITS):
     ]
     for f in range(fields):
         mask = ((1 << BITS) - 1) << (BITS * f)
-        base = _fp16_pow2_bits(_field_base(f, BITS, DEQ_FP16_LEAN))
+        base = _fp16_pow2_bits(_field_base(f, BITS))
         for half in range(2):
             lines.append(
                 f"lop3.b32 ${2 * f + half}, t{half}, 0x{mask:04X}{mask:04X}, "
@@ -247,34 +235,24 @@ def _unpack_lean_asm(BITS):
 
 
 @gluon.constexpr_function
-def _lean(DEQ16):
-    """Whether ``DEQ16`` (:data:`V3_DEQ16`) is ``DEQ_FP16_LEAN``."""
-    return DEQ16 == DEQ_FP16_LEAN
+def _field_base(f, BITS):
+    """The fp16 that field ``f`` (``BITS`` wide) of a byte is read against: the power of two
+    whose mantissa bit ``BITS * f`` weighs 1."""
+    return 1024.0 / (1 << (BITS * f))
 
 
 @gluon.constexpr_function
-def _field_base(f, BITS, DEQ16):
-    """The fp16 that field ``f`` (``BITS`` wide) of a byte is read against: 1024, or at
-    ``DEQ_FP16_LEAN`` the one whose mantissa bit ``BITS * f`` weighs 1."""
-    return 1024.0 / (1 << (BITS * f)) if _lean(DEQ16) else 1024.0
-
-
-@gluon.constexpr_function
-def _affine16x2_asm(base, DEQ16):
+def _affine16x2_asm(base):
     """PTX for ``((c - base) * scale + zero) * mult`` on fp16 pairs (``base`` a power of two),
-    saturated to +-65504 with NaN kept: by a ``min`` and a ``max``, or at ``DEQ_FP16_LEAN`` by
-    one ``min.xorsign.abs`` (sm_86+: ``|t|`` capped at 65504 keeps ``t``'s sign, the XOR of
-    its own and 65504's). ~2.5 instructions a value where the fp32 form takes ~7."""
+    saturated to +-65504 with NaN kept by one ``min.xorsign.abs`` (sm_86+: ``|t|`` capped at
+    65504 keeps ``t``'s sign, the XOR of its own and 65504's; the same value as a ``min`` and a
+    ``max`` for every input). ~2.5 instructions a value where the fp32 form takes ~7."""
     half = _fp16_pow2_bits(base)
-    if _lean(DEQ16):
-        saturate = "min.NaN.xorsign.abs.f16x2 $0, t, k;\n"
-    else:
-        saturate = "min.NaN.f16x2 t, t, k;\nmov.b32 k, 0xFBFFFBFF;\nmax.NaN.f16x2 $0, t, k;\n"
     return (
         "{\n.reg .b32 t, k;\n"
         f"mov.b32 k, 0x{half:04X}{half:04X};\n"
         "sub.rn.f16x2 t, $1, k;\nfma.rn.f16x2 t, t, $2, $3;\nmul.rn.f16x2 t, t, $4;\n"
-        "mov.b32 k, 0x7BFF7BFF;\n" + saturate + "}\n"
+        "mov.b32 k, 0x7BFF7BFF;\nmin.NaN.xorsign.abs.f16x2 $0, t, k;\n}\n"
     )
 
 
@@ -286,7 +264,7 @@ def _affine(c, base: gl.constexpr, scale, zero, mult, DEQ16: gl.constexpr):
     the dequantize path's values)."""
     if DEQ16:
         return gl.inline_asm_elementwise(
-            _affine16x2_asm(base, DEQ16),
+            _affine16x2_asm(base),
             "=r,r,r,r,r",
             [c, scale, zero, mult],
             dtype=gl.float16,
@@ -301,60 +279,33 @@ def _affine(c, base: gl.constexpr, scale, zero, mult, DEQ16: gl.constexpr):
 
 
 @gluon.jit
-def _v_rows(
-    vb,
-    vs,
-    vz,
-    vc0,
-    vc1,
-    vc2,
-    vc3,
-    VB: gl.constexpr,
-    D: gl.constexpr,
-    DEQ16: gl.constexpr,
-    VT: gl.constexpr,
-):
+def _v_rows(vb, vs, vz, vc0, vc1, vc2, vc3, VB: gl.constexpr, D: gl.constexpr, DEQ16: gl.constexpr):
     """``v / 2`` of 32 tokens ``[32, D]`` fp16 from their bytes ``[32, D * VB / 8]`` (channel
     ``c`` in bits ``VB * (c % (8 / VB))`` of byte ``c // (8 / VB)``); ``vs`` and ``vz`` the
     tokens' scale and zero, halved; ``vc0 .. vc3`` the channel scales of each bit field. Each
-    field is scaled in the bytes' layout and only the fp16 result is interleaved. ``VT``:
-    transposed, ``[D, 32]`` (a lane's pairs of a byte column stay pairs of tokens)."""
+    field is scaled in the bytes' layout and only the fp16 result is interleaved."""
     s = vs[:, None]
     z = vz[:, None]
     if VB == 2:
         c0, c1, c2, c3 = gl.inline_asm_elementwise(
-            _unpack_lean_asm(2) if _lean(DEQ16) else _UNPACK2_ASM,
+            _unpack_asm(2),
             "=r,=r,=r,=r,=r,=r,=r,=r,r",
             [vb],
             dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
             is_pure=True,
             pack=4,
         )
-        f0 = _affine(c0, _field_base(0, 2, DEQ16), s, z, vc0[None, :], DEQ16)
-        f1 = _affine(c1, _field_base(1, 2, DEQ16), s, z, vc1[None, :], DEQ16)
-        f2 = _affine(c2, _field_base(2, 2, DEQ16), s, z, vc2[None, :], DEQ16)
-        f3 = _affine(c3, _field_base(3, 2, DEQ16), s, z, vc3[None, :], DEQ16)
-        fields = gl.join(gl.join(f0, f2), gl.join(f1, f3))  # [32, D / 4, 2, 2]: f0 f1 f2 f3
-        if VT:
-            v = gl.reshape(gl.permute(fields, (1, 2, 3, 0)), [D, 32])
-        else:
-            v = gl.reshape(fields, [32, D])
+        f0 = _affine(c0, _field_base(0, 2), s, z, vc0[None, :], DEQ16)
+        f1 = _affine(c1, _field_base(1, 2), s, z, vc1[None, :], DEQ16)
+        f2 = _affine(c2, _field_base(2, 2), s, z, vc2[None, :], DEQ16)
+        f3 = _affine(c3, _field_base(3, 2), s, z, vc3[None, :], DEQ16)
+        v = gl.reshape(gl.join(gl.join(f0, f2), gl.join(f1, f3)), [32, D])
     else:
-        c0, c1 = _unpack_nibbles(vb, DEQ16)
-        f0 = _affine(c0, _field_base(0, 4, DEQ16), s, z, vc0[None, :], DEQ16)
-        f1 = _affine(c1, _field_base(1, 4, DEQ16), s, z, vc1[None, :], DEQ16)
-        if VT:
-            v = gl.reshape(gl.permute(gl.join(f0, f1), (1, 2, 0)), [D, 32])
-        else:
-            v = gl.reshape(gl.join(f0, f1), [32, D])
+        c0, c1 = _unpack_nibbles(vb)
+        f0 = _affine(c0, _field_base(0, 4), s, z, vc0[None, :], DEQ16)
+        f1 = _affine(c1, _field_base(1, 4), s, z, vc1[None, :], DEQ16)
+        v = gl.reshape(gl.join(f0, f1), [32, D])
     return v
-
-
-@gluon.constexpr_function
-def _channel_major(shape, D):
-    """Whether a V stage of this shape is channel-major, ``[D, 64]`` (:data:`WS_V_CHANNEL_MAJOR`)
-    rather than ``[64, D]``."""
-    return list(shape)[-2:] == [D, 64] and D != 64
 
 
 @gluon.jit
@@ -368,23 +319,15 @@ def _stage_record(k_stage, v_stage, raw, VB: gl.constexpr, D: gl.constexpr, DEQ1
     """Dequantize one chunk's raw bytes (:func:`_load_raw`) into a shared-memory stage (rows
     parity-major)."""
     kb, ve, vo, ks, kz, kte, kto, vse, vso, vze, vzo, vc0, vc1, vc2, vc3 = raw
-    lo, hi = _unpack_nibbles(kb, DEQ16)
+    lo, hi = _unpack_nibbles(kb)
     # k = (code * k_scale + k_zero) * k_token_scale, halved; even tokens in the low nibbles
-    k_even = _affine(
-        lo, _field_base(0, 4, DEQ16), ks[None, :], kz[None, :], (kte * 0.5)[:, None], DEQ16
-    )
-    k_odd = _affine(
-        hi, _field_base(1, 4, DEQ16), ks[None, :], kz[None, :], (kto * 0.5)[:, None], DEQ16
-    )
-    VT: gl.constexpr = _channel_major(v_stage.type.shape, D)
-    v_even = _v_rows(ve, vse * 0.5, vze * 0.5, vc0, vc1, vc2, vc3, VB, D, DEQ16, VT)
-    v_odd = _v_rows(vo, vso * 0.5, vzo * 0.5, vc0, vc1, vc2, vc3, VB, D, DEQ16, VT)
+    k_even = _affine(lo, _field_base(0, 4), ks[None, :], kz[None, :], (kte * 0.5)[:, None], DEQ16)
+    k_odd = _affine(hi, _field_base(1, 4), ks[None, :], kz[None, :], (kto * 0.5)[:, None], DEQ16)
+    v_even = _v_rows(ve, vse * 0.5, vze * 0.5, vc0, vc1, vc2, vc3, VB, D, DEQ16)
+    v_odd = _v_rows(vo, vso * 0.5, vzo * 0.5, vc0, vc1, vc2, vc3, VB, D, DEQ16)
     # each stage in one store: two stores to one allocation get a barrier between them
     k_stage.store(_stack_rows(k_even, k_odd, D))
-    if VT:  # [D, 64]: the even tokens' columns, then the odd ones'
-        v_stage.store(gl.reshape(gl.permute(gl.join(v_even, v_odd), (0, 2, 1)), [D, 64]))
-    else:
-        v_stage.store(_stack_rows(v_even, v_odd, D))
+    v_stage.store(_stack_rows(v_even, v_odd, D))
 
 
 @gluon.jit
@@ -428,10 +371,7 @@ def _stage_pool(
     kp = gl.load(k_src[:, None] + dd[None, :], mask=live[:, None], other=0.0)
     vp = gl.load(v_src[:, None] + dd[None, :], mask=live[:, None], other=0.0)
     k_stage.store(kp * 0.5)
-    if _channel_major(v_stage.type.shape, D):
-        v_stage.permute((1, 0)).store(vp * 0.5)
-    else:
-        v_stage.store(vp * 0.5)
+    v_stage.store(vp * 0.5)
 
 
 @gluon.jit
@@ -882,11 +822,6 @@ WS_RING = 4
 #: The producer's register layouts spread each stage store over all shared-memory banks
 #: (:func:`_record_loads`'s ``SPREAD``).
 WS_SPREAD_STORES = True
-#: V's stages channel-major (``[D, 64]``, tokens contiguous, as the scores' wgmma reads K's
-#: through a permuted view, ``P V`` reads V's): a lane's unpacked pairs are then two tokens
-#: of one channel, stored as they come, where a token-major stage needs V's fields re-paired
-#: (docs/kernel-notes.md, thirty-first session). Not yet run on a GPU, so not the default.
-WS_V_CHANNEL_MAJOR = False
 
 
 @gluon.constexpr_function
@@ -1151,8 +1086,6 @@ def _ws_consume(
             st = it % STAGES
             mbarrier.wait(ready.index(st), (it // STAGES) & 1)
             v_cur = v_bufs.index(st)
-            if _channel_major(v_bufs.type.shape, D):  # P V reads it through a permuted view
-                v_cur = v_cur.permute((1, 0))
             s_tok = warpgroup_mma(
                 q_rows, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
@@ -1211,7 +1144,6 @@ def prefill_v3ws_kernel(
     RING: gl.constexpr,
     PROBE: gl.constexpr,
     SPREAD: gl.constexpr,
-    VT: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
     separate warps. ``CP`` consumer partitions of ``W`` warps each (launched with
@@ -1219,8 +1151,8 @@ def prefill_v3ws_kernel(
     with ``CREGS`` registers) run the scores, the softmax and ``P V``, while ``PW`` producer
     warps (``PREGS`` registers each) dequantize the next chunks into ``STAGES`` shared-memory
     stages, their raw bytes copied ahead into a ring of ``RING`` slots; handed over through
-    mbarriers. ``RING``, ``PROBE``, ``SPREAD``, ``VT``: :data:`WS_RING`, :data:`WS_PROBE`,
-    :data:`WS_SPREAD_STORES`, :data:`WS_V_CHANNEL_MAJOR` (defaults: the ``WS_`` constants).
+    mbarriers. ``RING``, ``PROBE``, ``SPREAD``: :data:`WS_RING`, :data:`WS_PROBE`,
+    :data:`WS_SPREAD_STORES` (defaults: the ``WS_`` constants).
     The consumers never wait on the dequantization's instruction chain, only on a stage being
     ready."""
     M: gl.constexpr = 16 * W * CP
@@ -1247,11 +1179,7 @@ def prefill_v3ws_kernel(
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
     k_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], SMEM)
-    if VT:
-        SMEM_T: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BN], gl.float16)
-        v_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, D, BN], SMEM_T)
-    else:
-        v_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], SMEM)
+    v_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, BN, D], SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -1268,7 +1196,7 @@ def prefill_v3ws_kernel(
         BLOCK_TO_SLOT.dtype.element_ty, [R, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
     )
     OFFSETS: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
-    LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, PW, SPREAD, VT)  # the producer's
+    LOADS: gl.constexpr = _record_loads(D, G, VB, OFFSETS, PW, SPREAD)  # the producer's
     stages = (q_smem, scale_smem, k_bufs, v_bufs, ready, empty)
     tile = (first, q_end, pos_lo, kv_len, blk_lo, n_it, h, split, n_rows_total, O_PART, LSE_PART)
     producer = (
