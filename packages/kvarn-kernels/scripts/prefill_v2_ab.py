@@ -112,12 +112,6 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 ws probe: consumers alone", v3_with({"WS_PROBE": 1}), True),
         ("v3 ws probe: producer alone", v3_with({"WS_PROBE": 2}), True),
         ("v3 ws probe: hand-over only", v3_with({"WS_PROBE": 3}), True),
-        ("v3 ws copies first", v3_with({"WS_COPIES_FIRST": True}), True),
-        (
-            "v3 ws probe: producer alone, copies first",
-            v3_with({"WS_COPIES_FIRST": True, "WS_PROBE": 2}),
-            True,
-        ),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]

@@ -822,12 +822,6 @@ WS_RING = 4
 #: The producer's register layouts spread each stage store over all shared-memory banks
 #: (:func:`_record_loads`'s ``SPREAD``).
 WS_SPREAD_STORES = True
-#: The producer starts a step's ring copies before it reads the step's slot (else after).
-#: Nsight Compute put 16% of the producer's samples on one address add right after the
-#: slot's shared-memory reads: it rewrites their address register, so it waits until the
-#: reads leave the queue that the consumers' wgmma operand reads also fill
-#: (docs/kernel-notes.md, thirty-second session). Opt-in until a GPU has timed it.
-WS_COPIES_FIRST = False
 
 
 @gluon.constexpr_function
@@ -986,7 +980,6 @@ def _ws_produce(
     SHADOW: gl.constexpr,
     PW: gl.constexpr,
     PROBE: gl.constexpr,
-    COPIES_FIRST: gl.constexpr,
 ):
     """The producer warps (``PW``): each chunk's raw bytes taken from the ring (``RING``
     slots: :data:`WS_RING`), then dequantized, or its pool rows copied, into the next free
@@ -994,8 +987,7 @@ def _ws_produce(
     tensors, the split's chunks, the KV head and the ring's buffers. ``LOADS``:
     :func:`_record_loads` at ``PW`` warps; ``SHADOW``: the pool's shadow rows
     (:func:`_stage_pool`); ``PROBE``: :data:`WS_PROBE`. The block of the chunk after the
-    one a step starts is looked up a step ahead (its copies' addresses wait on nothing).
-    ``COPIES_FIRST``: :data:`WS_COPIES_FIRST`."""
+    one a step starts is looked up a step ahead (its copies' addresses wait on nothing)."""
     k_bufs, v_bufs, ready, empty = chunks[0], chunks[1], chunks[2], chunks[3]
     KV, POOL_K, POOL_V, BLOCK_TO_SLOT = chunks[4], chunks[5], chunks[6], chunks[7]
     bt_row, blk_lo, n_it, kv_len, h = chunks[8], chunks[9], chunks[10], chunks[11], chunks[12]
@@ -1018,40 +1010,23 @@ def _ws_produce(
         async_copy.wait_group(RING - 2)  # this thread's copies of chunk it landed
         gl.thread_barrier()  # and every producer thread's; slot it - 1 read by all
         if WORK:
-            j = it + RING - 1  # into slot (it - 1) % RING: read by all before the barrier
-            if COPIES_FIRST:
-                _ring_issue(
-                    ring,
-                    j % RING,
-                    KV,
-                    BLOCK_TO_SLOT,
-                    blk_next,
-                    j,
-                    n_it,
-                    h,
-                    HK,
-                    STRIDE,
-                    NCH,
-                    LOADS,
-                    COPIES,
-                )
             raw, slot = _ring_read(ring, it % RING, LOADS, COPIES)
-            if not COPIES_FIRST:
-                _ring_issue(
-                    ring,
-                    j % RING,
-                    KV,
-                    BLOCK_TO_SLOT,
-                    blk_next,
-                    j,
-                    n_it,
-                    h,
-                    HK,
-                    STRIDE,
-                    NCH,
-                    LOADS,
-                    COPIES,
-                )
+            j = it + RING - 1
+            _ring_issue(
+                ring,
+                j % RING,
+                KV,
+                BLOCK_TO_SLOT,
+                blk_next,
+                j,
+                n_it,
+                h,
+                HK,
+                STRIDE,
+                NCH,
+                LOADS,
+                COPIES,
+            )
             blk_next = _chunk_block(bt_row, blk_lo, j + 1, n_it, NCH)
         async_copy.commit_group()
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # its last reader done
@@ -1169,7 +1144,6 @@ def prefill_v3ws_kernel(
     RING: gl.constexpr,
     PROBE: gl.constexpr,
     SPREAD: gl.constexpr,
-    COPIES_FIRST: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
     separate warps. ``CP`` consumer partitions of ``W`` warps each (launched with
@@ -1177,9 +1151,8 @@ def prefill_v3ws_kernel(
     with ``CREGS`` registers) run the scores, the softmax and ``P V``, while ``PW`` producer
     warps (``PREGS`` registers each) dequantize the next chunks into ``STAGES`` shared-memory
     stages, their raw bytes copied ahead into a ring of ``RING`` slots; handed over through
-    mbarriers. ``RING``, ``PROBE``, ``SPREAD``, ``COPIES_FIRST``: :data:`WS_RING`,
-    :data:`WS_PROBE`, :data:`WS_SPREAD_STORES`, :data:`WS_COPIES_FIRST` (defaults: the ``WS_``
-    constants).
+    mbarriers. ``RING``, ``PROBE``, ``SPREAD``: :data:`WS_RING`, :data:`WS_PROBE`,
+    :data:`WS_SPREAD_STORES` (defaults: the ``WS_`` constants).
     The consumers never wait on the dequantization's instruction chain, only on a stage being
     ready."""
     M: gl.constexpr = 16 * W * CP
@@ -1252,7 +1225,7 @@ def prefill_v3ws_kernel(
                 (_ws_consume, (stages, tile, HQ, QPK, QPK_P, MP, MP, D, G, W, PROBE)),
                 (
                     _ws_produce,
-                    (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, PROBE, COPIES_FIRST),
+                    (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, PROBE),
                 ),
             ],
             [W, PW],
@@ -1264,7 +1237,7 @@ def prefill_v3ws_kernel(
                 (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE)),
                 (
                     _ws_produce,
-                    (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, PROBE, COPIES_FIRST),
+                    (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, PROBE),
                 ),
             ],
             [PW],
