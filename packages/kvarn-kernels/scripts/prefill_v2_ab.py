@@ -84,10 +84,6 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         return run
 
     one_partition = {"V3_WARP_SPECIALIZED": False}
-    # the consumers' second partition 160 registers, the producer 184 (2 x 160 + 184 + the
-    # launch's 168 for the first: 512 a thread's worth over the four groups of 4 warps)
-    q_registers_regs = {"WS_CONSUMER_REGS": 160, "WS_PRODUCER_REGS": 184}
-    q_registers = {**q_registers_regs, "WS_Q_REGISTERS": True}
 
     paths: list[tuple[str, Callable[[], Any], bool]] = [
         (
@@ -116,18 +112,6 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 ws probe: consumers alone", v3_with({"WS_PROBE": 1}), True),
         ("v3 ws probe: producer alone", v3_with({"WS_PROBE": 2}), True),
         ("v3 ws probe: hand-over only", v3_with({"WS_PROBE": 3}), True),
-        ("v3 ws query in registers", v3_with(q_registers), True),
-        (
-            "v3 ws probe: producer alone, query in registers",
-            v3_with({**q_registers, "WS_PROBE": 2}),
-            True,
-        ),
-        (
-            "v3 ws probe: consumers alone, query in registers",
-            v3_with({**q_registers, "WS_PROBE": 1}),
-            True,
-        ),
-        ("v3 ws registers 160/184", v3_with(q_registers_regs), True),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]

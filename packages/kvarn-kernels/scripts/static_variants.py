@@ -614,7 +614,6 @@ def _prefill_v3(
             RING=p3.WS_RING,
             PROBE=p3.WS_PROBE,
             SPREAD=p3.WS_SPREAD_STORES,
-            QREG=p3.WS_Q_REGISTERS,
         )
         maxnreg = ws_settings.pop("MAXNREG", p3.WS_MAXNREG)
         consts.update(ws_settings)
@@ -629,9 +628,6 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
         variant(f"prefill_v3fp32 {_n} w{_w}")(lambda _n=_n, _w=_w: _prefill_v3(_n, _w, False))
     variant(f"prefill_v3ws {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True))
     variant(f"prefill_v3ws1 {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, CP=1))
-    variant(f"prefill_v3ws_qreg {_n} w8")(
-        lambda _n=_n: _prefill_v3(_n, 8, ws=True, QREG=True, CREGS=160, PREGS=184)
-    )
     variant(f"prefill_v3ws_unspread {_n} w8")(
         lambda _n=_n: _prefill_v3(_n, 8, ws=True, SPREAD=False)
     )

@@ -1087,7 +1087,6 @@ def _launch_prefill_fused(
                 "RING": prefill_v3.WS_RING,
                 "PROBE": prefill_v3.WS_PROBE,
                 "SPREAD": prefill_v3.WS_SPREAD_STORES,
-                "QREG": prefill_v3.WS_Q_REGISTERS,
             }
             launch(
                 prefill_v3.prefill_v3ws_kernel,

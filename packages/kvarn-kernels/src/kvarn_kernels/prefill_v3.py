@@ -822,12 +822,6 @@ WS_RING = 4
 #: The producer's register layouts spread each stage store over all shared-memory banks
 #: (:func:`_record_loads`'s ``SPREAD``).
 WS_SPREAD_STORES = True
-#: The consumers hold their query rows in registers as the scores' wgmma A operand, so the
-#: wgmma reads only K from shared memory (Nsight Compute: the producer's shared-memory reads
-#: and stores wait behind the consumers' operand reads; docs/kernel-notes.md, thirty-second
-#: session). 32 more registers a consumer thread: it spills at the default registers.
-#: Opt-in until a GPU has timed it.
-WS_Q_REGISTERS = False
 
 
 @gluon.constexpr_function
@@ -1058,13 +1052,12 @@ def _ws_consume(
     G: gl.constexpr,
     W: gl.constexpr,
     PROBE: gl.constexpr,
-    QREG: gl.constexpr,
 ):
     """A consumer partition of ``W`` warps on the tile's rows ``ROW0 .. ROW0 + M``: each
     ready stage's scores (wgmma), online softmax and ``P V``; the stage is handed back to the
     producer as soon as ``P V`` has read it. Then the split's partials of those rows. The
     rows' scales come from ``scale_smem`` (a worker partition takes no tensors).
-    ``PROBE``: :data:`WS_PROBE`; ``QREG``: :data:`WS_Q_REGISTERS`."""
+    ``PROBE``: :data:`WS_PROBE`."""
     q_smem, scale_smem, k_bufs, v_bufs, ready, empty = stages
     first, q_end, pos_lo, kv_len, blk_lo, n_it, h, split, n_rows_total, O_PART, LSE_PART = tile
     BN: gl.constexpr = 64
@@ -1089,15 +1082,12 @@ def _ws_consume(
             mbarrier.wait(ready.index(st), (it // STAGES) & 1)
             mbarrier.arrive(empty.index(st), count=1)
     else:
-        q_op = q_rows
-        if QREG:  # the scores' A operand from registers: no wgmma reads of Q a step
-            q_op = q_rows.load(gl.DotOperandLayout(operand_index=0, parent=S_MMA, k_width=2))
         for it in range(n_it):
             st = it % STAGES
             mbarrier.wait(ready.index(st), (it // STAGES) & 1)
             v_cur = v_bufs.index(st)
             s_tok = warpgroup_mma(
-                q_op, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True
+                q_rows, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
             s = warpgroup_mma_wait(0, deps=[s_tok])
             t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
@@ -1154,7 +1144,6 @@ def prefill_v3ws_kernel(
     RING: gl.constexpr,
     PROBE: gl.constexpr,
     SPREAD: gl.constexpr,
-    QREG: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
     separate warps. ``CP`` consumer partitions of ``W`` warps each (launched with
@@ -1162,8 +1151,8 @@ def prefill_v3ws_kernel(
     with ``CREGS`` registers) run the scores, the softmax and ``P V``, while ``PW`` producer
     warps (``PREGS`` registers each) dequantize the next chunks into ``STAGES`` shared-memory
     stages, their raw bytes copied ahead into a ring of ``RING`` slots; handed over through
-    mbarriers. ``RING``, ``PROBE``, ``SPREAD``, ``QREG``: :data:`WS_RING`, :data:`WS_PROBE`,
-    :data:`WS_SPREAD_STORES`, :data:`WS_Q_REGISTERS` (defaults: the ``WS_`` constants).
+    mbarriers. ``RING``, ``PROBE``, ``SPREAD``: :data:`WS_RING`, :data:`WS_PROBE`,
+    :data:`WS_SPREAD_STORES` (defaults: the ``WS_`` constants).
     The consumers never wait on the dequantization's instruction chain, only on a stage being
     ready."""
     M: gl.constexpr = 16 * W * CP
@@ -1232,8 +1221,8 @@ def prefill_v3ws_kernel(
     if CP == 2:
         gl.warp_specialize(
             [
-                (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE, QREG)),
-                (_ws_consume, (stages, tile, HQ, QPK, QPK_P, MP, MP, D, G, W, PROBE, QREG)),
+                (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE)),
+                (_ws_consume, (stages, tile, HQ, QPK, QPK_P, MP, MP, D, G, W, PROBE)),
                 (
                     _ws_produce,
                     (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, PROBE),
@@ -1245,7 +1234,7 @@ def prefill_v3ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE, QREG)),
+                (_ws_consume, (stages, tile, HQ, QPK, QPK_P, 0, MP, D, G, W, PROBE)),
                 (
                     _ws_produce,
                     (producer, HK, STRIDE, LOADS, DEQ16, SHADOW, PW, PROBE),
