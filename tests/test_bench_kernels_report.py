@@ -14,31 +14,70 @@ def bk(load_tool: Callable[[str], ModuleType]) -> ModuleType:
     return load_tool("bench_kernels")
 
 
-def _rows(us: dict[tuple[str, int, int], float]) -> list[dict[str, Any]]:
+def _rows(gpu_us: dict[tuple[str, int, int], float]) -> list[dict[str, Any]]:
+    """Prefill rows at B = 1 with the given GPU times (eager times 2x them)."""
     return [
-        {"kernel": k, "ctx": ctx, "q": q, "B": 1, "us": t, "tflops": 1.0, "mode": "eager"}
-        for (k, ctx, q), t in us.items()
+        {
+            "kernel": k,
+            "ctx": ctx,
+            "q": q,
+            "B": 1,
+            "us": 2 * t,
+            "gpu_us": t,
+            "tflops": 1.0,
+            "gpu_tflops": 2.0,
+            "mode": "eager",
+        }
+        for (k, ctx, q), t in gpu_us.items()
     ]
 
 
 def test_prefill_verdict_per_chunk_shape(bk: ModuleType) -> None:
-    """Each chunk shape gets its own ratio and verdict against FA3 on the same context."""
+    """Each chunk shape gets its own GPU-time ratios against FA3 fp16 on the same context,
+    one per KVarN path, and a verdict on the faster path."""
     (long_ctx, long_q), (short_ctx, short_q) = bk.PREFILL_SHAPES
     rows = _rows(
         {
             ("kvarn_k4v2_g128 (FA3)", long_ctx, long_q): 980.0,
+            ("kvarn_k4v2_g128 (fused)", long_ctx, long_q): 1500.0,
             ("fa3_fp16", long_ctx, long_q): 1000.0,
             ("kvarn_k4v2_g128 (FA3)", short_ctx, short_q): 300.0,
+            ("kvarn_k4v2_g128 (fused)", short_ctx, short_q): 150.0,
             ("fa3_fp16", short_ctx, short_q): 100.0,
         }
     )
     res = {"ceilings": {"copy_gbs": 4000.0}, "decode": [], "store": [], "prefill": rows}
     lines = [line for line in bk.summary(res) if "Prefill with context" in line]
     assert len(lines) == 2
-    assert f"({long_q} after {long_ctx})" in lines[0] and "0.98x" in lines[0]
-    assert "**met**" in lines[0]
-    assert f"({short_q} after {short_ctx})" in lines[1] and "3.00x" in lines[1]
-    assert "**not met**" in lines[1]
+    assert f"({long_q} after {long_ctx})" in lines[0]
+    assert "0.98x" in lines[0] and "1.50x" in lines[0] and "**met**" in lines[0]
+    assert f"({short_q} after {short_ctx})" in lines[1]
+    assert "3.00x" in lines[1] and "1.50x" in lines[1] and "**not met**" in lines[1]
+
+
+def test_prefill_table_gives_eager_gpu_and_the_ratio_to_fa3(bk: ModuleType) -> None:
+    """The prefill table has the eager and the GPU time of every row and the GPU time over
+    FA3 fp16's on the same shape; a row without a GPU time (an older run, a failed capture)
+    or with an error still renders."""
+    (ctx, q), _ = bk.PREFILL_SHAPES
+    rows = _rows({("fa3_fp8", ctx, q): 50.0, ("fa3_fp16", ctx, q): 100.0})
+    rows.append({"kernel": "turboquant_k3v4_nc", "ctx": ctx, "q": q, "B": 1, "error": "boom"})
+    rows.append({"kernel": "sdpa_fp16_noncausal", "ctx": ctx, "q": q, "B": 1, "us": 7.0})
+    res = {
+        "gpu": "GPU",
+        "torch": "t",
+        "triton": "tr",
+        "date": "d",
+        "ceilings": {"copy_gbs": 4000.0, "bf16_tflops": 600.0},
+        "decode": [],
+        "store": [],
+        "prefill": rows,
+    }
+    text = bk.markdown(res, "cmd")
+    assert "| fa3_fp8 | 2048 after 14336 | 1 | 100.0 | 50.0 | 2 | 0.50x |" in text
+    assert "| fa3_fp16 | 2048 after 14336 | 1 | 200.0 | 100.0 | 2 | 1.00x |" in text
+    assert "| turboquant_k3v4_nc | 2048 after 14336 | 1 | boom | - |  | - |" in text
+    assert "| sdpa_fp16_noncausal | 2048 after 14336 | 1 | 7.0 | - |  | - |" in text
 
 
 def test_rows_of_older_runs_read_as_the_long_chunk(bk: ModuleType) -> None:

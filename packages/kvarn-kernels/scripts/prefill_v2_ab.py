@@ -136,10 +136,7 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         rows.append({"path": name, **r})
         bk.log(f"{ctx}+{q_len} B={bsz} {name}: {r}")
     fa = bk.guarded(lambda: bk.bench_fa3_prefill(ctx, q_len, bsz))
-    rows.append({"path": "FA3 fp16", "us": fa.get("us")})
-
-    g = bk.guarded(lambda: bk.bench_fa3_prefill(ctx, q_len, bsz, graph=True))
-    rows[-1]["graph_us"] = g.get("us")
+    rows.append({"path": "FA3 fp16", "us": fa.get("us"), "graph_us": fa.get("gpu_us")})
     flops = bsz * 4 * bk.HQ * bk.D * (q_len * ctx + q_len * q_len / 2)
     for r in rows:
         r.update(ctx=ctx, q_len=q_len, B=bsz, gflop=flops / 1e9)
@@ -227,7 +224,7 @@ def kernel_breakdown(ctx: int, q_len: int, bsz: int, calls: int = 20) -> list[di
                 FMT, c["q"], *args, scale, out=out, context_plan=plan, varlen_attention=fa3
             ),
         ),
-        ("FA3 fp16", bk.fa3_prefill_call(ctx, q_len, bsz)),
+        ("FA3 fp16", bk.fa3_call(bsz, q_len, ctx + q_len)),
     ]
     rows: list[dict[str, Any]] = []
     for name, fn in paths:
