@@ -299,15 +299,22 @@ def vllm_available() -> bool:
     return True
 
 
-def fa3_paged_cache(bsz: int, seq: int) -> tuple[Any, Any, Any, Any]:
-    """A random fp16 paged KV cache for vLLM's FA3 (16-token blocks, shuffled): ``k``, ``v``,
-    the block table and the per-request lengths (``seq`` each)."""
+def fa3_paged_cache(bsz: int, seq: int, dtype: Any = None) -> tuple[Any, Any, Any, Any]:
+    """A random paged KV cache for vLLM's FA3 (16-token blocks, shuffled), fp16 or ``dtype``:
+    ``k``, ``v``, the block table and the per-request lengths (``seq`` each). The values are
+    drawn in fp16 a slice at a time, so an e4m3 cache never holds its fp16 copy whole."""
     import torch
 
     bs = 16
     nb = -(-seq // bs)
-    k = torch.randn(bsz * nb, bs, HK, D, device="cuda").half()
-    v = torch.randn_like(k)
+    shape = (bsz * nb, bs, HK, D)
+    k = torch.empty(shape, dtype=dtype or torch.float16, device="cuda")
+    v = torch.empty_like(k)
+    step = max(1, (1 << 28) // (bs * HK * D))  # 512 MiB of fp16 a slice
+    for cache in (k, v):
+        for lo in range(0, shape[0], step):
+            part = cache[lo : lo + step]
+            part.copy_(torch.randn(part.shape, dtype=torch.float16, device="cuda"))
     bt = torch.randperm(bsz * nb, device="cuda").to(torch.int32).view(bsz, nb)
     seqused = torch.full((bsz,), seq, dtype=torch.int32, device="cuda")
     return k, v, bt, seqused
@@ -322,7 +329,8 @@ def fa3_call(bsz: int, q_len: int, seq: int, *, fp8: bool = False) -> Callable[[
     import torch
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    k, v, bt, seqused = fa3_paged_cache(bsz, seq)
+    e4m3 = torch.float8_e4m3fn
+    k, v, bt, seqused = fa3_paged_cache(bsz, seq, e4m3 if fp8 else None)
     q = torch.randn(bsz * q_len, HQ, D, device="cuda").half()
     cu_q = torch.arange(bsz + 1, dtype=torch.int32, device="cuda") * q_len
     common = {
@@ -338,12 +346,10 @@ def fa3_call(bsz: int, q_len: int, seq: int, *, fp8: bool = False) -> Callable[[
     if not fp8:
         out = torch.empty_like(q)
         return lambda: flash_attn_varlen_func(q, k, v, out=out, **common)
-    e4m3 = torch.float8_e4m3fn
-    k8, v8 = k.to(e4m3), v.to(e4m3)
     ones = torch.ones(bsz, HK, dtype=torch.float32, device="cuda")
     out = torch.empty_like(q, dtype=torch.bfloat16)
     return lambda: flash_attn_varlen_func(
-        q.to(e4m3), k8, v8, out=out, q_descale=ones, k_descale=ones, v_descale=ones, **common
+        q.to(e4m3), k, v, out=out, q_descale=ones, k_descale=ones, v_descale=ones, **common
     )
 
 
