@@ -603,9 +603,10 @@ def bench_prefill(
 
 
 def time_prefill(fn: Callable[[], Any], ctx_before: int, q_len: int, bsz: int) -> dict[str, Any]:
-    """A prefill-with-context call timed twice: eagerly (``us``: host time included, as vLLM
-    runs attention between its piecewise CUDA graphs) and replayed from a CUDA graph
-    (``gpu_us``: the GPU's time alone; absent when capture fails). TFLOP/s count the causal
+    """A prefill-with-context call timed twice: eagerly (``us``: calls back to back, as vLLM
+    runs attention between its piecewise CUDA graphs, so the slower of the host's and the
+    GPU's time per call) and replayed from a CUDA graph (``gpu_us``: the GPU's time alone;
+    absent when capture fails). TFLOP/s count the causal
     work, context x chunk plus half the chunk squared."""
     flops = bsz * 4 * HQ * D * (q_len * ctx_before + q_len * q_len / 2)
     us, mode = timed(fn, graph=False)
