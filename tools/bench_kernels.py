@@ -1089,9 +1089,10 @@ def markdown(res: dict[str, Any], command: str) -> str:
         "### Prefill with cached context",
         "",
         "A 2048-token chunk after 14336 cached tokens (a long prompt's continuation) and a "
-        "64-token chunk after 16320 (an agent's turn or a speculative verify). Eager µs include "
-        "the host's time (vLLM runs attention eagerly between its piecewise CUDA graphs); GPU "
-        "µs are CUDA-graph replays, the GPU's time alone. TFLOP/s (of the GPU time) count the "
+        "64-token chunk after 16320 (an agent's turn or a speculative verify). Eager µs: calls "
+        "issued back to back without graphs, as vLLM runs attention between its piecewise CUDA "
+        "graphs, so the slower of the host's and the GPU's time per call; GPU µs: CUDA-graph "
+        "replays, the GPU's time alone. TFLOP/s (of the GPU time) count the "
         "causal work (context x chunk + half the chunk squared); the SDPA row runs non-causal "
         "over the whole context (~6% more work), because SDPA's causal mask is top-left "
         "aligned. `(FA3)`: the plugin's path, the context dequantized then attended by vLLM's "
