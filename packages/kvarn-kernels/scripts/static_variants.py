@@ -254,7 +254,13 @@ def _store(
 
 
 for _k in ("v1", "v3", "v4"):
-    for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v2_g64", 2), ("kvarn_k4v2_g128", 8)):
+    for _n, _w in (
+        ("kvarn_k4v2_g128", 4),
+        ("kvarn_k4v2_g64", 2),
+        ("kvarn_k4v2_g128", 8),
+        ("kvarn_k4v4_g64", 2),
+        ("kvarn_k5v5_g64", 2),
+    ):
         variant(f"store_{_k} {_n} w{_w}")(lambda _n=_n, _w=_w, _k=_k: _store(_n, 128, _w, _k))
 for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 4), ("kvarn_k5v5_g64", 2)):
     variant(f"store_tokens {_n} w{_w}")(lambda _n=_n, _w=_w: _store(_n, 128, _w, "v1", True))
