@@ -684,14 +684,33 @@ def _quantize_tile(
         c2, c6 = tl.split(s01)
         c1, c5 = tl.split(s10)
         c3, c7 = tl.split(s11)
-        jb = tl.arange(0, C // 8)
-        base = REC + OFF_CODES + r[:, None] * row_bytes + 5 * jb[None, :]
-        m5 = ok_r[:, None] & (jb < C // 8)[None, :]
-        _st(base + 0, ((c0 | (c1 << 5)) & 0xFF).to(tl.uint8), m5, MASKED)
-        _st(base + 1, (((c1 >> 3) | (c2 << 2) | (c3 << 7)) & 0xFF).to(tl.uint8), m5, MASKED)
-        _st(base + 2, (((c3 >> 1) | (c4 << 4)) & 0xFF).to(tl.uint8), m5, MASKED)
-        _st(base + 3, (((c4 >> 4) | (c5 << 1) | (c6 << 6)) & 0xFF).to(tl.uint8), m5, MASKED)
-        _st(base + 4, (((c6 >> 2) | (c7 << 3)) & 0xFF).to(tl.uint8), m5, MASKED)
+        tl.static_assert(C % 32 == 0 and OFF_CODES % 4 == 0, "5-bit rows go out as words")
+        # 32 codes are 160 bits, five little-endian 32-bit words: word stores, not byte
+        # stores five bytes apart. A group of 8 codes is 40 bits (code i at bit 5 i), and
+        # each word is cut from two of four consecutive groups.
+        grp = (
+            c0.to(tl.int64)
+            | (c1.to(tl.int64) << 5)
+            | (c2.to(tl.int64) << 10)
+            | (c3.to(tl.int64) << 15)
+            | (c4.to(tl.int64) << 20)
+            | (c5.to(tl.int64) << 25)
+            | (c6.to(tl.int64) << 30)
+            | (c7.to(tl.int64) << 35)
+        )
+        NQ: tl.constexpr = C // 32
+        even, odd = tl.split(tl.reshape(grp, [R, NQ, 2, 2]))
+        g0, g2 = tl.split(even)
+        g1, g3 = tl.split(odd)
+        jq = tl.arange(0, NQ)
+        words = (REC + OFF_CODES).to(tl.pointer_type(tl.int32))
+        base = words + r[:, None] * (row_bytes // 4) + 5 * jq[None, :]
+        m5 = ok_r[:, None] & (jq < NQ)[None, :]
+        _st(base + 0, g0.to(tl.int32), m5, MASKED)
+        _st(base + 1, ((g0 >> 32) | (g1 << 8)).to(tl.int32), m5, MASKED)
+        _st(base + 2, ((g1 >> 24) | (g2 << 16)).to(tl.int32), m5, MASKED)
+        _st(base + 3, ((g2 >> 16) | (g3 << 24)).to(tl.int32), m5, MASKED)
+        _st(base + 4, (g3 >> 8).to(tl.int32), m5, MASKED)
 
 
 @triton.jit
