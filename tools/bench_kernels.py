@@ -5,17 +5,19 @@ Measures, in one run and on one GPU:
 * the two ceilings: device-to-device copy bandwidth (bytes read + written) and the bf16
   matmul rate (8192^3, random data);
 * decode attention per layer, Qwen3-8B geometry (32 q heads, 8 KV heads, head_dim 128), for
-  every dense KVarN format, next to FlashAttention-3 fp16 decode and vLLM's TurboQuant decode
-  when ``import vllm`` works (otherwise their rows say "not available");
+  every dense KVarN format, next to FlashAttention-3 decode on fp16 and e4m3 caches and
+  vLLM's TurboQuant decode when ``import vllm`` works (otherwise their rows say "not
+  available");
 * the store (flush) rate, and its cost next to one fp16 prefill forward of the same tokens
   through an 8B model (2 * 8e9 flop/token at the measured bf16 matmul rate);
 * prefill with cached context (a 2048-token chunk after 14336 cached tokens, and a 64-token
-  chunk after 16320: an agent's turn), next to torch SDPA (and FA3 when vLLM is importable).
+  chunk after 16320: an agent's turn), eager and in GPU time, next to torch SDPA and, when
+  vLLM is importable, FA3 on fp16 and e4m3 caches and vLLM's TurboQuant attention.
 
 Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays where capture works
 (eager otherwise; the "mode" column says which). Bytes are what each op must read: packed
-records plus the fp16 pool tokens (sink and in-progress block) for KVarN, the fp16 K/V for
-FA3, the packed TurboQuant slots for TurboQuant.
+records plus the fp16 pool tokens (sink and in-progress block) for KVarN, the fp16 or e4m3
+K/V for FA3, the packed TurboQuant slots for TurboQuant.
 
 Usage (GPU)::
 
@@ -606,8 +608,8 @@ def time_prefill(fn: Callable[[], Any], ctx_before: int, q_len: int, bsz: int) -
     """A prefill-with-context call timed twice: eagerly (``us``: calls back to back, as vLLM
     runs attention between its piecewise CUDA graphs, so the slower of the host's and the
     GPU's time per call) and replayed from a CUDA graph (``gpu_us``: the GPU's time alone;
-    absent when capture fails). TFLOP/s count the causal
-    work, context x chunk plus half the chunk squared."""
+    absent when capture fails). TFLOP/s count the causal work, context x chunk plus half the
+    chunk squared."""
     flops = bsz * 4 * HQ * D * (q_len * ctx_before + q_len * q_len / 2)
     us, mode = timed(fn, graph=False)
     r: dict[str, Any] = {"us": us, "mode": mode, "tflops": flops / (us * 1e-6) / 1e12}
