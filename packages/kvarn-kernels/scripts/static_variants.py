@@ -211,9 +211,11 @@ def _store(
     tokens: bool = False,
     shadow: int = 0,
     part: int = -1,
+    words5: bool = False,
 ) -> Any:
     """The store kernel as flush_tiles launches it, or (``tokens``) as flush_token_tiles;
-    ``shadow`` rows > 0: one of the two launches (``part`` 0: K, 1: V) of a shadowed pool."""
+    ``shadow`` rows > 0: one of the two launches (``part`` 0: K, 1: V) of a shadowed pool;
+    ``words5``: 5-bit codes stored as words (``store.STORE_5BIT_WORDS``)."""
     from kvarn_kernels import store
 
     geo = _geo(name, d)
@@ -249,6 +251,7 @@ def _store(
         MASKED=tokens,
         SHADOW=shadow,
         PART=part,
+        WORDS5=words5,
     )
     return compile_kernel(fn, sig, consts, warps, 3)
 
@@ -262,6 +265,9 @@ for _k in ("v1", "v3", "v4"):
         ("kvarn_k5v5_g64", 2),
     ):
         variant(f"store_{_k} {_n} w{_w}")(lambda _n=_n, _w=_w, _k=_k: _store(_n, 128, _w, _k))
+variant("store_v4 kvarn_k5v5_g64 w2 words")(
+    lambda: _store("kvarn_k5v5_g64", 128, 2, "v4", words5=True)
+)
 for _n, _w in (("kvarn_k4v2_g128", 4), ("kvarn_k4v4_g128", 4), ("kvarn_k5v5_g64", 2)):
     variant(f"store_tokens {_n} w{_w}")(lambda _n=_n, _w=_w: _store(_n, 128, _w, "v1", True))
 # Shadowed pools (kvarn_k4v2_g128 at D = 128: 27 shadow rows): each launch runs one half.

@@ -773,3 +773,48 @@ def test_flush_token_tiles_refuses_two_tiles_into_one_block(device: torch.device
         flush_token_tiles(name, rows, rows.clone(), starts, kv, same, check=True)
     skipped = torch.tensor([0, -1], dtype=torch.int32, device=device)
     flush_token_tiles(name, rows, rows.clone(), skipped, kv, same, check=True)
+
+
+@pytest.mark.parametrize("variant", ["v1", "v4"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_5bit_word_stores_write_the_byte_stores_bytes(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch, d: int, variant: str
+) -> None:
+    """``STORE_5BIT_WORDS``: 5-bit codes stored as 32-bit words give the byte stores' records
+    byte for byte, in the plain flush and in the masked token flush (a skipped tile, a tile
+    opening with side-pool rows), and leave every other block alone."""
+    from kvarn_kernels import store
+
+    name, hk = "kvarn_k5v5_g64", 2
+    g = parse_cache_dtype(name).group
+    pool_k, pool_v = _pool(g, hk, d, 3, seed=d, device=device)
+    k_rows, v_rows = _token_rows(3 * g + 7, hk, d, seed=d + 1, device=device)
+    tile = record_layout(parse_cache_dtype(name), d).tile_bytes
+    start = torch.randint(0, 256, (6, hk, tile), dtype=torch.uint8).to(device)
+    i32 = {"dtype": torch.int32, "device": device}
+
+    def records(words: bool) -> torch.Tensor:
+        monkeypatch.setattr(store, "STORE_5BIT_WORDS", words)
+        kv = start.clone()
+        flush_tiles(
+            name, pool_k, pool_v, torch.tensor([2, 0], **i32), kv, torch.tensor([1, 4], **i32)
+        )
+        flush_token_tiles(
+            name,
+            k_rows,
+            v_rows,
+            torch.tensor([5, 2 * g + 7 - (g - 9), -1], **i32),
+            kv,
+            torch.tensor([0, 3, 5], **i32),
+            pool_k=pool_k,
+            pool_v=pool_v,
+            head_slots=torch.tensor([-1, 1, 2], **i32),
+            head_lens=torch.tensor([0, 9, 0], **i32),
+            variant=variant,
+            check=True,
+        )
+        return kv
+
+    by_bytes, by_words = records(False), records(True)
+    assert not torch.equal(by_bytes[[0, 1, 3, 4]], start[[0, 1, 3, 4]])  # the blocks written
+    assert torch.equal(by_words, by_bytes)

@@ -95,6 +95,12 @@ _FP16_MAX: tl.constexpr = tl.constexpr(65504.0)
 #: k4v2_g128, 1.5 against 2.7 at k4v2_g64; docs/kernel-notes.md, store round 5).
 STORE_VARIANTS = ("v1", "v3", "v4")
 
+#: 5-bit codes written as 32-bit words (five per 32 codes) instead of five byte stores per 8
+#: codes: 40 word stores a program for 160 byte stores (docs/kernel-notes.md, thirty-third
+#: session). Opt-in until a GPU run has checked its bytes and timed it (byte-identical to
+#: the byte stores under the interpreter).
+STORE_5BIT_WORDS = False
+
 
 @triton.jit
 def _exp(x, PRECISE: tl.constexpr):
@@ -575,6 +581,7 @@ def _quantize_tile(
     V3: tl.constexpr = False,
     ORDER: tl.constexpr = 0,
     V4: tl.constexpr = False,
+    WORDS5: tl.constexpr = False,
 ):
     """Quantize the fp32 tile ``x [R, C]`` along rows into the record at ``REC``, its code
     bytes in the section's in-cache order ``ORDER`` (:func:`code_offsets`).
@@ -582,7 +589,8 @@ def _quantize_tile(
     In the masked kernel nothing is stored when ``ok`` is false. ``V4``: the per-row and
     per-column work in a compact layout through scratch in the record's own code bytes
     (``R * C * BITS / 8 >= 4 (R + C)`` bytes for every admitted geometry), which the codes,
-    stored last, overwrite; the record is the same.
+    stored last, overwrite; the record is the same. ``WORDS5``: 5-bit codes stored as 32-bit
+    words (:data:`STORE_5BIT_WORDS`); the bytes are the same.
     """
     r = tl.arange(0, R)
     c = tl.arange(0, C)
@@ -684,33 +692,43 @@ def _quantize_tile(
         c2, c6 = tl.split(s01)
         c1, c5 = tl.split(s10)
         c3, c7 = tl.split(s11)
-        tl.static_assert(C % 32 == 0 and OFF_CODES % 4 == 0, "5-bit rows go out as words")
-        # 32 codes are 160 bits, five little-endian 32-bit words: word stores, not byte
-        # stores five bytes apart. A group of 8 codes is 40 bits (code i at bit 5 i), and
-        # each word is cut from two of four consecutive groups.
-        grp = (
-            c0.to(tl.int64)
-            | (c1.to(tl.int64) << 5)
-            | (c2.to(tl.int64) << 10)
-            | (c3.to(tl.int64) << 15)
-            | (c4.to(tl.int64) << 20)
-            | (c5.to(tl.int64) << 25)
-            | (c6.to(tl.int64) << 30)
-            | (c7.to(tl.int64) << 35)
-        )
-        NQ: tl.constexpr = C // 32
-        even, odd = tl.split(tl.reshape(grp, [R, NQ, 2, 2]))
-        g0, g2 = tl.split(even)
-        g1, g3 = tl.split(odd)
-        jq = tl.arange(0, NQ)
-        words = (REC + OFF_CODES).to(tl.pointer_type(tl.int32))
-        base = words + r[:, None] * (row_bytes // 4) + 5 * jq[None, :]
-        m5 = ok_r[:, None] & (jq < NQ)[None, :]
-        _st(base + 0, g0.to(tl.int32), m5, MASKED)
-        _st(base + 1, ((g0 >> 32) | (g1 << 8)).to(tl.int32), m5, MASKED)
-        _st(base + 2, ((g1 >> 24) | (g2 << 16)).to(tl.int32), m5, MASKED)
-        _st(base + 3, ((g2 >> 16) | (g3 << 24)).to(tl.int32), m5, MASKED)
-        _st(base + 4, (g3 >> 8).to(tl.int32), m5, MASKED)
+        if WORDS5:
+            tl.static_assert(C % 32 == 0 and OFF_CODES % 4 == 0, "5-bit rows go out as words")
+            # 32 codes are 160 bits, five little-endian 32-bit words: word stores, not byte
+            # stores five bytes apart. A group of 8 codes is 40 bits (code i at bit 5 i), and
+            # each word is cut from two of four consecutive groups.
+            grp = (
+                c0.to(tl.int64)
+                | (c1.to(tl.int64) << 5)
+                | (c2.to(tl.int64) << 10)
+                | (c3.to(tl.int64) << 15)
+                | (c4.to(tl.int64) << 20)
+                | (c5.to(tl.int64) << 25)
+                | (c6.to(tl.int64) << 30)
+                | (c7.to(tl.int64) << 35)
+            )
+            NQ: tl.constexpr = C // 32
+            even, odd = tl.split(tl.reshape(grp, [R, NQ, 2, 2]))
+            g0, g2 = tl.split(even)
+            g1, g3 = tl.split(odd)
+            jq = tl.arange(0, NQ)
+            words = (REC + OFF_CODES).to(tl.pointer_type(tl.int32))
+            base = words + r[:, None] * (row_bytes // 4) + 5 * jq[None, :]
+            m5 = ok_r[:, None] & (jq < NQ)[None, :]
+            _st(base + 0, g0.to(tl.int32), m5, MASKED)
+            _st(base + 1, ((g0 >> 32) | (g1 << 8)).to(tl.int32), m5, MASKED)
+            _st(base + 2, ((g1 >> 24) | (g2 << 16)).to(tl.int32), m5, MASKED)
+            _st(base + 3, ((g2 >> 16) | (g3 << 24)).to(tl.int32), m5, MASKED)
+            _st(base + 4, (g3 >> 8).to(tl.int32), m5, MASKED)
+        else:
+            jb = tl.arange(0, C // 8)
+            base = REC + OFF_CODES + r[:, None] * row_bytes + 5 * jb[None, :]
+            m5 = ok_r[:, None] & (jb < C // 8)[None, :]
+            _st(base + 0, ((c0 | (c1 << 5)) & 0xFF).to(tl.uint8), m5, MASKED)
+            _st(base + 1, (((c1 >> 3) | (c2 << 2) | (c3 << 7)) & 0xFF).to(tl.uint8), m5, MASKED)
+            _st(base + 2, (((c3 >> 1) | (c4 << 4)) & 0xFF).to(tl.uint8), m5, MASKED)
+            _st(base + 3, (((c4 >> 4) | (c5 << 1) | (c6 << 6)) & 0xFF).to(tl.uint8), m5, MASKED)
+            _st(base + 4, (((c6 >> 2) | (c7 << 3)) & 0xFF).to(tl.uint8), m5, MASKED)
 
 
 @triton.jit
@@ -751,6 +769,7 @@ def _flush_kernel(
     SHADOW: tl.constexpr = 0,
     PART: tl.constexpr = -1,
     V4: tl.constexpr = False,
+    WORDS5: tl.constexpr = False,
 ):
     """Grid ``(N, Hk, 2)``: program ``(n, h, 0)`` quantizes tile n's K, ``(n, h, 1)`` its V.
 
@@ -837,6 +856,7 @@ def _flush_kernel(
             V3,
             K_ORDER,
             V4,
+            WORDS5,
         )
     else:
         # V tile [R = G tokens, C = D channels]: rows are tokens (per-token RTN).
@@ -879,6 +899,7 @@ def _flush_kernel(
             V3,
             V_ORDER,
             V4,
+            WORDS5,
         )
         if STRIDE > PAYLOAD:
             # Zero the record's padding so records are byte-identical to the reference.
@@ -1010,6 +1031,7 @@ def _launch(
         PRECISE=not triton_interpret(),
         V3=variant == "v3",
         V4=variant == "v4",
+        WORDS5=STORE_5BIT_WORDS and 5 in (geo.key_bits, geo.value_bits),
         ROW_SCALE=row_scale,
         HAS_HEAD=heads is not None,
         MASKED=masked,
