@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import bench_kernels as bk  # tools/ on PYTHONPATH
 import torch
 
-import bench_kernels as bk  # tools/ on PYTHONPATH
 from kvarn_format import parse_cache_dtype, record_layout
 from kvarn_kernels import flush_tiles, rotate, store
 
