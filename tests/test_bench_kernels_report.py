@@ -144,3 +144,15 @@ def test_decode_variants_table_names_config_and_errors(bk: ModuleType) -> None:
     text = bk.decode_variants_table(rows).splitlines()
     assert "v6f" in text[1] and "351.2" in text[1] and " 8 " in text[1]
     assert "v4c no pool" in text[2] and "boom" in text[2]
+
+
+def test_status_names_a_card_other_than_the_h200(bk: ModuleType) -> None:
+    """The targets are the H200's: a run on another card says its verdicts are that card's;
+    an H200 run (or an old run without a GPU name) adds nothing."""
+    res: dict[str, Any] = {"ceilings": {"copy_gbs": 4000.0}, "decode": [], "store": []}
+    res["prefill"] = []
+    other = bk.summary({**res, "gpu": "NVIDIA H100 80GB HBM3"})
+    assert any("NVIDIA H100 80GB HBM3" in line and "H200" in line for line in other)
+    for gpu in ("NVIDIA H200", None):
+        lines = bk.summary({**res, "gpu": gpu} if gpu else res)
+        assert not any("the issue sets its targets" in line for line in lines)

@@ -1147,6 +1147,13 @@ def summary(res: dict[str, Any]) -> list[str]:
     """Status against the issue's targets, from this run's numbers."""
     copy = res["ceilings"]["copy_gbs"]
     out = ["**Status against the targets.**", ""]
+    gpu = str(res.get("gpu", ""))
+    if gpu and "H200" not in gpu:
+        out += [
+            f"This run is on an {gpu}; the issue sets its targets on an H200, whose copy "
+            "bandwidth (and so FA3's speed) differs: these verdicts are this card's.",
+            "",
+        ]
     row = next(
         (
             r
