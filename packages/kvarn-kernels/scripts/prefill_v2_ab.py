@@ -1,7 +1,7 @@
 """Short-chunk prefill with cached context (GPU only, vLLM's FA3 importable): the fused
 kernel :mod:`kvarn_kernels.prefill_v2` against the plugin's dequantize-then-FA3 path, the
-v1 fused kernel and FA3 on an fp16 cache of the same shape, in one run
-(docs/kernel-notes.md, twenty-fourth session).
+v1 fused kernel and, on caches of the same shape, FA3 on fp16 and e4m3 and vLLM's TurboQuant
+attention (``turboquant_k3v4_nc``), in one run (docs/kernel-notes.md, twenty-fourth session).
 
 For each shape (cached tokens, chunk tokens, requests): every path eager (as a server runs
 prefill), the fused ones and FA3 also from a CUDA graph (their GPU time), v2 at several split
@@ -135,8 +135,15 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
             r["graph_us"] = bk.guarded(lambda fn=fn: {"us": bk.timed(fn, graph=True)[0]}).get("us")
         rows.append({"path": name, **r})
         bk.log(f"{ctx}+{q_len} B={bsz} {name}: {r}")
-    fa = bk.guarded(lambda: bk.bench_fa3_prefill(ctx, q_len, bsz))
-    rows.append({"path": "FA3 fp16", "us": fa.get("us"), "graph_us": fa.get("gpu_us")})
+    peers: tuple[tuple[str, Callable[[], dict[str, Any]]], ...] = (
+        ("FA3 fp16", lambda: bk.bench_fa3_prefill(ctx, q_len, bsz)),
+        ("FA3 fp8", lambda: bk.bench_fa3_prefill(ctx, q_len, bsz, fp8=True)),
+        ("TurboQuant k3v4_nc", lambda: bk.bench_tq_prefill("turboquant_k3v4_nc", ctx, q_len, bsz)),
+    )
+    for name, peer in peers:
+        r = bk.guarded(peer)
+        rows.append({"path": name, "us": r.get("us"), "graph_us": r.get("gpu_us")})
+        bk.log(f"{ctx}+{q_len} B={bsz} {name}: {r}")
     flops = bsz * 4 * bk.HQ * bk.D * (q_len * ctx + q_len * q_len / 2)
     for r in rows:
         r.update(ctx=ctx, q_len=q_len, B=bsz, gflop=flops / 1e9)
