@@ -73,6 +73,11 @@ def _decode_v1(
 
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k5v5_g64"):
     variant(f"decode_v1 {_n} bn64 w4")(lambda _n=_n: _decode_v1(_n))
+# v1's launch shapes at the 5-bit format it alone serves (scripts/decode_v1_sweep.py)
+for _bn, _w in ((64, 8), (32, 4), (32, 8)):
+    variant(f"decode_v1 kvarn_k5v5_g64 bn{_bn} w{_w}")(
+        lambda _bn=_bn, _w=_w: _decode_v1("kvarn_k5v5_g64", bn=_bn, warps=_w)
+    )
 variant("prefill_v1 kvarn_k4v2_g128 m64 w8")(
     lambda: _decode_v1("kvarn_k4v2_g128", warps=8, block_m=64)
 )
