@@ -156,3 +156,30 @@ def test_status_names_a_card_other_than_the_h200(bk: ModuleType) -> None:
     for gpu in ("NVIDIA H200", None):
         lines = bk.summary({**res, "gpu": gpu} if gpu else res)
         assert not any("the issue sets its targets" in line for line in lines)
+
+
+def test_status_gives_small_batch_decode_against_fa3(bk: ModuleType) -> None:
+    """The small-batch decode rows get one status line: FA3 fp16's time over k4v2_g128's at
+    each small shape that has both rows (below 1x where KVarN is slower), and a run
+    without them (or with one side failed) gets none."""
+
+    def row(kernel: str, b: int, us: float | None) -> dict[str, Any]:
+        r: dict[str, Any] = {"kernel": kernel, "B": b, "ctx": 16384}
+        r.update({"us": us} if us is not None else {"error": "boom"})
+        return r
+
+    decode = [
+        row("kvarn_k4v2_g128", 1, 40.0),
+        row("fa3_fp16", 1, 30.0),
+        row("kvarn_k4v2_g128", 8, 75.0),
+        row("fa3_fp16", 8, 150.0),
+    ]
+    res: dict[str, Any] = {"ceilings": {"copy_gbs": 4000.0}, "store": [], "prefill": []}
+    lines = [x for x in bk.summary({**res, "decode": decode}) if "small batches" in x]
+    assert len(lines) == 1
+    assert "B=1, 16K: 0.75x (40.0 against 30.0 µs)" in lines[0]
+    assert "B=8, 16K: 2.00x (75.0 against 150.0 µs)" in lines[0]
+    decode[1] = row("fa3_fp16", 1, None)
+    lines = [x for x in bk.summary({**res, "decode": decode}) if "small batches" in x]
+    assert len(lines) == 1 and "B=1" not in lines[0] and "B=8" in lines[0]
+    assert not any("small batches" in x for x in bk.summary({**res, "decode": decode[:2]}))

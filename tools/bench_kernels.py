@@ -55,6 +55,9 @@ FORMATS = (
     "kvarn_k5v5_g64",
 )
 TQ_PRESETS = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc")
+#: Decode shapes below the issue's batches, (B, context): one agent's and a few agents'
+#: latency, compared with FA3 fp16 in the status block (no target)
+SMALL_BATCH_SHAPES = ((1, 16384), (8, 16384))
 
 
 def log(msg: str) -> None:
@@ -899,7 +902,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res["ceilings"] = ceilings()
     log(f"ceilings: {res['ceilings']}")
     save()
-    shapes = [(64, 4096), (64, 16384), (64, 65536), (256, 4096), (256, 16384), (256, 65536)]
+    # B = 1 and 8: one agent's and a few agents' decode latency (no target; the issue's
+    # targets are set at B = 64 and 256)
+    shapes = [*SMALL_BATCH_SHAPES, (64, 4096), (64, 16384), (64, 65536)]
+    shapes += [(256, 4096), (256, 16384), (256, 65536)]
     if args.quick:
         shapes = [(64, 16384), (256, 4096)]
     formats = args.formats.split(",") if args.formats else list(FORMATS)
@@ -1183,6 +1189,7 @@ def summary(res: dict[str, Any]) -> list[str]:
             f"bandwidth, {speedup:.2f}x FA3 fp16 ({ref:,.0f} µs, {src}). Target: >= 3.5x "
             f"and >= 70%: {_verdict(speedup >= 3.5 and pct >= 70)}."
         )
+    out += small_batch_line(res)
     stores = [r for r in res.get("store_tuned") or res["store"] if "store_share" in r]
     if stores:
         best: dict[str, float] = {}
@@ -1219,6 +1226,28 @@ def summary(res: dict[str, Any]) -> list[str]:
             )
     out += ["", "See docs/kernel-notes.md for the analysis and the next steps.", ""]
     return out
+
+
+def small_batch_line(res: dict[str, Any]) -> list[str]:
+    """k4v2_g128's decode time over FA3 fp16's at :data:`SMALL_BATCH_SHAPES` (no target: the
+    latency of one agent or a few), or nothing for a run without those rows."""
+    us = {
+        (r["kernel"], r["B"], r["ctx"]): r["us"]
+        for r in res["decode"]
+        if r["kernel"] in ("kvarn_k4v2_g128", "fa3_fp16") and "us" in r
+    }
+    parts = [
+        f"B={b}, {ctx // 1024}K: {us[('fa3_fp16', b, ctx)] / us[('kvarn_k4v2_g128', b, ctx)]:.2f}x"
+        f" ({us[('kvarn_k4v2_g128', b, ctx)]:,.1f} against {us[('fa3_fp16', b, ctx)]:,.1f} µs)"
+        for b, ctx in SMALL_BATCH_SHAPES
+        if ("kvarn_k4v2_g128", b, ctx) in us and ("fa3_fp16", b, ctx) in us
+    ]
+    if not parts:
+        return []
+    return [
+        "- Decode k4v2_g128 at small batches, FA3 fp16's time over KVarN's (above 1x: KVarN "
+        f"faster; no target): {'; '.join(parts)}."
+    ]
 
 
 def _chunk(row: dict[str, Any]) -> str:
