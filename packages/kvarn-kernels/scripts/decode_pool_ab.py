@@ -30,21 +30,22 @@ SHAPES: tuple[tuple[int, int], ...] = (
     (256, 6144),
     (64, 65536),
 )
-#: (name, chunk tokens, warps, register cap); the first is the default
-CONFIGS: tuple[tuple[str, int, int, int | None], ...] = (
-    ("bn64 w4", 64, 4, None),
-    ("bn64 w4 r128", 64, 4, 128),
-    ("bn32 w4", 32, 4, None),
-    ("bn128 w8", 128, 8, None),
+#: (name, chunk tokens, warps, register cap, pipeline stages); the first is the default
+CONFIGS: tuple[tuple[str, int, int, int | None, int], ...] = (
+    ("bn64 w4", 64, 4, None, 1),
+    ("bn64 w4 s2", 64, 4, None, 2),
+    ("bn32 w4 s2", 32, 4, None, 2),
+    ("bn64 w4 r128", 64, 4, 128, 1),
 )
 
 
-def configure(bn: int, warps: int, max_registers: int | None) -> None:
+def configure(bn: int, warps: int, max_registers: int | None, stages: int) -> None:
     from kvarn_kernels import decode_pool
 
     decode_pool.POOL_CHUNK_TOKENS = bn
     decode_pool.POOL_WARPS = warps
     decode_pool.POOL_MAX_REGISTERS = max_registers
+    decode_pool.POOL_STAGES = stages
 
 
 def pool_alone(inp: dict[str, Any], splits: int) -> float:
@@ -93,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"B": bsz, "ctx": ctx, "configs": {}}
         base = None
         for rep in range(2):
-            for name, bn, warps, max_registers in CONFIGS:
-                configure(bn, warps, max_registers)
+            for name, *config in CONFIGS:
+                configure(*config)
                 r = bk.guarded(lambda inp=inp: bk.bench_kvarn_decode(inp))
                 cell = row["configs"].setdefault(name, {"served": [], "splits": r.get("splits")})
                 cell["served"].append(r.get("us", r.get("error")))

@@ -956,6 +956,7 @@ def _launch_pool(
     from kvarn_kernels.decode_pool import (
         POOL_CHUNK_TOKENS,
         POOL_MAX_REGISTERS,
+        POOL_STAGES,
         POOL_WARPS,
         decode_pool_kernel,
     )
@@ -991,9 +992,10 @@ def _launch_pool(
             "STRIDE": geo.record_stride,
             "BN": min(POOL_CHUNK_TOKENS, geo.group),
             "SCAN": 64,
+            "STAGES": POOL_STAGES,
         },
         num_warps=POOL_WARPS,
-        num_stages=1,
+        num_stages=POOL_STAGES,
         maxnreg=POOL_MAX_REGISTERS,
     )
 

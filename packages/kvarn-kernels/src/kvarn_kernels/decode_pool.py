@@ -33,12 +33,22 @@ import triton.language as tl  # type: ignore[import-untyped]
 from kvarn_kernels._common import pool_row_ptrs
 from kvarn_kernels.decode_v4 import _pool_window
 
-__all__ = ["POOL_CHUNK_TOKENS", "POOL_MAX_REGISTERS", "POOL_WARPS", "decode_pool_kernel"]
+__all__ = [
+    "POOL_CHUNK_TOKENS",
+    "POOL_MAX_REGISTERS",
+    "POOL_STAGES",
+    "POOL_WARPS",
+    "decode_pool_kernel",
+]
 
 #: Tokens of a pool tile per step (their K and V in flight together: 32 KB at head dim 128).
 POOL_CHUNK_TOKENS = 64
 #: Warps per program.
 POOL_WARPS = 4
+#: Software-pipeline stages of a tile's chunk loop: 2 copies a tile's next chunk into shared
+#: memory while this one is attended to (static count, k4v2_g128: 148 registers, 38 KB of
+#: shared memory, against 166 and 22 KB at 1); an A/B in ``scripts/decode_pool_ab.py``.
+POOL_STAGES = 1
 #: Registers per thread the launch may take (Triton's ``maxnreg``), or None for the compiler's
 #: choice.
 POOL_MAX_REGISTERS: int | None = None
@@ -70,6 +80,7 @@ def decode_pool_kernel(
     STRIDE: tl.constexpr,
     BN: tl.constexpr,
     SCAN: tl.constexpr,
+    STAGES: tl.constexpr = 1,
 ):
     """One program per (request, KV head): attention of the ``QPK`` query rows of ``Q``
     (rotated, fp32, ``[B * HQ, D]``) over the request's pool-resident blocks, written as
@@ -105,7 +116,7 @@ def decode_pool_kernel(
             pblk = tl.sum(tl.where(sel, blks, 0), axis=0).to(tl.int64)
             # the tile's live rows only: an in-progress tile skips its empty chunks
             n_live = tl.minimum(seq_len - pbi * G, G)
-            for t0 in tl.range(0, n_live, BN, num_stages=1):
+            for t0 in tl.range(0, n_live, BN, num_stages=STAGES):
                 trow = (t0 + tn).to(tl.int64)
                 live = pbi * G + trow < seq_len  # [BN]
                 kr = pool_row_ptrs(POOL_K, KV, pslot, pblk, trow, h, 0, HK, D, G, SHADOW, STRIDE)
