@@ -28,7 +28,6 @@ SHAPES: tuple[tuple[int, int], ...] = (
     (64, 16384),
     (256, 4096),
     (256, 6144),
-    (64, 65536),
 )
 #: (name, chunk tokens, warps, register cap, pipeline stages); the first is the default
 CONFIGS: tuple[tuple[str, int, int, int | None, int], ...] = (
