@@ -60,7 +60,7 @@ def main() -> None:
             rows.append({"round": rnd, "format": name, "words": words, **r})
             bk.log(f"{rnd} {name} words={words}: {r.get('us', r.get('error'))}")
     equal = bool(torch.equal(records(False), records(True)))
-    store.STORE_5BIT_WORDS = False  # the default again
+    store.STORE_5BIT_WORDS = True  # the default again
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "store_words_ab.json").write_text(
         json.dumps({"rows": rows, "records_equal": equal, "bf16_tflops": mm}, indent=1)

@@ -47,8 +47,11 @@ POOL_CHUNK_TOKENS = 64
 POOL_WARPS = 4
 #: Software-pipeline stages of a tile's chunk loop: 2 copies a tile's next chunk into shared
 #: memory while this one is attended to (static count, k4v2_g128: 148 registers, 38 KB of
-#: shared memory, against 166 and 22 KB at 1); an A/B in ``scripts/decode_pool_ab.py``.
-POOL_STAGES = 1
+#: shared memory, against 166 and 22 KB at 1). The default since the thirty-fourth session
+#: (H100, ``scripts/decode_pool_ab.py``): the served decode plan 0.986-0.989x the 1-stage
+#: kernel's time at B = 256 / 4K-6K, 0.995x at B = 64 / 16K, 0.986x at B = 8 / 16K, outputs
+#: bit-identical.
+POOL_STAGES = 2
 #: Registers per thread the launch may take (Triton's ``maxnreg``), or None for the compiler's
 #: choice.
 POOL_MAX_REGISTERS: int | None = None

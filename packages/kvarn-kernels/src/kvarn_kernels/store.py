@@ -97,9 +97,11 @@ STORE_VARIANTS = ("v1", "v3", "v4")
 
 #: 5-bit codes written as 32-bit words (five per 32 codes) instead of five byte stores per 8
 #: codes: 40 word stores a program for 160 byte stores (docs/kernel-notes.md, thirty-third
-#: session). Opt-in until a GPU run has checked its bytes and timed it (byte-identical to
-#: the byte stores under the interpreter).
-STORE_5BIT_WORDS = False
+#: and thirty-fourth sessions). The default since the thirty-fourth: byte-identical records
+#: on an H100 at the table's size and in the store tests, and ``kvarn_k5v5_g64``'s store
+#: 0.78x the byte stores' time (1,616 against 2,063 µs for 1024 tiles x 8 heads; 1.09x the
+#: 4-bit ``kvarn_k4v4_g64``'s, from 1.40x). False gives the byte stores back.
+STORE_5BIT_WORDS = True
 
 
 @triton.jit

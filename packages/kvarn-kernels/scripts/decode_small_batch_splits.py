@@ -1,0 +1,61 @@
+"""v4c's split count at small batches, 64- against 128-token tiles (GPU only).
+
+At B = 1 / 16K the g64 formats decode at 0.71-0.73x FA3 fp16's speed and k4v2_g128 at 1.03x
+(H100, thirty-fourth session's kernel table). v4c serves B < 8; the split rule gives g64 64
+splits of 4 blocks (256 tokens each) where g128 gets 32 of 512 tokens. This times v4c at
+split counts 8-128 for k4v2_g64 and k4v2_g128 at B = 1 and 4 (16K), each twice, CUDA-graph
+replay. Writes ``decode_small_batch_splits.json`` to ``--out`` and prints a table. On the
+GPU machine::
+
+    PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools \\
+        python3 packages/kvarn-kernels/scripts/decode_small_batch_splits.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import bench_kernels as bk  # tools/ on PYTHONPATH
+
+FORMATS = ("kvarn_k4v2_g64", "kvarn_k4v2_g128")
+BATCHES = (1, 4)
+SPLITS = (8, 16, 32, 64, 128)
+
+
+def main() -> None:
+    import torch
+
+    from kvarn_kernels import choose_decode_splits
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    rows: list[dict[str, Any]] = []
+    print("| format | B | splits | µs (two rounds) | rule's count |")
+    print("|---|---|---|---|---|")
+    for fmt in FORMATS:
+        for bsz in BATCHES:
+            inp = bk.decode_inputs(fmt, bsz, 16384)
+            rule = choose_decode_splits(bsz, bk.HK, int(inp["bt"].shape[1]), inp["q"].device)
+            for splits in SPLITS:
+                us = []
+                for _round in range(2):
+                    r = bk.guarded(
+                        lambda inp=inp, s=splits: bk.bench_kvarn_decode(
+                            inp, variant="v4c", num_splits=s
+                        )
+                    )
+                    us.append(r.get("us", r.get("error")))
+                rows.append({"format": fmt, "B": bsz, "splits": splits, "rule": rule, "us": us})
+                print(f"| {fmt} | {bsz} | {splits} | {us} | {rule} |", flush=True)
+            del inp
+            torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_small_batch_splits.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
