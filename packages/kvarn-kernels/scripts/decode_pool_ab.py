@@ -1,7 +1,7 @@
 """The pool-tile launch's shapes (GPU only): :mod:`kvarn_kernels.decode_pool` at several chunk
-sizes, warp counts and register caps, at the bench's decode shapes (docs/kernel-notes.md,
-twenty-third session; the A/B against v4's pool phase, which it replaced, ran at commit
-``8185346``).
+sizes, warp counts, register caps and pipeline stages, at the bench's decode shapes
+(docs/kernel-notes.md, twenty-third and thirty-fourth sessions; the A/B against v4's pool
+phase, which it replaced, ran at commit ``8185346``).
 
 For each shape: the served plan (graph replay, µs) with each configuration, every one timed
 twice in alternation; the pool launch alone; and the served outputs against the first
@@ -30,11 +30,12 @@ SHAPES: tuple[tuple[int, int], ...] = (
     (256, 6144),
 )
 #: (name, chunk tokens, warps, register cap, pipeline stages); the first is the default
+#: (2 stages since the thirty-fourth session), the others are timed against it
 CONFIGS: tuple[tuple[str, int, int, int | None, int], ...] = (
-    ("bn64 w4", 64, 4, None, 1),
     ("bn64 w4 s2", 64, 4, None, 2),
+    ("bn64 w4 s1", 64, 4, None, 1),
     ("bn32 w4 s2", 32, 4, None, 2),
-    ("bn64 w4 r128", 64, 4, 128, 1),
+    ("bn64 w4 s1 r128", 64, 4, 128, 1),
 )
 
 

@@ -497,7 +497,7 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
 
 
 def _decode_pool(
-    name: str, d: int = 128, qpk: int = 4, bn: int = 64, warps: int = 4, stages: int = 1
+    name: str, d: int = 128, qpk: int = 4, bn: int = 64, warps: int = 4, stages: int = 2
 ) -> Any:
     """The pool-tile kernel of the launches with a pool phase of its own (v4d's and the
     Gluon variants'; twenty-third session: v4's pool phase, which it replaced, had 255
@@ -526,8 +526,7 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v2_g64"):
     variant(f"decode_pool {_n} d128 qpk4 bn32")(lambda _n=_n: _decode_pool(_n, bn=32))
     variant(f"decode_pool {_n} d128 qpk4 w8")(lambda _n=_n: _decode_pool(_n, warps=8))
     variant(f"decode_pool {_n} d128 qpk4 bn128 w8")(lambda _n=_n: _decode_pool(_n, bn=128, warps=8))
-    variant(f"decode_pool {_n} d128 qpk4 s2")(lambda _n=_n: _decode_pool(_n, stages=2))
-    variant(f"decode_pool {_n} d128 qpk4 bn32 s2")(lambda _n=_n: _decode_pool(_n, bn=32, stages=2))
+    variant(f"decode_pool {_n} d128 qpk4 s1")(lambda _n=_n: _decode_pool(_n, stages=1))
 
 
 def _prefill_v2(
