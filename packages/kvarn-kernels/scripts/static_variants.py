@@ -360,6 +360,7 @@ for _n, _d, _rows, _stages in (
     ("kvarn_k4v2_g128", 128, 4, None),
     ("kvarn_k4v2_g128", 128, None, 1),
     ("kvarn_k4v2_g128", 128, None, 3),
+    ("kvarn_k4v2_g64", 128, None, None),  # one request's decode, g64 against g128
 ):
     for _v in ("v4c", "v4d"):
         _tag = "" if _rows is None else f" mma{_rows}"
