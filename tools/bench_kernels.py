@@ -219,13 +219,19 @@ def plain_split_option(inp: dict[str, Any], kw: dict[str, Any]) -> dict[str, Any
     """``kw`` with ``plain_splits=True`` replaced by ``num_splits``: the split rule's count
     for the case, without the factor the Gluon kernels' one-warp programs take (where
     ``num_splits`` is also given, ``plain_splits`` wins)."""
-    from kvarn_kernels import choose_decode_splits
-
     kw = dict(kw)
     if kw.pop("plain_splits", False):
-        bsz, blocks = (int(x) for x in inp["bt"].shape)
-        kw["num_splits"] = choose_decode_splits(bsz, HK, blocks, inp["q"].device)
+        kw["num_splits"] = rule_splits(inp)
     return kw
+
+
+def rule_splits(inp: dict[str, Any]) -> int:
+    """The split rule's count (:func:`kvarn_kernels.choose_decode_splits`) for a
+    :func:`decode_inputs` case."""
+    from kvarn_kernels import choose_decode_splits
+
+    bsz, blocks = (int(x) for x in inp["bt"].shape)
+    return choose_decode_splits(bsz, HK, blocks, inp["q"].device)
 
 
 def decode_once(inp: dict[str, Any], **kw: Any) -> Any:

@@ -28,8 +28,6 @@ SPLITS = (8, 16, 32, 64, 128)
 def main() -> None:
     import torch
 
-    from kvarn_kernels import choose_decode_splits
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -39,7 +37,7 @@ def main() -> None:
     for fmt in FORMATS:
         for bsz in BATCHES:
             inp = bk.decode_inputs(fmt, bsz, 16384)
-            rule = choose_decode_splits(bsz, bk.HK, int(inp["bt"].shape[1]), inp["q"].device)
+            rule = bk.rule_splits(inp)
             for splits in SPLITS:
                 us = []
                 for _round in range(2):

@@ -42,8 +42,6 @@ def label(factor: int, warps: int, bn: int) -> str:
 def main() -> None:
     import torch
 
-    from kvarn_kernels import choose_decode_splits
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--format", default="kvarn_k5v5_g64")
@@ -51,12 +49,16 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for bsz, ctx in SHAPES:
         inp = bk.decode_inputs(args.format, bsz, ctx)
-        rule = choose_decode_splits(bsz, bk.HK, int(inp["bt"].shape[1]), inp["q"].device)
+        rule = bk.rule_splits(inp)
         base = None
         for rnd in range(2):
             for factor, warps, bn in CONFIGS:
-                kw: dict[str, Any] = {"variant": "v1", "num_splits": rule * factor}
-                kw.update(num_warps=warps, block_n=bn)
+                kw: dict[str, Any] = {
+                    "variant": "v1",
+                    "num_splits": rule * factor,
+                    "num_warps": warps,
+                    "block_n": bn,
+                }
                 r = bk.guarded(lambda kw=kw, inp=inp: bk.bench_kvarn_decode(inp, **kw))
                 row = {"B": bsz, "ctx": ctx, "config": label(factor, warps, bn), "round": rnd}
                 if rnd == 0 and "error" not in r:
