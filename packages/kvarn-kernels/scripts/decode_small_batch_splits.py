@@ -3,8 +3,8 @@
 At B = 1 / 16K the g64 formats decode at 0.71-0.73x FA3 fp16's speed and k4v2_g128 at 1.03x
 (H100, thirty-fourth session's kernel table). v4c serves B < 8; the split rule gives g64 64
 splits of 4 blocks (256 tokens each) where g128 gets 32 of 512 tokens. This times v4c at
-split counts 8-128 for k4v2_g64 and k4v2_g128 at B = 1 and 4 (16K), each twice, CUDA-graph
-replay. Writes ``decode_small_batch_splits.json`` to ``--out`` and prints a table. On the
+split counts 4-128 for k4v2_g64 and k4v2_g128 at B = 1 and 4 (16K) and B = 1 (4K), each
+twice, CUDA-graph replay. Writes ``decode_small_batch_splits.json`` to ``--out`` and prints a table. On the
 GPU machine::
 
     PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools \\
@@ -21,8 +21,8 @@ from typing import Any
 import bench_kernels as bk  # tools/ on PYTHONPATH
 
 FORMATS = ("kvarn_k4v2_g64", "kvarn_k4v2_g128")
-BATCHES = (1, 4)
-SPLITS = (8, 16, 32, 64, 128)
+SHAPES = ((1, 16384), (4, 16384), (1, 4096))  # (B, context)
+SPLITS = (4, 8, 16, 32, 64, 128)
 
 
 def main() -> None:
@@ -32,13 +32,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
-    print("| format | B | splits | µs (two rounds) | rule's count |")
-    print("|---|---|---|---|---|")
+    print("| format | B | context | splits | µs (two rounds) | rule's count |")
+    print("|---|---|---|---|---|---|")
     for fmt in FORMATS:
-        for bsz in BATCHES:
-            inp = bk.decode_inputs(fmt, bsz, 16384)
+        for bsz, ctx in SHAPES:
+            inp = bk.decode_inputs(fmt, bsz, ctx)
             rule = bk.rule_splits(inp)
             for splits in SPLITS:
+                if splits * 64 > ctx:
+                    continue  # splits of under one 64-token step
                 us = []
                 for _round in range(2):
                     r = bk.guarded(
@@ -47,8 +49,17 @@ def main() -> None:
                         )
                     )
                     us.append(r.get("us", r.get("error")))
-                rows.append({"format": fmt, "B": bsz, "splits": splits, "rule": rule, "us": us})
-                print(f"| {fmt} | {bsz} | {splits} | {us} | {rule} |", flush=True)
+                rows.append(
+                    {
+                        "format": fmt,
+                        "B": bsz,
+                        "context": ctx,
+                        "splits": splits,
+                        "rule": rule,
+                        "us": us,
+                    }
+                )
+                print(f"| {fmt} | {bsz} | {ctx} | {splits} | {us} | {rule} |", flush=True)
             del inp
             torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
