@@ -1868,22 +1868,25 @@ def test_auto_decode_variant_takes_the_gluon_kernels_where_they_were_timed(
 def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -> None:
     """On an H200 a batch of 8 or more plans v6f (4 query heads per KV head) at three times the
     split count (one warp per program) plus its pool-phase partial; smaller batches plan v4c
-    at the plain count; the tuning option of another kernel keeps v4c; the workspace follows
-    the plan."""
+    at two programs per SM; the tuning option of another kernel keeps v4c; the workspace
+    follows the plan."""
     from kvarn_kernels import DecodePlan, choose_decode_splits, decode_plan, decode_workspace_numel
 
     args = ("kvarn_k4v2_g128", 32, 8, 128, 1024, h200)
-    for batch in (1, 8, 64, 256):
+    for batch in (1, 4, 7, 8, 64, 256):
         plan = decode_plan(args[0], batch, *args[1:])
         base = choose_decode_splits(batch, 8, 1024, h200)
         if batch < 8:
-            assert plan == DecodePlan("v4c", base)
-            assert plan.partials == base
+            small = choose_decode_splits(batch, 8, 1024, h200, programs_per_sm=2)
+            assert plan == DecodePlan("v4c", small)
+            assert plan.partials == small
+            # 132 SMs: 264 programs wanted over 8, 32 and 56 (request, KV head) pairs
+            assert small == {1: 32, 4: 8, 7: 4}[batch] == base // 2
         else:
             assert plan == DecodePlan("v6f", 3 * base)
             assert plan.partials == 3 * base + 1
         assert decode_workspace_numel(batch, 32, 128, plan.partials) >= decode_workspace_numel(
-            batch, 32, 128, base
+            batch, 32, 128, min(base, plan.num_splits)
         )
     assert decode_plan(*args[:1], 64, *args[1:], mma_rows=8).variant == "v4c"
     assert decode_plan(*args[:1], 64, *args[1:], variant="v1").variant == "v1"
@@ -1922,13 +1925,19 @@ def test_max_decode_partials_bounds_every_plan_without_a_device(
                     plan = decode_plan(name, batch, 8 * qpk, 8, 128, 512, h200, variant=variant)
                     planned.append(plan.partials)
                 assert max(planned) <= bound, (name, batch, variant, planned, bound)
-                # reached at 160 SMs unless "auto" plans a kernel other than v5 where v5 may
-                # serve (the bound knows neither the format nor the GPU's v5 rule)
-                v5_may_serve = variant == "auto" and qpk <= 16
-                if not v5_may_serve or (batch >= 8 and name != "kvarn_k5v5_g64"):
+                # reached at 160 SMs by a named variant; by "auto" from B = 8 where it plans
+                # the kernel of the most partials: v5/v6f on 4-bit keys up to 16 heads, and
+                # v1 or v4c beyond (the bound knows neither the format nor the GPU's v5 rule,
+                # and below B = 8 takes v1's count, twice v4c's there)
+                gluon_or_beyond = name != "kvarn_k5v5_g64" or qpk > 16
+                if variant != "auto" or (batch >= 8 and gluon_or_beyond):
                     assert bound == planned[-1], (name, batch, variant, planned, bound)
     by_sms = [decode_splits_for_sms(3, 8, 512, n) for n in range(1, 300)]
     assert by_sms == sorted(by_sms)
+    by_density = [decode_splits_for_sms(3, 8, 512, 132, programs_per_sm=n) for n in range(1, 9)]
+    assert by_density == sorted(by_density) and by_density[0] < by_density[-1]
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        decode_splits_for_sms(3, 8, 512, 132, programs_per_sm=0)
     with pytest.raises(ValueError, match="variant must be"):
         max_decode_partials("v9", 1, 32, 8, 512, max_sms=160)
 

@@ -794,27 +794,39 @@ def _chunk_tokens(d: int, g: int) -> int:
 
 
 def choose_decode_splits(
-    batch: int, num_kv_heads: int, max_blocks: int, device: torch.device
+    batch: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    device: torch.device,
+    *,
+    programs_per_sm: int = 4,
 ) -> int:
     """Split count from static shapes only (CUDA-graph safe): enough programs to fill the GPU.
 
-    Aims at about four programs per SM, and at least 4 blocks per split, rounded down to a
-    power of two. The split count is a compile-time constant of the decode and merge kernels,
+    Aims at about ``programs_per_sm`` programs per SM, and at least 4 blocks per split,
+    rounded down to a power of two. The split count is a compile-time constant of the decode and merge kernels,
     so every distinct value is a separate Triton compile (seconds each). A serving engine
     decodes every batch size from 1 to ``max_num_seqs`` (mixed prefill/decode batches run
     eagerly at any size): unrounded, that is ~15 values, most first seen while serving; the
     powers of two (at most 7) are all met by vLLM's CUDA-graph capture sizes at start-up.
     """
-    return decode_splits_for_sms(batch, num_kv_heads, max_blocks, _num_sms(device))
+    return decode_splits_for_sms(
+        batch, num_kv_heads, max_blocks, _num_sms(device), programs_per_sm=programs_per_sm
+    )
 
 
-def decode_splits_for_sms(batch: int, num_kv_heads: int, max_blocks: int, num_sms: int) -> int:
+def decode_splits_for_sms(
+    batch: int, num_kv_heads: int, max_blocks: int, num_sms: int, *, programs_per_sm: int = 4
+) -> int:
     """:func:`choose_decode_splits`'s rule for a GPU of ``num_sms`` SMs, without a device.
 
-    Non-decreasing in ``num_sms``: its value at an SM count bounds every GPU with fewer (what
-    a process that must not initialize CUDA, vLLM's engine, sizes workspaces with)."""
+    Non-decreasing in ``num_sms`` and in ``programs_per_sm``: its value at an SM count bounds
+    every GPU with fewer (what a process that must not initialize CUDA, vLLM's engine, sizes
+    workspaces with)."""
+    if programs_per_sm < 1:
+        raise ValueError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
     progs = max(1, batch * num_kv_heads)
-    want = cdiv(4 * num_sms, progs)
+    want = cdiv(programs_per_sm * num_sms, progs)
     cap = max(1, cdiv(max_blocks, 4))
     splits = int(max(1, min(want, cap, 64)))
     return 1 << (splits.bit_length() - 1)
@@ -1536,6 +1548,14 @@ def _v4_supports(geo: DenseGeometry) -> bool:
 #: their second launch (the pool phase) costs more than its loop saves (H200, fifteenth session, k4v2_g128 at 16K:
 #: 1.21x v4c's time at B = 1, 0.87x at B = 8, 0.78x at B = 64).
 V5_MIN_BATCH = 8
+#: Programs per SM the split rule aims at for v4c below :data:`V5_MIN_BATCH` (the batches it
+#: serves by default), where the rule's four made each program too short. H100, thirty-fifth
+#: session (``scripts/decode_small_batch_splits.py``, k4v2_g64 and k4v2_g128, µs per layer,
+#: graph replay): at 16K the rule's four took 1.59x / 1.12x the sweep's best at B = 1
+#: (k4v2_g64 59.5 against 37.4 at 16 splits) and 1.17x at B = 4; two take 1.11x at B = 1
+#: (32 splits; 16 was best) and the best at B = 4 (8 splits), and leave 4K's counts as they
+#: were (capped at 4 blocks per split, within 1.01x of the best).
+V4C_SMALL_BATCH_PROGRAMS_PER_SM = 2
 #: The GPUs (CUDA compute capabilities) ``variant="auto"`` runs v5 on: sm_90 (H100, H200),
 #: the architecture it was timed on (an H200).
 V5_AUTO_CAPABILITIES = ((9, 0),)
@@ -1796,12 +1816,34 @@ def _default_splits(
     block_n: int | None = None,
     num_warps: int | None = None,
 ) -> int:
-    """A decode launch's split count when none is given: :func:`choose_decode_splits`, times
-    v5's factor for its warps per program."""
+    """A decode launch's split count when none is given (:func:`_splits_for_sms`)."""
+    qpk = num_q_heads // num_kv_heads
+    sms = _num_sms(device)
+    return _splits_for_sms(variant, batch, qpk, num_kv_heads, max_blocks, sms, block_n, num_warps)
+
+
+def _splits_for_sms(
+    variant: str,
+    batch: int,
+    qpk: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    num_sms: int,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> int:
+    """``variant``'s default split count on a GPU of ``num_sms`` SMs: the split rule
+    (:func:`decode_splits_for_sms`) times v5's factor for its warps per program; v4c below
+    :data:`V5_MIN_BATCH` at :data:`V4C_SMALL_BATCH_PROGRAMS_PER_SM`."""
+    if variant == "v4c" and batch < V5_MIN_BATCH:
+        density = V4C_SMALL_BATCH_PROGRAMS_PER_SM
+        return decode_splits_for_sms(
+            batch, num_kv_heads, max_blocks, num_sms, programs_per_sm=density
+        )
     factor = 1
     if variant in V5_VARIANTS:
-        factor = _v5_split_factor(num_q_heads // num_kv_heads, block_n, num_warps, variant)
-    return factor * choose_decode_splits(batch, num_kv_heads, max_blocks, device)
+        factor = _v5_split_factor(qpk, block_n, num_warps, variant)
+    return factor * decode_splits_for_sms(batch, num_kv_heads, max_blocks, num_sms)
 
 
 def max_decode_partials(
@@ -1824,14 +1866,11 @@ def max_decode_partials(
     qpk = num_q_heads // num_kv_heads
     if variant != "auto":
         candidates: tuple[str, ...] = (variant,)
-    else:  # v1 and v4c write no extra partial; v5 and v6f serve up to 16 and 8 heads
+    else:  # v1 (5-bit codes) and v4c; v5 and v6f serve up to 16 and 8 heads
         gluon = (("v5", V5_MAX_QPK), ("v6f", V6_MAX_QPK))
-        candidates = ("v4c", *(v for v, most in gluon if qpk <= most))
-    splits = decode_splits_for_sms(batch, num_kv_heads, max_blocks, max_sms)
+        candidates = ("v1", "v4c", *(v for v, most in gluon if qpk <= most))
     return max(
-        decode_partials(
-            v, splits * (_v5_split_factor(qpk, None, None, v) if v in V5_VARIANTS else 1)
-        )
+        decode_partials(v, _splits_for_sms(v, batch, qpk, num_kv_heads, max_blocks, max_sms))
         for v in candidates
     )
 
