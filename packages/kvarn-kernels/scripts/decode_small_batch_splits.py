@@ -1,11 +1,13 @@
-"""v4c's split count at small batches, 64- against 128-token tiles (GPU only).
+"""The small-batch kernels' split counts: v4c on 64- and 128-token tiles, v1 on 5-bit codes
+(GPU only).
 
 At B = 1 / 16K the g64 formats decode at 0.71-0.73x FA3 fp16's speed and k4v2_g128 at 1.03x
 (H100, thirty-fourth session's kernel table). v4c serves B < 8; the split rule gives g64 64
 splits of 4 blocks (256 tokens each) where g128 gets 32 of 512 tokens. This times v4c at
 split counts 4-128 for k4v2_g64 and k4v2_g128 at B = 1 and 4 (16K) and B = 1 (4K), each
-twice, CUDA-graph replay. Writes ``decode_small_batch_splits.json`` to ``--out`` and prints a table. On the
-GPU machine::
+twice, CUDA-graph replay; and v1 (``kvarn_k5v5_g64``, every batch) on the same shapes, under
+the same rule. Writes ``decode_small_batch_splits.json`` to ``--out`` and prints a table. On
+the GPU machine::
 
     PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools \\
         python3 packages/kvarn-kernels/scripts/decode_small_batch_splits.py --out $OUT
@@ -20,7 +22,7 @@ from typing import Any
 
 import bench_kernels as bk  # tools/ on PYTHONPATH
 
-FORMATS = ("kvarn_k4v2_g64", "kvarn_k4v2_g128")
+CASES = (("kvarn_k4v2_g64", "v4c"), ("kvarn_k4v2_g128", "v4c"), ("kvarn_k5v5_g64", "v1"))
 SHAPES = ((1, 16384), (4, 16384), (1, 4096))  # (B, context)
 SPLITS = (4, 8, 16, 32, 64, 128)
 
@@ -32,9 +34,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
-    print("| format | B | context | splits | µs (two rounds) | rule's count |")
-    print("|---|---|---|---|---|---|")
-    for fmt in FORMATS:
+    print("| format | variant | B | context | splits | µs (two rounds) | rule's count |")
+    print("|---|---|---|---|---|---|---|")
+    for fmt, variant in CASES:
         for bsz, ctx in SHAPES:
             inp = bk.decode_inputs(fmt, bsz, ctx)
             rule = bk.rule_splits(inp)
@@ -44,14 +46,15 @@ def main() -> None:
                 us = []
                 for _round in range(2):
                     r = bk.guarded(
-                        lambda inp=inp, s=splits: bk.bench_kvarn_decode(
-                            inp, variant="v4c", num_splits=s
+                        lambda inp=inp, s=splits, v=variant: bk.bench_kvarn_decode(
+                            inp, variant=v, num_splits=s
                         )
                     )
                     us.append(r.get("us", r.get("error")))
                 rows.append(
                     {
                         "format": fmt,
+                        "variant": variant,
                         "B": bsz,
                         "context": ctx,
                         "splits": splits,
@@ -59,7 +62,9 @@ def main() -> None:
                         "us": us,
                     }
                 )
-                print(f"| {fmt} | {bsz} | {ctx} | {splits} | {us} | {rule} |", flush=True)
+                print(
+                    f"| {fmt} | {variant} | {bsz} | {ctx} | {splits} | {us} | {rule} |", flush=True
+                )
             del inp
             torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
