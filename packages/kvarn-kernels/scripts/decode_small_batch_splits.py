@@ -5,8 +5,8 @@ At B = 1 / 16K the g64 formats decode at 0.71-0.73x FA3 fp16's speed and k4v2_g1
 (H100, thirty-fourth session's kernel table). v4c serves B < 8; the split rule gives g64 64
 splits of 4 blocks (256 tokens each) where g128 gets 32 of 512 tokens. This times v4c at
 split counts 4-128 for k4v2_g64 and k4v2_g128 at B = 1 and 4 (16K) and B = 1 (4K), each
-twice, CUDA-graph replay; and v1 (``kvarn_k5v5_g64``, every batch) on the same shapes, under
-the same rule. Writes ``decode_small_batch_splits.json`` to ``--out`` and prints a table. On
+twice, CUDA-graph replay; v1 (``kvarn_k5v5_g64``, every batch) and v6f (the default from B
+= 8) on the same shapes. Writes ``decode_small_batch_splits.json`` to ``--out`` and prints a table. On
 the GPU machine::
 
     PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools \\
@@ -22,7 +22,14 @@ from typing import Any
 
 import bench_kernels as bk  # tools/ on PYTHONPATH
 
-CASES = (("kvarn_k4v2_g64", "v4c"), ("kvarn_k4v2_g128", "v4c"), ("kvarn_k5v5_g64", "v1"))
+CASES = (
+    ("kvarn_k4v2_g64", "v4c"),
+    ("kvarn_k4v2_g128", "v4c"),
+    ("kvarn_k5v5_g64", "v1"),
+    # the Gluon kernel below V5_MIN_BATCH: its pool tiles on a side stream, one-warp programs
+    ("kvarn_k4v2_g64", "v6f"),
+    ("kvarn_k4v2_g128", "v6f"),
+)
 SHAPES = ((1, 16384), (4, 16384), (1, 4096))  # (B, context)
 SPLITS = (4, 8, 16, 32, 64, 128)
 
