@@ -1829,7 +1829,8 @@ def _geo(name: str, d: int) -> Any:
         ("kvarn_k4v2_g128", 128, {"qpk": 8}, "v6f"),  # v6's 8 query columns full
         ("kvarn_k4v2_g128", 128, {"qpk": 16}, "v5"),  # more heads than v6 takes: v5's rows
         ("kvarn_k4v4_g128", 128, {"qpk": 12}, "v5"),
-        ("kvarn_k4v2_g128", 128, {"batch": 7}, "v4c"),  # the pool-phase launch costs more
+        ("kvarn_k4v2_g128", 128, {"batch": 1}, "v6f"),  # its pool tiles on a side stream
+        ("kvarn_k4v2_g128", 128, {"batch": 7, "qpk": 12}, "v4c"),  # v5 from 8 requests
         ("kvarn_k4v2_g128", 128, {"qpk": 32}, "v4c"),  # more heads than v5's 16 MMA rows
         ("kvarn_k4v2_g128", 64, {}, "v4c"),  # v5 is written for head dim 128
         ("kvarn_k4v2_g128", 128, {"shape_option": True}, "v4c"),  # another kernel's tuning
@@ -1866,10 +1867,10 @@ def test_auto_decode_variant_takes_the_gluon_kernels_where_they_were_timed(
 
 
 def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -> None:
-    """On an H200 a batch of 8 or more plans v6f (4 query heads per KV head) at three times the
-    split count (one warp per program) plus its pool-phase partial; smaller batches plan v4c
-    at two programs per SM; the tuning option of another kernel keeps v4c; the workspace
-    follows the plan."""
+    """On an H200 every batch plans v6f (4 query heads per KV head) plus its pool-phase
+    partial: from 8 requests at three times the split count (one warp per program), below at
+    the count itself; at 12 query heads per KV head, smaller batches plan v4c at two programs
+    per SM; the tuning option of another kernel keeps v4c; the workspace follows the plan."""
     from kvarn_kernels import DecodePlan, choose_decode_splits, decode_plan, decode_workspace_numel
 
     args = ("kvarn_k4v2_g128", 32, 8, 128, 1024, h200)
@@ -1877,10 +1878,12 @@ def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -
         plan = decode_plan(args[0], batch, *args[1:])
         base = choose_decode_splits(batch, 8, 1024, h200)
         if batch < 8:
+            assert plan == DecodePlan("v6f", base)
+            assert plan.partials == base + 1
+            # v5's 12 heads are served from 8 requests: v4c, at two programs per SM (132
+            # SMs: 264 programs wanted over 8, 32 and 56 (request, KV head) pairs)
             small = choose_decode_splits(batch, 8, 1024, h200, programs_per_sm=2)
-            assert plan == DecodePlan("v4c", small)
-            assert plan.partials == small
-            # 132 SMs: 264 programs wanted over 8, 32 and 56 (request, KV head) pairs
+            assert decode_plan(args[0], batch, 96, *args[2:]) == DecodePlan("v4c", small)
             assert small == {1: 32, 4: 8, 7: 4}[batch] == base // 2
         else:
             assert plan == DecodePlan("v6f", 3 * base)
@@ -2019,13 +2022,14 @@ def test_padded_records_decode_and_prefill(
     _assert_close(prefill_attention(*args), prefill_attention_ref(*args))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("splits", [3, 8])
+@pytest.mark.parametrize("splits", [3, 8, 20])
 def test_merge_unrolled_and_looped_agree(
     device: torch.device, splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The merge's unrolled split loop (up to ``MERGE_UNROLL_MAX_SPLITS`` splits; 3 pads to
-    4 with masked splits) gives the looped merge's output, up to the order of the weights'
-    sum. The first request's 16 blocks give each of 8 splits some."""
+    4 with masked splits; 20 takes a full chunk of ``MERGE_CHUNK`` and a partial one) gives
+    the looped merge's output, up to the order of the weights' sum. The first request's 16
+    blocks give each of 8 splits some, and leave 4 of 20 empty."""
     from kvarn_kernels import attention
 
     name, d, hk, hq = "kvarn_k4v2_g64", 64, 2, 8

@@ -705,9 +705,10 @@ def test_gluon_decode_plans_reach_the_workspace_the_charge_and_the_log(
     kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where ``variant="auto"`` picks the Gluon kernels (v6f at Qwen3's 4 query heads per KV
-    head, batches of 8 or more on an H200, faked here), the worker's decode plan runs v6f at
-    its split count, its workspace holds the extra partial, the engine's charge
-    (decode_workspace_bytes) still bounds it, and the start-up log's summary names it."""
+    head on an H200, faked here), the worker's decode plan runs v6f at its split count (three
+    times the rule's from 8 requests), its workspace holds the extra partial, the engine's
+    charge (decode_workspace_bytes) still bounds it, and the start-up log's summary names
+    it."""
     from kvarn_kernels import attention
     from kvarn_vllm.budget import decode_workspace_bytes
 
@@ -717,11 +718,11 @@ def test_gluon_decode_plans_reach_the_workspace_the_charge_and_the_log(
     monkeypatch.setattr(attention, "_v5_serves", lambda geo, qpk, device: True)
     monkeypatch.setattr(attention, "triton_interpret", lambda: False)  # nothing is launched
     rt = _serving_builder(qwen3_dir).runtime
-    assert rt.decode_plan(1).variant == "v4c"
+    assert rt.decode_plan(1).variant == "v6f"
     plan = rt.decode_plan(64)
     assert plan.variant == "v6f"  # Qwen3: 4 query heads per KV head
     top = rt.max_num_seqs
-    assert rt.decode_kernels_by_batch() == f"v4c for B = 1-7, v6f for B = 8-{top}"
+    assert rt.decode_kernels_by_batch() == f"v6f for B = 1-{top}"
     assert base.decode_kernels_by_batch() == f"v4c for B = 1-{top}"  # a CPU
     assert plan.num_splits == 3 * base.decode_plan(64).num_splits  # one-warp programs
     with_v5 = 4 * rt.decode_workspace_numel(rt.max_num_seqs)

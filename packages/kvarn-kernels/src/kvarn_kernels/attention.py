@@ -658,6 +658,10 @@ def _attn_kernel(
     tl.store(LSE_PART + prow_out, lse, mask=row_ok)
 
 
+#: Splits whose partial loads the unrolled merge issues together.
+MERGE_CHUNK: tl.constexpr = tl.constexpr(16)
+
+
 @triton.jit
 def _merge_unrotate_kernel(
     O_PART,
@@ -678,8 +682,9 @@ def _merge_unrotate_kernel(
     """Merge split partials by log-sum-exp, un-rotate (``@ H``) and cast to the output dtype.
 
     ``UNROLL`` (0, or the power of two at or above ``NUM_SPLITS``; see
-    :data:`MERGE_UNROLL_MAX_SPLITS`): the split loop unrolled, so every split's partial load is
-    in flight at once rather than one loop trip's at a time.
+    :data:`MERGE_UNROLL_MAX_SPLITS`): the split loop unrolled :data:`MERGE_CHUNK` splits at a
+    time, so a chunk's partial loads are in flight together rather than one loop trip's at a
+    time (the chunks bound the registers the loads hold).
 
     ``ROWS_PER_TOKEN > 0`` (verify): only the first ``TOKENS[0] * ROWS_PER_TOKEN`` rows hold
     partials (``TOKENS`` is ``query_start_loc[B]`` on the device); the rows of a padded batch's
@@ -701,16 +706,19 @@ def _merge_unrotate_kernel(
         )
         mx = tl.max(lse_all, axis=1)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
-        w_all = tl.exp2(lse_all - mx[:, None])
+        wsum = tl.sum(tl.exp2(lse_all - mx[:, None]), axis=1)
         o = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-        for j in tl.static_range(NUM_SPLITS):
-            part = tl.load(
-                O_PART + (j * n_rows + rows64)[:, None] * D + dd[None, :],
-                mask=rmask[:, None],
-                other=0.0,
-            )
-            o += tl.sum(tl.where(sp[None, :] == j, w_all, 0.0), axis=1)[:, None] * part
-        wsum = tl.sum(w_all, axis=1)
+        for c0 in range(0, NUM_SPLITS, MERGE_CHUNK):
+            for jj in tl.static_range(MERGE_CHUNK):
+                j = c0 + jj
+                ok = rmask & (j < NUM_SPLITS)
+                lse = tl.load(LSE_PART + j * n_rows + rows64, mask=ok, other=float("-inf"))
+                part = tl.load(
+                    O_PART + (j * n_rows + rows64)[:, None] * D + dd[None, :],
+                    mask=ok[:, None],
+                    other=0.0,
+                )
+                o += tl.exp2(lse - mx)[:, None] * part
         o = o / tl.where(wsum > 0, wsum, 1.0)[:, None]
     elif NUM_SPLITS > 1:
         mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
@@ -1462,10 +1470,12 @@ def _launch(
     )
 
 
-#: Unroll the merge's split loop (:func:`_merge_unrotate_kernel`'s ``UNROLL``) up to this many
-#: splits (their partial loads in flight together; more would hold too many registers); 0
-#: never.
-MERGE_UNROLL_MAX_SPLITS = 16
+#: Unroll the merge's split loop (:func:`_merge_unrotate_kernel`'s ``UNROLL``, a chunk of
+#: :data:`MERGE_CHUNK` splits at a time) up to this many partials; 0 never. Up to the
+#: thirty-fourth session 16, unchunked: one request's 33 partials (v4c at 32 splits) then
+#: merged one loop trip at a time, 10.7 µs of a 44 µs decode at B = 1 / 16K (H100, torch
+#: profiler), against 3.5 µs for 16 unrolled partials at 4K.
+MERGE_UNROLL_MAX_SPLITS = 128
 
 
 def _check_common(
@@ -1544,18 +1554,23 @@ def _v4_supports(geo: DenseGeometry) -> bool:
     return geo.key_bits == 4 and geo.value_bits in (2, 4)
 
 
-#: The smallest decode batch ``variant="auto"`` runs the Gluon kernels (v6f, v5) for: below it
-#: their second launch (the pool phase) costs more than its loop saves (H200, fifteenth session, k4v2_g128 at 16K:
-#: 1.21x v4c's time at B = 1, 0.87x at B = 8, 0.78x at B = 64).
+#: The smallest decode batch ``variant="auto"`` runs v5 for, and v6f's split factor
+#: (:data:`~kvarn_kernels.decode_v5.V5_ONE_WARP_SPLITS`) starts at: below it v5's second
+#: launch (the pool phase) cost more than its loop saved (H200, fifteenth session, k4v2_g128
+#: at 16K: 1.21x v4c's time at B = 1, 0.87x at B = 8, 0.78x at B = 64).
 V5_MIN_BATCH = 8
-#: Programs per SM the split rule aims at for v4c below :data:`V5_MIN_BATCH` (the batches it
-#: serves by default), where the rule's four made each program too short. H100, thirty-fifth
-#: session (``scripts/decode_small_batch_splits.py``, k4v2_g64 and k4v2_g128, µs per layer,
-#: graph replay): at 16K the rule's four took 1.59x / 1.12x the sweep's best at B = 1
-#: (k4v2_g64 59.5 against 37.4 at 16 splits) and 1.17x at B = 4; two take 1.11x at B = 1
-#: (32 splits; 16 was best) and the best at B = 4 (8 splits), and leave 4K's counts as they
-#: were (capped at 4 blocks per split, within 1.01x of the best).
-V4C_SMALL_BATCH_PROGRAMS_PER_SM = 2
+#: The smallest decode batch ``variant="auto"`` runs v6f for. H100, thirty-fifth session
+#: (``scripts/decode_small_batch_splits.py``, µs per layer, graph replay, each kernel at its
+#: best split count): v6f, its pool tiles on a side stream, took 0.84x v4c's time at B = 4 /
+#: 16K (k4v2_g64 53.8 against 64.1, k4v2_g128 54.8 against 65.6), 0.90-0.99x at B = 1.
+V6_MIN_BATCH = 1
+#: Programs per SM the split rule aims at below :data:`V5_MIN_BATCH` for the 4-warp kernels
+#: (v4c, v1), where the rule's four made each program too short. H100, thirty-fifth session
+#: (``scripts/decode_small_batch_splits.py``, µs per layer, graph replay): at 16K the rule's
+#: four took 1.12-1.59x the sweep's best at B = 1 (k4v2_g64 on v4c 59.5 against 37.4 at 16
+#: splits, k5v5_g64 on v1 64.6 against 54.0 at 32) and 1.02-1.17x at B = 4; two take
+#: 1.00-1.11x, and leave 4K's counts as they were (capped at 4 blocks per split).
+SMALL_BATCH_PROGRAMS_PER_SM = 2
 #: The GPUs (CUDA compute capabilities) ``variant="auto"`` runs v5 on: sm_90 (H100, H200),
 #: the architecture it was timed on (an H200).
 V5_AUTO_CAPABILITIES = ((9, 0),)
@@ -1608,11 +1623,12 @@ def default_decode_variant(
 ) -> str:
     """The decode kernel ``variant="auto"`` runs.
 
-    The Gluon kernels, one warp per program, for batches of :data:`V5_MIN_BATCH` or more on
-    the GPUs of :data:`V5_AUTO_CAPABILITIES`, at head dim 128 with the in-cache code order,
-    unless a tuning option of another kernel was given (``v4_option``; ``shape_option``:
-    ``block_n``, ``num_warps`` or ``fast_unpack``): v6f (:mod:`kvarn_kernels.decode_v6`) up to
-    8 query heads per KV head, v5 (:mod:`kvarn_kernels.decode_v5`) up to 16. H200,
+    The Gluon kernels, one warp per program, on the GPUs of :data:`V5_AUTO_CAPABILITIES`, at
+    head dim 128 with the in-cache code order, unless a tuning option of another kernel was
+    given (``v4_option``; ``shape_option``: ``block_n``, ``num_warps`` or ``fast_unpack``): v6f
+    (:mod:`kvarn_kernels.decode_v6`) up to 8 query heads per KV head from
+    :data:`V6_MIN_BATCH` requests, v5 (:mod:`kvarn_kernels.decode_v5`) up to 16 from
+    :data:`V5_MIN_BATCH`. H200,
     seventeenth session (k4v2_g128, µs per layer, graph replay, one ``bench_kernels.py
     --variants decode`` run): v6f against v5 89 vs 96 at B = 8 / 16K, 376 vs 459 at B = 64 /
     16K, 465 vs 549 at B = 256 / 4K; all v6/v6f tests and memcheck passed on the same
@@ -1638,10 +1654,13 @@ def default_decode_variant(
     """
     if not _v4_supports(geo) or not prefetch:
         return "v1"
-    if not (v4_option or shape_option) and batch >= V5_MIN_BATCH and _v5_serves(geo, qpk, device):
+    if not (v4_option or shape_option) and _v5_serves(geo, qpk, device):
         from kvarn_kernels.decode_v6 import V6_MAX_QPK
 
-        return "v6f" if qpk <= V6_MAX_QPK else "v5"
+        if qpk <= V6_MAX_QPK and batch >= V6_MIN_BATCH:
+            return "v6f"
+        if batch >= V5_MIN_BATCH:
+            return "v5"
     if v4_option or geo.head_dim <= 256:
         return "v4c"
     return "v1"
@@ -1833,16 +1852,21 @@ def _splits_for_sms(
     num_warps: int | None = None,
 ) -> int:
     """``variant``'s default split count on a GPU of ``num_sms`` SMs: the split rule
-    (:func:`decode_splits_for_sms`) times v5's factor for its warps per program; v4c below
-    :data:`V5_MIN_BATCH` at :data:`V4C_SMALL_BATCH_PROGRAMS_PER_SM`."""
-    if variant == "v4c" and batch < V5_MIN_BATCH:
-        density = V4C_SMALL_BATCH_PROGRAMS_PER_SM
+    (:func:`decode_splits_for_sms`) times v5's factor for its warps per program from
+    :data:`V5_MIN_BATCH` requests; below it, the rule itself for v5 and v6f (the one-warp
+    factor's 3x was only timed from B = 8) and :data:`SMALL_BATCH_PROGRAMS_PER_SM` for v4c
+    and v1."""
+    small = batch < V5_MIN_BATCH
+    if small and variant in ("v4c", "v1"):
+        density = SMALL_BATCH_PROGRAMS_PER_SM
         return decode_splits_for_sms(
             batch, num_kv_heads, max_blocks, num_sms, programs_per_sm=density
         )
     factor = 1
     if variant in V5_VARIANTS:
-        factor = _v5_split_factor(qpk, block_n, num_warps, variant)
+        factor = _v5_split_factor(qpk, block_n, num_warps, variant)  # checks the options
+        if small:
+            factor = 1
     return factor * decode_splits_for_sms(batch, num_kv_heads, max_blocks, num_sms)
 
 
