@@ -27,7 +27,7 @@ from typing import Any
 
 import bench_kernels as bk  # tools/ on PYTHONPATH
 
-FORMATS = ("kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_k5v5_g64")
+FORMATS = ("kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k5v5_g64")
 SHAPES = ((1, 4096), (1, 16384), (2, 16384), (4, 4096), (4, 16384), (8, 16384))  # (B, ctx)
 OLD_MERGE_UNROLL = 16
 
