@@ -804,11 +804,12 @@ def choose_decode_splits(
     """Split count from static shapes only (CUDA-graph safe): enough programs to fill the GPU.
 
     Aims at about ``programs_per_sm`` programs per SM, and at least 4 blocks per split,
-    rounded down to a power of two. The split count is a compile-time constant of the decode and merge kernels,
-    so every distinct value is a separate Triton compile (seconds each). A serving engine
-    decodes every batch size from 1 to ``max_num_seqs`` (mixed prefill/decode batches run
-    eagerly at any size): unrounded, that is ~15 values, most first seen while serving; the
-    powers of two (at most 7) are all met by vLLM's CUDA-graph capture sizes at start-up.
+    rounded down to a power of two. The split count is a compile-time constant of the decode
+    and merge kernels, so every distinct value is a separate Triton compile (seconds each).
+    A serving engine decodes every batch size from 1 to ``max_num_seqs`` (mixed
+    prefill/decode batches run eagerly at any size): unrounded, that is ~15 values, most
+    first seen while serving; the powers of two (at most 7) are all met by vLLM's CUDA-graph
+    capture sizes at start-up.
     """
     return decode_splits_for_sms(
         batch, num_kv_heads, max_blocks, _num_sms(device), programs_per_sm=programs_per_sm
