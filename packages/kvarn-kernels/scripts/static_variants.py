@@ -655,3 +655,29 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
     )
     variant(f"prefill_v3ws_shadow {_n} w8")(lambda _n=_n: _prefill_v3(_n, 8, ws=True, shadow=27))
     variant(f"prefill_v3_shadow {_n} w4")(lambda _n=_n: _prefill_v3(_n, 4, shadow=27))
+
+
+def _merge(parts: int) -> Any:
+    """The merge and un-rotation of ``parts`` partials as :func:`attention._launch` compiles
+    it for decode (16 rows a program, head dim 128, fp16 out)."""
+    from kvarn_kernels import attention
+    from kvarn_kernels._common import next_pow2
+
+    sig = {"O_PART": "*fp32", "LSE_PART": "*fp32", "OUT": "*fp16", "S_MAT": "*fp16"}
+    sig.update({"TOKENS": "*fp32", "inv_sqrt_d": "fp32"})
+    unroll = next_pow2(parts) if 1 < parts <= attention.MERGE_UNROLL_MAX_SPLITS else 0
+    consts = dict(
+        NUM_SPLITS=parts,
+        D=128,
+        BLOCK_R=16,
+        BLOCK_N=128,
+        OUT_BF16=False,
+        ROWS_PER_TOKEN=0,
+        UNROLL=unroll,
+    )
+    return compile_kernel(attention._merge_unrotate_kernel, sig, consts, 4)
+
+
+# the served partial counts below 8 requests: v6f at 8-64 splits plus its pool partial, v4c's
+for _parts in (9, 17, 32, 33, 65):
+    variant(f"merge parts{_parts}")(lambda _parts=_parts: _merge(_parts))
