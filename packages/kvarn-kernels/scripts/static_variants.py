@@ -661,11 +661,9 @@ def _merge(parts: int) -> Any:
     """The merge and un-rotation of ``parts`` partials as :func:`attention._launch` compiles
     it for decode (16 rows a program, head dim 128, fp16 out)."""
     from kvarn_kernels import attention
-    from kvarn_kernels._common import next_pow2
 
     sig = {"O_PART": "*fp32", "LSE_PART": "*fp32", "OUT": "*fp16", "S_MAT": "*fp16"}
     sig.update({"TOKENS": "*fp32", "inv_sqrt_d": "fp32"})
-    unroll = next_pow2(parts) if 1 < parts <= attention.MERGE_UNROLL_MAX_SPLITS else 0
     consts = dict(
         NUM_SPLITS=parts,
         D=128,
@@ -673,7 +671,7 @@ def _merge(parts: int) -> Any:
         BLOCK_N=128,
         OUT_BF16=False,
         ROWS_PER_TOKEN=0,
-        UNROLL=unroll,
+        UNROLL=attention._merge_unroll(parts),
     )
     return compile_kernel(attention._merge_unrotate_kernel, sig, consts, 4)
 

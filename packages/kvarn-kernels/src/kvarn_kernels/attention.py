@@ -1457,7 +1457,7 @@ def _launch(
             "BLOCK_N": min(d, 128),
             "OUT_BF16": out.dtype == torch.bfloat16,
             "ROWS_PER_TOKEN": 0 if tokens is None else hq,
-            "UNROLL": next_pow2(parts) if 1 < parts <= MERGE_UNROLL_MAX_SPLITS else 0,
+            "UNROLL": _merge_unroll(parts),
         },
         num_warps=4,
     )
@@ -1467,6 +1467,11 @@ def _launch(
 #: splits (their partial loads in flight together; more would hold too many registers); 0
 #: never.
 MERGE_UNROLL_MAX_SPLITS = 16
+
+
+def _merge_unroll(parts: int) -> int:
+    """:func:`_merge_unrotate_kernel`'s ``UNROLL`` for ``parts`` partials."""
+    return next_pow2(parts) if 1 < parts <= MERGE_UNROLL_MAX_SPLITS else 0
 
 
 def _check_common(
