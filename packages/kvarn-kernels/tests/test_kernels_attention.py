@@ -2023,13 +2023,14 @@ def test_padded_records_decode_and_prefill(
     _assert_close(prefill_attention(*args), prefill_attention_ref(*args))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("splits", [3, 8])
+@pytest.mark.parametrize("splits", [3, 8, 20])
 def test_merge_unrolled_and_looped_agree(
     device: torch.device, splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The merge's unrolled split loop (up to ``MERGE_UNROLL_MAX_SPLITS`` splits; 3 pads to
-    4 with masked splits) gives the looped merge's output, up to the order of the weights'
-    sum. The first request's 16 blocks give each of 8 splits some."""
+    4 with masked splits; 20 takes a full chunk of ``MERGE_CHUNK`` and a partial one) gives
+    the looped merge's output, up to the order of the weights' sum. The first request's 16
+    blocks give each of 8 splits some, and leave 4 of 20 empty."""
     from kvarn_kernels import attention
 
     name, d, hk, hq = "kvarn_k4v2_g64", 64, 2, 8
