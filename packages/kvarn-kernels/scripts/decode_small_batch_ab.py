@@ -3,16 +3,18 @@
 Before: v4c below 8 requests (v1 for 5-bit codes) at the split rule's four programs per SM,
 and a merge that unrolled at most 16 partials (one loop trip per partial beyond). After: v6f
 from one request (its count itself below 8, three times it from 8), v4c and v1 at two
-programs per SM, and the merge unrolled in chunks of 16 up to 128 partials. Three plans per
+programs per SM, and the merge unrolled in chunks of 16 up to 128 partials. Four plans per
 shape, each twice in alternation (µs per layer, CUDA-graph replay):
 
 * ``old``: the old kernel and split count with the old merge (``MERGE_UNROLL_MAX_SPLITS =
   16``);
 * ``old plan, new merge``: the same kernel and count with the chunked merge;
+* ``new plan, old merge``: ``decode_plan``'s kernel and count now with the old merge;
 * ``new``: ``decode_plan``'s kernel and count now, chunked merge.
 
 The new plan's output is compared with the old one's (both against the same inputs). Writes
-``decode_small_batch_ab.json`` to ``--out`` and prints a table. On the GPU machine::
+``decode_small_batch_ab.json`` to ``--out`` and prints a table, then each kernel of the new
+plan at B = 1 and 4 / 16K (k4v2_g128, torch profiler). On the GPU machine::
 
     PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools \\
         python3 packages/kvarn-kernels/scripts/decode_small_batch_ab.py --out $OUT
@@ -56,18 +58,27 @@ def main() -> None:
     shapes = [s for s in SHAPES if s[0] != 2] if args.quick else SHAPES
     new_unroll = attention.MERGE_UNROLL_MAX_SPLITS
     rows: list[dict[str, Any]] = []
-    print("| format | B / ctx | old (plan) | old plan, new merge | new (plan) | new / old |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| format | B / ctx | old (plan) | old plan, new merge | new plan, old merge "
+        "| new (plan) | new / old |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for fmt in formats:
         for bsz, ctx in shapes:
             inp = bk.decode_inputs(fmt, bsz, ctx)
             variant, splits = old_plan(inp)
-            times: dict[str, list[float]] = {"old": [], "old_new_merge": [], "new": []}
+            times: dict[str, list[float]] = {
+                "old": [],
+                "old_new_merge": [],
+                "new_old_merge": [],
+                "new": [],
+            }
             new_plan: dict[str, Any] = {}
             for _round in range(2):
                 attention.MERGE_UNROLL_MAX_SPLITS = OLD_MERGE_UNROLL
                 r = bk.bench_kvarn_decode(inp, variant=variant, num_splits=splits)
                 times["old"].append(r["us"])
+                times["new_old_merge"].append(bk.bench_kvarn_decode(inp)["us"])
                 attention.MERGE_UNROLL_MAX_SPLITS = new_unroll
                 r = bk.bench_kvarn_decode(inp, variant=variant, num_splits=splits)
                 times["old_new_merge"].append(r["us"])
@@ -92,14 +103,26 @@ def main() -> None:
             rows.append(row)
             print(
                 f"| {fmt} | {bsz} / {ctx // 1024}K | {best['old']:.1f} ({variant} {splits}) | "
-                f"{best['old_new_merge']:.1f} | {best['new']:.1f} ({new_plan['variant']} "
-                f"{new_plan['splits']}) | {row['new_over_old']:.3f}x (diff {max_diff:.1e}) |",
+                f"{best['old_new_merge']:.1f} | {best['new_old_merge']:.1f} | "
+                f"{best['new']:.1f} ({new_plan['variant']} {new_plan['splits']}) | {row['new_over_old']:.3f}x (diff {max_diff:.1e}) |",
                 flush=True,
             )
             del inp
             torch.cuda.empty_cache()
+    # Where the new plan's time goes at one and four requests (torch profiler, chunked merge)
+    from decode_v6_probe import kernel_shares  # this script's folder is on sys.path
+
+    shares: dict[str, list[dict[str, Any]]] = {}
+    for bsz in (1, 4):
+        inp = bk.decode_inputs("kvarn_k4v2_g128", bsz, 16384)
+        shares[f"{bsz}/16384"] = kernel_shares(inp)
+        for r in shares[f"{bsz}/16384"]:
+            print(f"B={bsz} ctx=16K: {r['us_per_launch']:8.2f} µs  {r['kernel']}")
+        del inp
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode_small_batch_ab.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "decode_small_batch_ab.json").write_text(
+        json.dumps({"rows": rows, "kernel_shares": shares}, indent=1)
+    )
 
 
 if __name__ == "__main__":
