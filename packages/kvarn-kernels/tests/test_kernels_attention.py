@@ -1869,8 +1869,9 @@ def test_auto_decode_variant_takes_the_gluon_kernels_where_they_were_timed(
 def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -> None:
     """On an H200 every batch plans v6f (4 query heads per KV head) plus its pool-phase
     partial: from 8 requests at three times the split count (one warp per program), below at
-    the count itself; at 12 query heads per KV head, smaller batches plan v4c at two programs
-    per SM; the tuning option of another kernel keeps v4c; the workspace follows the plan."""
+    eight programs per SM and at most 32 splits; at 12 query heads per KV head, smaller
+    batches plan v4c at two programs per SM; the tuning option of another kernel keeps v4c;
+    the workspace follows the plan."""
     from kvarn_kernels import DecodePlan, choose_decode_splits, decode_plan, decode_workspace_numel
 
     args = ("kvarn_k4v2_g128", 32, 8, 128, 1024, h200)
@@ -1878,8 +1879,12 @@ def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -
         plan = decode_plan(args[0], batch, *args[1:])
         base = choose_decode_splits(batch, 8, 1024, h200)
         if batch < 8:
-            assert plan == DecodePlan("v6f", base)
-            assert plan.partials == base + 1
+            # 132 SMs: 1,056 one-warp programs wanted over 8, 32 and 56 (request, KV head)
+            # pairs, at most 32 splits
+            small_v6f = choose_decode_splits(batch, 8, 1024, h200, programs_per_sm=8)
+            assert small_v6f == {1: 64, 4: 32, 7: 16}[batch]
+            assert plan == DecodePlan("v6f", min(small_v6f, 32))
+            assert plan.partials == plan.num_splits + 1
             # v5's 12 heads are served from 8 requests: v4c, at two programs per SM (132
             # SMs: 264 programs wanted over 8, 32 and 56 (request, KV head) pairs)
             small = choose_decode_splits(batch, 8, 1024, h200, programs_per_sm=2)
@@ -1909,6 +1914,18 @@ def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -
         assert plan == DecodePlan("v5", factor * base)
 
 
+def test_v6f_small_batch_splits_count_tokens(h200: torch.device) -> None:
+    """Below 8 requests v6f's split count follows the context in tokens, whatever the tile
+    (at least 256 tokens a split, at most 32 splits): the counts the thirty-sixth session's
+    H200 sweep found best."""
+    from kvarn_kernels import decode_plan
+
+    for name, group in (("kvarn_k4v2_g64", 64), ("kvarn_k4v2_g128", 128)):
+        for batch, context, want in ((1, 4096, 16), (1, 16384, 32), (4, 16384, 32)):
+            plan = decode_plan(name, batch, 32, 8, 128, context // group, h200)
+            assert (plan.variant, plan.num_splits) == ("v6f", want), (name, batch, context)
+
+
 def test_max_decode_partials_bounds_every_plan_without_a_device(
     h200: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1930,18 +1947,20 @@ def test_max_decode_partials_bounds_every_plan_without_a_device(
                 assert max(planned) <= bound, (name, batch, variant, planned, bound)
                 # reached at 160 SMs by a named variant, and by "auto" wherever it plans the
                 # candidate of the most partials (the bound knows neither the format nor the
-                # GPU's v5 rule): not on 5-bit codes where v6f or v5 could serve, nor on v4c
-                # below B = 8 where v5 serves from 8 requests
-                gluon_could = qpk <= 16
-                four_bit_gluon = name != "kvarn_k5v5_g64" and (qpk <= 8 or batch >= 8)
-                if variant != "auto" or not gluon_could or four_bit_gluon:
+                # GPU's v5 rule): not on 5-bit codes where v6f or v5 could serve
+                gluon_could = qpk <= 16 and (qpk <= 8 or batch >= 8)
+                if variant != "auto" or not gluon_could or name != "kvarn_k5v5_g64":
                     assert bound == planned[-1], (name, batch, variant, planned, bound)
     by_sms = [decode_splits_for_sms(3, 8, 512, n) for n in range(1, 300)]
     assert by_sms == sorted(by_sms)
     by_density = [decode_splits_for_sms(3, 8, 512, 132, programs_per_sm=n) for n in range(1, 9)]
     assert by_density == sorted(by_density) and by_density[0] < by_density[-1]
+    by_tile = [decode_splits_for_sms(1, 8, 64, 132, blocks_per_split=n) for n in range(1, 9)]
+    assert by_tile == sorted(by_tile, reverse=True) and by_tile[0] > by_tile[-1]
     with pytest.raises(ValueError, match="programs_per_sm"):
         decode_splits_for_sms(3, 8, 512, 132, programs_per_sm=0)
+    with pytest.raises(ValueError, match="blocks_per_split"):
+        decode_splits_for_sms(3, 8, 512, 132, blocks_per_split=0)
     with pytest.raises(ValueError, match="variant must be"):
         max_decode_partials("v9", 1, 32, 8, 512, max_sms=160)
 

@@ -47,9 +47,9 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from kvarn_format import record_layout
+from kvarn_format import parse_cache_dtype, record_layout
 from kvarn_format.cache_order import CodeOrder
-from kvarn_format.registry import KVarNFormat
+from kvarn_format.registry import DENSE_DTYPES, KVarNFormat
 from kvarn_kernels._common import (
     ACT_DTYPES,
     SLICED_POINTERS,
@@ -825,18 +825,27 @@ def choose_decode_splits(
 
 
 def decode_splits_for_sms(
-    batch: int, num_kv_heads: int, max_blocks: int, num_sms: int, *, programs_per_sm: int = 4
+    batch: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    num_sms: int,
+    *,
+    programs_per_sm: int = 4,
+    blocks_per_split: int = 4,
 ) -> int:
-    """:func:`choose_decode_splits`'s rule for a GPU of ``num_sms`` SMs, without a device.
+    """:func:`choose_decode_splits`'s rule for a GPU of ``num_sms`` SMs, without a device
+    (``blocks_per_split``: the fewest blocks a split is planned for).
 
-    Non-decreasing in ``num_sms`` and in ``programs_per_sm``: its value at an SM count bounds
-    every GPU with fewer (what a process that must not initialize CUDA, vLLM's engine, sizes
-    workspaces with)."""
+    Non-decreasing in ``num_sms`` and in ``programs_per_sm``, non-increasing in
+    ``blocks_per_split``: its value at an SM count bounds every GPU with fewer (what a
+    process that must not initialize CUDA, vLLM's engine, sizes workspaces with)."""
     if programs_per_sm < 1:
         raise ValueError(f"programs_per_sm must be >= 1, got {programs_per_sm}")
+    if blocks_per_split < 1:
+        raise ValueError(f"blocks_per_split must be >= 1, got {blocks_per_split}")
     progs = max(1, batch * num_kv_heads)
     want = cdiv(programs_per_sm * num_sms, progs)
-    cap = max(1, cdiv(max_blocks, 4))
+    cap = max(1, cdiv(max_blocks, blocks_per_split))
     splits = int(max(1, min(want, cap, 64)))
     return 1 << (splits.bit_length() - 1)
 
@@ -1577,6 +1586,18 @@ V6_MIN_BATCH = 1
 #: splits, k5v5_g64 on v1 64.6 against 54.0 at 32) and 1.02-1.17x at B = 4; two take
 #: 1.00-1.11x, and leave 4K's counts as they were (capped at 4 blocks per split).
 SMALL_BATCH_PROGRAMS_PER_SM = 2
+#: v6f's split rule below :data:`V5_MIN_BATCH` requests: eight one-warp programs per SM, at
+#: least this many tokens per split, and at most :data:`V6_SMALL_BATCH_MAX_SPLITS` splits. H200,
+#: thirty-sixth session (``scripts/decode_small_batch_splits.py``, the chunked merge, µs per
+#: layer, graph replay): the rule's four programs per SM and four blocks per split took
+#: 1.05x the sweep's best at k4v2_g64 B = 1 / 16K (64 splits 38.0 against 32 splits 36.1),
+#: 1.07-1.08x at B = 4 / 16K (16 splits against 32) and 1.09x at k4v2_g128 B = 1 / 4K (8
+#: splits against 16); this rule picks the best count at all six shapes swept (B = 1 and 4 at
+#: 16K, B = 1 at 4K, both group sizes), as it does on the thirty-fifth session's H100 sweep
+#: to within 1%.
+V6_SMALL_BATCH_PROGRAMS_PER_SM = 8
+SMALL_BATCH_TOKENS_PER_SPLIT = 256
+V6_SMALL_BATCH_MAX_SPLITS = 32
 #: The GPUs (CUDA compute capabilities) ``variant="auto"`` runs v5 on: sm_90 (H100, H200),
 #: the architecture it was timed on (an H200).
 V5_AUTO_CAPABILITIES = ((9, 0),)
@@ -1798,7 +1819,7 @@ def decode_attention(
     if mma_rows is not None:
         check_mma_rows(mma_rows, hq, hk)
     splits = num_splits or _default_splits(
-        variant, bsz, hq, hk, int(block_table.shape[1]), q.device, block_n, num_warps
+        variant, bsz, hq, hk, int(block_table.shape[1]), q.device, geo.group, block_n, num_warps
     )
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
@@ -1838,13 +1859,16 @@ def _default_splits(
     num_kv_heads: int,
     max_blocks: int,
     device: torch.device,
+    group: int,
     block_n: int | None = None,
     num_warps: int | None = None,
 ) -> int:
     """A decode launch's split count when none is given (:func:`_splits_for_sms`)."""
     qpk = num_q_heads // num_kv_heads
     sms = _num_sms(device)
-    return _splits_for_sms(variant, batch, qpk, num_kv_heads, max_blocks, sms, block_n, num_warps)
+    return _splits_for_sms(
+        variant, batch, qpk, num_kv_heads, max_blocks, sms, group, block_n, num_warps
+    )
 
 
 def _splits_for_sms(
@@ -1854,20 +1878,31 @@ def _splits_for_sms(
     num_kv_heads: int,
     max_blocks: int,
     num_sms: int,
+    group: int,
     block_n: int | None = None,
     num_warps: int | None = None,
 ) -> int:
-    """``variant``'s default split count on a GPU of ``num_sms`` SMs: the split rule
-    (:func:`decode_splits_for_sms`) times v5's factor for its warps per program from
-    :data:`V5_MIN_BATCH` requests; below it, the rule itself for v5 and v6f (the one-warp
-    factor's 3x was only timed from B = 8) and :data:`SMALL_BATCH_PROGRAMS_PER_SM` for v4c
-    and v1."""
+    """``variant``'s default split count on a GPU of ``num_sms`` SMs (``group``: tokens per
+    block): the split rule (:func:`decode_splits_for_sms`) times v5's factor for its warps
+    per program from :data:`V5_MIN_BATCH` requests; below it, v6f's own rule
+    (:data:`V6_SMALL_BATCH_PROGRAMS_PER_SM`), the rule itself for v5 (the one-warp factor's 3x
+    was only timed from B = 8) and :data:`SMALL_BATCH_PROGRAMS_PER_SM` for v4c and v1."""
     small = batch < V5_MIN_BATCH
     if small and variant in ("v4c", "v1"):
         density = SMALL_BATCH_PROGRAMS_PER_SM
         return decode_splits_for_sms(
             batch, num_kv_heads, max_blocks, num_sms, programs_per_sm=density
         )
+    if small and variant == "v6f":
+        splits = decode_splits_for_sms(
+            batch,
+            num_kv_heads,
+            max_blocks,
+            num_sms,
+            programs_per_sm=V6_SMALL_BATCH_PROGRAMS_PER_SM,
+            blocks_per_split=max(1, SMALL_BATCH_TOKENS_PER_SPLIT // group),
+        )
+        return min(splits, V6_SMALL_BATCH_MAX_SPLITS)
     factor = 1
     if variant in V5_VARIANTS:
         factor = _v5_split_factor(qpk, block_n, num_warps, variant)  # checks the options
@@ -1894,13 +1929,16 @@ def max_decode_partials(
     from kvarn_kernels.decode_v6 import V6_MAX_QPK
 
     qpk = num_q_heads // num_kv_heads
+    # the largest tile of the registry: the fewest blocks per split any plan is made for
+    group = max(parse_cache_dtype(name).group for name in DENSE_DTYPES)
     if variant != "auto":
         candidates: tuple[str, ...] = (variant,)
-    else:  # v1 (5-bit codes) and v4c; v5 and v6f serve up to 16 and 8 heads
-        gluon = (("v5", V5_MAX_QPK), ("v6f", V6_MAX_QPK))
-        candidates = ("v1", "v4c", *(v for v, most in gluon if qpk <= most))
+    else:  # v1 (5-bit codes) and v4c; v5 and v6f serve up to 16 and 8 heads, v5 from 8 requests
+        gluon = (("v5", V5_MAX_QPK, V5_MIN_BATCH), ("v6f", V6_MAX_QPK, V6_MIN_BATCH))
+        serving = (v for v, most, least in gluon if qpk <= most and batch >= least)
+        candidates = ("v1", "v4c", *serving)
     return max(
-        decode_partials(v, _splits_for_sms(v, batch, qpk, num_kv_heads, max_blocks, max_sms))
+        decode_partials(v, _splits_for_sms(v, batch, qpk, num_kv_heads, max_blocks, max_sms, group))
         for v in candidates
     )
 
@@ -1987,7 +2025,7 @@ def decode_plan(
         shape_option=any(o is not None for o in (block_n, num_warps, fast_unpack)),
     )
     splits = _default_splits(
-        chosen, batch, num_q_heads, num_kv_heads, max_blocks, device, block_n, num_warps
+        chosen, batch, num_q_heads, num_kv_heads, max_blocks, device, geo.group, block_n, num_warps
     )
     return DecodePlan(chosen, splits)
 
