@@ -657,9 +657,9 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
     variant(f"prefill_v3_shadow {_n} w4")(lambda _n=_n: _prefill_v3(_n, 4, shadow=27))
 
 
-def _merge(parts: int) -> Any:
+def _merge(parts: int, warps: int = 4) -> Any:
     """The merge and un-rotation of ``parts`` partials as :func:`attention._launch` compiles
-    it for decode (16 rows a program, head dim 128, fp16 out)."""
+    it for decode (16 rows a program, head dim 128, fp16 out), at ``warps`` warps."""
     from kvarn_kernels import attention
 
     sig = {"O_PART": "*fp32", "LSE_PART": "*fp32", "OUT": "*fp16", "S_MAT": "*fp16"}
@@ -673,9 +673,10 @@ def _merge(parts: int) -> Any:
         ROWS_PER_TOKEN=0,
         UNROLL=attention._merge_unroll(parts),
     )
-    return compile_kernel(attention._merge_unrotate_kernel, sig, consts, 4)
+    return compile_kernel(attention._merge_unrotate_kernel, sig, consts, warps)
 
 
 # the served partial counts below 8 requests: v6f at 8-64 splits plus its pool partial, v4c's
 for _parts in (9, 17, 32, 33, 65):
     variant(f"merge parts{_parts}")(lambda _parts=_parts: _merge(_parts))
+    variant(f"merge w8 parts{_parts}")(lambda _parts=_parts: _merge(_parts, 8))
