@@ -1484,7 +1484,10 @@ def _launch(
 #: :data:`MERGE_CHUNK` splits at a time) up to this many partials; 0 never. Up to the
 #: thirty-fourth session 16, unchunked: one request's 33 partials (v4c at 32 splits) then
 #: merged one loop trip at a time, 10.7 µs of a 44 µs decode at B = 1 / 16K (H100, torch
-#: profiler), against 3.5 µs for 16 unrolled partials at 4K.
+#: profiler), against 3.5 µs for 16 unrolled partials at 4K. Chunked (H200, thirty-sixth
+#: session, ``scripts/decode_small_batch_ab.py``): v6f's decode 0.93x at 65 partials
+#: (k4v2_g64 B = 1 / 16K, 40.2 to 37.5 µs), 0.99-1.01x elsewhere; the merge itself still took
+#: 10.4 µs at 33 partials there (one request: two programs).
 MERGE_UNROLL_MAX_SPLITS = 128
 
 
@@ -1596,7 +1599,9 @@ SMALL_BATCH_PROGRAMS_PER_SM = 2
 #: 16K, B = 1 at 4K, both group sizes), as it does on the thirty-fifth session's H100 sweep
 #: to within 1%.
 V6_SMALL_BATCH_PROGRAMS_PER_SM = 8
+#: The fewest tokens a v6f split is planned for below :data:`V5_MIN_BATCH` requests.
 SMALL_BATCH_TOKENS_PER_SPLIT = 256
+#: The most splits v6f is planned for below :data:`V5_MIN_BATCH` requests.
 V6_SMALL_BATCH_MAX_SPLITS = 32
 #: The GPUs (CUDA compute capabilities) ``variant="auto"`` runs v5 on: sm_90 (H100, H200),
 #: the architecture it was timed on (an H200).
