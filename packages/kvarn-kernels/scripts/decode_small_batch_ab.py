@@ -104,21 +104,16 @@ def main() -> None:
             print(
                 f"| {fmt} | {bsz} / {ctx // 1024}K | {best['old']:.1f} ({variant} {splits}) | "
                 f"{best['old_new_merge']:.1f} | {best['new_old_merge']:.1f} | "
-                f"{best['new']:.1f} ({new_plan['variant']} {new_plan['splits']}) | {row['new_over_old']:.3f}x (diff {max_diff:.1e}) |",
+                f"{best['new']:.1f} ({new_plan['variant']} {new_plan['splits']}) | "
+                f"{row['new_over_old']:.3f}x (diff {max_diff:.1e}) |",
                 flush=True,
             )
             del inp
             torch.cuda.empty_cache()
     # Where the new plan's time goes at one and four requests (torch profiler, chunked merge)
-    from decode_v6_probe import kernel_shares  # this script's folder is on sys.path
+    from decode_v6_probe import print_kernel_shares  # this script's folder is on sys.path
 
-    shares: dict[str, list[dict[str, Any]]] = {}
-    for bsz in (1, 4):
-        inp = bk.decode_inputs("kvarn_k4v2_g128", bsz, 16384)
-        shares[f"{bsz}/16384"] = kernel_shares(inp)
-        for r in shares[f"{bsz}/16384"]:
-            print(f"B={bsz} ctx=16K: {r['us_per_launch']:8.2f} µs  {r['kernel']}")
-        del inp
+    shares = print_kernel_shares(((1, 16384), (4, 16384)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_small_batch_ab.json").write_text(
         json.dumps({"rows": rows, "kernel_shares": shares}, indent=1)

@@ -75,15 +75,9 @@ def main() -> None:
             del inp
             torch.cuda.empty_cache()
     # Where one request's time goes: each kernel of the served plan (torch profiler)
-    from decode_v6_probe import kernel_shares  # this script's folder is on sys.path
+    from decode_v6_probe import print_kernel_shares  # this script's folder is on sys.path
 
-    shares = {}
-    for bsz, ctx in ((1, 16384), (1, 4096)):
-        inp = bk.decode_inputs("kvarn_k4v2_g128", bsz, ctx)
-        shares[f"{bsz}/{ctx}"] = kernel_shares(inp)
-        for r in shares[f"{bsz}/{ctx}"]:
-            print(f"B={bsz} ctx={ctx}: {r['us_per_launch']:8.2f} µs  {r['kernel']}")
-        del inp
+    shares = print_kernel_shares(((1, 16384), (1, 4096)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_small_batch_splits.json").write_text(
         json.dumps({"sweep": rows, "kernel_shares": shares}, indent=1)

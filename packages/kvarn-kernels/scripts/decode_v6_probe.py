@@ -114,6 +114,21 @@ def kernel_shares(inp: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["us_per_launch"])
 
 
+def print_kernel_shares(
+    shapes: tuple[tuple[int, int], ...], fmt: str = "kvarn_k4v2_g128"
+) -> dict[str, list[dict[str, Any]]]:
+    """:func:`kernel_shares` of the served plan at each ``(batch, context)``, printed, keyed
+    ``"B/context"``."""
+    shares: dict[str, list[dict[str, Any]]] = {}
+    for bsz, ctx in shapes:
+        inp = bk.decode_inputs(fmt, bsz, ctx)
+        shares[f"{bsz}/{ctx}"] = kernel_shares(inp)
+        for r in shares[f"{bsz}/{ctx}"]:
+            print(f"B={bsz} ctx={ctx}: {r['us_per_launch']:8.2f} µs  {r['kernel']}")
+        del inp
+    return shares
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", default="kvarn_k4v2_g128")
