@@ -2042,18 +2042,20 @@ def test_padded_records_decode_and_prefill(
     _assert_close(prefill_attention(*args), prefill_attention_ref(*args))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("splits", [3, 8, 20])
+@pytest.mark.parametrize("splits", [3, 8, 20, 40])
 def test_merge_unrolled_and_looped_agree(
     device: torch.device, splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The merge's unrolled split loop (up to ``MERGE_UNROLL_MAX_SPLITS`` splits; 3 pads to
-    4 with masked splits; 20 takes a full chunk of ``MERGE_CHUNK`` and a partial one) gives
-    the looped merge's output, up to the order of the weights' sum. The first request's 16
-    blocks give each of 8 splits some, and leave 4 of 20 empty."""
+    4 with masked splits; 20 takes a full chunk of ``MERGE_CHUNK`` and a partial one; 40
+    three chunks, each of whose maxima may exceed the chunks' before it) gives the looped
+    merge's output, up to the order of the weights' sum. The first request's blocks give each
+    of 8 splits some and leave 4 of 20 empty; at 40 splits its 40 blocks one each."""
     from kvarn_kernels import attention
 
     name, d, hk, hq = "kvarn_k4v2_g64", 64, 2, 8
-    case = shared_case(name, d, hk, [1024, 65], device=device, seed=5, constant_tile=True)
+    first = 40 * 64 if splits == 40 else 1024
+    case = shared_case(name, d, hk, [first, 65], device=device, seed=5, constant_tile=True)
     q = torch.randn(2, hq, d, generator=torch.Generator().manual_seed(2)).half().to(device)
     scale = 1.0 / math.sqrt(d)
     outs = []

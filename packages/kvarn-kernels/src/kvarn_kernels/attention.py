@@ -698,17 +698,23 @@ def _merge_unrotate_kernel(
     rows64 = rows.to(tl.int64)
     dd = tl.arange(0, D)
     if UNROLL > 0:
-        sp = tl.arange(0, UNROLL)
-        lse_all = tl.load(
-            LSE_PART + sp[None, :] * n_rows + rows64[:, None],
-            mask=rmask[:, None] & (sp < NUM_SPLITS)[None, :],
-            other=float("-inf"),
-        )
-        mx = tl.max(lse_all, axis=1)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        wsum = tl.sum(tl.exp2(lse_all - mx[:, None]), axis=1)
+        # online over chunks of MERGE_CHUNK partials: every per-row vector is a load's or a
+        # reduction of the partials' own layout, so no weight changes layout (a two-pass form
+        # with the maximum taken over a [rows, splits] tile converted each partial's weight
+        # through shared memory: two barriers a partial)
+        mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        wsum = tl.zeros([BLOCK_R], dtype=tl.float32)
         o = tl.zeros([BLOCK_R, D], dtype=tl.float32)
         for c0 in range(0, NUM_SPLITS, MERGE_CHUNK):
+            m_new = mx
+            for jj in tl.static_range(MERGE_CHUNK):
+                ok = rmask & (c0 + jj < NUM_SPLITS)
+                lse = tl.load(LSE_PART + (c0 + jj) * n_rows + rows64, mask=ok, other=float("-inf"))
+                m_new = tl.maximum(m_new, lse)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(mx - m_use)
+            o = o * alpha[:, None]
+            wsum = wsum * alpha
             for jj in tl.static_range(MERGE_CHUNK):
                 j = c0 + jj
                 ok = rmask & (j < NUM_SPLITS)
@@ -718,7 +724,10 @@ def _merge_unrotate_kernel(
                     mask=ok[:, None],
                     other=0.0,
                 )
-                o += tl.exp2(lse - mx)[:, None] * part
+                w = tl.exp2(lse - m_use)
+                o += w[:, None] * part
+                wsum += w
+            mx = m_new
         o = o / tl.where(wsum > 0, wsum, 1.0)[:, None]
     elif NUM_SPLITS > 1:
         mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
