@@ -15,6 +15,7 @@ from kvarn_format import (
     record_layout,
     to_cache_order,
 )
+from kvarn_format.cache_order import paired_row_position
 
 
 def _records(name: str, d: int, n: int = 3, seed: int = 0) -> np.ndarray:
@@ -62,12 +63,40 @@ def test_byte_positions_k4v2() -> None:
     assert np.count_nonzero(cached) == 2
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_byte_positions_k5v5(d: int) -> None:
+    """K byte b of group c of channel d at b * (G / 8) * D + c * D + d; V byte b of group c
+    of token t = 8g + j at b * (D / 8) * G + c * G + 16 (g // 2) + 2 j + g % 2."""
+    fmt = parse_cache_dtype("kvarn_k5v5_g64")
+    layout = record_layout(fmt, d)
+    g = fmt.group
+    kc, vc = layout.field("k_codes").offset, layout.field("v_codes").offset
+    k_row, v_row = 5 * g // 8, 5 * d // 8
+    rec = np.zeros((1, layout.tile_bytes), np.uint8)
+    rec[0, kc + 5 * k_row + 5 * 3 + 4] = 0xA7  # channel 5, group 3 (tokens 24..31), byte 4
+    rec[0, vc + 27 * v_row + 5 * 2 + 1] = 0x3C  # token 27 (g 3, j 3), group 2, byte 1
+    rec[0, vc + 0 * v_row + 5 * 0 + 0] = 0x11  # token 0, group 0, byte 0: stays first
+    cached = to_cache_order(rec, fmt, d)
+    assert cached[0, kc + 4 * (g // 8) * d + 3 * d + 5] == 0xA7
+    assert cached[0, vc + 1 * (d // 8) * g + 2 * g + 16 * 1 + 2 * 3 + 1] == 0x3C
+    assert cached[0, vc] == 0x11
+    assert np.count_nonzero(cached) == 3
+
+
+def test_paired_row_position_is_a_permutation_of_each_16() -> None:
+    pos = paired_row_position(np.arange(64, dtype=np.int64))
+    assert sorted(pos.tolist()) == list(range(64))
+    assert (pos // 16 == np.arange(64) // 16).all()
+    # token j of groups 2k and 2k + 1 side by side
+    assert pos[8 * 2 + 5] + 1 == pos[8 * 3 + 5]
+
+
 def test_orders_by_format() -> None:
     parsed = parse_cache_dtype("kvarn_k4v4_g128")
     assert code_orders(parsed) == (CodeOrder.TRANSPOSED, CodeOrder.PARITY)
     assert code_orders(parse_cache_dtype("kvarn_k5v5_g64")) == (
-        CodeOrder.OFFICIAL,
-        CodeOrder.OFFICIAL,
+        CodeOrder.PLANES,
+        CodeOrder.PLANES_PAIRED,
     )
 
 

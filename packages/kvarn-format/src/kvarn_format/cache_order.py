@@ -14,10 +14,22 @@ formats the fast kernels serve (4-bit keys, 2- or 4-bit values) in another order
   ``(t % 2) * (D * vb / 8) * (G / 2) + n * (G / 2) + t // 2`` (a byte still holds
   ``8 / vb`` channels of one token).
 
+5-bit codes straddle bytes (a group of eight codes is five bytes, code ``i`` at bits ``5i ..
+5i + 4``), so their operand registers are cut from two bytes each. Their sections keep each
+group's five bytes as five planes, so that a register's two bytes come from two aligned
+words of consecutive channels (K) or tokens (V):
+
+* K, :attr:`CodeOrder.PLANES`: ``[5][G / 8][D]``, byte ``b`` of group ``c`` of channel
+  ``d`` (tokens ``8c .. 8c + 7``) at ``b * (G / 8) * D + c * D + d``.
+* V, :attr:`CodeOrder.PLANES_PAIRED`: ``[5][D / 8][G]``, byte ``b`` of group ``c`` of token
+  ``t = 8g + j`` (channels ``8c .. 8c + 7``) at ``b * (D / 8) * G + c * G + 16 * (g // 2) +
+  2 * j + g % 2``: the same token of two consecutive groups of eight tokens side by side
+  (the decode kernel's score rows hold token ``j`` of eight token groups).
+
 Only the code bytes move; every scale and zero point stays where §2.1 puts it, and the record
 has the same size. Everything outside the cache (the reference codec, test vectors,
 checkpoints, exported records) uses §2.1's order; :func:`to_cache_order` and
-:func:`from_cache_order` convert. 5-bit codes straddle bytes and keep §2.1's order.
+:func:`from_cache_order` convert.
 """
 
 from __future__ import annotations
@@ -32,10 +44,12 @@ from kvarn_format.geometry import record_layout
 from kvarn_format.registry import DenseFormat
 
 __all__ = [
+    "PLANE_ORDERS",
     "CodeOrder",
     "cache_permutation",
     "code_orders",
     "from_cache_order",
+    "paired_row_position",
     "to_cache_order",
 ]
 
@@ -50,13 +64,32 @@ class CodeOrder(IntEnum):
     #: even rows, then odd rows, each column-major: byte ``j`` of row ``r`` at
     #: ``(r % 2) * row_bytes * rows / 2 + j * rows / 2 + r // 2``
     PARITY = 2
+    #: 5-bit codes, five byte planes: byte ``b`` of group ``c`` (row bytes ``5c .. 5c + 4``)
+    #: of row ``r`` at ``b * groups * rows + c * rows + r``
+    PLANES = 3
+    #: as :attr:`PLANES` with the rows of each 16 interleaved: row ``r = 8g + j`` at
+    #: position ``16 * (g // 2) + 2 * j + g % 2`` (rows a multiple of 16)
+    PLANES_PAIRED = 4
+
+
+#: The orders of 5-bit code sections.
+PLANE_ORDERS = (CodeOrder.PLANES, CodeOrder.PLANES_PAIRED)
 
 
 def code_orders(fmt: DenseFormat) -> tuple[CodeOrder, CodeOrder]:
     """The in-cache orders of ``fmt``'s K and V code sections."""
     if fmt.key_bits == 4 and fmt.value_bits in (2, 4):
         return CodeOrder.TRANSPOSED, CodeOrder.PARITY
+    if fmt.key_bits == 5 and fmt.value_bits == 5:
+        return CodeOrder.PLANES, CodeOrder.PLANES_PAIRED
     return CodeOrder.OFFICIAL, CodeOrder.OFFICIAL
+
+
+def paired_row_position(row: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Where :attr:`CodeOrder.PLANES_PAIRED` puts row ``row`` (``8g + j``) within its plane
+    column: ``16 * (g // 2) + 2 * j + g % 2``."""
+    g, j = row // 8, row % 8
+    return 16 * (g // 2) + 2 * j + g % 2
 
 
 def _code_sections(fmt: DenseFormat, head_dim: int) -> list[tuple[int, int, int, CodeOrder]]:
@@ -84,6 +117,12 @@ def cache_permutation(fmt: DenseFormat, head_dim: int) -> npt.NDArray[np.int64]:
             cached = official.T
         elif order == CodeOrder.PARITY:  # [parity, row bytes, row pair]
             cached = official.reshape(rows // 2, 2, row_bytes).transpose(1, 2, 0)
+        elif order in PLANE_ORDERS:  # [plane, group, row]
+            cached = official.reshape(rows, row_bytes // 5, 5).transpose(2, 1, 0)
+            if order == CodeOrder.PLANES_PAIRED:
+                at = np.empty_like(cached)
+                at[:, :, paired_row_position(np.arange(rows, dtype=np.int64))] = cached
+                cached = at
         perm[off : off + rows * row_bytes] = cached.reshape(-1)
     perm.flags.writeable = False
     return perm

@@ -251,12 +251,18 @@ def code_offsets(  # type: ignore[no-untyped-def]  # a Triton JIT helper
     """Byte offsets in a code section of ``ROWS`` rows of ``COLS`` bytes (K: channels of
     token-pair bytes; V: tokens of channel bytes) of the bytes ``(row, col)`` (broadcast
     tensors), in the section's in-cache order ``ORDER`` (:class:`kvarn_format.CodeOrder`:
-    0 row-major, 1 column-major). Order 2 (even rows, then odd rows) is addressed by row pair,
+    0 row-major, 1 column-major, 3 and 4 the byte planes of 5-bit codes). Order 2 (even rows, then odd rows) is addressed by row pair,
     :func:`code_offsets_of_pair`: with ``row // 2`` in the address Triton's contiguity
     analysis does not see consecutive bytes."""
     tl.static_assert(ORDER != 2, "order 2 is addressed by row pair: code_offsets_of_pair")
-    if ORDER == 1:  # noqa: SIM108 (a constexpr branch)
+    if ORDER == 1:
         off = col * ROWS + row
+    elif ORDER == 3 or ORDER == 4:
+        # five byte planes of the 5-bit groups (byte b of group c: column 5c + b); order 4
+        # interleaves each 16 rows (kvarn_format.cache_order.paired_row_position)
+        if ORDER == 4:
+            row = 16 * (row // 16) + 2 * (row % 8) + (row // 8) % 2
+        off = (col % 5) * ((COLS // 5) * ROWS) + (col // 5) * ROWS + row
     else:
         off = row * COLS + col
     return off

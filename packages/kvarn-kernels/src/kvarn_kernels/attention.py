@@ -152,17 +152,27 @@ def _load_codes(
     ``ORDER`` (:func:`code_offsets`; ``row0`` even for order 2), as two tensors.
 
     2/4 bits: the packed bytes ``[R, N*BITS/8]`` (16-byte loads) and an unused dummy.
-    5 bits (order 0 only): eight codes span five bytes (group ``g``: bytes ``5g .. 5g + 4``,
-    low bits first), returned as ``[R, N/8]`` uint32 words of each group's bits 0-31 and
-    32-39. Rows and sections start on 4-byte boundaries (records are 8-byte aligned, rows a
+    5 bits: eight codes span five bytes (group ``g``: bytes ``5g .. 5g + 4``, low bits
+    first), returned as ``[R, N/8]`` uint32 words of each group's bits 0-31 and 32-39. In
+    the byte planes (orders 3 and 4) that is one byte load per plane; in the official order
+    (0), rows and sections start on 4-byte boundaries (records are 8-byte aligned, rows a
     multiple of 40 bytes), so a group lies in the two aligned words around its first byte,
     both inside the row: two 32-bit loads and a funnel shift per group, where one load per
     byte took five (and the planes' registers spilled: docs/kernel-notes.md, sixteenth
     session).
     """
     r = tl.arange(0, R)
-    if BITS == 5:
-        tl.static_assert(ORDER == 0, "5-bit codes keep the official order")
+    if BITS == 5 and ORDER != 0:
+        # the byte planes (orders 3 and 4): the group's five bytes from five planes
+        grp = byte0 // 5 + tl.arange(0, N // 8)
+        off = code_offsets((row0 + r)[:, None], 5 * grp[None, :], ROWS, ROW_BYTES, ORDER)
+        p0 = tl.load(section + off, mask=valid, other=0).to(tl.uint32)
+        for b in tl.static_range(1, 4):
+            byte = tl.load(section + off + b * (ROW_BYTES // 5) * ROWS, mask=valid, other=0)
+            p0 = p0 | (byte.to(tl.uint32) << (8 * b))
+        p1 = tl.load(section + off + 4 * (ROW_BYTES // 5) * ROWS, mask=valid, other=0)
+        p1 = p1.to(tl.uint32)
+    elif BITS == 5:
         tl.static_assert(ROW_BYTES % 4 == 0, "5-bit rows are whole 32-bit words")
         first = byte0 + tl.arange(0, N // 8) * 5
         word = (section + (row0 + r)[:, None] * ROW_BYTES + (first - first % 4)[None, :]).to(

@@ -686,7 +686,6 @@ def _quantize_tile(
             )
     else:
         tl.static_assert(BITS == 5, "code widths are 2, 4 or 5")
-        tl.static_assert(ORDER == 0, "5-bit codes keep the official order")
         s0, s1 = tl.split(tl.reshape(q, [R, C // 8, 2, 2, 2]))
         s00, s01 = tl.split(s0)
         s10, s11 = tl.split(s1)
@@ -694,7 +693,19 @@ def _quantize_tile(
         c2, c6 = tl.split(s01)
         c1, c5 = tl.split(s10)
         c3, c7 = tl.split(s11)
-        if WORDS5:
+        if ORDER != 0:
+            # the byte planes (orders 3 and 4): byte b of every group goes to plane b
+            jb = tl.arange(0, C // 8)
+            base = REC + OFF_CODES + code_offsets(r[:, None], 5 * jb[None, :], R, row_bytes, ORDER)
+            plane: tl.constexpr = (C // 8) * R
+            m5 = ok_r[:, None] & (jb < C // 8)[None, :]
+            _st(base, ((c0 | (c1 << 5)) & 0xFF).to(tl.uint8), m5, MASKED)
+            _st(base + plane, (((c1 >> 3) | (c2 << 2) | (c3 << 7)) & 0xFF).to(tl.uint8), m5, MASKED)
+            _st(base + 2 * plane, (((c3 >> 1) | (c4 << 4)) & 0xFF).to(tl.uint8), m5, MASKED)
+            byte3 = ((c4 >> 4) | (c5 << 1) | (c6 << 6)) & 0xFF
+            _st(base + 3 * plane, byte3.to(tl.uint8), m5, MASKED)
+            _st(base + 4 * plane, (((c6 >> 2) | (c7 << 3)) & 0xFF).to(tl.uint8), m5, MASKED)
+        elif WORDS5:
             tl.static_assert(C % 32 == 0 and OFF_CODES % 4 == 0, "5-bit rows go out as words")
             # 32 codes are 160 bits, five little-endian 32-bit words: word stores, not byte
             # stores five bytes apart. A group of 8 codes is 40 bits (code i at bit 5 i), and
