@@ -68,6 +68,8 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
 
 VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6", "v6f"]
 VARIANT_IDS = [f"variant{v[1:]}" for v in VARIANTS]
+# the Gluon kernels of the 4-bit-key formats (v7 reads 5-bit codes: its own tests)
+FOUR_BIT_GLUON = [v for v in V5_VARIANTS if v != "v7"]
 # v4d and v5 (the pool phase in a launch of its own) are decode only
 VERIFY_VARIANTS = [v for v in VARIANTS if v not in POOL_SPLIT_VARIANTS]
 VERIFY_VARIANT_IDS = [f"variant{v[1:]}" for v in VERIFY_VARIANTS]
@@ -1571,7 +1573,7 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", V5_VARIANTS)
+@pytest.mark.parametrize("variant", FOUR_BIT_GLUON)
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"])
 @pytest.mark.parametrize(("hq", "hk"), [(8, 8), (12, 4), (32, 8), (32, 2)], ids=lambda x: str(x))
 def test_decode_v5_gqa_ratios_and_shadow_rows(
@@ -1625,7 +1627,7 @@ def test_decode_v5_warps_and_stages(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", V5_VARIANTS)
+@pytest.mark.parametrize("variant", FOUR_BIT_GLUON)
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g128"])
 @pytest.mark.parametrize("scale_kind", ["huge", "tiny"])
 def test_decode_v5_extreme_magnitudes(
@@ -1643,6 +1645,80 @@ def test_decode_v5_extreme_magnitudes(
     ref = decode_attention_ref(*args)
     _assert_close(decode_attention(*args, variant=variant), ref)
     _assert_close(decode_attention(*args, variant="v4c"), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("hq", "hk"), [(8, 8), (12, 4), (32, 8), (32, 2)], ids=lambda x: str(x))
+def test_decode_v7_gqa_ratios_and_shadow_rows(device: torch.device, hq: int, hk: int) -> None:
+    """v7 (5-bit codes from the byte planes) at GQA 1, 3, 4 and 16 (refused: its 8 query
+    columns), over contexts spanning many tiles, in-progress tiles of 1 and G - 1 tokens, a
+    split count that leaves splits without records, and with shadow rows (equal bit for bit
+    to the unshadowed twin)."""
+    name, g = "kvarn_k5v5_g64", 64
+    lens = [5000, 1, g - 1, 2 * g + 1, 3 * g, 0, 700]
+    r = _shadow_rows(name, 128, "max")
+    gen = torch.Generator(device=device).manual_seed(hq + hk)
+    q = torch.randn(len(lens), hq, 128, device=device, generator=gen).half()
+    scale = 1.0 / math.sqrt(128)
+
+    def case_with(rows: int) -> PagedCase:
+        return shared_case(name, 128, hk, lens, device=device, seed=hq, shadow_rows=rows)
+
+    def run(case: PagedCase) -> torch.Tensor:
+        return decode_attention(*case.decode_args(name, q, scale), num_splits=7, variant="v7")
+
+    if hq // hk > 8:
+        with pytest.raises(ValueError, match="takes up to 8 query heads per KV head"):
+            run(case_with(0))
+        return
+    _check_reference_and_shadow_twin(
+        name, r, case_with, run, lambda c: decode_attention_ref(*c.decode_args(name, q, scale))
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("warps", "stages"), [(1, 2), (2, 2), (4, 3), (1, 3)])
+def test_decode_v7_warps_stages_and_magnitudes(
+    device: torch.device, warps: int, stages: int
+) -> None:
+    """v7 with 1, 2 or 4 warps per program and 2 or 3 stages, at the default and a given split
+    count, and on tokens near the fp16 limit and far below 1 (against the reference and
+    v1's result)."""
+    name = "kvarn_k5v5_g64"
+    lens = [5000, 1, 63, 257, 384, 0, 700]
+    case = shared_case(name, 128, 8, lens, device=device, seed=5)
+    q = torch.randn(len(lens), 32, 128, device=device).half()
+    args = case.decode_args(name, q, 1.0 / math.sqrt(128))
+    ref = decode_attention_ref(*args)
+    for splits in (None, 3):
+        out = decode_attention(
+            *args, num_splits=splits, num_warps=warps, num_stages=stages, variant="v7"
+        )
+        _assert_close(out, ref)
+    for value_scale in (20000.0, 1e-3):
+        big = build_case(name, 128, 8, [3000, 129], device=device, seed=12, value_scale=value_scale)
+        q2 = torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(2)) * 0.05
+        q2 = (q2 / (value_scale * 0.05) if value_scale > 1 else q2 * 200).half().to(device)
+        args2 = big.decode_args(name, q2, 1.0 / math.sqrt(128))
+        ref2 = decode_attention_ref(*args2)
+        _assert_close(decode_attention(*args2, variant="v7", num_warps=warps), ref2)
+        _assert_close(decode_attention(*args2, variant="v1"), ref2)
+
+
+def test_decode_v7_validation(device: torch.device) -> None:
+    """v7 takes kvarn_k5v5_g64 only, and a GPU."""
+    for name, message in (
+        ("kvarn_k4v2_g128", "takes 5-bit keys and values"),
+        ("kvarn_k5v5_g64", "Triton interpreter" if INTERPRET else None),
+    ):
+        g = parse_cache_dtype(name).group
+        case = shared_case(name, 128, 8, [g + 1], device=device, seed=0)
+        q = torch.zeros(1, 32, 128, dtype=torch.float16, device=device)
+        if message is None:
+            decode_attention(*case.decode_args(name, q, 1.0), variant="v7")
+            continue
+        with pytest.raises(ValueError, match=message):
+            decode_attention(*case.decode_args(name, q, 1.0), variant="v7")
 
 
 @pytest.mark.parametrize(

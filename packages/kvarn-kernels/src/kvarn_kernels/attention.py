@@ -89,16 +89,18 @@ __all__ = [
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
-DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6", "v6f")
+DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6", "v6f", "v7")
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
 V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
 #: The Gluon variants with v5's copies, split counts and pool-phase launch:
 #: :mod:`kvarn_kernels.decode_v5` (``"v5f"``: its folded scales) and
-#: :mod:`kvarn_kernels.decode_v6` (``"v6"``: tokens in the MMA's M; ``"v6f"``: folded).
-V5_VARIANTS = ("v5", "v5f", "v6", "v6f")
-#: The variants of :mod:`kvarn_kernels.decode_v6` (up to ``V6_MAX_QPK`` query heads per KV
-#: head).
-V6_VARIANTS = ("v6", "v6f")
+#: :mod:`kvarn_kernels.decode_v6` (``"v6"``: tokens in the MMA's M; ``"v6f"``: folded) and
+#: :mod:`kvarn_kernels.decode_v7` (``"v7"``: v6 on 5-bit codes in the byte-plane order).
+V5_VARIANTS = ("v5", "v5f", "v6", "v6f", "v7")
+#: The variants with v6's transposed tiles (up to ``V6_MAX_QPK`` query heads per KV head).
+V6_VARIANTS = ("v6", "v6f", "v7")
+#: The variants that read 5-bit codes (``kvarn_k5v5_g64``) from the byte planes.
+FIVE_BIT_VARIANTS = ("v7",)
 #: The variants written in Gluon, which Triton's interpreter cannot run (GPU only).
 GPU_ONLY_DECODE_VARIANTS = V5_VARIANTS
 #: The variants whose pool phase runs in a launch of its own (a partial more to merge).
@@ -1196,16 +1198,22 @@ def _launch_v5(
     or ``PROBE_COMPUTE_ONLY``, whose partials are not attention."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
     from kvarn_kernels.decode_v6 import decode_v6_kernel
+    from kvarn_kernels.decode_v7 import decode_v7_kernel
 
     offsets = {k: v for k, v in geo.offsets().items() if k.startswith("OFF_")}
-    v6 = variant in V6_VARIANTS
+    v6 = variant in ("v6", "v6f")
     if probe and not v6:
         raise ValueError(f"probe={probe} is a decode_v6 option, not {variant!r}'s")
     # every constexpr given, defaults too: launch() takes its direct path for a full tail
-    options: dict[str, bool | int] = {"FOLD": variant in ("v5f", "v6f")}
-    options.update({"PROBE": probe} if v6 else {"LAZY": False})
+    options: dict[str, bool | int] = {}
+    if variant in FIVE_BIT_VARIANTS:
+        kernel = decode_v7_kernel
+    else:
+        kernel = decode_v6_kernel if v6 else decode_v5_kernel
+        options = {"VB": geo.value_bits, "FOLD": variant in ("v5f", "v6f")}
+        options.update({"PROBE": probe} if v6 else {"LAZY": False})
     launch(
-        decode_v6_kernel if v6 else decode_v5_kernel,
+        kernel,
         (int(block_table.shape[0]), hk, num_splits),
         (
             q_rot,
@@ -1226,7 +1234,6 @@ def _launch_v5(
             "QPK": hq // hk,
             "D": geo.head_dim,
             "G": geo.group,
-            "VB": geo.value_bits,
             "STRIDE": geo.record_stride,
             **offsets,
             "NUM_SPLITS": num_splits,
@@ -2094,7 +2101,13 @@ def _resolve_decode_variant(
     ):
         if variant == "v1" and value is not None:
             raise ValueError(f"{option} applies to the variants {takers} only")
-    if variant in (*V4_VARIANTS, *V5_VARIANTS) and not _v4_supports(geo):
+    if variant in FIVE_BIT_VARIANTS:
+        if (geo.key_bits, geo.value_bits, geo.group) != (5, 5, 64):
+            raise ValueError(
+                f"variant={variant!r} takes 5-bit keys and values in 64-token tiles "
+                f"(kvarn_k5v5_g64); {geo.fmt.name} is not: use variant='auto'"
+            )
+    elif variant in (*V4_VARIANTS, *V5_VARIANTS) and not _v4_supports(geo):
         raise ValueError(
             f"variant={variant!r} takes 4-bit keys with 2- or 4-bit values; {geo.fmt.name} has "
             f"k{geo.key_bits}v{geo.value_bits}: use variant='v1'"
@@ -2164,7 +2177,11 @@ def _check_v5(
             f"variant={name} is written for head dims {V5_HEAD_DIMS}, got {geo.head_dim}: use "
             "variant='v4c'"
         )
-    if (geo.k_order, geo.v_order) != (CodeOrder.TRANSPOSED, CodeOrder.PARITY):
+    orders = (geo.k_order, geo.v_order)
+    want = (CodeOrder.TRANSPOSED, CodeOrder.PARITY)
+    if variant in FIVE_BIT_VARIANTS:
+        want = (CodeOrder.PLANES, CodeOrder.PLANES_PAIRED)
+    if orders != want:
         raise ValueError(
             f"variant={name} reads the in-cache code order (docs/format.md §7.1), which "
             f"{geo.fmt.name} does not use: use variant='v4c'"
