@@ -497,18 +497,19 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
     )
 
 
-def _decode_v7(warps: int = 1, stages: int = 2) -> Any:
+def _decode_v7(warps: int = 1, stages: int = 2, fold: bool = False) -> Any:
     """The Gluon v7 main loop (:mod:`kvarn_kernels.decode_v7`: v6 on 5-bit codes in the byte
     planes) at Qwen3-8B's decode shape."""
     from kvarn_kernels.decode_v7 import decode_v7_kernel
 
-    consts = _gluon_decode_consts("kvarn_k5v5_g64", 4, warps, stages, False)
-    consts = {k: v for k, v in consts.items() if k not in ("VB", "FOLD")}
+    consts = _gluon_decode_consts("kvarn_k5v5_g64", 4, warps, stages, fold)
+    del consts["VB"]
     return compile_kernel(decode_v7_kernel, DECODE_SIG, consts, warps)
 
 
 # v7 (thirty-sixth session, not yet run on a GPU): 5-bit codes from the byte planes
 variant("decode_v7 kvarn_k5v5_g64 d128 qpk4 w1 s2")(lambda: _decode_v7())
+variant("decode_v7f kvarn_k5v5_g64 d128 qpk4 w1 s2")(lambda: _decode_v7(fold=True))
 
 
 def _decode_pool(

@@ -69,7 +69,7 @@ def _cached_case(*args: object, **kw: object) -> PagedCase:
 VARIANTS = ["v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6", "v6f"]
 VARIANT_IDS = [f"variant{v[1:]}" for v in VARIANTS]
 # the Gluon kernels of the 4-bit-key formats (v7 reads 5-bit codes: its own tests)
-FOUR_BIT_GLUON = [v for v in V5_VARIANTS if v != "v7"]
+FOUR_BIT_GLUON = [v for v in V5_VARIANTS if v not in ("v7", "v7f")]
 # v4d and v5 (the pool phase in a launch of its own) are decode only
 VERIFY_VARIANTS = [v for v in VARIANTS if v not in POOL_SPLIT_VARIANTS]
 VERIFY_VARIANT_IDS = [f"variant{v[1:]}" for v in VERIFY_VARIANTS]
@@ -1648,8 +1648,11 @@ def test_decode_v5_extreme_magnitudes(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v7", "v7f"])
 @pytest.mark.parametrize(("hq", "hk"), [(8, 8), (12, 4), (32, 8), (32, 2)], ids=lambda x: str(x))
-def test_decode_v7_gqa_ratios_and_shadow_rows(device: torch.device, hq: int, hk: int) -> None:
+def test_decode_v7_gqa_ratios_and_shadow_rows(
+    device: torch.device, variant: str, hq: int, hk: int
+) -> None:
     """v7 (5-bit codes from the byte planes) at GQA 1, 3, 4 and 16 (refused: its 8 query
     columns), over contexts spanning many tiles, in-progress tiles of 1 and G - 1 tokens, a
     split count that leaves splits without records, and with shadow rows (equal bit for bit
@@ -1665,7 +1668,7 @@ def test_decode_v7_gqa_ratios_and_shadow_rows(device: torch.device, hq: int, hk:
         return shared_case(name, 128, hk, lens, device=device, seed=hq, shadow_rows=rows)
 
     def run(case: PagedCase) -> torch.Tensor:
-        return decode_attention(*case.decode_args(name, q, scale), num_splits=7, variant="v7")
+        return decode_attention(*case.decode_args(name, q, scale), num_splits=7, variant=variant)
 
     if hq // hk > 8:
         with pytest.raises(ValueError, match="takes up to 8 query heads per KV head"):
@@ -1677,9 +1680,10 @@ def test_decode_v7_gqa_ratios_and_shadow_rows(device: torch.device, hq: int, hk:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v7", "v7f"])
 @pytest.mark.parametrize(("warps", "stages"), [(1, 2), (2, 2), (4, 3), (1, 3)])
 def test_decode_v7_warps_stages_and_magnitudes(
-    device: torch.device, warps: int, stages: int
+    device: torch.device, variant: str, warps: int, stages: int
 ) -> None:
     """v7 with 1, 2 or 4 warps per program and 2 or 3 stages, at the default and a given split
     count, and on tokens near the fp16 limit and far below 1 (against the reference and
@@ -1692,7 +1696,7 @@ def test_decode_v7_warps_stages_and_magnitudes(
     ref = decode_attention_ref(*args)
     for splits in (None, 3):
         out = decode_attention(
-            *args, num_splits=splits, num_warps=warps, num_stages=stages, variant="v7"
+            *args, num_splits=splits, num_warps=warps, num_stages=stages, variant=variant
         )
         _assert_close(out, ref)
     for value_scale in (20000.0, 1e-3):
@@ -1701,7 +1705,7 @@ def test_decode_v7_warps_stages_and_magnitudes(
         q2 = (q2 / (value_scale * 0.05) if value_scale > 1 else q2 * 200).half().to(device)
         args2 = big.decode_args(name, q2, 1.0 / math.sqrt(128))
         ref2 = decode_attention_ref(*args2)
-        _assert_close(decode_attention(*args2, variant="v7", num_warps=warps), ref2)
+        _assert_close(decode_attention(*args2, variant=variant, num_warps=warps), ref2)
         _assert_close(decode_attention(*args2, variant="v1"), ref2)
 
 

@@ -89,18 +89,19 @@ __all__ = [
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
-DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6", "v6f", "v7")
+DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6", "v6f", "v7", "v7f")
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
 V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
 #: The Gluon variants with v5's copies, split counts and pool-phase launch:
 #: :mod:`kvarn_kernels.decode_v5` (``"v5f"``: its folded scales) and
 #: :mod:`kvarn_kernels.decode_v6` (``"v6"``: tokens in the MMA's M; ``"v6f"``: folded) and
-#: :mod:`kvarn_kernels.decode_v7` (``"v7"``: v6 on 5-bit codes in the byte-plane order).
-V5_VARIANTS = ("v5", "v5f", "v6", "v6f", "v7")
+#: :mod:`kvarn_kernels.decode_v7` (``"v7"``: v6 on 5-bit codes in the byte-plane order;
+#: ``"v7f"``: folded).
+V5_VARIANTS = ("v5", "v5f", "v6", "v6f", "v7", "v7f")
 #: The variants with v6's transposed tiles (up to ``V6_MAX_QPK`` query heads per KV head).
-V6_VARIANTS = ("v6", "v6f", "v7")
+V6_VARIANTS = ("v6", "v6f", "v7", "v7f")
 #: The variants that read 5-bit codes (``kvarn_k5v5_g64``) from the byte planes.
-FIVE_BIT_VARIANTS = ("v7",)
+FIVE_BIT_VARIANTS = ("v7", "v7f")
 #: The variants written in Gluon, which Triton's interpreter cannot run (GPU only).
 GPU_ONLY_DECODE_VARIANTS = V5_VARIANTS
 #: The variants whose pool phase runs in a launch of its own (a partial more to merge).
@@ -1205,7 +1206,7 @@ def _launch_v5(
     if probe and not v6:
         raise ValueError(f"probe={probe} is a decode_v6 option, not {variant!r}'s")
     # every constexpr given, defaults too: launch() takes its direct path for a full tail
-    options: dict[str, bool | int] = {}
+    options: dict[str, bool | int] = {"FOLD": variant == "v7f"}
     if variant in FIVE_BIT_VARIANTS:
         kernel = decode_v7_kernel
     else:

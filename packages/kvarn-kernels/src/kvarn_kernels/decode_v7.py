@@ -53,7 +53,7 @@ from kvarn_kernels.decode_v5 import (
     _perm16,
     _split_chunks,
 )
-from kvarn_kernels.decode_v6 import V6_MAX_QPK, _operand_a
+from kvarn_kernels.decode_v6 import V6_MAX_QPK, _mma_column_sum, _mma_column_sum2, _operand_a
 
 __all__ = ["V7_MAX_QPK", "decode_v7_kernel"]
 
@@ -161,6 +161,19 @@ def _unpack5(p0, p1, p2, p3, p4, ASM: gl.constexpr):
 
 
 @gluon.jit
+def _halves_of(words):
+    """The two fp16 halves of int32 words (a register-pair view: no instruction)."""
+    return gl.inline_asm_elementwise(
+        "mov.b32 {$0, $1}, $2;",
+        "=h,=h,r",
+        [words],
+        dtype=(gl.float16,) * 2,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
 def _stack4(a, b, c, d):
     """Four ``[W, 8, N]`` tensors as ``[W, 32, N]``, ``a``'s rows first."""
     x = gl.join(gl.join(a, b), gl.join(c, d))  # [W, 8, N, 2 (a|b), 2 (ab|cd)]
@@ -169,14 +182,16 @@ def _stack4(a, b, c, d):
 
 
 @gluon.jit
-def _k_rows(f, magic_rows, ks, kz, W: gl.constexpr, D: gl.constexpr, aop: gl.constexpr):
+def _k_rows(f, magic_rows, ks, kz, FOLD: gl.constexpr, W: gl.constexpr, D: gl.constexpr, aop):
     """The A operand ``[W, 32, D]`` of four K fields (``f``: their (0, 2) registers, then their
     (1, 3) ones, each ``[W, 8 groups, D / 4 words]``), dequantized: ``(x - magic) * ks + kz``
-    (``magic_rows`` along the rows, the scales along k)."""
+    (``magic_rows`` along the rows, the scales along k), or with ``FOLD`` the raw codes."""
     r02 = _stack4(f[0], f[1], f[2], f[3])
     r13 = _stack4(f[4], f[5], f[6], f[7])
     a = _operand_a(r02, r13, W, 32, D, aop)
-    return (a - magic_rows) * ks + kz
+    if not FOLD:
+        a = (a - magic_rows) * ks + kz
+    return a
 
 
 @gluon.jit
@@ -190,16 +205,26 @@ def _v_operand(r, W: gl.constexpr, NH: gl.constexpr, aop: gl.constexpr):
 
 
 @gluon.jit
-def _v_field(acc, a3, pb, codes, magic: gl.constexpr, scales, vc, zero, W, NH, aop):
+def _v_field(
+    acc, a3, pb, codes, magic: gl.constexpr, scales, vc, zero, FOLD: gl.constexpr, W, NH, aop
+):
     """A V field's ``[W, NH, 8]`` accumulator after a step: rescaled by ``a3``, plus both
     operands' ``V^T P^T`` (one chain) in the field's channel scales ``vc``. ``codes``: the
     field's registers for the even and the odd rows; ``scales``: ``vs_e, vz_e, vs_o, vz_o``
-    along k."""
-    vs_e, vz_e, vs_o, vz_o = scales
+    along k, or with ``FOLD`` (the raw codes against probabilities that carry the token
+    scales) the columns' sums ``pz, ps`` whose ``pz - magic * ps`` starts the chain."""
     pb_e, pb_o = pb
-    a_e = (_v_operand(codes[0], W, NH, aop) - magic) * vs_e + vz_e
-    a_o = (_v_operand(codes[1], W, NH, aop) - magic) * vs_o + vz_o
-    pv = mma_v2(a_o, pb_o, mma_v2(a_e, pb_e, zero))
+    a_e = _v_operand(codes[0], W, NH, aop)
+    a_o = _v_operand(codes[1], W, NH, aop)
+    if FOLD:
+        pz, ps = scales
+        start = gl.broadcast(gl.expand_dims(pz - magic * ps, 1), zero)[0]
+    else:
+        vs_e, vz_e, vs_o, vz_o = scales
+        a_e = (a_e - magic) * vs_e + vz_e
+        a_o = (a_o - magic) * vs_o + vz_o
+        start = zero
+    pv = mma_v2(a_o, pb_o, mma_v2(a_e, pb_e, start))
     return acc * a3 + pv * vc.to(gl.float32)
 
 
@@ -281,10 +306,14 @@ def decode_v7_kernel(
     NUM_SPLITS: gl.constexpr,
     W: gl.constexpr,
     STAGES: gl.constexpr,
+    FOLD: gl.constexpr = False,
 ):
     """One program per (request, KV head, split), ``W`` warps, one 64-token tile per warp and
     step, as :func:`kvarn_kernels.decode_v6.decode_v6_kernel` (same grid, partial outputs and
-    LSE; the pool tiles are :mod:`kvarn_kernels.decode_pool`'s launch)."""
+    LSE; the pool tiles are :mod:`kvarn_kernels.decode_pool`'s launch). ``FOLD``
+    (``variant="v7f"``): v6f's fold, the raw codes as A operands, K's channel scales on the
+    query and V's token scales on the probabilities, the zeros and the fields' magics as
+    per-row and per-column sums that start the MMA chains."""
     gl.static_assert(W == 1 or W == 2 or W == 4, "v7 runs 1, 2 or 4 warps per program")
     gl.static_assert(STAGES == 2 or STAGES == 3, "v7 pipelines 2 or 3 stages")
     gl.static_assert(D == 128, "v7 is written for head dim 128")
@@ -329,6 +358,7 @@ def decode_v7_kernel(
         size_per_thread=[1, 2], threads_per_warp=[2, 16], warps_per_cta=[W, 1], order=[1, 0]
     )
     avec: gl.constexpr = gl.SliceLayout(1, aop)  # [W, K] along the A operand's k
+    bvec: gl.constexpr = gl.SliceLayout(2, bop)  # [W, K] along the B operand's k
     quads: gl.constexpr = gl.SliceLayout(1, k_words)  # [W, words] as lane t holds them
     rows_l: gl.constexpr = gl.SliceLayout(2, mma)  # [W, M] along the accumulators' rows
     cols_l: gl.constexpr = gl.SliceLayout(1, mma)  # [W, 8] along the query columns
@@ -407,6 +437,12 @@ def decode_v7_kernel(
     l_acc = gl.zeros([W, NQ], gl.float32, cols_l)
     zero = gl.zeros([W, NH, NQ], gl.float32, mma)
     zero_s = gl.zeros([W, 32, NQ], gl.float32, mma)
+    # the folds' column sums as MMAs against rows of ones (or of the zeros): 16 rows, one tile
+    zero_c = gl.zeros([W, 16, NQ], gl.float32, mma)
+    ones_d = gl.full([W, 16, D], 1.0, gl.float16, aop)
+    ones_p = gl.full([W, 16, 32], 1.0, gl.float16, aop)
+    magic_e32 = gl.convert_layout(magic_e, mma).to(gl.float32)  # [1, 32, 1] along the rows
+    magic_o32 = gl.convert_layout(magic_o, mma).to(gl.float32)
     acc0 = zero
     acc1 = zero
     acc2 = zero
@@ -427,36 +463,19 @@ def decode_v7_kernel(
         # --- scales ---
         ks0, ks1 = _pairs_of_quad(ks_buf.index(stage).load(quads))
         kz0, kz1 = _pairs_of_quad(kz_buf.index(stage).load(quads))
-        ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)  # [W, 1, D]
-        kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
+        if FOLD:  # the channel scales on the query's k: [W, D, 1]; the zeros along A's k
+            ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, bvec), 2)
+            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1)
+        else:  # on the codes' k: [W, 1, D]
+            ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)
+            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
         ktw = gl.expand_dims(kt_buf.index(stage).load(rows_l), 2)  # [W, 32, 1]
-        kt_e, kt_o = gl.inline_asm_elementwise(
-            "mov.b32 {$0, $1}, $2;",
-            "=h,=h,r",
-            [ktw],
-            dtype=(gl.float16,) * 2,
-            is_pure=True,
-            pack=1,
-        )
-        vsw = gl.expand_dims(vs_buf.index(stage).load(avec), 1)  # [W, 1, 32]
-        vzw = gl.expand_dims(vz_buf.index(stage).load(avec), 1)
-        vs_e, vs_o = gl.inline_asm_elementwise(
-            "mov.b32 {$0, $1}, $2;",
-            "=h,=h,r",
-            [vsw],
-            dtype=(gl.float16,) * 2,
-            is_pure=True,
-            pack=1,
-        )
-        vz_e, vz_o = gl.inline_asm_elementwise(
-            "mov.b32 {$0, $1}, $2;",
-            "=h,=h,r",
-            [vzw],
-            dtype=(gl.float16,) * 2,
-            is_pure=True,
-            pack=1,
-        )
-        v_scales = (vs_e, vz_e * 0.5, vs_o, vz_o * 0.5)
+        kt_e, kt_o = _halves_of(ktw)
+        if FOLD:  # V's token scales on the probabilities' k [W, 32, 1], the zeros on A's k
+            vs_e, vs_o = _halves_of(gl.expand_dims(vs_buf.index(stage).load(bvec), 2))
+        else:  # both on the codes' k: [W, 1, 32]
+            vs_e, vs_o = _halves_of(gl.expand_dims(vs_buf.index(stage).load(avec), 1))
+        vz_e, vz_o = _halves_of(gl.expand_dims(vz_buf.index(stage).load(avec), 1))
         vca, vcb = gl.split(gl.reshape(vc_buf.index(stage).load(vc_pairs), [W, NH, 2]))
         vca = gl.expand_dims(gl.convert_layout(vca, gl.SliceLayout(2, mma)), 2)  # [W, NH, 1]
         vcb = gl.expand_dims(gl.convert_layout(vcb, gl.SliceLayout(2, mma)), 2)
@@ -476,26 +495,22 @@ def decode_v7_kernel(
             k_buf.index(stage * 5 + 4).load(k_words),
             _UNPACK5_K,
         )
-        k_e = _k_rows(
-            (kf[0], kf[2], kf[4], kf[6], kf[8], kf[10], kf[12], kf[14]),
-            magic_e,
-            ks,
-            kz,
-            W,
-            D,
-            aop,
-        )
-        k_o = _k_rows(
-            (kf[1], kf[3], kf[5], kf[7], kf[9], kf[11], kf[13], kf[15]),
-            magic_o,
-            ks,
-            kz,
-            W,
-            D,
-            aop,
-        )
-        s_e = mma_v2(k_e, q16, zero_s)
-        s_o = mma_v2(k_o, q16, zero_s)
+        even = (kf[0], kf[2], kf[4], kf[6], kf[8], kf[10], kf[12], kf[14])
+        odd = (kf[1], kf[3], kf[5], kf[7], kf[9], kf[11], kf[13], kf[15])
+        k_e = _k_rows(even, magic_e, ks, kz, FOLD, W, D, aop)
+        k_o = _k_rows(odd, magic_o, ks, kz, FOLD, W, D, aop)
+        if FOLD:
+            # q . ((x - magic) ks + kz / 2) = x . (q ks) + (q . kz / 2 - magic sum(q ks)): the
+            # magic is the row's field's, the rest one number per query column
+            q_s = q16 * ks
+            qs = gl.expand_dims(_mma_column_sum(ones_d, q_s, zero_c), 1)  # [W, 1, 8]
+            qz = gl.expand_dims(_mma_column_sum(gl.broadcast(kz, ones_d)[0], q16, zero_c), 1)
+            qz = qz * 0.5
+            s_e = mma_v2(k_e, q_s, gl.broadcast(qz - magic_e32 * qs, zero_s)[0])
+            s_o = mma_v2(k_o, q_s, gl.broadcast(qz - magic_o32 * qs, zero_s)[0])
+        else:
+            s_e = mma_v2(k_e, q16, zero_s)
+            s_o = mma_v2(k_o, q16, zero_s)
         pos = (bi * G + c * 64 + token_r).to(gl.int32)  # [W, 32, 1], the even rows' tokens
         s_e = gl.where(packed & (pos < seq_len), s_e * kt_e.to(gl.float32), float("-inf"))
         s_o = gl.where(packed & (pos + 1 < seq_len), s_o * kt_o.to(gl.float32), float("-inf"))
@@ -510,11 +525,22 @@ def decode_v7_kernel(
         p_o = gl.exp2(gl.fma(s_o, col_scale, -m3))
         l_acc = l_acc * alpha + gl.sum(p_e + p_o, axis=1)
         m = m_new
-        pb = (
-            gl.convert_layout(p_e.to(gl.float16), bop),
-            gl.convert_layout(p_o.to(gl.float16), bop),
-        )
+        pb_e = gl.convert_layout(p_e.to(gl.float16), bop)
+        pb_o = gl.convert_layout(p_o.to(gl.float16), bop)
         a3 = gl.expand_dims(alpha, 1)  # [W, 1, 8]
+        if FOLD:
+            # (x - magic) vs + vz / 2 against P: x against P vs, plus per column and field
+            # P . vz / 2 - magic sum(P vs), from two column sums for all fields
+            vz_e16 = gl.broadcast(vz_e, ones_p)[0]
+            vz_o16 = gl.broadcast(vz_o, ones_p)[0]
+            pz = _mma_column_sum2((vz_e16, vz_o16), (pb_e, pb_o), zero_c) * 0.5
+            pb_e = pb_e * vs_e
+            pb_o = pb_o * vs_o
+            ps = _mma_column_sum2((ones_p, ones_p), (pb_e, pb_o), zero_c)
+            v_scales = (pz, ps)
+        else:
+            v_scales = (vs_e, vz_e * 0.5, vs_o, vz_o * 0.5)
+        pb = (pb_e, pb_o)
 
         # --- V^T P^T [W, NH, 8] per V field ---
         vf = _unpack5(
@@ -525,14 +551,14 @@ def decode_v7_kernel(
             v_buf.index(stage * 5 + 4).load(v_words),
             _UNPACK5_V,
         )
-        acc0 = _v_field(acc0, a3, pb, (vf[0], vf[8]), 512.0, v_scales, vc0, zero, W, NH, aop)
-        acc1 = _v_field(acc1, a3, pb, (vf[1], vf[9]), 16.0, v_scales, vc1, zero, W, NH, aop)
-        acc2 = _v_field(acc2, a3, pb, (vf[2], vf[10]), 128.0, v_scales, vc2, zero, W, NH, aop)
-        acc3 = _v_field(acc3, a3, pb, (vf[3], vf[11]), 32.0, v_scales, vc3, zero, W, NH, aop)
-        acc4 = _v_field(acc4, a3, pb, (vf[4], vf[12]), 32.0, v_scales, vc4, zero, W, NH, aop)
-        acc5 = _v_field(acc5, a3, pb, (vf[5], vf[13]), 256.0, v_scales, vc5, zero, W, NH, aop)
-        acc6 = _v_field(acc6, a3, pb, (vf[6], vf[14]), 32.0, v_scales, vc6, zero, W, NH, aop)
-        acc7 = _v_field(acc7, a3, pb, (vf[7], vf[15]), 64.0, v_scales, vc7, zero, W, NH, aop)
+        acc0 = _v_field(acc0, a3, pb, (vf[0], vf[8]), 512.0, v_scales, vc0, zero, FOLD, W, NH, aop)
+        acc1 = _v_field(acc1, a3, pb, (vf[1], vf[9]), 16.0, v_scales, vc1, zero, FOLD, W, NH, aop)
+        acc2 = _v_field(acc2, a3, pb, (vf[2], vf[10]), 128.0, v_scales, vc2, zero, FOLD, W, NH, aop)
+        acc3 = _v_field(acc3, a3, pb, (vf[3], vf[11]), 32.0, v_scales, vc3, zero, FOLD, W, NH, aop)
+        acc4 = _v_field(acc4, a3, pb, (vf[4], vf[12]), 32.0, v_scales, vc4, zero, FOLD, W, NH, aop)
+        acc5 = _v_field(acc5, a3, pb, (vf[5], vf[13]), 256.0, v_scales, vc5, zero, FOLD, W, NH, aop)
+        acc6 = _v_field(acc6, a3, pb, (vf[6], vf[14]), 32.0, v_scales, vc6, zero, FOLD, W, NH, aop)
+        acc7 = _v_field(acc7, a3, pb, (vf[7], vf[15]), 64.0, v_scales, vc7, zero, FOLD, W, NH, aop)
         bi = bi_next
         c = c_next
         packed = packed_next
