@@ -748,7 +748,8 @@ def test_decode_attention_mma_rows(
         ("v4_prefetch", "applies to variant='v1' only"),
         (
             "v1_stages",
-            "num_stages applies to the variants \\('v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f', 'v6', 'v6f'\\)",
+            "num_stages applies to the variants "
+            "\\('v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f', 'v6', 'v6f', 'v7', 'v7f'\\)",
         ),
         ("v1_mma_rows", "mma_rows applies to the variants \\('v4', 'v4b', 'v4c', 'v4d'\\) only"),
         ("v1_max_registers", "max_registers applies to the variants"),
@@ -758,7 +759,7 @@ def test_decode_attention_mma_rows(
         (
             "v3_removed",
             "variant must be 'auto' or one of "
-            "\\('v1', 'v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f', 'v6', 'v6f'\\)",
+            "\\('v1', 'v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f', 'v6', 'v6f', 'v7', 'v7f'\\)",
         ),
     ],
 )
