@@ -538,8 +538,8 @@ def decode_v7_kernel(
             pb_o = pb_o * vs_o
             ps = _mma_column_sum2((ones_p, ones_p), (pb_e, pb_o), zero_c)
             v_scales = (pz, ps)
-        else:
-            v_scales = (vs_e, vz_e * 0.5, vs_o, vz_o * 0.5)
+        else:  # (a constexpr branch: the unfolded operands' four terms, not the fold's two)
+            v_scales = (vs_e, vz_e * 0.5, vs_o, vz_o * 0.5)  # type: ignore[assignment]
         pb = (pb_e, pb_o)
 
         # --- V^T P^T [W, NH, 8] per V field ---
