@@ -5,9 +5,9 @@ At B = 1 / 16K the g64 formats decode at 0.71-0.73x FA3 fp16's speed and k4v2_g1
 (H100, thirty-fourth session's kernel table). v4c serves B < 8; the split rule gives g64 64
 splits of 4 blocks (256 tokens each) where g128 gets 32 of 512 tokens. This times v4c at
 split counts 4-128 for k4v2_g64 and k4v2_g128 at B = 1 and 4 (16K) and B = 1 (4K), each
-twice, CUDA-graph replay; v1 (``kvarn_k5v5_g64``, every batch) and v6f (the default from B
-= 8) on the same shapes. Writes ``decode_small_batch_splits.json`` to ``--out`` and prints a table. On
-the GPU machine::
+twice, CUDA-graph replay; v1 and v7f (``kvarn_k5v5_g64``) and v6f on the same shapes.
+Writes ``decode_small_batch_splits.json`` to ``--out`` and prints a table. On the GPU
+machine::
 
     PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools \\
         python3 packages/kvarn-kernels/scripts/decode_small_batch_splits.py --out $OUT
@@ -29,6 +29,7 @@ CASES = (
     # the Gluon kernel below V5_MIN_BATCH: its pool tiles on a side stream, one-warp programs
     ("kvarn_k4v2_g64", "v6f"),
     ("kvarn_k4v2_g128", "v6f"),
+    ("kvarn_k5v5_g64", "v7f"),  # its 5-bit counterpart, on v6f's rule
 )
 SHAPES = ((1, 16384), (4, 16384), (1, 4096))  # (B, context)
 SPLITS = (4, 8, 16, 32, 64, 128)

@@ -1,7 +1,7 @@
 """v1 against v7 and v7f on ``kvarn_k5v5_g64``, in one run (GPU only).
 
 For each shape: the three kernels' outputs compared (v7 and v7f against v1, the kernel
-"auto" serves the format with today), then each kernel timed twice in alternation (µs per
+"auto" served the format with before v7f), then each kernel timed twice in alternation (µs per
 layer, CUDA-graph replay, each at its own default split count). FA3 fp16 is not run here
 (``tools/bench_kernels.py`` has it on the same shapes). Writes ``decode_v7_ab.json``
 to ``--out`` and prints a table. On the GPU machine::

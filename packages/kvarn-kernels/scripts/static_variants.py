@@ -483,7 +483,7 @@ def _decode_v6(
     return compile_kernel(decode_v6_kernel, DECODE_SIG, consts, warps)
 
 
-# v6 (sixteenth session, not yet run on a GPU): v5 transposed, tokens in the MMA's M
+# v6 (sixteenth session): v5 transposed, tokens in the MMA's M
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
     variant(f"decode_v6 {_n} d128 qpk4 w1 s2")(lambda _n=_n: _decode_v6(_n))
     # v6f: v5f's folding on v6 (the scales on the B operands, a quarter of the values)
@@ -507,7 +507,7 @@ def _decode_v7(warps: int = 1, stages: int = 2, fold: bool = False) -> Any:
     return compile_kernel(decode_v7_kernel, DECODE_SIG, consts, warps)
 
 
-# v7 (thirty-sixth session, not yet run on a GPU): 5-bit codes from the byte planes
+# v7 (thirty-sixth session; the 5-bit default since the thirty-seventh): 5-bit codes from the byte planes
 variant("decode_v7 kvarn_k5v5_g64 d128 qpk4 w1 s2")(lambda: _decode_v7())
 variant("decode_v7f kvarn_k5v5_g64 d128 qpk4 w1 s2")(lambda: _decode_v7(fold=True))
 

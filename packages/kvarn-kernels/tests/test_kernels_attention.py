@@ -1938,7 +1938,13 @@ def _geo(name: str, d: int) -> Any:
         ("kvarn_k4v2_g128", 128, {"v4_option": True}, "v4c"),
         ("kvarn_k4v2_g128", 128, {"capability": (8, 0)}, "v4c"),  # not timed there
         ("kvarn_k4v2_g128", 128, {"interpret": True}, "v4c"),  # Gluon has no interpreter
-        ("kvarn_k5v5_g64", 128, {}, "v1"),
+        ("kvarn_k5v5_g64", 128, {}, "v7f"),  # the byte-plane order's kernel
+        ("kvarn_k5v5_g64", 128, {"batch": 1}, "v7f"),
+        ("kvarn_k5v5_g64", 128, {"qpk": 12}, "v1"),  # more heads than v7's 8 MMA columns
+        ("kvarn_k5v5_g64", 64, {}, "v1"),  # v7 is written for head dim 128
+        ("kvarn_k5v5_g64", 128, {"shape_option": True}, "v1"),
+        ("kvarn_k5v5_g64", 128, {"capability": (8, 0)}, "v1"),
+        ("kvarn_k5v5_g64", 128, {"interpret": True}, "v1"),
     ],
 )
 def test_auto_decode_variant_takes_the_gluon_kernels_where_they_were_timed(
@@ -1965,6 +1971,24 @@ def test_auto_decode_variant_takes_the_gluon_kernels_where_they_were_timed(
         shape_option=bool(kw.get("shape_option")),
     )
     assert got == expected
+
+
+def test_decode_plan_gives_v7f_the_split_counts_of_v6f(h200: torch.device) -> None:
+    """On an H200, 5-bit codes in 64-token tiles plan v7f at v6f's split count for the same
+    tile size (4-bit keys), from one request, plus its pool-phase partial; the shape-only
+    workspace bound (max_decode_partials) covers it; 12 query heads per KV head keep v1."""
+    from kvarn_kernels import DecodePlan, decode_plan, max_decode_partials
+
+    for batch in (1, 3, 4, 7, 8, 64, 256):
+        for blocks in (64, 256, 1024):
+            plan = decode_plan("kvarn_k5v5_g64", batch, 32, 8, 128, blocks, h200)
+            four_bit = decode_plan("kvarn_k4v2_g64", batch, 32, 8, 128, blocks, h200)
+            assert four_bit.variant == "v6f"
+            assert plan == DecodePlan("v7f", four_bit.num_splits)
+            assert plan.partials == plan.num_splits + 1
+            bound = max_decode_partials("auto", batch, 32, 8, blocks, max_sms=132)
+            assert bound >= plan.partials
+    assert decode_plan("kvarn_k5v5_g64", 8, 96, 8, 128, 1024, h200).variant == "v1"
 
 
 def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -> None:

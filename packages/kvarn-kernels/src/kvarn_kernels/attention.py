@@ -1624,7 +1624,9 @@ SMALL_BATCH_PROGRAMS_PER_SM = 2
 #: 1.07-1.08x at B = 4 / 16K (16 splits against 32) and 1.09x at k4v2_g128 B = 1 / 4K (8
 #: splits against 16); this rule picks the best count at all six shapes swept (B = 1 and 4 at
 #: 16K, B = 1 at 4K, both group sizes), as it does on the thirty-fifth session's H100 sweep
-#: to within 1%.
+#: to within 1%. v7f (5-bit codes) takes the same rule: on the H200 (thirty-seventh session)
+#: its counts were the sweep's best at B = 1 / 16K and 4K and 1.01x it at B = 4 / 16K (32
+#: splits 56.3 µs against 16 splits 55.7).
 V6_SMALL_BATCH_PROGRAMS_PER_SM = 8
 #: The fewest tokens a v6f split is planned for below :data:`V5_MIN_BATCH` requests.
 SMALL_BATCH_TOKENS_PER_SPLIT = 256
@@ -1655,18 +1657,39 @@ def _v3_serves(geo: DenseGeometry, device: torch.device) -> bool:
     )
 
 
+def _gluon_timed_on(device: torch.device | None) -> bool:
+    """Whether ``device`` is a GPU the Gluon decode kernels were timed on
+    (:data:`V5_AUTO_CAPABILITIES`), outside the Triton interpreter."""
+    if device is None or device.type != "cuda" or triton_interpret():
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _capability(index) in V5_AUTO_CAPABILITIES
+
+
 def _v5_serves(geo: DenseGeometry, qpk: int, device: torch.device | None) -> bool:
     """Whether v5 runs this geometry on ``device`` and was timed there (``variant="auto"``)."""
     from kvarn_kernels.decode_v5 import V5_HEAD_DIMS, V5_MAX_QPK
 
-    if device is None or device.type != "cuda" or triton_interpret():
-        return False
-    index = torch.cuda.current_device() if device.index is None else device.index
     return (
         geo.head_dim in V5_HEAD_DIMS
         and (geo.k_order, geo.v_order) == (CodeOrder.TRANSPOSED, CodeOrder.PARITY)
         and qpk <= V5_MAX_QPK
-        and _capability(index) in V5_AUTO_CAPABILITIES
+        and _gluon_timed_on(device)
+    )
+
+
+def _v7_serves(geo: DenseGeometry, qpk: int, device: torch.device | None) -> bool:
+    """Whether v7f runs this geometry (5-bit codes in 64-token tiles, the byte-plane order)
+    on ``device`` and was timed there (``variant="auto"``)."""
+    from kvarn_kernels.decode_v5 import V5_HEAD_DIMS
+    from kvarn_kernels.decode_v7 import V7_MAX_QPK
+
+    return (
+        (geo.key_bits, geo.value_bits, geo.group) == (5, 5, 64)
+        and geo.head_dim in V5_HEAD_DIMS
+        and (geo.k_order, geo.v_order) == (CodeOrder.PLANES, CodeOrder.PLANES_PAIRED)
+        and qpk <= V7_MAX_QPK
+        and _gluon_timed_on(device)
     )
 
 
@@ -1706,14 +1729,25 @@ def default_decode_variant(
     (:func:`decode_mma_rows`) on both, v4c against v4d (eleventh session): k4v2_g128 677 vs
     662 and 2,577 vs 2,821; k4v4_g128 735 vs 722 and 3,172 vs 2,983; k4v2_g64 651 vs 666;
     head dim 256 (one stage) 3,238 vs 3,191: mixed, and v4c needs no extra partial, so v4c
-    stays. v1 for 5-bit codes and head
-    dim 512 (v4 is correct there but not timed), and whenever a v1-only option
-    (``prefetch=False``) is given; a v4-only option (``v4_option``: ``num_stages`` was given)
-    keeps the v4 family at 512 too.
+    stays.
+
+    5-bit codes (``kvarn_k5v5_g64``, stored as byte planes): v7f
+    (:mod:`kvarn_kernels.decode_v7`) from one request under the same conditions as v6f
+    (sm_90, head dim 128, up to 8 query heads per KV head, no other kernel's option), at
+    v6f's split counts. H200, thirty-seventh session (``scripts/decode_v7_ab.py``, µs per
+    layer, graph replay): v7f against v1 448.5 vs 2,307.3 at B = 64 / 16K, 460.3 vs 2,372.6 at
+    B = 256 / 4K, 93.5 vs 308.3 at B = 8 / 16K, 38.6 vs 57.8 at B = 1 / 16K; outputs within
+    1.3e-3 of v1's; the 33 GPU tests of the 5-bit kernels and the code order passed on the
+    same machine. Otherwise v1 for 5-bit codes and head dim 512 (v4 is correct there but not
+    timed), and whenever a v1-only option (``prefetch=False``) is given; a v4-only option
+    (``v4_option``: ``num_stages`` was given) keeps the v4 family at 512 too.
     """
+    gluon = prefetch and not (v4_option or shape_option)
+    if gluon and _v7_serves(geo, qpk, device):
+        return "v7f"
     if not _v4_supports(geo) or not prefetch:
         return "v1"
-    if not (v4_option or shape_option) and _v5_serves(geo, qpk, device):
+    if gluon and _v5_serves(geo, qpk, device):
         from kvarn_kernels.decode_v6 import V6_MAX_QPK
 
         if qpk <= V6_MAX_QPK and batch >= V6_MIN_BATCH:
@@ -1916,7 +1950,7 @@ def _splits_for_sms(
 ) -> int:
     """``variant``'s default split count on a GPU of ``num_sms`` SMs (``group``: tokens per
     block): the split rule (:func:`decode_splits_for_sms`) times v5's factor for its warps
-    per program from :data:`V5_MIN_BATCH` requests; below it, v6f's own rule
+    per program from :data:`V5_MIN_BATCH` requests; below it, v6f's and v7f's own rule
     (:data:`V6_SMALL_BATCH_PROGRAMS_PER_SM`), the rule itself for v5 (the one-warp factor's 3x
     was only timed from B = 8) and :data:`SMALL_BATCH_PROGRAMS_PER_SM` for v4c and v1."""
     small = batch < V5_MIN_BATCH
@@ -1925,7 +1959,7 @@ def _splits_for_sms(
         return decode_splits_for_sms(
             batch, num_kv_heads, max_blocks, num_sms, programs_per_sm=density
         )
-    if small and variant == "v6f":
+    if small and variant in ("v6f", "v7f"):
         splits = decode_splits_for_sms(
             batch,
             num_kv_heads,
@@ -1959,14 +1993,19 @@ def max_decode_partials(
         raise ValueError(f"variant must be 'auto' or one of {DECODE_VARIANTS}, got {variant!r}")
     from kvarn_kernels.decode_v5 import V5_MAX_QPK
     from kvarn_kernels.decode_v6 import V6_MAX_QPK
+    from kvarn_kernels.decode_v7 import V7_MAX_QPK
 
     qpk = num_q_heads // num_kv_heads
     # the largest tile of the registry: the fewest blocks per split any plan is made for
     group = max(parse_cache_dtype(name).group for name in DENSE_DTYPES)
     if variant != "auto":
         candidates: tuple[str, ...] = (variant,)
-    else:  # v1 (5-bit codes) and v4c; v5 and v6f serve up to 16 and 8 heads, v5 from 8 requests
-        gluon = (("v5", V5_MAX_QPK, V5_MIN_BATCH), ("v6f", V6_MAX_QPK, V6_MIN_BATCH))
+    else:  # v1 and v4c; v5 serves up to 16 heads from 8 requests, v6f and v7f up to 8
+        gluon = (
+            ("v5", V5_MAX_QPK, V5_MIN_BATCH),
+            ("v6f", V6_MAX_QPK, V6_MIN_BATCH),
+            ("v7f", V7_MAX_QPK, V6_MIN_BATCH),
+        )
         serving = (v for v, most, least in gluon if qpk <= most and batch >= least)
         candidates = ("v1", "v4c", *serving)
     return max(

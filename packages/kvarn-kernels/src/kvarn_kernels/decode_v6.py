@@ -25,9 +25,8 @@ per column pair and step).
 
 Numerics as v5 (the same halved operands, fp32 scores and accumulators); ``FOLD``
 (``variant="v6f"``) as v5f. GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit
-values, head dim 128, the in-cache code order, up to 8 query heads per KV head. Experimental
-(``variant="v6"``, ``"v6f"``): compiled and counted on the CPU (docs/kernel-notes.md,
-sixteenth session), not yet run on a GPU.
+values, head dim 128, the in-cache code order, up to 8 query heads per KV head. v6f is
+``variant="auto"``'s kernel there since the seventeenth session (docs/kernel-notes.md).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ Numerics as v6 without the fold: operands are dequantized values halved into fp1
 magic) * scale + zero / 2``, fp32 scores and accumulators; K's token scale and the query's row
 maximum scale the scores, V's channel scale the outputs, the halvings come back as a factor 2.
 GPU only (Gluon has no interpreter); ``kvarn_k5v5_g64`` at head dim 128, up to 8 query heads per
-KV head.
+KV head. v7f (the fold) is ``variant="auto"``'s kernel there since the thirty-seventh session
+(H200: 0.19x v1's time from B = 64, docs/kernel-notes.md).
 """
 
 from __future__ import annotations
