@@ -45,6 +45,7 @@ from kvarn_kernels.attention import (
     POOL_SPLIT_VARIANTS,
     UNSAFE_HEAD_DIM_512_ENV,
     V5_VARIANTS,
+    V6_VARIANTS,
     decode_partials,
     verify_rows,
     verify_token_groups,
@@ -1573,16 +1574,28 @@ def test_decode_attention_cuda_graph(device: torch.device, variant: str) -> None
         _assert_close(out, ref)
 
 
+# the Gluon kernels with the formats they read: 4-bit keys, and v7 on the 5-bit byte planes
+GLUON_CASES = [
+    *(
+        (variant, name)
+        for variant in FOUR_BIT_GLUON
+        for name in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64")
+    ),
+    ("v7", "kvarn_k5v5_g64"),
+    ("v7f", "kvarn_k5v5_g64"),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", FOUR_BIT_GLUON)
-@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"])
+@pytest.mark.parametrize(("variant", "name"), GLUON_CASES)
 @pytest.mark.parametrize(("hq", "hk"), [(8, 8), (12, 4), (32, 8), (32, 2)], ids=lambda x: str(x))
 def test_decode_v5_gqa_ratios_and_shadow_rows(
     device: torch.device, variant: str, name: str, hq: int, hk: int
 ) -> None:
-    """v5 at GQA 1, 3, 4 and 16 (its 16 MMA rows full), over contexts spanning many tiles,
-    in-progress tiles of 1 and G - 1 tokens, a split count that leaves splits without records,
-    and with shadow rows (equal bit for bit to the unshadowed twin)."""
+    """v5 at GQA 1, 3, 4 and 16 (its 16 MMA rows full; v6 and v7 refuse 16: their 8 query
+    columns), over contexts spanning many tiles, in-progress tiles of 1 and G - 1 tokens, a
+    split count that leaves splits without records, and with shadow rows (equal bit for bit
+    to the unshadowed twin)."""
     g = parse_cache_dtype(name).group
     lens = [5000, 1, g - 1, 2 * g + 1, 3 * g, 0, 700]
     r = _shadow_rows(name, 128, "max")
@@ -1596,7 +1609,7 @@ def test_decode_v5_gqa_ratios_and_shadow_rows(
     def run(case: PagedCase) -> torch.Tensor:
         return decode_attention(*case.decode_args(name, q, scale), num_splits=7, variant=variant)
 
-    if variant in ("v6", "v6f") and hq // hk > 8:  # v6's 8 query columns
+    if variant in V6_VARIANTS and hq // hk > 8:  # v6's and v7's 8 query columns
         with pytest.raises(ValueError, match="takes up to 8 query heads per KV head"):
             run(case_with(0))
         return
@@ -1646,38 +1659,6 @@ def test_decode_v5_extreme_magnitudes(
     ref = decode_attention_ref(*args)
     _assert_close(decode_attention(*args, variant=variant), ref)
     _assert_close(decode_attention(*args, variant="v4c"), ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v7", "v7f"])
-@pytest.mark.parametrize(("hq", "hk"), [(8, 8), (12, 4), (32, 8), (32, 2)], ids=lambda x: str(x))
-def test_decode_v7_gqa_ratios_and_shadow_rows(
-    device: torch.device, variant: str, hq: int, hk: int
-) -> None:
-    """v7 (5-bit codes from the byte planes) at GQA 1, 3, 4 and 16 (refused: its 8 query
-    columns), over contexts spanning many tiles, in-progress tiles of 1 and G - 1 tokens, a
-    split count that leaves splits without records, and with shadow rows (equal bit for bit
-    to the unshadowed twin)."""
-    name, g = "kvarn_k5v5_g64", 64
-    lens = [5000, 1, g - 1, 2 * g + 1, 3 * g, 0, 700]
-    r = _shadow_rows(name, 128, "max")
-    gen = torch.Generator(device=device).manual_seed(hq + hk)
-    q = torch.randn(len(lens), hq, 128, device=device, generator=gen).half()
-    scale = 1.0 / math.sqrt(128)
-
-    def case_with(rows: int) -> PagedCase:
-        return shared_case(name, 128, hk, lens, device=device, seed=hq, shadow_rows=rows)
-
-    def run(case: PagedCase) -> torch.Tensor:
-        return decode_attention(*case.decode_args(name, q, scale), num_splits=7, variant=variant)
-
-    if hq // hk > 8:
-        with pytest.raises(ValueError, match="takes up to 8 query heads per KV head"):
-            run(case_with(0))
-        return
-    _check_reference_and_shadow_twin(
-        name, r, case_with, run, lambda c: decode_attention_ref(*c.decode_args(name, q, scale))
-    )
 
 
 @pytest.mark.gpu

@@ -1206,12 +1206,12 @@ def _launch_v5(
     if probe and not v6:
         raise ValueError(f"probe={probe} is a decode_v6 option, not {variant!r}'s")
     # every constexpr given, defaults too: launch() takes its direct path for a full tail
-    options: dict[str, bool | int] = {"FOLD": variant == "v7f"}
+    options: dict[str, bool | int] = {"FOLD": variant in ("v5f", "v6f", "v7f")}
     if variant in FIVE_BIT_VARIANTS:
         kernel = decode_v7_kernel
     else:
         kernel = decode_v6_kernel if v6 else decode_v5_kernel
-        options = {"VB": geo.value_bits, "FOLD": variant in ("v5f", "v6f")}
+        options["VB"] = geo.value_bits
         options.update({"PROBE": probe} if v6 else {"LAZY": False})
     launch(
         kernel,
