@@ -1297,6 +1297,51 @@ def test_verify_attention(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("hq", "hk"), [(32, 8), (64, 8), (8, 8)])
+def test_verify_attention_five_bit_rows_gpu(device: torch.device, hq: int, hk: int) -> None:
+    """``kvarn_k5v5_g64`` at head dim 128 (GQA 4, 8 and 1): ``"auto"`` verify runs the rows
+    :func:`verify_plan` names (v7f on sm_90) and matches the reference and v1's rows, with its
+    own workspace and with a preallocated one of the plan's size; 3 drafts, ragged query
+    counts, contexts from a few tokens to 4K."""
+    from kvarn_kernels import verify_plan
+
+    name = "kvarn_k5v5_g64"
+    lens = [4096, 5, 3000, 129, 1500, 777, 2 * 64 + 3]
+    qlens = [4, 2, 4, 1, 3, 4, 4]
+    case = build_case(
+        name,
+        128,
+        hk,
+        lens,
+        device=device,
+        seed=13,
+        pool_from=[n - ql for n, ql in zip(lens, qlens, strict=True)],
+    )
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(sum(qlens), hq, 128, device=device, generator=gen).half()
+    qsl = _qsl(qlens, device)
+    scale = 1.0 / math.sqrt(128)
+    paged = (case.kv_cache, case.pool_k, case.pool_v, case.block_table)
+    width = int(case.block_table.shape[1])
+    plan = verify_plan(name, len(lens), hq, hk, 128, 4, width, device)
+    ref = prefill_attention_ref(*case.prefill_args(name, q, qsl, scale))
+    args = (name, q, *paged, qsl, case.seq_lens, case.block_to_slot, scale)
+    out = verify_attention(*args, max_query_len=4)
+    _assert_close(out, ref)
+    workspace = torch.empty(
+        decode_workspace_numel(int(q.shape[0]), hq, 128, plan.partials),
+        dtype=torch.float32,
+        device=device,
+    )
+    fixed = verify_attention(
+        *args, max_query_len=4, workspace=workspace, num_splits=plan.num_splits
+    )
+    _assert_close(fixed, ref)
+    rows = verify_attention(*args, max_query_len=4, variant="v1")
+    _assert_close(out, rows.double(), tot=2e-3, row=1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("name", "hq", "hk", "d"),
     [
@@ -1970,6 +2015,61 @@ def test_decode_plan_gives_v7f_the_split_counts_of_v6f(h200: torch.device) -> No
             bound = max_decode_partials("auto", batch, 32, 8, blocks, max_sms=132)
             assert bound >= plan.partials
     assert decode_plan("kvarn_k5v5_g64", 8, 96, 8, 128, 1024, h200).variant == "v1"
+
+
+def test_verify_plan_runs_five_bit_rows_on_v7f(h200: torch.device) -> None:
+    """On an H200, verify on 5-bit codes plans one v7f row per query token at v7f's decode
+    plan for that many rows (its pool partial included); 4-bit codes keep the one-pass v4c
+    at choose_verify_splits's count; 12 query heads per KV head keep v1 rows; the shape-only
+    bound covers every plan; bad input raises as verify_attention would."""
+    from kvarn_kernels import (
+        DecodePlan,
+        decode_plan,
+        max_verify_partials,
+        verify_plan,
+    )
+    from kvarn_kernels.attention import choose_verify_splits
+
+    for batch in (1, 2, 8, 64):
+        for width in (2, 4):
+            for blocks in (64, 1024):
+                plan = verify_plan("kvarn_k5v5_g64", batch, 32, 8, 128, width, blocks, h200)
+                rows = decode_plan("kvarn_k5v5_g64", batch * width, 32, 8, 128, blocks, h200)
+                assert plan == rows and plan.variant == "v7f"
+                assert plan.partials == plan.num_splits + 1
+                four = verify_plan("kvarn_k4v2_g128", batch, 32, 8, 128, width, blocks, h200)
+                count = choose_verify_splits(batch, 32, 8, width, blocks, h200)
+                assert four == DecodePlan("v4c", count)
+                bound = max_verify_partials(batch, 32, 8, width, blocks, max_sms=132)
+                assert bound >= max(plan.partials, four.partials)
+    wide = verify_plan("kvarn_k5v5_g64", 8, 96, 8, 128, 4, 1024, h200)
+    assert wide.variant == "v1"
+    assert verify_plan("kvarn_k5v5_g64", 8, 32, 8, 128, 4, 1024, h200, variant="v1") == (
+        DecodePlan("v1", choose_verify_splits(8, 32, 8, 4, 1024, h200))
+    )
+    with pytest.raises(ValueError, match="max_query_len"):
+        verify_plan("kvarn_k5v5_g64", 8, 32, 8, 128, 0, 1024, h200)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        verify_plan("kvarn_k5v5_g64", 8, 30, 8, 128, 4, 1024, h200)
+    with pytest.raises(ValueError, match="is a decode variant"):
+        verify_plan("kvarn_k4v2_g128", 8, 32, 8, 128, 4, 1024, h200, variant="v6f")
+
+
+def test_verify_plan_without_a_gpu_keeps_v1_rows_and_the_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a GPU (or under the interpreter) verify on 5-bit codes runs v1 rows and 4-bit
+    codes the v4c pass, as before v7f; asking for v7f under the interpreter raises (Gluon
+    has none)."""
+    from kvarn_kernels import attention, verify_plan
+
+    monkeypatch.setattr(attention, "triton_interpret", lambda: True)
+
+    cpu = torch.device("cpu")
+    assert verify_plan("kvarn_k5v5_g64", 4, 32, 8, 128, 4, 256, cpu).variant == "v1"
+    assert verify_plan("kvarn_k4v4_g64", 4, 32, 8, 128, 4, 256, cpu).variant == "v4c"
+    with pytest.raises(ValueError, match="Gluon"):
+        verify_plan("kvarn_k5v5_g64", 4, 32, 8, 128, 4, 256, cpu, variant="v7f")
 
 
 def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -> None:

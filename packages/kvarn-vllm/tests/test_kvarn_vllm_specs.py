@@ -649,6 +649,39 @@ def test_verify_graphs_share_the_charged_decode_workspace(kvarn: None, qwen3_dir
     assert decode_workspace_bytes(*shape, verify_width=4) >= both
 
 
+def test_five_bit_verify_rows_on_v7f_fit_the_charged_workspace(
+    kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ``"auto"`` decodes ``kvarn_k5v5_g64`` on v7f (an H200, faked here), its uniform
+    verify batches run one v7f row per query token: the worker's plan says so, its
+    workspace holds the plan's extra partial for every batch, and the engine's charge still
+    bounds it."""
+    from kvarn_kernels import attention
+    from kvarn_vllm.budget import decode_workspace_bytes
+
+    rt = _serving_builder(qwen3_dir, "kvarn_k5v5_g64").runtime
+    rt.verify_graphs, rt.verify_width = True, 4
+    assert rt.verify_plan(8).variant == "v1"  # a CPU
+    monkeypatch.setattr(attention, "_gluon_timed_on", lambda device: True)
+    monkeypatch.setattr(attention, "triton_interpret", lambda: False)  # nothing is launched
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    for batch in (1, 2, 8, rt.max_num_seqs):
+        plan = rt.verify_plan(batch)
+        assert plan.variant == "v7f"
+        assert plan == attention.decode_plan(
+            "kvarn_k5v5_g64",
+            batch * 4,
+            rt.num_q_heads,
+            rt.num_kv_heads,
+            rt.head_size,
+            rt.max_blocks,
+            rt.device,
+        )
+    shape = (rt.max_num_seqs, rt.num_q_heads, rt.num_kv_heads, rt.head_size, rt.max_blocks)
+    need = 4 * rt.decode_workspace_numel(rt.max_num_seqs)
+    assert decode_workspace_bytes(*shape, verify_width=4) >= need
+
+
 def test_decode_kernel_setting_reaches_the_workspace_and_fails_closed(
     kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,7 +12,7 @@ Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from po
 :func:`flush_token_tiles` (store straight from a step's rotated K/V rows),
 :func:`decode_attention` (with :func:`decode_plan`, the kernel and split count it runs for a
 batch shape), :func:`verify_attention` (speculative verify: a few query tokens
-per request in one decode-kernel pass), :func:`prefill_attention` (with
+per request in one decode-kernel pass, or one decode row per token; :func:`verify_plan`), :func:`prefill_attention` (with
 :func:`plan_prefill_context`, its per-batch schedule shared by a step's layers), plus
 :func:`hadamard_matrix` and :func:`warmup` (compiles the serving kernels before serving).
 Pure-torch references live in :mod:`kvarn_kernels.reference`.
@@ -28,9 +28,11 @@ from kvarn_kernels.attention import (
     decode_splits_for_sms,
     decode_workspace_numel,
     max_decode_partials,
+    max_verify_partials,
     prefill_attention,
     prefill_method,
     verify_attention,
+    verify_plan,
 )
 from kvarn_kernels.context import ContextPlan, plan_prefill_context
 from kvarn_kernels.rotation import hadamard_matrix, rotate, write_side_pool
@@ -53,11 +55,13 @@ __all__ = [
     "flush_token_tiles",
     "hadamard_matrix",
     "max_decode_partials",
+    "max_verify_partials",
     "plan_prefill_context",
     "prefill_attention",
     "prefill_method",
     "rotate",
     "verify_attention",
+    "verify_plan",
     "warmup",
     "write_side_pool",
 ]

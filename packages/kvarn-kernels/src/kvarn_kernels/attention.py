@@ -84,8 +84,10 @@ __all__ = [
     "decode_partials",
     "decode_plan",
     "decode_workspace_numel",
+    "max_verify_partials",
     "prefill_attention",
     "prefill_method",
+    "verify_plan",
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
@@ -885,6 +887,112 @@ def choose_verify_splits(
     KV head (static shapes only; the warm-up compiles every value it can return)."""
     groups = verify_token_groups(num_q_heads, num_kv_heads, max_query_len)
     return choose_decode_splits(batch * groups, num_kv_heads, max_blocks, device)
+
+
+def verify_plan(
+    fmt: KVarNFormat | str,
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_query_len: int,
+    max_blocks: int,
+    device: torch.device,
+    *,
+    variant: str = "auto",
+) -> DecodePlan:
+    """The kernel and split count :func:`verify_attention` runs for ``batch`` requests of up to
+    ``max_query_len`` query tokens over block tables ``max_blocks`` wide on ``device``, with
+    the same ``variant`` and no ``num_splits`` (static shapes only, so CUDA-graph safe).
+
+    ``"auto"``: one pass per request (v4c) at :func:`choose_verify_splits`'s count where v4
+    reads the codes; otherwise one decode row per query token: v7f where ``"auto"`` decodes
+    on it (5-bit codes on sm_90), at its decode split count for ``batch * max_query_len``
+    rows (v1 read the context 5x slower there: docs/kernel-notes.md, thirty-seventh session),
+    else v1 at :func:`choose_verify_splits`'s count. A preallocated workspace needs
+    ``decode_workspace_numel(batch * max_query_len, num_q_heads, head_dim, plan.partials)``
+    elements. Raises ``ValueError`` where :func:`verify_attention` would."""
+    dense = resolve_format(fmt)
+    check_head_dim(head_dim)
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+    geo = dense_geometry(dense, head_dim, record_layout(dense, head_dim).tile_bytes)
+    chosen = _resolve_verify_variant(geo, variant, num_q_heads // num_kv_heads, device)
+    splits = _verify_splits(
+        chosen, geo, batch, num_q_heads, num_kv_heads, max_query_len, max_blocks, device
+    )
+    return DecodePlan(chosen, splits)
+
+
+def max_verify_partials(
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_blocks: int,
+    *,
+    max_sms: int,
+) -> int:
+    """The most partial outputs :func:`verify_plan` (``"auto"``) can plan for ``batch``
+    requests of ``max_query_len`` tokens on a GPU of up to ``max_sms`` SMs, any format, from
+    shapes only: a bound for a workspace sized before the GPU is known (for
+    ``batch * max_query_len`` rows)."""
+    from kvarn_kernels.decode_v7 import V7_MAX_QPK
+
+    qpk = num_q_heads // num_kv_heads
+    groups = verify_token_groups(num_q_heads, num_kv_heads, max_query_len)
+    most = decode_splits_for_sms(batch * groups, num_kv_heads, max_blocks, max_sms)
+    if qpk <= V7_MAX_QPK:  # one v7f row per query token on 5-bit codes
+        for name in DENSE_DTYPES:
+            fmt = resolve_format(name)
+            if fmt.key_bits == 5:
+                rows = batch * max_query_len
+                splits = _splits_for_sms(
+                    "v7f", rows, qpk, num_kv_heads, max_blocks, max_sms, fmt.group
+                )
+                most = max(most, decode_partials("v7f", splits))
+    return most
+
+
+def _resolve_verify_variant(
+    geo: DenseGeometry, variant: str, qpk: int, device: torch.device | None
+) -> str:
+    """:func:`verify_attention`'s kernel: ``variant`` checked as :func:`decode_attention`
+    checks it; ``"auto"`` is v7f where it serves the geometry on ``device``, else decode's
+    default without a device (v4c; v1 for the codes v4 cannot read)."""
+    if variant == "auto" and _v7_serves(geo, qpk, device):
+        variant = "v7f"
+    variant = _resolve_decode_variant(geo, variant, qpk=qpk)
+    if variant in POOL_SPLIT_VARIANTS and variant not in FIVE_BIT_VARIANTS:
+        raise ValueError(
+            f"variant={variant!r} is a decode variant; verify_attention takes v4c, v1 or, on "
+            "5-bit codes, v7 and v7f"
+        )
+    return variant
+
+
+def _verify_splits(
+    variant: str,
+    geo: DenseGeometry,
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_blocks: int,
+    device: torch.device,
+) -> int:
+    """:func:`verify_attention`'s split count for ``variant``: the 5-bit kernels' decode count
+    for one row per query token, else :func:`choose_verify_splits`."""
+    if variant in FIVE_BIT_VARIANTS:
+        rows = batch * max_query_len
+        return _default_splits(
+            variant, rows, num_q_heads, num_kv_heads, max_blocks, device, geo.group
+        )
+    return choose_verify_splits(batch, num_q_heads, num_kv_heads, max_query_len, max_blocks, device)
 
 
 def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
@@ -2375,10 +2483,9 @@ def verify_attention(
     )
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
-    variant = _resolve_decode_variant(geo, variant)
-    if variant in POOL_SPLIT_VARIANTS:
-        raise ValueError(f"variant={variant!r} is a decode variant; verify_attention takes v4c")
     t, hq, d = (int(s) for s in q.shape)
+    hk = int(pool_k.shape[2])
+    variant = _resolve_verify_variant(geo, variant, hq // hk, q.device)
     if debug_checks_enabled(check):
         starts = query_start_loc.tolist()
         counts = [b - a for a, b in pairwise(starts)]
@@ -2390,14 +2497,20 @@ def verify_attention(
             raise ValueError(
                 f"a request has {max(counts)} query tokens but max_query_len = {max_query_len}"
             )
-    hk = int(pool_k.shape[2])
-    # one split rule for both paths (the warm-up compiles what it selects)
-    splits = num_splits or choose_verify_splits(
-        int(block_table.shape[0]), hq, hk, max_query_len, int(block_table.shape[1]), q.device
+    # verify_plan's count (the warm-up compiles what it selects)
+    splits = num_splits or _verify_splits(
+        variant,
+        geo,
+        int(block_table.shape[0]),
+        hq,
+        hk,
+        max_query_len,
+        int(block_table.shape[1]),
+        q.device,
     )
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
-    if variant == "v1":
+    if variant == "v1" or variant in FIVE_BIT_VARIANTS:
         table, lens = verify_rows(block_table, query_start_loc, seq_lens, t)
         return decode_attention(
             geo.fmt,
@@ -2412,7 +2525,7 @@ def verify_attention(
             out=out,
             workspace=workspace,
             num_splits=splits,
-            variant="v1",
+            variant=variant,
         )
     workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, splits), q.device)
     _launch(

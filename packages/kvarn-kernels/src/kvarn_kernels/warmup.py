@@ -53,13 +53,13 @@ from kvarn_format.registry import KVarNFormat
 from kvarn_kernels._common import resolve_format
 from kvarn_kernels.attention import (
     _num_sms,
-    choose_verify_splits,
     decode_attention,
     decode_plan,
     prefill_attention,
     prefill_v2_splits,
     request_slots,
     verify_attention,
+    verify_plan,
 )
 from kvarn_kernels.prefill_v2 import default_block_m
 from kvarn_kernels.rotation import ROW_TILE_EDGES, rotate, write_side_pool
@@ -253,15 +253,15 @@ def warmup(
             )
 
     if verify_width > 0:
-        splits = {
-            choose_verify_splits(b, hq, hk, verify_width, block_table_width, dev) for b in batches
+        verify_plans = {
+            verify_plan(dense, b, hq, hk, d, verify_width, block_table_width, dev) for b in batches
         }
         # Requests of verify_width tokens.
         for reqs in (1, 16):
             t = reqs * verify_width
             qsl = torch.arange(0, t + 1, verify_width, dtype=torch.int32, device=dev)
             lens = torch.full((reqs,), verify_width, dtype=torch.int32, device=dev)
-            for n in sorted(splits):
+            for plan in sorted(verify_plans, key=lambda p: (p.variant, p.num_splits)):
                 q = randn(t, hq, d)
                 jobs.append(
                     on_server_table(
@@ -271,7 +271,8 @@ def warmup(
                         qsl,
                         lens,
                         max_query_len=verify_width,
-                        num_splits=n,
+                        num_splits=plan.num_splits,
+                        variant=plan.variant,
                     )
                 )
     fused_batches = fused_prefill_batches(

@@ -776,7 +776,7 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                         rt = meta.runtime
                         fixed = {
                             "workspace": rt.decode_workspace,
-                            "num_splits": rt.verify_splits(run.req_end),
+                            "num_splits": rt.verify_plan(run.req_end).num_splits,
                         }
                     with _prof_range("kvarn: verify"):
                         kk.verify_attention(

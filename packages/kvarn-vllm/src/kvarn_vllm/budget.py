@@ -269,23 +269,21 @@ def decode_workspace_bytes(
     share it (``verify_width`` rows per request).
     """
     import kvarn_kernels
-    from kvarn_kernels.attention import verify_token_groups
 
     def numel(rows: int, partials: int) -> int:
         return int(kvarn_kernels.decode_workspace_numel(rows, num_q_heads, head_size, partials))
 
-    groups = verify_token_groups(num_q_heads, num_kv_heads, verify_width) if verify_width else 0
     largest = 0
     for b in range(1, max(max_batch, 1) + 1):
         partials = kvarn_kernels.max_decode_partials(
             decode_variant, b, num_q_heads, num_kv_heads, max_blocks, max_sms=MAX_SMS_BOUND
         )
         largest = max(largest, numel(b, partials))
-        if verify_width:  # verify_width rows per request, no extra partial
-            splits = kvarn_kernels.decode_splits_for_sms(
-                b * groups, num_kv_heads, max_blocks, MAX_SMS_BOUND
+        if verify_width:  # verify_width rows per request
+            partials = kvarn_kernels.max_verify_partials(
+                b, num_q_heads, num_kv_heads, verify_width, max_blocks, max_sms=MAX_SMS_BOUND
             )
-            largest = max(largest, numel(b * verify_width, splits))
+            largest = max(largest, numel(b * verify_width, partials))
     return 4 * largest
 
 

@@ -356,24 +356,28 @@ class KvarnGroupRuntime:
         if self.verify_graphs:
             need += [
                 kk.decode_workspace_numel(
-                    b * self.verify_width, self.num_q_heads, self.head_size, self.verify_splits(b)
+                    b * self.verify_width,
+                    self.num_q_heads,
+                    self.head_size,
+                    self.verify_plan(b).partials,
                 )
                 for b in batches
             ]
         return int(max(need))
 
-    def verify_splits(self, batch: int) -> int:
-        """The split count ``verify_attention`` chooses for ``batch`` uniform verify requests."""
-        kk: Any = importlib.import_module("kvarn_kernels.attention")
-        return int(
-            kk.choose_verify_splits(
-                batch,
-                self.num_q_heads,
-                self.num_kv_heads,
-                self.verify_width,
-                self.max_blocks,
-                self.device,
-            )
+    def verify_plan(self, batch: int) -> Any:
+        """The kernel and split count ``verify_attention`` runs for ``batch`` uniform verify
+        requests (:func:`kvarn_kernels.verify_plan`)."""
+        kk: Any = importlib.import_module("kvarn_kernels")
+        return kk.verify_plan(
+            self.fmt,
+            batch,
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_size,
+            self.verify_width,
+            self.max_blocks,
+            self.device,
         )
 
     def ensure_decode_workspace(self, batch: int) -> torch.Tensor:
