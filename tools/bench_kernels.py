@@ -792,17 +792,22 @@ def select_decode_configs(labels: str | None) -> list[dict[str, Any]]:
     return [c for c in DECODE_VARIANT_CONFIGS if config_label(c) in wanted]
 
 
-def run_variants(parts: set[str], decode_configs: list[dict[str, Any]]) -> dict[str, Any]:
+def run_variants(
+    parts: set[str],
+    decode_configs: list[dict[str, Any]],
+    verify_formats: tuple[str, ...] = ("kvarn_k4v2_g128",),
+) -> dict[str, Any]:
     """Time the code paths of ``parts``; decode rows for each of ``decode_configs``
-    (:func:`select_decode_configs`)."""
+    (:func:`select_decode_configs`), verify rows for each of ``verify_formats``."""
     import torch
 
     out: dict[str, Any] = {"decode": [], "store": [], "prefill": [], "verify": []}
     # Speculative verify rows (3 drafts): the plugin's verify pass against the other paths
     # and FA3 on fp16 (docs/kernel-notes.md); (256, 6144) is the burst's decode shape.
     shapes = ((1, 16384), (8, 4096), (64, 6144), (256, 6144))
-    for bsz, ctx in shapes if "verify" in parts else ():
-        out["verify"] += bench_verify("kvarn_k4v2_g128", ctx, 4, bsz)
+    for name in verify_formats if "verify" in parts else ():
+        for bsz, ctx in shapes:
+            out["verify"] += [{"format": name, **r} for r in bench_verify(name, ctx, 4, bsz)]
     # (256, 6144): the serving burst's decode shape (256 requests, 6144-6656 tokens); B = 1
     # and 8 at 16K: one agent's and a few agents' latency (graph replay, as served)
     decode_shapes = ((1, 16384), (8, 16384), (64, 16384), (256, 4096), (256, 6144))
@@ -1334,7 +1339,11 @@ def main() -> None:
     ap.add_argument("--from-json", type=Path, help="render a saved run (no GPU needed)")
     ap.add_argument("--quick", action="store_true", help="two decode shapes only")
     ap.add_argument("--sweep", action="store_true", help="decode tuning sweep first")
-    ap.add_argument("--formats", help="comma-separated subset of the dense formats")
+    ap.add_argument(
+        "--formats",
+        help="comma-separated subset of the dense formats (with --variants verify: the formats "
+        "of its rows, default kvarn_k4v2_g128)",
+    )
     ap.add_argument(
         "--variants",
         help="only compare code paths: comma-separated subset of decode,store,prefill,verify",
@@ -1349,8 +1358,11 @@ def main() -> None:
         Path(a).name if a.startswith("/") else a for a in sys.argv[1:]
     )
     if args.variants:
+        verify_formats = tuple(args.formats.split(",")) if args.formats else ("kvarn_k4v2_g128",)
         res = run_variants(
-            set(args.variants.split(",")), select_decode_configs(args.decode_configs)
+            set(args.variants.split(",")),
+            select_decode_configs(args.decode_configs),
+            verify_formats,
         )
         if args.json:
             args.json.write_text(json.dumps(res, indent=1))
