@@ -31,6 +31,7 @@ rewrites the kernel section of docs/benchmarks.md from a saved run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -683,16 +684,17 @@ def bench_verify(fmt_name: str, ctx_before: int, width: int, bsz: int) -> list[d
         rows.append({"B": bsz, "ctx": ctx_before, "width": width, "path": name, **r})
         log(f"verify B={bsz} ctx={ctx_before} width={width} {name}: {r}")
 
-    # The verify pass replayed from a CUDA graph: its GPU time without the host's launch gaps,
-    # i.e. what FULL graphs for uniform verify batches would give (vLLM runs them eagerly
-    # today: piecewise graphs under speculative decoding).
-    def timed_in_graph() -> dict[str, Any]:
-        us, mode = timed(paths["verify pass"], graph=True)
+    # The verify pass (and the decode rows it replaced) replayed from a CUDA graph: GPU time
+    # without the host's launch gaps, i.e. what FULL graphs for uniform verify batches would
+    # give (vLLM runs them eagerly today: piecewise graphs under speculative decoding).
+    def timed_in_graph(name: str) -> dict[str, Any]:
+        us, mode = timed(paths[name], graph=True)
         return {"us": us, "mode": mode}
 
-    r = guarded(timed_in_graph)
-    rows.append({"B": bsz, "ctx": ctx_before, "width": width, "path": "verify pass", **r})
-    log(f"verify B={bsz} ctx={ctx_before} width={width} verify pass (graph): {r}")
+    for name in ("verify pass", "decode rows"):
+        r = guarded(functools.partial(timed_in_graph, name))
+        rows.append({"B": bsz, "ctx": ctx_before, "width": width, "path": name, **r})
+        log(f"verify B={bsz} ctx={ctx_before} width={width} {name} (graph): {r}")
     r = guarded(lambda: bench_fa3_prefill(ctx_before, width, bsz))
     rows.append({"B": bsz, "ctx": ctx_before, "width": width, "path": "FA3 fp16 cache", **r})
     log(f"verify B={bsz} ctx={ctx_before} width={width} FA3 fp16: {r}")

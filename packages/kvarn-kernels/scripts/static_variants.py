@@ -497,19 +497,25 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
     )
 
 
-def _decode_v7(warps: int = 1, stages: int = 2, fold: bool = False) -> Any:
+def _decode_v7(warps: int = 1, stages: int = 2, fold: bool = False, tokens: int = 1) -> Any:
     """The Gluon v7 main loop (:mod:`kvarn_kernels.decode_v7`: v6 on 5-bit codes in the byte
-    planes) at Qwen3-8B's decode shape."""
+    planes) at Qwen3-8B's decode shape (``tokens``: verify rows per program)."""
     from kvarn_kernels.decode_v7 import decode_v7_kernel
 
-    consts = _gluon_decode_consts("kvarn_k5v5_g64", 4, warps, stages, fold)
+    consts = {
+        **_gluon_decode_consts("kvarn_k5v5_g64", 4, warps, stages, fold),
+        "TOK": tokens,
+        "GPR": 2 if tokens > 1 else 1,  # 4-token verify
+    }
     del consts["VB"]
-    return compile_kernel(decode_v7_kernel, DECODE_SIG, consts, warps)
+    return compile_kernel(decode_v7_kernel, {**DECODE_SIG, "QSL": "*i32"}, consts, warps)
 
 
 # v7 (thirty-sixth session; the 5-bit default since the thirty-seventh): 5-bit codes from the byte planes
 variant("decode_v7 kvarn_k5v5_g64 d128 qpk4 w1 s2")(lambda: _decode_v7())
 variant("decode_v7f kvarn_k5v5_g64 d128 qpk4 w1 s2")(lambda: _decode_v7(fold=True))
+# thirty-eighth session: verify's rows two to a program (their 4 query heads side by side)
+variant("decode_v7f kvarn_k5v5_g64 d128 qpk4 w1 s2 tok2")(lambda: _decode_v7(fold=True, tokens=2))
 
 
 def _decode_pool(

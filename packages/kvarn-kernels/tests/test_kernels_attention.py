@@ -1299,10 +1299,11 @@ def test_verify_attention(
 @pytest.mark.gpu
 @pytest.mark.parametrize(("hq", "hk"), [(32, 8), (64, 8), (8, 8)])
 def test_verify_attention_five_bit_rows_gpu(device: torch.device, hq: int, hk: int) -> None:
-    """``kvarn_k5v5_g64`` at head dim 128 (GQA 4, 8 and 1): ``"auto"`` verify runs the rows
-    :func:`verify_plan` names (v7f on sm_90) and matches the reference and v1's rows, with its
-    own workspace and with a preallocated one of the plan's size; 3 drafts, ragged query
-    counts, contexts from a few tokens to 4K."""
+    """``kvarn_k5v5_g64`` at head dim 128 (GQA 4, 8 and 1: 2, 1 and 4 tokens to a v7f
+    program): ``"auto"`` verify runs what :func:`verify_plan` names (v7f on sm_90) and
+    matches the reference and v1's rows, with its own workspace and with a preallocated one
+    of the plan's size, and a padded batch's tail rows come out as zeros; 3 drafts, ragged
+    query counts (a program's group part empty), contexts from a few tokens to 4K."""
     from kvarn_kernels import verify_plan
 
     name = "kvarn_k5v5_g64"
@@ -1337,6 +1338,11 @@ def test_verify_attention_five_bit_rows_gpu(device: torch.device, hq: int, hk: i
         *args, max_query_len=4, workspace=workspace, num_splits=plan.num_splits
     )
     _assert_close(fixed, ref)
+    # a batch padded for a CUDA graph: its tail rows come out as zeros, the rest unchanged
+    tail = torch.randn(3, hq, 128, device=device, generator=gen).half()
+    padded = verify_attention(name, torch.cat([q, tail]), *args[2:], max_query_len=4)
+    assert torch.equal(padded[: q.shape[0]], out)
+    assert not padded[q.shape[0] :].any()
     rows = verify_attention(*args, max_query_len=4, variant="v1")
     # v1's and v7f's roundings differ (v7f's halved fp16 operands and folded scales: 2.2-2.4e-3
     # apart on an H100), so they are held to each other as each is held to the reference
@@ -2020,8 +2026,9 @@ def test_decode_plan_gives_v7f_the_split_counts_of_v6f(h200: torch.device) -> No
 
 
 def test_verify_plan_runs_five_bit_rows_on_v7f(h200: torch.device) -> None:
-    """On an H200, verify on 5-bit codes plans one v7f row per query token at v7f's decode
-    plan for that many rows (its pool partial included); 4-bit codes keep the one-pass v4c
+    """On an H200, verify on 5-bit codes plans v7f, two tokens to a program at GQA 4, at
+    v7f's decode plan for as many rows as programs (its pool partial included); with one
+    query head per KV head 8 tokens to a program, at GQA 8 one; 4-bit codes keep the one-pass v4c
     at choose_verify_splits's count; 12 query heads per KV head keep v1 rows; the shape-only
     bound covers every plan; bad input raises as verify_attention would."""
     from kvarn_kernels import (
@@ -2036,8 +2043,19 @@ def test_verify_plan_runs_five_bit_rows_on_v7f(h200: torch.device) -> None:
         for width in (2, 4):
             for blocks in (64, 1024):
                 plan = verify_plan("kvarn_k5v5_g64", batch, 32, 8, 128, width, blocks, h200)
-                rows = decode_plan("kvarn_k5v5_g64", batch * width, 32, 8, 128, blocks, h200)
+                programs = batch * width // 2  # two tokens to a program
+                rows = decode_plan("kvarn_k5v5_g64", programs, 32, 8, 128, blocks, h200)
                 assert plan == rows and plan.variant == "v7f"
+                for hq, tokens in ((8, min(width, 8)), (64, 1)):
+                    other = verify_plan("kvarn_k5v5_g64", batch, hq, 8, 128, width, blocks, h200)
+                    programs = batch * width // tokens
+                    assert other == decode_plan(
+                        "kvarn_k5v5_g64", programs, hq, 8, 128, blocks, h200
+                    )
+                    assert (
+                        max_verify_partials(batch, hq, 8, width, blocks, max_sms=132)
+                        >= other.partials
+                    )
                 assert plan.partials == plan.num_splits + 1
                 four = verify_plan("kvarn_k4v2_g128", batch, 32, 8, 128, width, blocks, h200)
                 count = choose_verify_splits(batch, 32, 8, width, blocks, h200)

@@ -653,9 +653,9 @@ def test_five_bit_verify_rows_on_v7f_fit_the_charged_workspace(
     kvarn: None, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where ``"auto"`` decodes ``kvarn_k5v5_g64`` on v7f (an H200, faked here), its uniform
-    verify batches run one v7f row per query token: the worker's plan says so, its
-    workspace holds the plan's extra partial for every batch, and the engine's charge still
-    bounds it."""
+    verify batches run on v7f, a request's 4 tokens in one program (GQA 2): the worker's
+    plan says so (v7f's decode plan for as many rows as programs), its workspace holds the
+    plan's extra partial for every batch, and the engine's charge still bounds it."""
     from kvarn_kernels import attention
     from kvarn_vllm.budget import decode_workspace_bytes
 
@@ -665,12 +665,13 @@ def test_five_bit_verify_rows_on_v7f_fit_the_charged_workspace(
     monkeypatch.setattr(attention, "_gluon_timed_on", lambda device: True)
     monkeypatch.setattr(attention, "triton_interpret", lambda: False)  # nothing is launched
     monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    assert rt.num_q_heads == 2 * rt.num_kv_heads  # GQA 2: 4 tokens fill a program's 8 columns
     for batch in (1, 2, 8, rt.max_num_seqs):
         plan = rt.verify_plan(batch)
         assert plan.variant == "v7f"
         assert plan == attention.decode_plan(
             "kvarn_k5v5_g64",
-            batch * 4,
+            batch,  # one program a request
             rt.num_q_heads,
             rt.num_kv_heads,
             rt.head_size,

@@ -906,10 +906,11 @@ def verify_plan(
     the same ``variant`` and no ``num_splits`` (static shapes only, so CUDA-graph safe).
 
     ``"auto"``: one pass per request (v4c) at :func:`choose_verify_splits`'s count where v4
-    reads the codes; otherwise one decode row per query token: v7f where ``"auto"`` decodes
-    on it (5-bit codes on sm_90), at its decode split count for ``batch * max_query_len``
-    rows (v1 read the context 5x slower there: docs/kernel-notes.md, thirty-seventh session),
-    else v1 at :func:`choose_verify_splits`'s count. A preallocated workspace needs
+    reads the codes; v7f where ``"auto"`` decodes on it (5-bit codes on sm_90): one decode
+    row per query token, up to 8 // GQA of a request's tokens side by side in a program's
+    query columns, at v7f's decode split count for as many rows as programs (v1 read the
+    context 5x slower there: docs/kernel-notes.md, thirty-seventh session); else one v1 row
+    per query token at :func:`choose_verify_splits`'s count. A preallocated workspace needs
     ``decode_workspace_numel(batch * max_query_len, num_q_heads, head_dim, plan.partials)``
     elements. Raises ``ValueError`` where :func:`verify_attention` would."""
     dense = resolve_format(fmt)
@@ -946,16 +947,33 @@ def max_verify_partials(
     qpk = num_q_heads // num_kv_heads
     groups = verify_token_groups(num_q_heads, num_kv_heads, max_query_len)
     most = decode_splits_for_sms(batch * groups, num_kv_heads, max_blocks, max_sms)
-    if qpk <= V7_MAX_QPK:  # one v7f row per query token on 5-bit codes
+    if qpk <= V7_MAX_QPK:  # v7f's verify programs on 5-bit codes
         for name in DENSE_DTYPES:
             fmt = resolve_format(name)
             if fmt.key_bits == 5:
-                rows = batch * max_query_len
+                programs = _v7_verify_programs(batch, qpk, max_query_len)
                 splits = _splits_for_sms(
-                    "v7f", rows, qpk, num_kv_heads, max_blocks, max_sms, fmt.group
+                    "v7f", programs, qpk, num_kv_heads, max_blocks, max_sms, fmt.group
                 )
                 most = max(most, decode_partials("v7f", splits))
     return most
+
+
+def _v7_verify_tokens(qpk: int, max_query_len: int) -> int:
+    """Query tokens a v7 verify program takes side by side: the most (a power of two, up to
+    ``max_query_len``) whose ``qpk`` query heads fit its 8 columns."""
+    from kvarn_kernels.decode_v7 import V7_MAX_QPK
+
+    tokens = 1
+    while tokens < max_query_len and 2 * tokens * qpk <= V7_MAX_QPK:
+        tokens *= 2
+    return tokens
+
+
+def _v7_verify_programs(batch: int, qpk: int, max_query_len: int) -> int:
+    """v7's verify programs per (KV head, split): each request's ``max_query_len`` tokens
+    in groups of :func:`_v7_verify_tokens` (the count decode's split rule sizes for)."""
+    return batch * cdiv(max_query_len, _v7_verify_tokens(qpk, max_query_len))
 
 
 def _resolve_verify_variant(
@@ -986,11 +1004,12 @@ def _verify_splits(
     device: torch.device,
 ) -> int:
     """:func:`verify_attention`'s split count for ``variant``: the 5-bit kernels' decode count
-    for one row per query token, else :func:`choose_verify_splits`."""
+    for as many rows as their verify programs (:func:`_v7_verify_programs`), else
+    :func:`choose_verify_splits`."""
     if variant in FIVE_BIT_VARIANTS:
-        rows = batch * max_query_len
+        programs = _v7_verify_programs(batch, num_q_heads // num_kv_heads, max_query_len)
         return _default_splits(
-            variant, rows, num_q_heads, num_kv_heads, max_blocks, device, geo.group
+            variant, programs, num_q_heads, num_kv_heads, max_blocks, device, geo.group
         )
     return choose_verify_splits(batch, num_q_heads, num_kv_heads, max_query_len, max_blocks, device)
 
@@ -1297,6 +1316,9 @@ def _launch_v5(
     num_stages: int | None,
     variant: str = "v5",
     probe: int = 0,
+    tokens_per_program: int = 1,
+    query_start_loc: torch.Tensor | None = None,
+    max_query_len: int = 1,
 ) -> None:
     """The main loop of ``variant`` (:data:`V5_VARIANTS`: :mod:`kvarn_kernels.decode_v5`,
     ``"v5f"`` its folded form, ``"v6"`` :mod:`kvarn_kernels.decode_v6`) into partials ``0 ..
@@ -1304,7 +1326,10 @@ def _launch_v5(
     ``max_registers`` caps the main loop's registers per thread (``maxnreg``);
     ``num_warps``: warps per program (default ``V5_WARPS``); ``num_stages``: pipeline stages
     (default 2). ``probe`` (v6 only, timing): :data:`kvarn_kernels.decode_v6.PROBE_COPIES_ONLY`
-    or ``PROBE_COMPUTE_ONLY``, whose partials are not attention."""
+    or ``PROBE_COMPUTE_ONLY``, whose partials are not attention. ``tokens_per_program`` > 1
+    (v7 only; the rows :func:`verify_rows` lays out, ``query_start_loc`` the requests', each
+    of up to ``max_query_len`` tokens): a program takes up to that many of a request's tokens
+    side by side (``decode_v7_kernel``'s ``TOK``)."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
     from kvarn_kernels.decode_v6 import decode_v6_kernel
     from kvarn_kernels.decode_v7 import decode_v7_kernel
@@ -1315,15 +1340,28 @@ def _launch_v5(
         raise ValueError(f"probe={probe} is a decode_v6 option, not {variant!r}'s")
     # every constexpr given, defaults too: launch() takes its direct path for a full tail
     options: dict[str, bool | int] = {"FOLD": variant in ("v5f", "v6f", "v7f")}
+    grid_x = int(block_table.shape[0])
+    v7_args: tuple[torch.Tensor, ...] = ()
     if variant in FIVE_BIT_VARIANTS:
         kernel = decode_v7_kernel
+        groups = 1
+        v7_args = (seq_lens,)  # QSL: unread at one token per program
+        if tokens_per_program > 1:
+            if query_start_loc is None:
+                raise ValueError("tokens_per_program > 1 takes the verify batch's query_start_loc")
+            groups = cdiv(max_query_len, tokens_per_program)
+            grid_x = (int(query_start_loc.shape[0]) - 1) * groups
+            v7_args = (query_start_loc,)
+        options.update({"TOK": tokens_per_program, "GPR": groups})
+    elif tokens_per_program != 1:
+        raise ValueError(f"tokens_per_program is a v7 option, not {variant!r}'s")
     else:
         kernel = decode_v6_kernel if v6 else decode_v5_kernel
         options["VB"] = geo.value_bits
         options.update({"PROBE": probe} if v6 else {"LAZY": False})
     launch(
         kernel,
-        (int(block_table.shape[0]), hk, num_splits),
+        (grid_x, hk, num_splits),
         (
             q_rot,
             kv_cache,
@@ -1336,6 +1374,7 @@ def _launch_v5(
             block_table.stride(0),
             n_rows,
             hq // hk,
+            *v7_args,
         ),
         {
             "HQ": hq,
@@ -1406,10 +1445,11 @@ def _launch(
     max_query_len: int = 1,
     mma_rows: int | None = None,
     max_registers: int | None = None,
+    tokens_per_program: int = 1,
 ) -> None:
     """Rotate the queries, run the attention kernel into the split workspace, merge and
     un-rotate. ``decode`` with a ``query_start_loc`` (the v4 kernels only): speculative verify rows,
-    at most ``max_query_len`` per request."""
+    at most ``max_query_len`` per request. ``tokens_per_program``: v7's (:func:`_launch_v5`)."""
     t, hq, d = (int(s) for s in q.shape)
     if _fused_kernel_refuses(d, q.device.type, variant, prefetch):
         raise NotImplementedError(HEAD_DIM_512_GPU_MESSAGE)
@@ -1470,6 +1510,9 @@ def _launch(
                 num_warps,
                 num_stages,
                 variant,
+                tokens_per_program=tokens_per_program,
+                query_start_loc=query_start_loc,
+                max_query_len=max_query_len,
             )
             with side:
                 launch_pool()
@@ -2510,7 +2553,33 @@ def verify_attention(
     )
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
-    if variant == "v1" or variant in FIVE_BIT_VARIANTS:
+    if variant in FIVE_BIT_VARIANTS:
+        # one decode row per query token, a request's tokens side by side in v7's columns
+        table, lens = verify_rows(block_table, query_start_loc, seq_lens, t)
+        need = decode_workspace_numel(t, hq, d, decode_partials(variant, splits))
+        _launch(
+            geo,
+            _q_for_kernel(q),
+            kv_cache,
+            pool_k,
+            pool_v,
+            table,
+            lens,
+            block_to_slot,
+            query_start_loc,
+            softmax_scale,
+            out,
+            _workspace(workspace, need, q.device),
+            splits,
+            True,
+            None,
+            None,
+            variant=variant,
+            max_query_len=max_query_len,
+            tokens_per_program=_v7_verify_tokens(hq // hk, max_query_len),
+        )
+        return out
+    if variant == "v1":
         table, lens = verify_rows(block_table, query_start_loc, seq_lens, t)
         return decode_attention(
             geo.fmt,

@@ -290,6 +290,7 @@ def decode_v7_kernel(
     stride_bt,
     n_rows_total,
     q_rows,
+    QSL,
     HQ: gl.constexpr,
     HK: gl.constexpr,
     QPK: gl.constexpr,
@@ -308,18 +309,29 @@ def decode_v7_kernel(
     W: gl.constexpr,
     STAGES: gl.constexpr,
     FOLD: gl.constexpr = False,
+    TOK: gl.constexpr = 1,
+    GPR: gl.constexpr = 1,
 ):
     """One program per (request, KV head, split), ``W`` warps, one 64-token tile per warp and
     step, as :func:`kvarn_kernels.decode_v6.decode_v6_kernel` (same grid, partial outputs and
     LSE; the pool tiles are :mod:`kvarn_kernels.decode_pool`'s launch). ``FOLD``
     (``variant="v7f"``): v6f's fold, the raw codes as A operands, K's channel scales on the
     query and V's token scales on the probabilities, the zeros and the fields' magics as
-    per-row and per-column sums that start the MMA chains."""
+    per-row and per-column sums that start the MMA chains.
+
+    ``TOK`` > 1 (speculative verify, rows as :func:`kvarn_kernels.attention.verify_rows` lays
+    them out, one per query token): program ``i`` along the grid's first axis takes request
+    ``i // GPR``'s tokens ``TOK (i % GPR) ..`` (``QSL``: ``query_start_loc``), up to ``TOK``
+    of them, their ``QPK`` query heads side by side in the 8 columns (column ``c``: token
+    ``c // QPK``, head ``c % QPK``), so they read the context once between them, each column
+    masked at its own row's length; it writes the partials of its tokens' rows only (a
+    padded batch's tail rows are the merge's to zero)."""
     gl.static_assert(W == 1 or W == 2 or W == 4, "v7 runs 1, 2 or 4 warps per program")
     gl.static_assert(STAGES == 2 or STAGES == 3, "v7 pipelines 2 or 3 stages")
     gl.static_assert(D == 128, "v7 is written for head dim 128")
     gl.static_assert(G == 64, "v7 reads 64-token tiles")
     gl.static_assert(QPK <= 8, "v7 takes up to 8 query heads per KV head")
+    gl.static_assert(TOK * QPK <= 8, "v7's 8 columns hold TOK rows of QPK query heads")
     NG: gl.constexpr = G // 8  # token groups of a tile (K plane rows)
     NH: gl.constexpr = D // 8  # channel groups (V plane rows; channels per V field)
     KW: gl.constexpr = D // 4  # K plane words of a token group
@@ -376,15 +388,27 @@ def decode_v7_kernel(
     vz_buf = gl.allocate_shared_memory(gl.int32, [STAGES, W, 32], flat)
     vc_buf = gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat)
 
-    b = gl.program_id(0)
     h = gl.program_id(1)
     split = gl.program_id(2)
-    seq_len = gl.load(SEQ_LENS + b)
+    if TOK == 1:
+        b = gl.program_id(0)
+        n_tok = 1
+        seq_len = gl.load(SEQ_LENS + b)
+    else:  # the program's first row, and how many of its TOK rows are its request's tokens
+        req = gl.program_id(0) // GPR
+        first = (gl.program_id(0) % GPR) * TOK
+        q_lo = gl.load(QSL + req)
+        b = q_lo + first
+        n_tok = gl.minimum(gl.load(QSL + req + 1) - q_lo - first, TOK)
+        seq_len = gl.load(SEQ_LENS + b, mask=n_tok > 0, other=0)
+        for t in gl.static_range(1, TOK):  # the longest row's tiles: the last token's
+            seq_len = gl.maximum(seq_len, gl.load(SEQ_LENS + b + t, mask=t < n_tok, other=0))
 
     # the query, column-normalized, as the B operand [W, D, 8] in the _perm16 channel order
     qc = _axis(NQ, 2, bop)
-    q_ok = qc < q_rows
-    q_ptr = Q + (b.to(gl.int64) * HQ + h * QPK + qc) * D + _perm16(_axis(D, 1, bop))
+    q_ok = (qc < TOK * q_rows) & (qc // QPK < n_tok)
+    q_head = (b + qc // QPK).to(gl.int64) * HQ + h * QPK + qc % QPK  # row c // QPK's head
+    q_ptr = Q + q_head * D + _perm16(_axis(D, 1, bop))
     q = gl.load(q_ptr + 0 * _axis(W, 0, bop), mask=q_ok, other=0.0) * qk_scale
     qmax = gl.max(gl.abs(q), axis=1)  # [W, 8]
     qmax = gl.where(qmax > 0, qmax, 1.0)
@@ -432,6 +456,13 @@ def decode_v7_kernel(
     warp_s = _axis(W, 0, mma)
     _r, bi, c, packed = _chunk(0, warp_s, walk, geo)
     token_r = 8 * (_axis(32, 1, mma) % 8) + 2 * (_axis(32, 1, mma) // 8)  # even rows' tokens
+    cols = _axis(NQ, 2, mma)  # [1, 1, 8]
+    col_row = b + gl.minimum(cols // QPK, TOK - 1)  # each column's row (padding: the last)
+    col_ok = (cols < TOK * QPK) & (cols // QPK < n_tok)  # the columns of this program's rows
+    if TOK == 1:  # noqa: SIM108 (a constexpr branch)
+        col_len = seq_len
+    else:  # [1, 1, 8]: a column sees its own row's tokens only
+        col_len = gl.load(SEQ_LENS + col_row, mask=col_ok, other=0)
     out_h = _axis(NH, 1, mma)  # [1, NH, 1]: the outputs' channel group
 
     m = gl.full([W, NQ], float("-inf"), gl.float32, cols_l)
@@ -513,8 +544,8 @@ def decode_v7_kernel(
             s_e = mma_v2(k_e, q16, zero_s)
             s_o = mma_v2(k_o, q16, zero_s)
         pos = (bi * G + c * 64 + token_r).to(gl.int32)  # [W, 32, 1], the even rows' tokens
-        s_e = gl.where(packed & (pos < seq_len), s_e * kt_e.to(gl.float32), float("-inf"))
-        s_o = gl.where(packed & (pos + 1 < seq_len), s_o * kt_o.to(gl.float32), float("-inf"))
+        s_e = gl.where(packed & (pos < col_len), s_e * kt_e.to(gl.float32), float("-inf"))
+        s_o = gl.where(packed & (pos + 1 < col_len), s_o * kt_o.to(gl.float32), float("-inf"))
 
         # --- online softmax over the tokens (M), per query column ---
         s_max = gl.maximum(gl.max(s_e, axis=1), gl.max(s_o, axis=1))  # [W, 8]
@@ -573,13 +604,13 @@ def decode_v7_kernel(
     l_safe = gl.where(l_tot > 0, l_tot, 1.0)
     lse = gl.where(l_tot > 0, m_all + gl.log2(l_safe), float("-inf"))
     out_scale = gl.expand_dims(wscale * gl.expand_dims(2.0 / l_safe, 0), 1)  # [W, 1, 8]
-    cols = _axis(NQ, 2, mma)  # [1, 1, 8]
-    prow = split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + cols
+    prow = split.to(gl.int64) * n_rows_total + col_row.to(gl.int64) * HQ + h * QPK + cols % QPK
     obase = O_PART + prow * D + out_h * 8
-    c_ok = cols < QPK
+    c_ok = col_ok
     accs = (acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
     for i in gl.static_range(8):
         gl.store(obase + i, gl.expand_dims(gl.sum(accs[i] * out_scale, axis=0), 0), mask=c_ok)
     lcol = gl.arange(0, NQ, layout=gl.SliceLayout(0, cols_l))
-    lptr = LSE_PART + split.to(gl.int64) * n_rows_total + b.to(gl.int64) * HQ + h * QPK + lcol
-    gl.store(lptr, lse, mask=lcol < QPK)
+    lrow = (b + gl.minimum(lcol // QPK, TOK - 1)).to(gl.int64)
+    lptr = LSE_PART + split.to(gl.int64) * n_rows_total + lrow * HQ + h * QPK + lcol % QPK
+    gl.store(lptr, lse, mask=(lcol < TOK * QPK) & (lcol // QPK < n_tok))
