@@ -1824,21 +1824,21 @@ def _static_kernels(only: str, sass: Path | None = None, timeout: int = 600) -> 
 
 
 def test_decode_v7_compiles_for_sm90() -> None:
-    """v7 and v7f (5-bit codes from the byte planes) compile for sm_90a here, without a GPU:
-    no spill, v6's 64 ``m16n8k16`` MMAs a 64-token step (v7f 88: its folds' column sums), and
-    a loop within 1.2x of v6's at k4v4_g128, the same count of codes per token."""
+    """v7 and v7f (5-bit codes from the byte planes; v7f also with verify's two tokens a
+    program) compile for sm_90a here, without a GPU: no spill, v6's 64 ``m16n8k16`` MMAs a
+    64-token step (v7f 88: its folds' column sums), and a loop within 1.2x of v6's at
+    k4v4_g128, the same count of codes per token."""
     run = _static_kernels("decode_v7,decode_v6 kvarn_k4v4_g128 d128 qpk4 w1 s2")
-    rows = {
-        " ".join(line.split()[:6]): line.split()[6:]
-        for line in run.stdout.splitlines()
-        if line.startswith("decode_v")
-    }
-    counts = {name: [int(x) for x in row] for name, row in rows.items() if len(row) == 9}
+    # a row: the variant's name (any number of words), then 9 counts
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("decode_v")]
+    counts = {" ".join(r[:-9]): [int(x) for x in r[-9:]] for r in rows if r[-1].isdigit()}
     v6 = counts["decode_v6 kvarn_k4v4_g128 d128 qpk4 w1 s2"]
-    for name, mma in (("decode_v7", 64), ("decode_v7f", 88)):
-        _regs, spill, _smem, loop, _bar, _lds, _shfl, got, _ldg = counts[
-            f"{name} kvarn_k5v5_g64 d128 qpk4 w1 s2"
-        ]
+    for key, mma in (
+        ("decode_v7 kvarn_k5v5_g64 d128 qpk4 w1 s2", 64),
+        ("decode_v7f kvarn_k5v5_g64 d128 qpk4 w1 s2", 88),
+        ("decode_v7f kvarn_k5v5_g64 d128 qpk4 w1 s2 tok2", 88),  # verify: two tokens a program
+    ):
+        _regs, spill, _smem, loop, _bar, _lds, _shfl, got, _ldg = counts[key]
         assert (spill, got) == (0, mma), run.stdout
         assert loop < 1.2 * v6[3], run.stdout
 
