@@ -2075,6 +2075,26 @@ def test_verify_plan_runs_five_bit_rows_on_v7f(h200: torch.device) -> None:
         verify_plan("kvarn_k4v2_g128", 8, 32, 8, 128, 4, 1024, h200, variant="v6f")
 
 
+def test_v7f_verify_token_groups_and_their_workspace_bound(h200: torch.device) -> None:
+    """How many of a request's tokens share a v7f verify program (as many as their query
+    heads fit its 8 columns, a power of two, no more than the request has), and that the
+    shape-only bound the plugin charges covers the plan at every GQA ratio v7f takes."""
+    from kvarn_kernels import max_verify_partials, verify_plan
+    from kvarn_kernels.attention import _v7_verify_tokens
+
+    # (GQA, max_query_len) -> tokens a program
+    expect = {(1, 4): 4, (1, 8): 8, (1, 6): 8, (2, 4): 4, (2, 8): 4, (3, 4): 2, (4, 4): 2}
+    expect |= {(4, 1): 1, (5, 4): 1, (8, 4): 1, (4, 3): 2, (1, 3): 4}
+    assert {k: _v7_verify_tokens(*k) for k in expect} == expect
+    for qpk in (1, 2, 3, 4, 8):
+        for width in (1, 2, 3, 4, 6, 8):
+            for batch in (1, 3, 64, 256):
+                plan = verify_plan("kvarn_k5v5_g64", batch, 8 * qpk, 8, 128, width, 512, h200)
+                assert plan.variant == "v7f"
+                bound = max_verify_partials(batch, 8 * qpk, 8, width, 512, max_sms=132)
+                assert bound >= plan.partials, (qpk, width, batch)
+
+
 def test_verify_plan_without_a_gpu_keeps_v1_rows_and_the_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
