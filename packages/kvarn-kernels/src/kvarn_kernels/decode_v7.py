@@ -278,6 +278,15 @@ def _issue(
 
 
 @gluon.jit
+def _column_rows(col, b, n_tok, QPK: gl.constexpr, TOK: gl.constexpr):
+    """Query column ``col``'s row and head (column ``c``: row ``b + c // QPK``, the last of
+    the ``TOK`` for the padding columns; head ``c % QPK``) and whether it is a query of one
+    of the program's ``n_tok`` rows: one rule for the query's load and the partials' stores."""
+    row = b + gl.minimum(col // QPK, TOK - 1)
+    return row, col % QPK, (col < TOK * QPK) & (col // QPK < n_tok)
+
+
+@gluon.jit
 def decode_v7_kernel(
     Q,
     KV,
@@ -405,10 +414,8 @@ def decode_v7_kernel(
             seq_len = gl.maximum(seq_len, gl.load(SEQ_LENS + b + t, mask=t < n_tok, other=0))
 
     # the query, column-normalized, as the B operand [W, D, 8] in the _perm16 channel order
-    qc = _axis(NQ, 2, bop)
-    q_ok = (qc < TOK * q_rows) & (qc // QPK < n_tok)
-    q_head = (b + qc // QPK).to(gl.int64) * HQ + h * QPK + qc % QPK  # row c // QPK's head
-    q_ptr = Q + q_head * D + _perm16(_axis(D, 1, bop))
+    q_row, q_head, q_ok = _column_rows(_axis(NQ, 2, bop), b, n_tok, QPK, TOK)
+    q_ptr = Q + (q_row.to(gl.int64) * HQ + h * QPK + q_head) * D + _perm16(_axis(D, 1, bop))
     q = gl.load(q_ptr + 0 * _axis(W, 0, bop), mask=q_ok, other=0.0) * qk_scale
     qmax = gl.max(gl.abs(q), axis=1)  # [W, 8]
     qmax = gl.where(qmax > 0, qmax, 1.0)
@@ -456,9 +463,7 @@ def decode_v7_kernel(
     warp_s = _axis(W, 0, mma)
     _r, bi, c, packed = _chunk(0, warp_s, walk, geo)
     token_r = 8 * (_axis(32, 1, mma) % 8) + 2 * (_axis(32, 1, mma) // 8)  # even rows' tokens
-    cols = _axis(NQ, 2, mma)  # [1, 1, 8]
-    col_row = b + gl.minimum(cols // QPK, TOK - 1)  # each column's row (padding: the last)
-    col_ok = (cols < TOK * QPK) & (cols // QPK < n_tok)  # the columns of this program's rows
+    col_row, col_head, col_ok = _column_rows(_axis(NQ, 2, mma), b, n_tok, QPK, TOK)
     if TOK == 1:  # noqa: SIM108 (a constexpr branch)
         col_len = seq_len
     else:  # [1, 1, 8]: a column sees its own row's tokens only
@@ -604,13 +609,12 @@ def decode_v7_kernel(
     l_safe = gl.where(l_tot > 0, l_tot, 1.0)
     lse = gl.where(l_tot > 0, m_all + gl.log2(l_safe), float("-inf"))
     out_scale = gl.expand_dims(wscale * gl.expand_dims(2.0 / l_safe, 0), 1)  # [W, 1, 8]
-    prow = split.to(gl.int64) * n_rows_total + col_row.to(gl.int64) * HQ + h * QPK + cols % QPK
+    prow = split.to(gl.int64) * n_rows_total + col_row.to(gl.int64) * HQ + h * QPK + col_head
     obase = O_PART + prow * D + out_h * 8
-    c_ok = col_ok
     accs = (acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
     for i in gl.static_range(8):
-        gl.store(obase + i, gl.expand_dims(gl.sum(accs[i] * out_scale, axis=0), 0), mask=c_ok)
+        gl.store(obase + i, gl.expand_dims(gl.sum(accs[i] * out_scale, axis=0), 0), mask=col_ok)
     lcol = gl.arange(0, NQ, layout=gl.SliceLayout(0, cols_l))
-    lrow = (b + gl.minimum(lcol // QPK, TOK - 1)).to(gl.int64)
-    lptr = LSE_PART + split.to(gl.int64) * n_rows_total + lrow * HQ + h * QPK + lcol % QPK
-    gl.store(lptr, lse, mask=(lcol < TOK * QPK) & (lcol // QPK < n_tok))
+    l_row, l_head, l_ok = _column_rows(lcol, b, n_tok, QPK, TOK)
+    lptr = LSE_PART + split.to(gl.int64) * n_rows_total + l_row.to(gl.int64) * HQ + h * QPK + l_head
+    gl.store(lptr, lse, mask=l_ok)
