@@ -2553,9 +2553,9 @@ def verify_attention(
     )
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
-    if variant in FIVE_BIT_VARIANTS:
-        # one decode row per query token, a request's tokens side by side in v7's columns
+    if variant == "v1" or variant in FIVE_BIT_VARIANTS:  # one decode row per query token
         table, lens = verify_rows(block_table, query_start_loc, seq_lens, t)
+    if variant in FIVE_BIT_VARIANTS:  # a request's tokens side by side in v7's columns
         need = decode_workspace_numel(t, hq, d, decode_partials(variant, splits))
         _launch(
             geo,
@@ -2580,7 +2580,6 @@ def verify_attention(
         )
         return out
     if variant == "v1":
-        table, lens = verify_rows(block_table, query_start_loc, seq_lens, t)
         return decode_attention(
             geo.fmt,
             q,
