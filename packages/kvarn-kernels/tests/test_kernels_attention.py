@@ -1491,6 +1491,43 @@ def test_verify_rows_and_token_groups(device: torch.device) -> None:
     assert verify_token_groups(32, 8, 5) == 2
 
 
+@pytest.mark.parametrize(
+    ("qlens", "tail", "width"),
+    [
+        ([4, 0, 2, 1], 3, 5),  # an empty request, a padded tail
+        ([1] * 70, 0, 1),  # more requests than one search step takes, a one-column table
+        ([3, 4, 4, 2, 0, 0, 1] * 11, 2, 300),  # 77 requests, three column blocks
+        ([0, 0], 4, 7),  # no query tokens at all: every token is tail
+    ],
+)
+def test_verify_rows_against_a_loop(
+    device: torch.device, qlens: list[int], tail: int, width: int
+) -> None:
+    """verify_rows's one launch against a plain loop over the requests: each token's owner
+    row of the block table (a strided view, as vLLM's is) and its length; tail tokens get
+    the last request's row and length 0."""
+    gen = torch.Generator().manual_seed(len(qlens) + tail + width)
+    bsz = len(qlens)
+    full = torch.randint(0, 10_000, (bsz, width + 3), generator=gen, dtype=torch.int32)
+    table = full.to(device)[:, :width]
+    seq = [q + int(torch.randint(0, 5000, (1,), generator=gen)) for q in qlens]
+    starts = [0]
+    for q in qlens:
+        starts.append(starts[-1] + q)
+    t = starts[-1] + tail
+    qsl = torch.tensor(starts, dtype=torch.int32, device=device)
+    rows, lens = verify_rows(table, qsl, torch.tensor(seq, dtype=torch.int32, device=device), t)
+    want_rows, want_lens = [], []
+    for tok in range(t):
+        owner = next((r for r in range(bsz) if tok < starts[r + 1]), bsz - 1)
+        want_rows.append(full[owner, :width].tolist())
+        later = starts[owner + 1] - 1 - tok
+        want_lens.append(seq[owner] - later if tok < starts[-1] else 0)
+    assert lens.dtype == torch.int32 and rows.dtype == table.dtype
+    assert lens.tolist() == want_lens
+    assert rows.tolist() == want_rows
+
+
 @pytest.mark.parametrize("variant", ["v1", "v4c"])
 @pytest.mark.parametrize("pad_requests", [1, 3])
 def test_verify_attention_padded_tail(

@@ -2444,6 +2444,44 @@ def _verify_tokens_per_program(qpk: int) -> int:
     return max(1, _mma_rows(qpk) // qpk)
 
 
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "width"])
+def _verify_rows_kernel(
+    BLOCK_TABLE,
+    QSL,
+    SEQ_LENS,
+    ROW_TABLE,
+    ROW_LENS,
+    num_tokens,
+    num_reqs,
+    width,
+    stride_bt,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """:func:`verify_rows` for ``BLOCK_T`` tokens and ``BLOCK_W`` block-table columns: the
+    token's request is the number of request ends at or before it (clamped to the last),
+    counted ``BLOCK_R`` requests at a time."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tok < num_tokens
+    owner = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for r0 in range(0, num_reqs, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        ends = tl.load(QSL + 1 + r, mask=r < num_reqs, other=2147483647)
+        owner += tl.sum((ends[None, :] <= tok[:, None]).to(tl.int32), axis=1)
+    owner = tl.minimum(owner, num_reqs - 1)
+    if tl.program_id(1) == 0:
+        end = tl.load(QSL + 1 + owner, mask=t_ok, other=0)
+        lens = tl.load(SEQ_LENS + owner, mask=t_ok, other=0) - (end - 1 - tok)
+        lens = tl.where(tok < tl.load(QSL + num_reqs), lens, 0)  # a padded batch's tail: 0
+        tl.store(ROW_LENS + tok, lens.to(tl.int32), mask=t_ok)
+    col = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    ok = t_ok[:, None] & (col < width)[None, :]
+    src = BLOCK_TABLE + owner.to(tl.int64)[:, None] * stride_bt + col[None, :]
+    dst = ROW_TABLE + tok.to(tl.int64)[:, None] * width + col[None, :]
+    tl.store(dst, tl.load(src, mask=ok), mask=ok)
+
+
 def verify_rows(
     block_table: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -2453,18 +2491,38 @@ def verify_rows(
     """A verify batch as decode rows, one per query token: the block-table row of the token's
     request and the length up to and including the token (token ``i`` of ``n`` of a request
     of ``L`` tokens sees ``L - n + i + 1``). Tokens past ``query_start_loc[B]`` (a padded
-    batch's tail) get length 0, i.e. zero rows. Device ops only, no host sync."""
-    dev = query_start_loc.device
-    tok = torch.arange(num_tokens, dtype=torch.int32, device=dev)
-    ends = query_start_loc[1:]
-    if ends.numel() == 0:  # no requests: every token is tail
-        return block_table.new_zeros((num_tokens, block_table.shape[1])), tok * 0
-    last = ends.numel() - 1
-    owner = torch.searchsorted(ends, tok, right=True).clamp_max_(last)
-    later = ends.index_select(0, owner) - 1 - tok  # the request's query tokens after this one
-    lens = (seq_lens.index_select(0, owner) - later).to(torch.int32)
-    lens = torch.where(tok < ends[last], lens, 0)
-    return block_table.index_select(0, owner), lens
+    batch's tail) get length 0, i.e. zero rows. One launch (it runs in every layer's verify
+    call: torch's eight small ops took 10-17 µs of a 65 µs pass at B = 1, H100), no host
+    sync."""
+    width = int(block_table.shape[1])
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    table = block_table.new_empty((num_tokens, width))
+    lens = torch.empty(num_tokens, dtype=torch.int32, device=block_table.device)
+    reqs = int(query_start_loc.shape[0]) - 1
+    if reqs == 0:  # no requests: every token is tail
+        return table.zero_(), lens.zero_()
+    if num_tokens == 0:
+        return table, lens
+    block_w = 128
+    launch(
+        _verify_rows_kernel,
+        (cdiv(num_tokens, 16), max(1, cdiv(width, block_w))),
+        (
+            block_table,
+            query_start_loc,
+            seq_lens,
+            table,
+            lens,
+            num_tokens,
+            reqs,
+            width,
+            block_table.stride(0),
+        ),
+        {"BLOCK_T": 16, "BLOCK_R": 64, "BLOCK_W": block_w},
+        num_warps=4,
+    )
+    return table, lens
 
 
 def verify_attention(
