@@ -473,14 +473,34 @@ variant("decode_v5f kvarn_k4v2_g128 d128 qpk4 w1 s2 lazy")(
 
 
 def _decode_v6(
-    name: str, qpk: int = 4, warps: int = 1, stages: int = 2, fold: bool = False, probe: int = 0
+    name: str,
+    qpk: int = 4,
+    warps: int = 1,
+    stages: int = 2,
+    fold: bool = False,
+    probe: int = 0,
+    tma: bool = False,
 ) -> Any:
     """The Gluon v6 main loop (:mod:`kvarn_kernels.decode_v6`: tokens in the MMA's M) at
-    Qwen3-8B's decode shape."""
+    Qwen3-8B's decode shape; ``tma``: its code words copied by the tensor memory accelerator
+    (the descriptors' types from :func:`kvarn_kernels.attention.v6_tma_descriptors` on a
+    small CPU cache)."""
+    import torch
+
+    from kvarn_kernels.attention import v6_tma_descriptors
     from kvarn_kernels.decode_v6 import decode_v6_kernel
 
-    consts = {**_gluon_decode_consts(name, qpk, warps, stages, fold), "PROBE": probe}
-    return compile_kernel(decode_v6_kernel, DECODE_SIG, consts, warps)
+    consts = {**_gluon_decode_consts(name, qpk, warps, stages, fold), "PROBE": probe, "TMA": tma}
+    sig = dict(DECODE_SIG)
+    if tma:
+        geo = _geo(name)
+        cache = torch.zeros(4 * 8 * geo.record_stride, dtype=torch.uint8)
+        for arg, desc in zip(("K_DESC", "V_DESC"), v6_tma_descriptors(geo, cache), strict=True):
+            shape = ",".join(str(x) for x in desc.block_shape)
+            sig[arg] = f"tensordesc<i32[{shape}],{desc.layout!r}>"
+    else:
+        consts.update({"K_DESC": None, "V_DESC": None})
+    return compile_kernel(decode_v6_kernel, sig, consts, warps)
 
 
 # v6 (sixteenth session): v5 transposed, tokens in the MMA's M
@@ -494,6 +514,10 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
     )
     variant(f"decode_v6f {_n} d128 qpk4 w1 s2 compute-only")(
         lambda _n=_n: _decode_v6(_n, fold=True, probe=int(PROBE_COMPUTE_ONLY.value))
+    )
+    # thirty-ninth session: the code words by the tensor memory accelerator
+    variant(f"decode_v6f {_n} d128 qpk4 w1 s2 tma")(
+        lambda _n=_n: _decode_v6(_n, fold=True, tma=True)
     )
 
 

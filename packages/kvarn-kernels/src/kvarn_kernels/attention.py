@@ -1319,6 +1319,7 @@ def _launch_v5(
     tokens_per_program: int = 1,
     query_start_loc: torch.Tensor | None = None,
     max_query_len: int = 1,
+    tma: bool = False,
 ) -> None:
     """The main loop of ``variant`` (:data:`V5_VARIANTS`: :mod:`kvarn_kernels.decode_v5`,
     ``"v5f"`` its folded form, ``"v6"`` :mod:`kvarn_kernels.decode_v6`) into partials ``0 ..
@@ -1329,7 +1330,8 @@ def _launch_v5(
     or ``PROBE_COMPUTE_ONLY``, whose partials are not attention. ``tokens_per_program`` > 1
     (v7 only; the rows :func:`verify_rows` lays out, ``query_start_loc`` the requests', each
     of up to ``max_query_len`` tokens): a program takes up to that many of a request's tokens
-    side by side (``decode_v7_kernel``'s ``TOK``)."""
+    side by side (``decode_v7_kernel``'s ``TOK``). ``tma`` (v6 only, one warp): the code
+    words copied by the tensor memory accelerator (:func:`v6_tma_descriptors`)."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
     from kvarn_kernels.decode_v6 import decode_v6_kernel
     from kvarn_kernels.decode_v7 import decode_v7_kernel
@@ -1358,7 +1360,11 @@ def _launch_v5(
     else:
         kernel = decode_v6_kernel if v6 else decode_v5_kernel
         options["VB"] = geo.value_bits
-        options.update({"PROBE": probe} if v6 else {"LAZY": False})
+        options.update({"PROBE": probe, "TMA": tma} if v6 else {"LAZY": False})
+        if v6:
+            v7_args = v6_tma_descriptors(geo, kv_cache) if tma else (None, None)
+    if tma and not v6:
+        raise ValueError(f"tma is a decode_v6 option, not {variant!r}'s")
     launch(
         kernel,
         (grid_x, hk, num_splits),
@@ -1392,6 +1398,50 @@ def _launch_v5(
         num_warps=num_warps or V5_WARPS,
         maxnreg=max_registers,
     )
+
+
+def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any, Any]:
+    """The tensor-memory-accelerator descriptors of v6's ``TMA`` build for ``kv_cache``
+    (contiguous records of ``geo``): K's code words, a chunk's 32 token-pair rows in the
+    ``_perm16`` order (row ``16 kt + 8 b + 2 t + h`` of the box is pair ``16 kt + 4 t + 2 h +
+    b``: the box's dimensions are ``kt, b, t, h`` with the strides of those pairs), and V's,
+    both parities' byte columns of a chunk. Coordinates count 128-byte rows of the cache."""
+    from triton.experimental.gluon.language import (  # type: ignore[import-untyped]
+        NVMMASharedLayout,
+    )
+    from triton.experimental.gluon.nvidia.hopper import (  # type: ignore[import-untyped]
+        TensorDescriptor,
+    )
+
+    from kvarn_kernels.decode_v6 import V6_TMA_ROW_BYTES
+
+    row, d, g = V6_TMA_ROW_BYTES, geo.head_dim, geo.group
+    nc = d * geo.value_bits // 8  # V's byte columns
+    if (
+        not kv_cache.is_contiguous()
+        or geo.record_stride % row
+        or geo.offsets()["OFF_KC"] % row
+        or geo.offsets()["OFF_VC"] % row
+        or d != row
+    ):
+        raise ValueError(f"v6's TMA build needs 128-byte aligned records of head dim 128: {geo}")
+    words = kv_cache.view(torch.int32)
+    rows = kv_cache.numel() // row
+    k_desc = TensorDescriptor(
+        words,
+        [2, rows, 4, 2, d // 4],
+        [16 * d // 4, d // 4, 4 * d // 4, 2 * d // 4, 1],
+        [2, 2, 4, 2, d // 4],
+        NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=5),
+    )
+    v_desc = TensorDescriptor(
+        words,
+        [rows, g // 64, 2, nc, 8],
+        [row // 4, 8, nc * g // 8, g // 8, 1],
+        [1, 1, 2, nc, 8],
+        NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=5),
+    )
+    return k_desc, v_desc
 
 
 #: Per device, the stream :func:`_forked` runs its side launches on (made once: a stream made

@@ -37,6 +37,11 @@ from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[i
     async_copy,
     mma_v2,
 )
+from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[import-untyped]
+    fence_async_shared,
+    mbarrier,
+    tma,
+)
 
 from kvarn_kernels.decode_v5 import (
     _UNPACK4,
@@ -54,9 +59,16 @@ from kvarn_kernels.decode_v5 import (
     _token_scale_pairs,
     _v_channel_scales,
     _v_field_codes,
+    _with_scale_buffers,
 )
 
-__all__ = ["PROBE_COMPUTE_ONLY", "PROBE_COPIES_ONLY", "V6_MAX_QPK", "decode_v6_kernel"]
+__all__ = [
+    "PROBE_COMPUTE_ONLY",
+    "PROBE_COPIES_ONLY",
+    "V6_MAX_QPK",
+    "V6_TMA_ROW_BYTES",
+    "decode_v6_kernel",
+]
 
 #: Query heads per KV head v6 takes: the 8 columns of one ``m16n8k16`` N tile.
 V6_MAX_QPK = 8
@@ -68,6 +80,42 @@ V6_MAX_QPK = 8
 #: stage, no copy after the prologue's.
 PROBE_COPIES_ONLY = gl.constexpr(1)
 PROBE_COMPUTE_ONLY = gl.constexpr(2)
+#: The unit of the ``TMA`` build's record coordinates: a record and its K and V code fields
+#: start on a multiple of it (so a coordinate is an int32 up to 256 GB of cache).
+V6_TMA_ROW_BYTES = 128
+
+
+@gluon.jit
+def _tma_chunk(it, walk, geo: gl.constexpr):
+    """Step ``it``'s chunk of a one-warp program for the ``TMA`` build: its record's first
+    128-byte row (:data:`V6_TMA_ROW_BYTES`) and the chunk within the block. Chunks past the
+    split read block 0's record (valid, unused), as :func:`kvarn_kernels.decode_v5._chunk`."""
+    KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi = walk
+    HK: gl.constexpr = geo[1]
+    NCH: gl.constexpr = geo[2]
+    STRIDE: gl.constexpr = geo[3]
+    ci = ch_lo + it
+    blk = gl.load(bt_row + ci // NCH, mask=ci < ch_hi, other=0)
+    return (blk * HK + h) * (STRIDE // 128), ci % NCH
+
+
+@gluon.jit
+def _tma_issue(
+    stage, chunk, descs, tma_bufs, bars, D: gl.constexpr, NC: gl.constexpr, offs: gl.constexpr
+):
+    """The ``TMA`` build's code words of a step's chunk into ``stage``: K's 32 token-pair rows
+    in the ``_perm16`` order (the descriptor's dimensions do the relabelling) and V's two
+    parities' byte columns, as :func:`kvarn_kernels.decode_v5._issue` lays them out; both land
+    on the stage's barrier. ``chunk``: :func:`_tma_chunk`'s row and chunk."""
+    row, c = chunk
+    bar = bars.index(stage)
+    mbarrier.expect(bar, 32 * D + 64 * NC)
+    tma.async_copy_global_to_shared(
+        descs[0], [0, row + offs[0] // 128 + c * 32, 0, 0, 0], bar, tma_bufs[0].index(stage)
+    )
+    tma.async_copy_global_to_shared(
+        descs[1], [row + offs[4] // 128, c, 0, 0, 0], bar, tma_bufs[1].index(stage)
+    )
 
 
 @gluon.jit
@@ -144,6 +192,8 @@ def decode_v6_kernel(
     stride_bt,
     n_rows_total,
     q_rows,
+    K_DESC,
+    V_DESC,
     HQ: gl.constexpr,
     HK: gl.constexpr,
     QPK: gl.constexpr,
@@ -164,6 +214,7 @@ def decode_v6_kernel(
     STAGES: gl.constexpr,
     FOLD: gl.constexpr = False,
     PROBE: gl.constexpr = 0,
+    TMA: gl.constexpr = False,
 ):
     """One program per (request, KV head, split), ``W`` warps, 64 tokens per warp and step,
     as :func:`kvarn_kernels.decode_v5.decode_v5_kernel` (same grid, copies, partial outputs
@@ -171,8 +222,11 @@ def decode_v6_kernel(
     (``variant="v6f"``): v5f's folding, the raw codes as A operands, K's channel scales on
     the query and V's token scales on the probabilities (both B operands, a quarter of the
     values they would scale on the A side), the zeros and magics as per-column sums that
-    start the MMA chains."""
+    start the MMA chains. ``TMA``: the code words copied by the tensor memory accelerator
+    (``K_DESC`` and ``V_DESC``, :func:`kvarn_kernels.attention.v6_tma_descriptors`; None
+    otherwise), one warp per program, the scales by ``cp.async`` as before."""
     gl.static_assert(W == 1 or W == 2 or W == 4, "v6 runs 1, 2 or 4 warps per program")
+    gl.static_assert(not TMA or (W == 1 and PROBE == 0), "v6's TMA build runs one warp, no probe")
     gl.static_assert(STAGES == 2 or STAGES == 3, "v6 pipelines 2 or 3 stages")
     gl.static_assert(D == 128, "v6 is written for head dim 128")
     gl.static_assert(VB == 2 or VB == 4, "v6 takes 2- or 4-bit values")
@@ -234,13 +288,31 @@ def decode_v6_kernel(
     n_it = gl.cdiv(ch_hi - ch_lo, W)
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
-    bufs = _stage_buffers(STAGES, W, D, NC, VG)
     walk = (KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi)
     geo: gl.constexpr = (W, HK, NCH, STRIDE)
     offs: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
     copies: gl.constexpr = (k_copy, v_copy, s_copy)
-    for st in gl.static_range(STAGES - 1):
-        _issue(st, _copy_meta(st, walk, geo, copies), bufs, D, G, NC, VG, offs, copies)
+    if TMA:
+        descs = (K_DESC, V_DESC)
+        k_tma = gl.allocate_shared_memory(
+            gl.int32, [STAGES] + K_DESC.block_type.shape, K_DESC.layout
+        )
+        v_tma = gl.allocate_shared_memory(
+            gl.int32, [STAGES] + V_DESC.block_type.shape, V_DESC.layout
+        )
+        tma_bufs = (k_tma, v_tma)
+        bufs = _with_scale_buffers(k_tma, v_tma, STAGES, W, D, NC, VG)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(bars.index(st), count=1)
+        for st in gl.static_range(STAGES - 1):
+            _tma_issue(st, _tma_chunk(st, walk, geo), descs, tma_bufs, bars, D, NC, offs)
+            _issue(st, _copy_meta(st, walk, geo, copies), bufs, D, G, NC, VG, offs, copies, False)
+        tma_next = _tma_chunk(STAGES - 1, walk, geo)
+    else:
+        bufs = _stage_buffers(STAGES, W, D, NC, VG)
+        for st in gl.static_range(STAGES - 1):
+            _issue(st, _copy_meta(st, walk, geo, copies), bufs, D, G, NC, VG, offs, copies)
     meta = _copy_meta(STAGES - 1, walk, geo, copies)
     warp_s = _axis(W, 0, mma)
     _r, bi, c, packed = _chunk(0, warp_s, walk, geo)
@@ -266,7 +338,14 @@ def decode_v6_kernel(
         k_sink = gl.zeros([W, 32, D // 4], gl.int32, words)
         v_sink = gl.zeros([W, 2 * NC, 8], gl.int32, words)
     for it in range(n_it):
-        if PROBE != PROBE_COMPUTE_ONLY:
+        if TMA:
+            # the stage last read a step ago: its reads before the async proxy's writes
+            fence_async_shared()
+            _tma_issue((it + STAGES - 1) % STAGES, tma_next, descs, tma_bufs, bars, D, NC, offs)
+            tma_next = _tma_chunk(it + STAGES, walk, geo)
+            _issue((it + STAGES - 1) % STAGES, meta, bufs, D, G, NC, VG, offs, copies, False)
+            meta = _copy_meta(it + STAGES, walk, geo, copies)
+        elif PROBE != PROBE_COMPUTE_ONLY:
             _issue((it + STAGES - 1) % STAGES, meta, bufs, D, G, NC, VG, offs, copies)
             meta = _copy_meta(it + STAGES, walk, geo, copies)
         _r, bi_next, c_next, packed_next = _chunk(it + 1, warp_s, walk, geo)
@@ -276,8 +355,13 @@ def decode_v6_kernel(
         else:
             async_copy.wait_group(STAGES - 1)
             stage = it % STAGES
-        kw = bufs[0].index(stage).load(words)  # [W, 32, D / 4]
-        vw = bufs[1].index(stage).load(words)  # [W, 2 NC, 8]
+        if TMA:
+            mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+            kw = bufs[0].index(stage).reshape([W, 32, D // 4]).load(words)
+            vw = bufs[1].index(stage).reshape([W, 2 * NC, 8]).load(words)
+        else:
+            kw = bufs[0].index(stage).load(words)  # [W, 32, D / 4]
+            vw = bufs[1].index(stage).load(words)  # [W, 2 NC, 8]
         if PROBE == PROBE_COPIES_ONLY:  # the code words read from shared memory, no math
             k_sink = k_sink ^ kw
             v_sink = v_sink ^ vw
