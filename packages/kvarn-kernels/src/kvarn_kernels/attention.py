@@ -1320,6 +1320,7 @@ def _launch_v5(
     query_start_loc: torch.Tensor | None = None,
     max_query_len: int = 1,
     tma: bool = False,
+    prefetch: int = 0,
 ) -> None:
     """The main loop of ``variant`` (:data:`V5_VARIANTS`: :mod:`kvarn_kernels.decode_v5`,
     ``"v5f"`` its folded form, ``"v6"`` :mod:`kvarn_kernels.decode_v6`) into partials ``0 ..
@@ -1360,7 +1361,9 @@ def _launch_v5(
     else:
         kernel = decode_v6_kernel if v6 else decode_v5_kernel
         options["VB"] = geo.value_bits
-        options.update({"PROBE": probe, "TMA": tma} if v6 else {"LAZY": False})
+        options.update(
+            {"PROBE": probe, "TMA": tma, "PREFETCH": prefetch} if v6 else {"LAZY": False}
+        )
         if v6:
             v7_args = v6_tma_descriptors(geo, kv_cache) if tma else (None, None)
     if tma and not v6:
