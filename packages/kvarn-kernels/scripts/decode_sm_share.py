@@ -153,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             b = launch_buffers(inp, splits)
             kw = {"max_registers": None, "num_warps": None, "num_stages": None, **kw}
 
-            def fn(b: dict[str, Any] = b, kw: dict[str, Any] = kw) -> None:
+            def fn(
+                b: dict[str, Any] = b,
+                kw: dict[str, Any] = kw,
+                inp: dict[str, Any] = inp,
+                splits: int = splits,
+            ) -> None:
                 _launch_v5(
                     b["geo"], b["q_rot"], inp["kv"], inp["bt"], inp["seq_lens"], inp["b2s"],
                     b["o_part"], b["lse_part"], b["d"] ** -0.5, b["n_rows"], splits,
