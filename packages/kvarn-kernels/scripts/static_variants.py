@@ -497,11 +497,13 @@ def _decode_v6(
     if tma:
         geo = _geo(name)
         cache = torch.zeros(4 * 8 * geo.record_stride, dtype=torch.uint8)
-        for arg, desc in zip(("K_DESC", "V_DESC"), v6_tma_descriptors(geo, cache), strict=True):
+        names = ("K_DESC", "V_DESC", "S256_DESC", "S128_DESC")
+        for arg, desc in zip(names, v6_tma_descriptors(geo, cache), strict=True):
             shape = ",".join(str(x) for x in desc.block_shape)
-            sig[arg] = f"tensordesc<i32[{shape}],{desc.layout!r}>"
+            dtype = "i64" if desc.base.dtype == torch.int64 else "i32"
+            sig[arg] = f"tensordesc<{dtype}[{shape}],{desc.layout!r}>"
     else:
-        consts.update({"K_DESC": None, "V_DESC": None})
+        consts.update({"K_DESC": None, "V_DESC": None, "S256_DESC": None, "S128_DESC": None})
     return compile_kernel(decode_v6_kernel, sig, consts, warps)
 
 

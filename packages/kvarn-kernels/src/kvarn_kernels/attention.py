@@ -1365,7 +1365,7 @@ def _launch_v5(
             {"PROBE": probe, "TMA": tma, "PREFETCH": prefetch} if v6 else {"LAZY": False}
         )
         if v6:
-            v7_args = v6_tma_descriptors(geo, kv_cache) if tma else (None, None)
+            v7_args = v6_tma_descriptors(geo, kv_cache) if tma else (None,) * 4
     if tma and not v6:
         raise ValueError(f"tma is a decode_v6 option, not {variant!r}'s")
     launch(
@@ -1403,12 +1403,17 @@ def _launch_v5(
     )
 
 
-def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any, Any]:
+def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any, ...]:
     """The tensor-memory-accelerator descriptors of v6's ``TMA`` build for ``kv_cache``
-    (contiguous records of ``geo``): K's code words, a chunk's 32 token-pair rows in the
-    ``_perm16`` order (row ``16 kt + 8 b + 2 t + h`` of the box is pair ``16 kt + 4 t + 2 h +
-    b``: the box's dimensions are ``kt, b, t, h`` with the strides of those pairs), and V's,
-    both parities' byte columns of a chunk. Coordinates count 128-byte rows of the cache."""
+    (contiguous records of ``geo``; coordinates count 128-byte rows of the cache):
+
+    * K's code words, a chunk's 32 token-pair rows in the ``_perm16`` order (row ``16 kt + 8
+      b + 2 t + h`` of the box is pair ``16 kt + 4 t + 2 h + b``: the box's dimensions are
+      ``kt, b, t, h`` with the strides of those pairs);
+    * V's, both parities' byte columns of a chunk;
+    * 256-byte fields (a block's K channel scales, K zeros, V channel scales) and 128-byte
+      ones (a chunk's K token scales, V token scales, V token zeros), as rows of 64-bit words.
+    """
     from triton.experimental.gluon.language import (  # type: ignore[import-untyped]
         NVMMASharedLayout,
     )
@@ -1422,12 +1427,11 @@ def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any,
     nc = d * geo.value_bits // 8  # V's byte columns
     if (
         not kv_cache.is_contiguous()
-        or geo.record_stride % row
-        or geo.offsets()["OFF_KC"] % row
-        or geo.offsets()["OFF_VC"] % row
         or d != row
+        or geo.record_stride % row
+        or any(off % row for name, off in geo.offsets().items() if name.startswith("OFF_"))
     ):
-        raise ValueError(f"v6's TMA build needs 128-byte aligned records of head dim 128: {geo}")
+        raise ValueError(f"v6's TMA build needs 128-byte aligned fields, head dim 128: {geo}")
     words = kv_cache.view(torch.int32)
     rows = kv_cache.numel() // row
     k_desc = TensorDescriptor(
@@ -1444,7 +1448,11 @@ def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any,
         [1, 1, 2, nc, 8],
         NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=5),
     )
-    return k_desc, v_desc
+    quads = kv_cache.view(torch.int64)
+    flat = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=2)
+    s256 = TensorDescriptor(quads, [rows, row // 8], [row // 8, 1], [2, row // 8], flat)
+    s128 = TensorDescriptor(quads, [rows, row // 8], [row // 8, 1], [1, row // 8], flat)
+    return k_desc, v_desc, s256, s128
 
 
 #: Per device, the stream :func:`_forked` runs its side launches on (made once: a stream made

@@ -234,7 +234,6 @@ def _issue(
     VG: gl.constexpr,
     offs: gl.constexpr,
     copies: gl.constexpr,
-    CODES: gl.constexpr = True,
 ):
     """Start the copies of a step's chunks into ``stage``: the code words (K rows in
     ``_perm16`` order of the token pairs; V both parities' byte columns, the chunk's 32 pairs
@@ -242,8 +241,7 @@ def _issue(
     ``meta`` (:func:`_copy_meta`): record pointer and chunk (and, for the scales, whether the
     record is packed: pool blocks' scales land as zeros) of each warp's chunk in the three
     copy layouts. ``offs``: the record's field offsets, ``copies``: the copy layouts. Chunks
-    past the split read block 0's record (valid, unused). Without ``CODES`` only the scales
-    (v6's ``TMA`` build copies the code words with the tensor memory accelerator)."""
+    past the split read block 0's record (valid, unused)."""
     OFF_KC: gl.constexpr = offs[0]
     OFF_KS: gl.constexpr = offs[1]
     OFF_KZ: gl.constexpr = offs[2]
@@ -259,14 +257,13 @@ def _issue(
     k_buf, v_buf, ks_buf, kz_buf, kt_buf, vsa_buf, vsb_buf, vza_buf, vzb_buf, vc_buf = bufs
     i32 = gl.pointer_type(gl.int32)
     i64 = gl.pointer_type(gl.int64)
-    if CODES:
-        row = ck * 32 + _perm16(_axis(32, 1, k_copy))
-        k_src = (rk + OFF_KC + row * D).to(i32) + _axis(D // 4, 2, k_copy)
-        async_copy.async_copy_global_to_shared(k_buf.index(stage), k_src)
-        col = _axis(2 * NC, 1, v_copy)  # parity * NC + byte column
-        v_src = rv + OFF_VC + (col // NC) * (NC * (G // 2)) + (col % NC) * (G // 2) + cv * 32
-        v_src = v_src.to(i32) + _axis(8, 2, v_copy)
-        async_copy.async_copy_global_to_shared(v_buf.index(stage), v_src)
+    row = ck * 32 + _perm16(_axis(32, 1, k_copy))
+    k_src = (rk + OFF_KC + row * D).to(i32) + _axis(D // 4, 2, k_copy)
+    async_copy.async_copy_global_to_shared(k_buf.index(stage), k_src)
+    col = _axis(2 * NC, 1, v_copy)  # parity * NC + byte column
+    v_src = rv + OFF_VC + (col // NC) * (NC * (G // 2)) + (col % NC) * (G // 2) + cv * 32
+    v_src = v_src.to(i32) + _axis(8, 2, v_copy)
+    async_copy.async_copy_global_to_shared(v_buf.index(stage), v_src)
     quad = gl.expand_dims(gl.arange(0, D // 4, layout=gl.SliceLayout(0, s_copy)), 0)
     async_copy.async_copy_global_to_shared(
         ks_buf.index(stage), (rs + OFF_KS).to(i64) + quad, mask=ps
@@ -352,28 +349,11 @@ def _stage_buffers(
     """The shared-memory stages :func:`_issue` copies a step's code words and scales into."""
     k_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0])
     v_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=2, order=[2, 1, 0])
-    k_buf = gl.allocate_shared_memory(gl.int32, [STAGES, W, 32, D // 4], k_smem)
-    v_buf = gl.allocate_shared_memory(gl.int32, [STAGES, W, 2 * NC, 8], v_smem)
-    return _with_scale_buffers(k_buf, v_buf, STAGES, W, D, NC, VG)
-
-
-@gluon.jit
-def _with_scale_buffers(
-    k_buf,
-    v_buf,
-    STAGES: gl.constexpr,
-    W: gl.constexpr,
-    D: gl.constexpr,
-    NC: gl.constexpr,
-    VG: gl.constexpr,
-):
-    """The stages' code-word buffers ``k_buf, v_buf`` and, after them, the scales' buffers
-    :func:`_issue` copies into (:func:`_stage_buffers`' tuple)."""
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     vc_dtype: gl.constexpr = gl.int64 if VG == 4 else gl.int32
     return (
-        k_buf,
-        v_buf,
+        gl.allocate_shared_memory(gl.int32, [STAGES, W, 32, D // 4], k_smem),
+        gl.allocate_shared_memory(gl.int32, [STAGES, W, 2 * NC, 8], v_smem),
         gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_scale, quads
         gl.allocate_shared_memory(gl.int64, [STAGES, W, D // 4], flat),  # k_zero
         gl.allocate_shared_memory(gl.int32, [STAGES, W, 32], flat),  # k_token_scale, pair words
