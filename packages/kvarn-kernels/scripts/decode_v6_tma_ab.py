@@ -29,7 +29,7 @@ import bench_kernels as bk  # tools/ on PYTHONPATH
 from decode_v6_probe import launch_buffers
 
 SHAPES = ((64, 16384), (256, 4096), (64, 65536), (8, 16384), (1, 16384))
-CAPS: tuple[int | None, ...] = (None, 168)
+CAPS: tuple[int | None, ...] = (None,)
 
 
 def launch_once(
