@@ -480,7 +480,6 @@ def _decode_v6(
     fold: bool = False,
     probe: int = 0,
     tma: bool = False,
-    prefetch: int = 0,
 ) -> Any:
     """The Gluon v6 main loop (:mod:`kvarn_kernels.decode_v6`: tokens in the MMA's M) at
     Qwen3-8B's decode shape; ``tma``: its code words copied by the tensor memory accelerator
@@ -492,7 +491,6 @@ def _decode_v6(
     from kvarn_kernels.decode_v6 import decode_v6_kernel
 
     consts = {**_gluon_decode_consts(name, qpk, warps, stages, fold), "PROBE": probe, "TMA": tma}
-    consts["PREFETCH"] = prefetch
     sig = dict(DECODE_SIG)
     if tma:
         geo = _geo(name)
@@ -519,14 +517,8 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
     variant(f"decode_v6f {_n} d128 qpk4 w1 s2 compute-only")(
         lambda _n=_n: _decode_v6(_n, fold=True, probe=int(PROBE_COMPUTE_ONLY.value))
     )
-    # thirty-ninth session: the code words by the tensor memory accelerator
-    variant(f"decode_v6f {_n} d128 qpk4 w1 s2 tma")(
-        lambda _n=_n: _decode_v6(_n, fold=True, tma=True)
-    )
-    # ... and the records asked of the L2 four steps ahead of their copies
-    variant(f"decode_v6f {_n} d128 qpk4 w1 s2 prefetch4")(
-        lambda _n=_n: _decode_v6(_n, fold=True, prefetch=4)
-    )
+    # v6t (thirty-ninth session): every copy by the tensor memory accelerator
+    variant(f"decode_v6t {_n} d128 qpk4 w1 s2")(lambda _n=_n: _decode_v6(_n, fold=True, tma=True))
 
 
 def _decode_v7(warps: int = 1, stages: int = 2, fold: bool = False, tokens: int = 1) -> Any:

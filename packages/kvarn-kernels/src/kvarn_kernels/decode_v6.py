@@ -86,48 +86,6 @@ PROBE_COMPUTE_ONLY = gl.constexpr(2)
 V6_TMA_ROW_BYTES = 128
 
 
-# one lane of the warp asks the L2 for ``$2`` bytes from ``$1`` (no registers, no shared
-# memory: the later copies of those bytes then hit the L2); ``$3`` != 0 to do it
-_PREFETCH_L2 = gl.constexpr("""
-{
-.reg .pred p;
-.reg .u32 l;
-mov.u32 l, %laneid;
-setp.eq.and.u32 p, l, 0, 1;
-setp.ne.and.u32 p, $3, 0, p;
-@p cp.async.bulk.prefetch.L2.global [$1], $2;
-mov.u32 $0, 0;
-}
-""")
-
-
-@gluon.jit
-def _prefetch_record(it, walk, geo: gl.constexpr, layout: gl.constexpr):
-    """Ask the L2 for the whole record of step ``it``'s chunk when it is its block's first
-    (a one-warp program's chunks, :func:`kvarn_kernels.decode_v5._chunk`), so that the
-    stage copies of its chunks a few steps later wait for the L2, not for HBM."""
-    KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi = walk
-    HK: gl.constexpr = geo[1]
-    NCH: gl.constexpr = geo[2]
-    STRIDE: gl.constexpr = geo[3]
-    ci = ch_lo + it
-    first = (ci < ch_hi) & (ci % NCH == 0)
-    blk = gl.load(bt_row + ci // NCH, mask=ci < ch_hi, other=0).to(gl.int64)
-    rec = KV + (blk * HK + h) * STRIDE + gl.zeros([1], gl.int32, layout)
-    gl.inline_asm_elementwise(
-        _PREFETCH_L2,
-        "=r,l,r,r",
-        [
-            rec,
-            gl.full([1], STRIDE, gl.int32, layout),
-            first.to(gl.int32) + gl.zeros([1], gl.int32, layout),
-        ],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
 #: The ``TMA`` build's row coordinate for chunks it must not read (pool blocks, chunks past
 #: the split): out of every descriptor's bounds, so the copies land zeros (as the masked
 #: ``cp.async`` of the scales do), and the barrier still counts the whole box.
@@ -141,7 +99,7 @@ def _tma_chunk(it, walk, geo: gl.constexpr):
     of this split), the chunk within the block, the block's index in the request and whether
     it is packed (:func:`kvarn_kernels.decode_v5._chunk`'s walk, once a step for the copies
     and the math)."""
-    KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi = walk
+    _kv, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi = walk
     HK: gl.constexpr = geo[1]
     NCH: gl.constexpr = geo[2]
     STRIDE: gl.constexpr = geo[3]
@@ -229,9 +187,12 @@ def _tma_buffers(descs, STAGES: gl.constexpr, D: gl.constexpr, NC: gl.constexpr,
     gl.static_assert(STAGES == 2, "the TMA build's layouts are written for two stages")
     s256: gl.constexpr = descs[2].layout
     s128: gl.constexpr = descs[3].layout
+    k_box: gl.constexpr = descs[0].block_type.shape
+    v_box: gl.constexpr = descs[1].block_type.shape
     raw = (
-        gl.allocate_shared_memory(gl.int32, [STAGES] + descs[0].block_type.shape, descs[0].layout),
-        gl.allocate_shared_memory(gl.int32, [STAGES] + descs[1].block_type.shape, descs[1].layout),
+        # K and V codes ([STAGES] + box: Gluon takes no starred list)
+        gl.allocate_shared_memory(gl.int32, [STAGES] + k_box, descs[0].layout),  # noqa: RUF005
+        gl.allocate_shared_memory(gl.int32, [STAGES] + v_box, descs[1].layout),  # noqa: RUF005
         gl.allocate_shared_memory(gl.int64, [STAGES, 2, 16], s256),  # K channel scales
         gl.allocate_shared_memory(gl.int64, [STAGES, 2, 16], s256),  # K channel zeros
         gl.allocate_shared_memory(gl.int64, [STAGES, 1, 16], s128),  # K token scales
@@ -355,7 +316,6 @@ def decode_v6_kernel(
     FOLD: gl.constexpr = False,
     PROBE: gl.constexpr = 0,
     TMA: gl.constexpr = False,
-    PREFETCH: gl.constexpr = 0,
 ):
     """One program per (request, KV head, split), ``W`` warps, 64 tokens per warp and step,
     as :func:`kvarn_kernels.decode_v5.decode_v5_kernel` (same grid, copies, partial outputs
@@ -371,7 +331,6 @@ def decode_v6_kernel(
     gl.static_assert(
         not TMA or (W == 1 and STAGES == 2 and PROBE == 0), "v6's TMA build: one warp, two stages"
     )
-    gl.static_assert(PREFETCH == 0 or W == 1, "v6 prefetches records into the L2 at one warp")
     gl.static_assert(STAGES == 2 or STAGES == 3, "v6 pipelines 2 or 3 stages")
     gl.static_assert(D == 128, "v6 is written for head dim 128")
     gl.static_assert(VB == 2 or VB == 4, "v6 takes 2- or 4-bit values")
@@ -470,17 +429,12 @@ def decode_v6_kernel(
     acc1 = zero
     acc2 = zero
     acc3 = zero
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
-    for st in gl.static_range(PREFETCH):
-        _prefetch_record(st + STAGES - 1, walk, geo, one)
     if PROBE == PROBE_COMPUTE_ONLY:  # every step reads the prologue's stage
         async_copy.wait_group(0)
     if PROBE == PROBE_COPIES_ONLY:
         k_sink = gl.zeros([W, 32, D // 4], gl.int32, words)
         v_sink = gl.zeros([W, 2 * NC, 8], gl.int32, words)
     for it in range(n_it):
-        if PREFETCH > 0:
-            _prefetch_record(it + STAGES - 1 + PREFETCH, walk, geo, one)
         if TMA:
             # the stage last read a step ago: its reads before the async proxy's writes
             fence_async_shared()
