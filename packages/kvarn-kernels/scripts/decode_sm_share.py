@@ -12,8 +12,10 @@ are replayed from a CUDA graph captured before it, timed with events on the main
 (a device-wide sync would wait for the holder), and the holder is released after.
 
 Each build is ``NAME=JSON``: keyword arguments of ``kvarn_kernels.attention._launch_v5``
-after its positional ones (``{"probe": 2}``, ``{"tma": true, "max_registers": 168}``, ...),
-so the script runs against any tree that has those options. Writes
+after its positional ones (``{"probe": 2}``, ``{"variant": "v6t"}``, ``{"max_registers":
+144}``, ...; the variant is v6f unless given), so the script runs against any tree that has
+those options. The partials of each build are compared with the first build's (the probes'
+differ: they are not attention). Writes
 ``decode_sm_share.json`` to ``--out``. On the GPU machine::
 
     PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools:packages/kvarn-kernels/scripts \\
@@ -151,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         ref = None
         for name, kw in builds.items():
             b = launch_buffers(inp, splits)
-            kw = {"max_registers": None, "num_warps": None, "num_stages": None, **kw}
+            kw = {
+                "max_registers": None,
+                "num_warps": None,
+                "num_stages": None,
+                "variant": "v6f",
+                **kw,
+            }
 
             def fn(
                 b: dict[str, Any] = b,
@@ -162,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
                 _launch_v5(
                     b["geo"], b["q_rot"], inp["kv"], inp["bt"], inp["seq_lens"], inp["b2s"],
                     b["o_part"], b["lse_part"], b["d"] ** -0.5, b["n_rows"], splits,
-                    b["hq"], b["hk"], variant="v6f", **kw,
+                    b["hq"], b["hk"], **kw,
                 )  # fmt: skip
 
+            b["o_part"].fill_(float("nan"))  # slots no build writes compare equal
+            b["lse_part"].fill_(float("nan"))
             g = graph_of(fn)
             free = replay_us(g)
             held, started = held_us(g, args.free_sms)
