@@ -1345,7 +1345,7 @@ def _launch_v5(
     # every constexpr given, defaults too: launch() takes its direct path for a full tail
     options: dict[str, bool | int] = {"FOLD": variant in ("v5f", "v6f", "v6t", "v7f")}
     grid_x = int(block_table.shape[0])
-    v7_args: tuple[torch.Tensor, ...] = ()
+    v7_args: tuple[Any, ...] = ()  # v7: the query start locations; v6: its descriptors
     if variant in FIVE_BIT_VARIANTS:
         kernel = decode_v7_kernel
         groups = 1

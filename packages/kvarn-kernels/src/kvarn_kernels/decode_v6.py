@@ -24,7 +24,13 @@ shuffles, and the softmax, which reduces over the tokens, now along M (three shu
 per column pair and step).
 
 Numerics as v5 (the same halved operands, fp32 scores and accumulators); ``FOLD``
-(``variant="v6f"``) as v5f. GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit
+(``variant="v6f"``) as v5f. ``TMA`` (``variant="v6t"``, thirty-ninth session): v6f with a
+step's 8 fields copied by the tensor memory accelerator onto one mbarrier instead of 20
+``cp.async`` a lane and three block-table walks: the same words in the same shared-memory
+order (K's token-pair relabelling by the descriptor's dimensions, its token scales' by a
+linear shared layout), so the partials are bit-identical, with 10% fewer loop
+instructions. Where each SM has bandwidth to spare (an H200) the loop's time follows its
+instructions (docs/kernel-notes.md). GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit
 values, head dim 128, the in-cache code order, up to 8 query heads per KV head. v6f is
 ``variant="auto"``'s kernel there since the seventeenth session (docs/kernel-notes.md).
 """
@@ -81,8 +87,8 @@ V6_MAX_QPK = 8
 #: stage, no copy after the prologue's.
 PROBE_COPIES_ONLY = gl.constexpr(1)
 PROBE_COMPUTE_ONLY = gl.constexpr(2)
-#: The unit of the ``TMA`` build's record coordinates: a record and its K and V code fields
-#: start on a multiple of it (so a coordinate is an int32 up to 256 GB of cache).
+#: The unit of the ``TMA`` build's record coordinates: a record and each of its fields start
+#: on a multiple of it (so a coordinate is an int32 up to 256 GB of cache).
 V6_TMA_ROW_BYTES = 128
 
 
