@@ -107,7 +107,10 @@ def analyse(kernel: Any, sass_out: Path | None = None, tag: str = "") -> dict[st
                 tgt = _label_addr(sass, lab.group(1))
         if tgt is not None and tgt in addr_idx and addr_idx[tgt] < i:
             j = addr_idx[tgt]
-            if i - j > best[1] - best[0]:
+            # not a range with an EXIT in it: an out-of-line wait (an mbarrier's retry, placed
+            # after the epilogue) that jumps back into the loop spans the epilogue too
+            exits = any(re.search(r"\bEXIT\b", t) for _, t in ins[j : i + 1])
+            if i - j > best[1] - best[0] and not exits:
                 best = (j, i)
     body = [t for _, t in ins[best[0] : best[1] + 1]]
 

@@ -473,14 +473,36 @@ variant("decode_v5f kvarn_k4v2_g128 d128 qpk4 w1 s2 lazy")(
 
 
 def _decode_v6(
-    name: str, qpk: int = 4, warps: int = 1, stages: int = 2, fold: bool = False, probe: int = 0
+    name: str,
+    qpk: int = 4,
+    warps: int = 1,
+    stages: int = 2,
+    fold: bool = False,
+    probe: int = 0,
+    tma: bool = False,
 ) -> Any:
     """The Gluon v6 main loop (:mod:`kvarn_kernels.decode_v6`: tokens in the MMA's M) at
-    Qwen3-8B's decode shape."""
+    Qwen3-8B's decode shape; ``tma``: its code words copied by the tensor memory accelerator
+    (the descriptors' types from :func:`kvarn_kernels.attention.v6_tma_descriptors` on a
+    small CPU cache)."""
+    import torch
+
+    from kvarn_kernels.attention import v6_tma_descriptors
     from kvarn_kernels.decode_v6 import decode_v6_kernel
 
-    consts = {**_gluon_decode_consts(name, qpk, warps, stages, fold), "PROBE": probe}
-    return compile_kernel(decode_v6_kernel, DECODE_SIG, consts, warps)
+    consts = {**_gluon_decode_consts(name, qpk, warps, stages, fold), "PROBE": probe, "TMA": tma}
+    sig = dict(DECODE_SIG)
+    if tma:
+        geo = _geo(name)
+        cache = torch.zeros(4 * 8 * geo.record_stride, dtype=torch.uint8)
+        names = ("K_DESC", "V_DESC", "S256_DESC", "S128_DESC")
+        for arg, desc in zip(names, v6_tma_descriptors(geo, cache), strict=True):
+            shape = ",".join(str(x) for x in desc.block_shape)
+            dtype = "i64" if desc.base.dtype == torch.int64 else "i32"
+            sig[arg] = f"tensordesc<{dtype}[{shape}],{desc.layout!r}>"
+    else:
+        consts.update({"K_DESC": None, "V_DESC": None, "S256_DESC": None, "S128_DESC": None})
+    return compile_kernel(decode_v6_kernel, sig, consts, warps)
 
 
 # v6 (sixteenth session): v5 transposed, tokens in the MMA's M
@@ -495,6 +517,8 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"):
     variant(f"decode_v6f {_n} d128 qpk4 w1 s2 compute-only")(
         lambda _n=_n: _decode_v6(_n, fold=True, probe=int(PROBE_COMPUTE_ONLY.value))
     )
+    # v6t (thirty-ninth session): every copy by the tensor memory accelerator
+    variant(f"decode_v6t {_n} d128 qpk4 w1 s2")(lambda _n=_n: _decode_v6(_n, fold=True, tma=True))
 
 
 def _decode_v7(warps: int = 1, stages: int = 2, fold: bool = False, tokens: int = 1) -> Any:

@@ -202,7 +202,9 @@ def test_every_launch_lists_its_whole_signature(
     case = build_case(name, d, hk, lens, device=device, seed=5)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(1)).half()
     args = case.decode_args(name, q.to(device), 0.125)
-    variants = ["v1", "v4", "v4b", "v4c", "v4d"] + (["v5", "v5f", "v6", "v6f"] if gpu else [])
+    variants = ["v1", "v4", "v4b", "v4c", "v4d"] + (
+        ["v5", "v5f", "v6", "v6f", "v6t"] if gpu else []
+    )
     for variant in variants:
         decode_attention(*args, variant=variant)
     qsl = torch.tensor([0, 3, 5], dtype=torch.int32, device=device)

@@ -91,17 +91,20 @@ __all__ = [
 ]
 
 #: The decode kernels ``decode_attention(variant=...)`` takes besides ``"auto"``.
-DECODE_VARIANTS = ("v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6", "v6f", "v7", "v7f")
+DECODE_VARIANTS = (
+    "v1", "v4", "v4b", "v4c", "v4d", "v5", "v5f", "v6", "v6f", "v6t", "v7", "v7f"
+)  # fmt: skip
 #: The variants that run :mod:`kvarn_kernels.decode_v4` (4-bit keys, 2/4-bit values).
 V4_VARIANTS = ("v4", "v4b", "v4c", "v4d")
 #: The Gluon variants with v5's copies, split counts and pool-phase launch:
 #: :mod:`kvarn_kernels.decode_v5` (``"v5f"``: its folded scales) and
-#: :mod:`kvarn_kernels.decode_v6` (``"v6"``: tokens in the MMA's M; ``"v6f"``: folded) and
+#: :mod:`kvarn_kernels.decode_v6` (``"v6"``: tokens in the MMA's M; ``"v6f"``: folded;
+#: ``"v6t"``: v6f with every copy by the tensor memory accelerator, one warp, two stages) and
 #: :mod:`kvarn_kernels.decode_v7` (``"v7"``: v6 on 5-bit codes in the byte-plane order;
 #: ``"v7f"``: folded).
-V5_VARIANTS = ("v5", "v5f", "v6", "v6f", "v7", "v7f")
+V5_VARIANTS = ("v5", "v5f", "v6", "v6f", "v6t", "v7", "v7f")
 #: The variants with v6's transposed tiles (up to ``V6_MAX_QPK`` query heads per KV head).
-V6_VARIANTS = ("v6", "v6f", "v7", "v7f")
+V6_VARIANTS = ("v6", "v6f", "v6t", "v7", "v7f")
 #: The variants that read 5-bit codes (``kvarn_k5v5_g64``) from the byte planes.
 FIVE_BIT_VARIANTS = ("v7", "v7f")
 #: The variants written in Gluon, which Triton's interpreter cannot run (GPU only).
@@ -1329,19 +1332,20 @@ def _launch_v5(
     or ``PROBE_COMPUTE_ONLY``, whose partials are not attention. ``tokens_per_program`` > 1
     (v7 only; the rows :func:`verify_rows` lays out, ``query_start_loc`` the requests', each
     of up to ``max_query_len`` tokens): a program takes up to that many of a request's tokens
-    side by side (``decode_v7_kernel``'s ``TOK``)."""
+    side by side (``decode_v7_kernel``'s ``TOK``). ``"v6t"``: v6f's ``TMA`` build (its
+    descriptors: :func:`v6_tma_descriptors`)."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
     from kvarn_kernels.decode_v6 import decode_v6_kernel
     from kvarn_kernels.decode_v7 import decode_v7_kernel
 
     offsets = {k: v for k, v in geo.offsets().items() if k.startswith("OFF_")}
-    v6 = variant in ("v6", "v6f")
+    v6 = variant in ("v6", "v6f", "v6t")
     if probe and not v6:
         raise ValueError(f"probe={probe} is a decode_v6 option, not {variant!r}'s")
     # every constexpr given, defaults too: launch() takes its direct path for a full tail
-    options: dict[str, bool | int] = {"FOLD": variant in ("v5f", "v6f", "v7f")}
+    options: dict[str, bool | int] = {"FOLD": variant in ("v5f", "v6f", "v6t", "v7f")}
     grid_x = int(block_table.shape[0])
-    v7_args: tuple[torch.Tensor, ...] = ()
+    v7_args: tuple[Any, ...] = ()  # v7: the query start locations; v6: its descriptors
     if variant in FIVE_BIT_VARIANTS:
         kernel = decode_v7_kernel
         groups = 1
@@ -1358,7 +1362,10 @@ def _launch_v5(
     else:
         kernel = decode_v6_kernel if v6 else decode_v5_kernel
         options["VB"] = geo.value_bits
-        options.update({"PROBE": probe} if v6 else {"LAZY": False})
+        tma = variant == "v6t"
+        options.update({"PROBE": probe, "TMA": tma} if v6 else {"LAZY": False})
+        if v6:  # the TMA build's descriptors (None for the others)
+            v7_args = v6_tma_descriptors(geo, kv_cache) if tma else (None,) * 4
     launch(
         kernel,
         (grid_x, hk, num_splits),
@@ -1392,6 +1399,58 @@ def _launch_v5(
         num_warps=num_warps or V5_WARPS,
         maxnreg=max_registers,
     )
+
+
+def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any, ...]:
+    """The tensor-memory-accelerator descriptors of v6's ``TMA`` build for ``kv_cache``
+    (contiguous records of ``geo``; coordinates count 128-byte rows of the cache):
+
+    * K's code words, a chunk's 32 token-pair rows in the ``_perm16`` order (row ``16 kt + 8
+      b + 2 t + h`` of the box is pair ``16 kt + 4 t + 2 h + b``: the box's dimensions are
+      ``kt, b, t, h`` with the strides of those pairs);
+    * V's, both parities' byte columns of a chunk;
+    * 256-byte fields (a block's K channel scales, K zeros, V channel scales) and 128-byte
+      ones (a chunk's K token scales, V token scales, V token zeros), as rows of 64-bit words.
+    """
+    from triton.experimental.gluon.language import (  # type: ignore[import-untyped]
+        NVMMASharedLayout,
+    )
+    from triton.experimental.gluon.nvidia.hopper import (  # type: ignore[import-untyped]
+        TensorDescriptor,
+    )
+
+    from kvarn_kernels.decode_v6 import V6_TMA_ROW_BYTES
+
+    row, d, g = V6_TMA_ROW_BYTES, geo.head_dim, geo.group
+    nc = d * geo.value_bits // 8  # V's byte columns
+    if (
+        not kv_cache.is_contiguous()
+        or d != row
+        or geo.record_stride % row
+        or any(off % row for name, off in geo.offsets().items() if name.startswith("OFF_"))
+    ):
+        raise ValueError(f"v6's TMA build needs 128-byte aligned fields, head dim 128: {geo}")
+    words = kv_cache.view(torch.int32)
+    rows = kv_cache.numel() // row
+    k_desc = TensorDescriptor(
+        words,
+        [2, rows, 4, 2, d // 4],
+        [16 * d // 4, d // 4, 4 * d // 4, 2 * d // 4, 1],
+        [2, 2, 4, 2, d // 4],
+        NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=5),
+    )
+    v_desc = TensorDescriptor(
+        words,
+        [rows, g // 64, 2, nc, 8],
+        [row // 4, 8, nc * g // 8, g // 8, 1],
+        [1, 1, 2, nc, 8],
+        NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=5),
+    )
+    quads = kv_cache.view(torch.int64)
+    flat = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=2)
+    s256 = TensorDescriptor(quads, [rows, row // 8], [row // 8, 1], [2, row // 8], flat)
+    s128 = TensorDescriptor(quads, [rows, row // 8], [row // 8, 1], [1, row // 8], flat)
+    return k_desc, v_desc, s256, s128
 
 
 #: Per device, the stream :func:`_forked` runs its side launches on (made once: a stream made
@@ -1788,10 +1847,40 @@ V6_SMALL_BATCH_MAX_SPLITS = 32
 V5_AUTO_CAPABILITIES = ((9, 0),)
 
 
+#: The peak memory bandwidth per SM (GB/s, from the device's memory clock and bus width)
+#: from which ``variant="auto"`` runs v6t rather than v6f: where each SM has more bandwidth
+#: than its math can use, v6f's loop is bound by its instruction stream, and v6t's issues
+#: 10% fewer instructions a step. Thirty-ninth session, on an H100 (25 GB/s per SM) with 38
+#: of its 132 SMs held so that each of the other 94 had an H200's share (~32 GB/s of measured
+#: copy bandwidth; ``scripts/decode_sm_share.py``, which reproduced the H200's v6f main loop
+#: within 3%): v6t's main loop took 0.89x v6f's time at B = 64 / 16K and 256 / 4K
+#: (k4v2_g128), 0.92-0.94x at k4v4_g128 and k4v2_g64. On the whole H100 it took 0.89-0.95x at
+#: 64K and at one request but 1.03-1.08x at B = 256 / 4K and at k4v2_g64: so not there.
+V6T_MIN_GBPS_PER_SM = 30.0
+
+
 @cache
 def _capability(device_index: int) -> tuple[int, int]:
     major, minor = torch.cuda.get_device_capability(device_index)
     return int(major), int(minor)
+
+
+@cache
+def _gbps_per_sm(device_index: int) -> float:
+    """The device's peak memory bandwidth per SM in GB/s (double data rate on its bus; 0
+    where torch does not report the memory clock)."""
+    props = torch.cuda.get_device_properties(device_index)
+    clock_khz = float(getattr(props, "memory_clock_rate", 0) or 0)
+    bus_bits = float(getattr(props, "memory_bus_width", 0) or 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 / props.multi_processor_count
+
+
+def _v6t_pays(device: torch.device | None) -> bool:
+    """Whether ``variant="auto"`` runs v6t on ``device`` (:data:`V6T_MIN_GBPS_PER_SM`)."""
+    if device is None or device.type != "cuda":
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _gbps_per_sm(index) >= V6T_MIN_GBPS_PER_SM
 
 
 def _v3_serves(geo: DenseGeometry, device: torch.device) -> bool:
@@ -1859,7 +1948,8 @@ def default_decode_variant(
     The Gluon kernels, one warp per program, on the GPUs of :data:`V5_AUTO_CAPABILITIES`, at
     head dim 128 with the in-cache code order, unless a tuning option of another kernel was
     given (``v4_option``; ``shape_option``: ``block_n``, ``num_warps`` or ``fast_unpack``): v6f
-    (:mod:`kvarn_kernels.decode_v6`) up to 8 query heads per KV head from
+    (:mod:`kvarn_kernels.decode_v6`; v6t, its copies by the tensor memory accelerator, on
+    GPUs of :data:`V6T_MIN_GBPS_PER_SM`) up to 8 query heads per KV head from
     :data:`V6_MIN_BATCH` requests, v5 (:mod:`kvarn_kernels.decode_v5`) up to 16 from
     :data:`V5_MIN_BATCH`. H200,
     seventeenth session (k4v2_g128, µs per layer, graph replay, one ``bench_kernels.py
@@ -1902,7 +1992,7 @@ def default_decode_variant(
         from kvarn_kernels.decode_v6 import V6_MAX_QPK
 
         if qpk <= V6_MAX_QPK and batch >= V6_MIN_BATCH:
-            return "v6f"
+            return "v6t" if _v6t_pays(device) else "v6f"
         if batch >= V5_MIN_BATCH:
             return "v5"
     if v4_option or geo.head_dim <= 256:
@@ -1965,8 +2055,8 @@ def decode_attention(
             Triton interpreter, which cannot run PTX).
         prefetch: load the next chunk's record bytes into registers before computing the
             current one (default on; v1 only).
-        variant: ``"auto"`` (default: :func:`default_decode_variant`: v6f or v5 for
-            batches of 8 or more on an H100/H200 at head dim 128, v4c otherwise), ``"v1"`` (this
+        variant: ``"auto"`` (default: :func:`default_decode_variant`: v6f (v6t on an H200)
+            or v5 on an H100/H200 at head dim 128, v4c otherwise), ``"v1"`` (this
             module's kernel: any format) or ``"v4"`` (:mod:`kvarn_kernels.decode_v4`: one
             chunk per warp, codes unpacked in the MMA operand layout; 4-bit keys with 2/4-bit
             values only). Both compute the same attention. On the H200 at B = 64, 16K, v4
@@ -1996,7 +2086,9 @@ def decode_attention(
             instructions at one warp, static count). ``"v6"`` (experimental, not yet run on
             a GPU; :mod:`kvarn_kernels.decode_v6`): v5 with both MMAs transposed, the tokens
             in the MMA's M, up to 8 query heads per KV head (half v5's MMAs, 168 registers
-            instead of 231 at one warp, static count); ``"v6f"``: v6 with v5f's folding.
+            instead of 231 at one warp, static count); ``"v6f"``: v6 with v5f's folding;
+            ``"v6t"``: v6f with every copy by the tensor memory accelerator (one warp, two
+            stages).
         num_stages: the v4 kernels only: software-pipeline depth of the code-byte loads
             (default: the launch config's, 2 at head dim 128, 1 from 256:
             ``decode_v4.decode_v4_config``).
@@ -2110,7 +2202,7 @@ def _splits_for_sms(
         return decode_splits_for_sms(
             batch, num_kv_heads, max_blocks, num_sms, programs_per_sm=density
         )
-    if small and variant in ("v6f", "v7f"):
+    if small and variant in ("v6f", "v6t", "v7f"):
         splits = decode_splits_for_sms(
             batch,
             num_kv_heads,
@@ -2155,6 +2247,7 @@ def max_decode_partials(
         gluon = (
             ("v5", V5_MAX_QPK, V5_MIN_BATCH),
             ("v6f", V6_MAX_QPK, V6_MIN_BATCH),
+            ("v6t", V6_MAX_QPK, V6_MIN_BATCH),
             ("v7f", V7_MAX_QPK, V6_MIN_BATCH),
         )
         serving = (v for v, most, least in gluon if qpk <= most and batch >= least)
@@ -2330,6 +2423,8 @@ def _v5_split_factor(
             f"variant={variant!r} runs {V5_WARP_COUNTS} warps per program, got "
             f"num_warps={num_warps}"
         )
+    if variant == "v6t" and num_warps not in (None, 1):
+        raise ValueError(f"variant='v6t' runs one warp per program, got num_warps={num_warps}")
     warps = num_warps or V5_WARPS
     return V5_ONE_WARP_SPLITS if warps == 1 else V5_SPLIT_WARPS // warps
 
@@ -2388,6 +2483,8 @@ def _check_v5(
         raise ValueError(
             f"variant={name} pipelines {V5_STAGES} stages, got num_stages={num_stages}"
         )
+    if variant == "v6t" and num_stages not in (None, 2):
+        raise ValueError(f"variant='v6t' pipelines 2 stages, got num_stages={num_stages}")
 
 
 def _check_varlen(

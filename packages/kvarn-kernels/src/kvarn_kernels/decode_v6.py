@@ -24,7 +24,13 @@ shuffles, and the softmax, which reduces over the tokens, now along M (three shu
 per column pair and step).
 
 Numerics as v5 (the same halved operands, fp32 scores and accumulators); ``FOLD``
-(``variant="v6f"``) as v5f. GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit
+(``variant="v6f"``) as v5f. ``TMA`` (``variant="v6t"``, thirty-ninth session): v6f with a
+step's 8 fields copied by the tensor memory accelerator onto one mbarrier instead of 20
+``cp.async`` a lane and three block-table walks: the same words in the same shared-memory
+order (K's token-pair relabelling by the descriptor's dimensions, its token scales' by a
+linear shared layout), so the partials are bit-identical, with 10% fewer loop
+instructions. Where each SM has bandwidth to spare (an H200) the loop's time follows its
+instructions (docs/kernel-notes.md). GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit
 values, head dim 128, the in-cache code order, up to 8 query heads per KV head. v6f is
 ``variant="auto"``'s kernel there since the seventeenth session (docs/kernel-notes.md).
 """
@@ -37,8 +43,14 @@ from triton.experimental.gluon.language.nvidia.ampere import (  # type: ignore[i
     async_copy,
     mma_v2,
 )
+from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[import-untyped]
+    fence_async_shared,
+    mbarrier,
+    tma,
+)
 
 from kvarn_kernels.decode_v5 import (
+    _HALVES,
     _UNPACK4,
     _axis,
     _chunk,
@@ -47,6 +59,7 @@ from kvarn_kernels.decode_v5 import (
     _issue,
     _k_scale_pairs,
     _k_vector,
+    _parities_of_quads,
     _perm16,
     _split_chunks,
     _stage_buffers,
@@ -56,7 +69,13 @@ from kvarn_kernels.decode_v5 import (
     _v_field_codes,
 )
 
-__all__ = ["PROBE_COMPUTE_ONLY", "PROBE_COPIES_ONLY", "V6_MAX_QPK", "decode_v6_kernel"]
+__all__ = [
+    "PROBE_COMPUTE_ONLY",
+    "PROBE_COPIES_ONLY",
+    "V6_MAX_QPK",
+    "V6_TMA_ROW_BYTES",
+    "decode_v6_kernel",
+]
 
 #: Query heads per KV head v6 takes: the 8 columns of one ``m16n8k16`` N tile.
 V6_MAX_QPK = 8
@@ -68,6 +87,140 @@ V6_MAX_QPK = 8
 #: stage, no copy after the prologue's.
 PROBE_COPIES_ONLY = gl.constexpr(1)
 PROBE_COMPUTE_ONLY = gl.constexpr(2)
+#: The unit of the ``TMA`` build's record coordinates: a record and each of its fields start
+#: on a multiple of it (so a coordinate is an int32 up to 256 GB of cache).
+V6_TMA_ROW_BYTES = 128
+
+
+#: The ``TMA`` build's row coordinate for chunks it must not read (pool blocks, chunks past
+#: the split): out of every descriptor's bounds, so the copies land zeros (as the masked
+#: ``cp.async`` of the scales do), and the barrier still counts the whole box.
+_TMA_NOWHERE = gl.constexpr(-(1 << 20))
+
+
+@gluon.jit
+def _tma_chunk(it, walk, geo: gl.constexpr):
+    """Step ``it``'s chunk of a one-warp program for the ``TMA`` build: its record's first
+    128-byte row (:data:`V6_TMA_ROW_BYTES`; :data:`_TMA_NOWHERE` unless it is a packed record
+    of this split), the chunk within the block, the block's index in the request and whether
+    it is packed (:func:`kvarn_kernels.decode_v5._chunk`'s walk, once a step for the copies
+    and the math)."""
+    _kv, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi = walk
+    HK: gl.constexpr = geo[1]
+    NCH: gl.constexpr = geo[2]
+    STRIDE: gl.constexpr = geo[3]
+    ci = ch_lo + it
+    valid = ci < ch_hi
+    bi = ci // NCH
+    blk = gl.load(bt_row + bi, mask=valid, other=0)
+    packed = valid & (gl.load(BLOCK_TO_SLOT + blk, mask=valid, other=0) < 0)
+    row = gl.where(packed, (blk * HK + h) * (STRIDE // 128), _TMA_NOWHERE)
+    return row, ci % NCH, bi, packed
+
+
+@gluon.jit
+def _tma_issue(
+    stage, chunk, descs, raw, bars, D: gl.constexpr, NC: gl.constexpr, offs: gl.constexpr
+):
+    """The ``TMA`` build's copies of a step's chunk into ``stage``, all on the stage's barrier:
+    K's 32 token-pair rows in the ``_perm16`` order (the descriptor's dimensions do the
+    relabelling), V's two parities' byte columns, the block's K channel scales and zeros and
+    V channel scales (256 bytes each), the chunk's K token scales and V token scales and zeros
+    (128 bytes each). ``chunk``: :func:`_tma_chunk`'s; ``raw``: the stage buffers in that
+    order (:func:`_tma_buffers`)."""
+    row, c, _bi, _packed = chunk
+    bar = bars.index(stage)
+    mbarrier.expect(bar, 32 * D + 64 * NC + 3 * 256 + 3 * 128)
+    OFF_KC: gl.constexpr = offs[0] // 128
+    OFF_KS: gl.constexpr = offs[1] // 128
+    OFF_KZ: gl.constexpr = offs[2] // 128
+    OFF_KT: gl.constexpr = offs[3] // 128
+    OFF_VC: gl.constexpr = offs[4] // 128
+    OFF_VCS: gl.constexpr = offs[5] // 128
+    OFF_VS: gl.constexpr = offs[6] // 128
+    OFF_VZ: gl.constexpr = offs[7] // 128
+    tma.async_copy_global_to_shared(
+        descs[0], [0, row + OFF_KC + c * 32, 0, 0, 0], bar, raw[0].index(stage)
+    )
+    tma.async_copy_global_to_shared(descs[1], [row + OFF_VC, c, 0, 0, 0], bar, raw[1].index(stage))
+    tma.async_copy_global_to_shared(descs[2], [row + OFF_KS, 0], bar, raw[2].index(stage))
+    tma.async_copy_global_to_shared(descs[2], [row + OFF_KZ, 0], bar, raw[3].index(stage))
+    tma.async_copy_global_to_shared(descs[3], [row + OFF_KT + c, 0], bar, raw[4].index(stage))
+    tma.async_copy_global_to_shared(descs[3], [row + OFF_VS + c, 0], bar, raw[5].index(stage))
+    tma.async_copy_global_to_shared(descs[3], [row + OFF_VZ + c, 0], bar, raw[6].index(stage))
+    tma.async_copy_global_to_shared(descs[2], [row + OFF_VCS, 0], bar, raw[7].index(stage))
+
+
+@gluon.jit
+def _tma_token_scale_pairs(
+    stage, raw, quads: gl.constexpr, along: gl.constexpr, AXIS: gl.constexpr
+):
+    """:func:`kvarn_kernels.decode_v5._token_scale_pairs` on the ``TMA`` build's stage: the
+    chunk's K token scales in the natural pair order, read through a linear shared layout
+    that puts score column ``n`` at pair ``_perm16(n)`` (offset bits b, h, t0, t1, kt are
+    ``n``'s 8, 1, 2, 4, 16), and V's token scales and zeros, whose 64-bit words of pairs ``(4q,
+    4q + 1)`` and ``(4q + 2, 4q + 3)`` alternate, split in registers."""
+    kt_view: gl.constexpr = gl.SharedLinearLayout(
+        offset_bases=[[0, 8], [0, 1], [0, 2], [0, 4], [0, 16]]
+    )
+    kt = raw[4].index(stage)._reinterpret(gl.int32, [1, 32], kt_view).load(along)
+    kt_e, kt_o = gl.inline_asm_elementwise(
+        _HALVES,
+        "=h,=h,r",
+        [gl.expand_dims(kt, AXIS)],
+        dtype=(gl.float16,) * 2,
+        is_pure=True,
+        pack=1,
+    )
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+    # q on lane bits 0-1 and the pair in registers, the other lanes copies: after the split,
+    # quads' layout (words of lane t), so the conversions below move nothing
+    halves: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 4, 8], [1, 1, 1], [1, 2, 0])
+    vs_a, vs_b = gl.split(raw[5].index(stage)._reinterpret(gl.int64, [1, 8, 2], flat).load(halves))
+    vz_a, vz_b = gl.split(raw[6].index(stage)._reinterpret(gl.int64, [1, 8, 2], flat).load(halves))
+    vs = _parities_of_quads(gl.convert_layout(vs_a, quads), gl.convert_layout(vs_b, quads))
+    vz = _parities_of_quads(gl.convert_layout(vz_a, quads), gl.convert_layout(vz_b, quads))
+    return kt_e, kt_o, vs, vz
+
+
+@gluon.jit
+def _tma_buffers(descs, STAGES: gl.constexpr, D: gl.constexpr, NC: gl.constexpr, VG: gl.constexpr):
+    """The ``TMA`` build's stage buffers as the copies write them (``raw``, in
+    :func:`_tma_issue`'s order), and the code words and channel scales as the views the
+    step's helpers read, in :func:`kvarn_kernels.decode_v5._stage_buffers`' places and shapes
+    (in the token scales' places their raw buffers: :func:`_tma_token_scale_pairs` reads
+    them)."""
+    gl.static_assert(STAGES == 2, "the TMA build's layouts are written for two stages")
+    s256: gl.constexpr = descs[2].layout
+    s128: gl.constexpr = descs[3].layout
+    k_box: gl.constexpr = descs[0].block_type.shape
+    v_box: gl.constexpr = descs[1].block_type.shape
+    raw = (
+        # K and V codes ([STAGES] + box: Gluon takes no starred list)
+        gl.allocate_shared_memory(gl.int32, [STAGES] + k_box, descs[0].layout),  # noqa: RUF005
+        gl.allocate_shared_memory(gl.int32, [STAGES] + v_box, descs[1].layout),  # noqa: RUF005
+        gl.allocate_shared_memory(gl.int64, [STAGES, 2, 16], s256),  # K channel scales
+        gl.allocate_shared_memory(gl.int64, [STAGES, 2, 16], s256),  # K channel zeros
+        gl.allocate_shared_memory(gl.int64, [STAGES, 1, 16], s128),  # K token scales
+        gl.allocate_shared_memory(gl.int64, [STAGES, 1, 16], s128),  # V token scales
+        gl.allocate_shared_memory(gl.int64, [STAGES, 1, 16], s128),  # V token zeros
+        gl.allocate_shared_memory(gl.int64, [STAGES, 2, 16], s256),  # V channel scales
+    )
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    vc_dtype: gl.constexpr = gl.int64 if VG == 4 else gl.int32
+    views = (
+        raw[0],
+        raw[1],
+        raw[2]._reinterpret(gl.int64, [STAGES, 1, D // 4], flat),
+        raw[3]._reinterpret(gl.int64, [STAGES, 1, D // 4], flat),
+        raw[4],  # the token scales' places: _tma_token_scale_pairs reads them
+        raw[5],
+        raw[5],
+        raw[6],
+        raw[6],
+        raw[7]._reinterpret(vc_dtype, [STAGES, 1, NC], flat),
+    )
+    return raw, views
 
 
 @gluon.jit
@@ -144,6 +297,10 @@ def decode_v6_kernel(
     stride_bt,
     n_rows_total,
     q_rows,
+    K_DESC,
+    V_DESC,
+    S256_DESC,
+    S128_DESC,
     HQ: gl.constexpr,
     HK: gl.constexpr,
     QPK: gl.constexpr,
@@ -164,6 +321,7 @@ def decode_v6_kernel(
     STAGES: gl.constexpr,
     FOLD: gl.constexpr = False,
     PROBE: gl.constexpr = 0,
+    TMA: gl.constexpr = False,
 ):
     """One program per (request, KV head, split), ``W`` warps, 64 tokens per warp and step,
     as :func:`kvarn_kernels.decode_v5.decode_v5_kernel` (same grid, copies, partial outputs
@@ -171,8 +329,14 @@ def decode_v6_kernel(
     (``variant="v6f"``): v5f's folding, the raw codes as A operands, K's channel scales on
     the query and V's token scales on the probabilities (both B operands, a quarter of the
     values they would scale on the A side), the zeros and magics as per-column sums that
-    start the MMA chains."""
+    start the MMA chains. ``TMA``: every field of a step copied by the tensor memory
+    accelerator onto one barrier (``K_DESC``, ``V_DESC``, ``S256_DESC``, ``S128_DESC``:
+    :func:`kvarn_kernels.attention.v6_tma_descriptors`; None otherwise), one block-table walk
+    a step; one warp per program, two stages."""
     gl.static_assert(W == 1 or W == 2 or W == 4, "v6 runs 1, 2 or 4 warps per program")
+    gl.static_assert(
+        not TMA or (W == 1 and STAGES == 2 and PROBE == 0), "v6's TMA build: one warp, two stages"
+    )
     gl.static_assert(STAGES == 2 or STAGES == 3, "v6 pipelines 2 or 3 stages")
     gl.static_assert(D == 128, "v6 is written for head dim 128")
     gl.static_assert(VB == 2 or VB == 4, "v6 takes 2- or 4-bit values")
@@ -234,16 +398,27 @@ def decode_v6_kernel(
     n_it = gl.cdiv(ch_hi - ch_lo, W)
     bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
 
-    bufs = _stage_buffers(STAGES, W, D, NC, VG)
     walk = (KV, bt_row, BLOCK_TO_SLOT, h, ch_lo, ch_hi)
     geo: gl.constexpr = (W, HK, NCH, STRIDE)
     offs: gl.constexpr = (OFF_KC, OFF_KS, OFF_KZ, OFF_KT, OFF_VC, OFF_VCS, OFF_VS, OFF_VZ)
     copies: gl.constexpr = (k_copy, v_copy, s_copy)
-    for st in gl.static_range(STAGES - 1):
-        _issue(st, _copy_meta(st, walk, geo, copies), bufs, D, G, NC, VG, offs, copies)
-    meta = _copy_meta(STAGES - 1, walk, geo, copies)
     warp_s = _axis(W, 0, mma)
-    _r, bi, c, packed = _chunk(0, warp_s, walk, geo)
+    if TMA:
+        descs = (K_DESC, V_DESC, S256_DESC, S128_DESC)
+        raw, bufs = _tma_buffers(descs, STAGES, D, NC, VG)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(bars.index(st), count=1)
+        nxt = _tma_chunk(0, walk, geo)
+        _tma_issue(0, nxt, descs, raw, bars, D, NC, offs)
+        _row, c, bi, packed = nxt
+        nxt = _tma_chunk(1, walk, geo)
+    else:
+        bufs = _stage_buffers(STAGES, W, D, NC, VG)
+        for st in gl.static_range(STAGES - 1):
+            _issue(st, _copy_meta(st, walk, geo, copies), bufs, D, G, NC, VG, offs, copies)
+        meta = _copy_meta(STAGES - 1, walk, geo, copies)
+        _r, bi, c, packed = _chunk(0, warp_s, walk, geo)
 
     pair_m = _perm16(_axis(32, 1, mma))  # score row m: token pair _perm16(m) of the chunk
     out_row = _axis(NC, 1, mma)  # [1, NC, 1]: byte column of V, the outputs' m
@@ -266,18 +441,32 @@ def decode_v6_kernel(
         k_sink = gl.zeros([W, 32, D // 4], gl.int32, words)
         v_sink = gl.zeros([W, 2 * NC, 8], gl.int32, words)
     for it in range(n_it):
-        if PROBE != PROBE_COMPUTE_ONLY:
-            _issue((it + STAGES - 1) % STAGES, meta, bufs, D, G, NC, VG, offs, copies)
-            meta = _copy_meta(it + STAGES, walk, geo, copies)
-        _r, bi_next, c_next, packed_next = _chunk(it + 1, warp_s, walk, geo)
+        if TMA:
+            # the stage last read a step ago: its reads before the async proxy's writes
+            fence_async_shared()
+            _tma_issue((it + 1) % 2, nxt, descs, raw, bars, D, NC, offs)
+            _row, c_next, bi_next, packed_next = nxt
+            nxt = _tma_chunk(it + 2, walk, geo)
+        else:
+            if PROBE != PROBE_COMPUTE_ONLY:
+                _issue((it + STAGES - 1) % STAGES, meta, bufs, D, G, NC, VG, offs, copies)
+                meta = _copy_meta(it + STAGES, walk, geo, copies)
+            _r, bi_next, c_next, packed_next = _chunk(it + 1, warp_s, walk, geo)
 
         if PROBE == PROBE_COMPUTE_ONLY:
             stage = 0
+        elif TMA:
+            stage = it % 2
+            mbarrier.wait(bars.index(stage), (it // 2) & 1)
         else:
             async_copy.wait_group(STAGES - 1)
             stage = it % STAGES
-        kw = bufs[0].index(stage).load(words)  # [W, 32, D / 4]
-        vw = bufs[1].index(stage).load(words)  # [W, 2 NC, 8]
+        if TMA:
+            kw = bufs[0].index(stage).reshape([W, 32, D // 4]).load(words)
+            vw = bufs[1].index(stage).reshape([W, 2 * NC, 8]).load(words)
+        else:
+            kw = bufs[0].index(stage).load(words)  # [W, 32, D / 4]
+            vw = bufs[1].index(stage).load(words)  # [W, 2 NC, 8]
         if PROBE == PROBE_COPIES_ONLY:  # the code words read from shared memory, no math
             k_sink = k_sink ^ kw
             v_sink = v_sink ^ vw
@@ -289,7 +478,10 @@ def decode_v6_kernel(
             else:  # on the codes' k: [W, 1, D]
                 ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)
                 kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
-            kt_e, kt_o, vs, vz = _token_scale_pairs(stage, bufs, quads, rows_l, 2)  # kt: [W, 32, 1]
+            if TMA:
+                kt_e, kt_o, vs, vz = _tma_token_scale_pairs(stage, raw, quads, rows_l, 2)
+            else:
+                kt_e, kt_o, vs, vz = _token_scale_pairs(stage, bufs, quads, rows_l, 2)  # [W, 32, 1]
             se0, so0, se1, so1 = vs
             ze0, zo0, ze1, zo1 = vz
             if FOLD:  # the scales on the probabilities' k: [W, 32, 1]; the zeros along A's k
@@ -372,7 +564,10 @@ def decode_v6_kernel(
         bi = bi_next
         c = c_next
         packed = packed_next
-    async_copy.wait_group(0)
+    if TMA:  # the last step's copies (past the split: zeros) land before the program ends
+        mbarrier.wait(bars.index(n_it % 2), (n_it // 2) & 1)
+    else:
+        async_copy.wait_group(0)
     if PROBE == PROBE_COPIES_ONLY:  # the words' low bits into the sums: the copies stay used
         sink = gl.sum(gl.sum(k_sink & 1, axis=2), axis=1) + gl.sum(
             gl.sum(v_sink & 1, axis=2), axis=1
