@@ -392,16 +392,18 @@ def kernel_category(name: str) -> str:
     """Which group a device kernel belongs to (by name; torch may cut names at 55 chars).
 
     kvarn's Triton kernels keep their function names: ``decode_v4_kernel``, the Gluon
-    ``decode_v5_kernel`` / ``decode_v6_kernel``, ``decode_pool_kernel``, ``_attn_kernel`` and
-    ``_merge_unrotate_kernel`` (decode), ``_dequant_context_kernel`` (continuation chunks),
+    ``decode_v5_kernel`` / ``decode_v6_kernel`` / ``decode_v7_kernel``, ``decode_pool_kernel``,
+    ``_attn_kernel``, ``_merge_unrotate_kernel`` and ``_verify_rows_kernel`` (decode and
+    speculative verify), ``_dequant_context_kernel`` (continuation chunks),
     ``prefill_v2_kernel`` / ``prefill_v3_kernel`` / ``prefill_v3ws_kernel`` (the fused
     prefill, ``method="fused"``), ``_flush_kernel`` (tile quantize + store, direct and pooled) and
     ``_rotate_rows_kernel`` (every Hadamard rotation: the side-pool write, the flush input
     and the continuation queries; one kernel, so the split comes from the host ranges).
     """
     low = name.lower()
-    decode = ("decode_v4_kernel", "decode_v5_kernel", "decode_v6_kernel", "decode_pool_kernel")
-    if low.startswith((*decode, "_attn_kernel", "_merge_unrotate_kernel")):
+    decode = ("decode_v4_kernel", "decode_v5_kernel", "decode_v6_kernel", "decode_v7_kernel")
+    decode += ("decode_pool_kernel", "_attn_kernel", "_merge_unrotate_kernel", "_verify_rows")
+    if low.startswith(decode):
         return "kvarn decode attention"
     if low.startswith(("prefill_v2_kernel", "prefill_v3_kernel", "prefill_v3ws_kernel")):
         return "kvarn prefill attention (fused)"

@@ -1,10 +1,11 @@
-"""v6f's main loop with part of the GPU's SMs held, so that each SM left has an H200's share of
-the memory bandwidth (GPU only; thirty-ninth session).
+"""v6's main loop (v6f, v6t or a probe) with part of the GPU's SMs held, so that each SM left
+has an H200's share of the memory bandwidth (GPU only; thirty-ninth session).
 
 On an H100 v6f's main loop at B = 64 / 16K streams ~90% of the copy bandwidth, so a change
 that shortens its math cannot show there; on an H200 (1.4x the bandwidth, the same 132 SMs at
-the same clock) the same loop reaches 68% and the math and its overlap with the copies are
-the limit (docs/kernel-notes.md, twenty-second and thirty-ninth sessions). Holding SMs idle
+the same clock) the same loop reaches 68%, and its time follows its instruction count
+(docs/kernel-notes.md, twenty-second and thirty-ninth sessions: this script reproduced the
+H200's v6f main loop within 3%). Holding SMs idle
 gives the rest more bandwidth each: with ``--free-sms 94`` an H100's 3.04 TB/s is 32 GB/s per
 running SM, an H200's 4.27 TB/s over 132. A holder kernel (one program per held SM, all of
 an SM's shared memory, spinning on a flag) is launched on a side stream; the timed launches

@@ -750,7 +750,7 @@ def test_decode_attention_mma_rows(
         (
             "v1_stages",
             "num_stages applies to the variants "
-            "\\('v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f', 'v6', 'v6f', 'v7', 'v7f'\\)",
+            "\\('v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f', 'v6', 'v6f', 'v6t', 'v7', 'v7f'\\)",
         ),
         ("v1_mma_rows", "mma_rows applies to the variants \\('v4', 'v4b', 'v4c', 'v4d'\\) only"),
         ("v1_max_registers", "max_registers applies to the variants"),
@@ -760,7 +760,7 @@ def test_decode_attention_mma_rows(
         (
             "v3_removed",
             "variant must be 'auto' or one of "
-            "\\('v1', 'v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f', 'v6', 'v6f', 'v7', 'v7f'\\)",
+            "\\('v1', 'v4', 'v4b', 'v4c', 'v4d', 'v5', 'v5f', 'v6', 'v6f', 'v6t', 'v7', 'v7f'\\)",
         ),
     ],
 )
@@ -2012,6 +2012,7 @@ def _geo(name: str, d: int) -> Any:
         ("kvarn_k4v2_g128", 128, {"qpk": 8}, "v6t"),  # v6's 8 query columns full
         ("kvarn_k4v2_g128", 128, {"gbps": 3350 / 132}, "v6f"),  # an H100's bandwidth per SM
         ("kvarn_k4v2_g64", 128, {"gbps": 3350 / 132, "batch": 1}, "v6f"),
+        ("kvarn_k4v2_g128", 128, {"stride": 13824 + 8}, "v6f"),  # padded: fields off 128 B
         ("kvarn_k4v2_g128", 128, {"qpk": 16}, "v5"),  # more heads than v6 takes: v5's rows
         ("kvarn_k4v4_g128", 128, {"qpk": 12}, "v5"),
         ("kvarn_k4v2_g128", 128, {"batch": 1}, "v6t"),  # its pool tiles on a side stream
@@ -2047,8 +2048,13 @@ def test_auto_decode_variant_takes_the_gluon_kernels_where_they_were_timed(
         monkeypatch.setattr(attention, "_gbps_per_sm", lambda index: kw["gbps"])
     if kw.get("interpret"):
         monkeypatch.setattr(attention, "triton_interpret", lambda: True)
+    geo = _geo(name, d)
+    if "stride" in kw:  # a padded record (a hybrid model's)
+        from kvarn_kernels._common import dense_geometry
+
+        geo = dense_geometry(parse_cache_dtype(name), d, int(kw["stride"]))  # type: ignore[arg-type]
     got = attention.default_decode_variant(
-        _geo(name, d),
+        geo,
         True,
         bool(kw.get("v4_option")),
         batch=int(kw.get("batch", 8)),
@@ -2365,3 +2371,32 @@ def test_merge_unrolled_and_looped_agree(
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=1e-5)
     ref = decode_attention_ref(*case.decode_args(name, q, scale))
     _assert_close(outs[0], ref)
+
+
+def test_v6t_reads_only_128_byte_aligned_records() -> None:
+    """v6t's TMA boxes start on 128-byte rows: the registry's 4-bit-key records fit (every
+    field and the stride on a multiple of 128 bytes) and get four descriptors whose boxes hold
+    a step's fields (K: 32 token-pair rows of 128 bytes, V: both parities' byte columns, the
+    scale fields 256 and 128 bytes); a padded record (a hybrid model's) does not fit, and its
+    descriptors are refused with the way out (a launch of v6t there copies as v6f)."""
+    from kvarn_kernels._common import dense_geometry
+    from kvarn_kernels.attention import v6_tma_descriptors, v6t_fits
+
+    for name in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64"):
+        geo = _geo(name, 128)
+        assert v6t_fits(geo), name
+        cache = torch.zeros(3, 8, geo.record_stride, dtype=torch.uint8)
+        k, v, s256, s128 = v6_tma_descriptors(geo, cache)
+        nc = 128 * geo.value_bits // 8
+        assert (k.block_shape, v.block_shape) == ([2, 2, 4, 2, 32], [1, 1, 2, nc, 8]), name
+        assert (s256.block_shape, s128.block_shape) == ([2, 16], [1, 16]), name
+        # K's box: dims kt, b, t, h over 16, 1, 4 and 2 rows of 32 words (pair 16 kt + 4 t +
+        # 2 h + b lands at box row 16 kt + 8 b + 2 t + h)
+        assert k.strides == [512, 32, 128, 64, 1], name
+        assert k.shape[1] == cache.numel() // 128, name
+    fmt = parse_cache_dtype("kvarn_k4v2_g128")
+    padded = dense_geometry(fmt, 128, 13824 + 64)  # type: ignore[arg-type]
+    assert not v6t_fits(padded)
+    with pytest.raises(ValueError, match="variant='v6f'"):
+        v6_tma_descriptors(padded, torch.zeros(2, 8, 13824 + 64, dtype=torch.uint8))
+    assert not v6t_fits(_geo("kvarn_k4v2_g128", 64))  # head dim 64

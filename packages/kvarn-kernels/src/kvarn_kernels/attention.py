@@ -1362,7 +1362,9 @@ def _launch_v5(
     else:
         kernel = decode_v6_kernel if v6 else decode_v5_kernel
         options["VB"] = geo.value_bits
-        tma = variant == "v6t"
+        # v6t on a cache its boxes cannot address (a hybrid model's padded records, which a
+        # plan made from the format alone does not see) copies as v6f: the same partials
+        tma = variant == "v6t" and v6t_fits(geo) and _tma_addressable(kv_cache)
         options.update({"PROBE": probe, "TMA": tma} if v6 else {"LAZY": False})
         if v6:  # the TMA build's descriptors (None for the others)
             v7_args = v6_tma_descriptors(geo, kv_cache) if tma else (None,) * 4
@@ -1401,6 +1403,24 @@ def _launch_v5(
     )
 
 
+def v6t_fits(geo: DenseGeometry) -> bool:
+    """Whether v6's ``TMA`` build reads ``geo``'s records: head dim 128 and every field, and
+    the record stride, on a multiple of :data:`kvarn_kernels.decode_v6.V6_TMA_ROW_BYTES` (the
+    registry's 4-bit-key formats are; a hybrid model's padded records may not be)."""
+    from kvarn_kernels.decode_v6 import V6_TMA_ROW_BYTES
+
+    row = V6_TMA_ROW_BYTES
+    offsets = (off for name, off in geo.offsets().items() if name.startswith("OFF_"))
+    return (
+        geo.head_dim == row and geo.record_stride % row == 0 and not any(o % row for o in offsets)
+    )
+
+
+def _tma_addressable(kv_cache: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can start at ``kv_cache`` (contiguous, 16-byte aligned)."""
+    return kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0
+
+
 def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any, ...]:
     """The tensor-memory-accelerator descriptors of v6's ``TMA`` build for ``kv_cache``
     (contiguous records of ``geo``; coordinates count 128-byte rows of the cache):
@@ -1423,13 +1443,12 @@ def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any,
 
     row, d, g = V6_TMA_ROW_BYTES, geo.head_dim, geo.group
     nc = d * geo.value_bits // 8  # V's byte columns
-    if (
-        not kv_cache.is_contiguous()
-        or d != row
-        or geo.record_stride % row
-        or any(off % row for name, off in geo.offsets().items() if name.startswith("OFF_"))
-    ):
-        raise ValueError(f"v6's TMA build needs 128-byte aligned fields, head dim 128: {geo}")
+    if not v6t_fits(geo) or not _tma_addressable(kv_cache):
+        raise ValueError(
+            "v6's TMA build reads a contiguous, 16-byte aligned cache whose records and fields "
+            f"start on multiples of {row} bytes (head dim 128): {geo.fmt.name}, record stride "
+            f"{geo.record_stride}: use variant='v6f'"
+        )
     words = kv_cache.view(torch.int32)
     rows = kv_cache.numel() // row
     k_desc = TensorDescriptor(
@@ -1992,7 +2011,7 @@ def default_decode_variant(
         from kvarn_kernels.decode_v6 import V6_MAX_QPK
 
         if qpk <= V6_MAX_QPK and batch >= V6_MIN_BATCH:
-            return "v6t" if _v6t_pays(device) else "v6f"
+            return "v6t" if _v6t_pays(device) and v6t_fits(geo) else "v6f"
         if batch >= V5_MIN_BATCH:
             return "v5"
     if v4_option or geo.head_dim <= 256:
