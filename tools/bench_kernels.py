@@ -69,6 +69,23 @@ def log(msg: str) -> None:
 # timing
 
 
+def capture_graph(fn: Callable[[], Any]) -> Any:
+    """A CUDA graph of ``fn``, captured after one warm-up call on a side stream (as torch
+    asks); synchronized, ready to replay."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
 def timed(fn: Callable[[], Any], *, graph: bool = True, rep_ms: int = 200) -> tuple[float, str]:
     """Median time in microseconds; replays a CUDA graph of ``fn`` when capture works."""
     import torch
@@ -78,15 +95,7 @@ def timed(fn: Callable[[], Any], *, graph: bool = True, rep_ms: int = 200) -> tu
     torch.cuda.synchronize()
     if graph:
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            torch.cuda.synchronize()
+            g = capture_graph(fn)
             ms = triton.testing.do_bench(g.replay, warmup=25, rep=rep_ms, return_mode="median")
             return 1000.0 * float(ms), "graph"
         except Exception as exc:  # fall back to eager, and say so

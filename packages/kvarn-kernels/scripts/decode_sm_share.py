@@ -68,21 +68,6 @@ def _hold_sm(FLAG, COUNT, A: gl.constexpr, B: gl.constexpr, C: gl.constexpr):
         gl.atomic_add(COUNT + x, bufs[i].slice(0, 32).load(one) * 0, mask=x == 0)
 
 
-def graph_of(fn: Any) -> Any:
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
-
-
 def replay_us(g: Any, reps: int = 40) -> float:
     """Median µs of ``reps`` replays, events on the current stream only (no device sync)."""
     import torch
@@ -176,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
             b["o_part"].fill_(float("nan"))  # slots no build writes compare equal
             b["lse_part"].fill_(float("nan"))
-            g = graph_of(fn)
+            g = bk.capture_graph(fn)
             free = replay_us(g)
             held, started = held_us(g, args.free_sms)
             # the partials against the first build's (probes' differ: they are not attention)
