@@ -16,12 +16,14 @@ logical tiles are identical, and so is the kernels' arithmetic on them).
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import math
 import os
 import subprocess
 import sys
 import tempfile
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -2394,6 +2396,15 @@ def test_v6t_reads_only_128_byte_aligned_records() -> None:
         # 2 h + b lands at box row 16 kt + 8 b + 2 t + h)
         assert k.strides == [512, 32, 128, 64, 1], name
         assert k.shape[1] == cache.numel() // 128, name
+        # built once per cache, on its address: the same objects again, and no reference to
+        # the cache (its memory is freed with the tensor)
+        assert v6_tma_descriptors(geo, cache)[0] is k, name
+        assert k.base.data_ptr() == s128.base.data_ptr() == cache.data_ptr(), name
+        assert (k.base.dtype, s128.base.dtype) == (torch.int32, torch.int64), name
+        alive = weakref.ref(cache)
+        del cache
+        gc.collect()
+        assert alive() is None, name
     fmt = parse_cache_dtype("kvarn_k4v2_g128")
     padded = dense_geometry(fmt, 128, 13824 + 64)  # type: ignore[arg-type]
     assert not v6t_fits(padded)

@@ -39,7 +39,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
@@ -1403,6 +1403,7 @@ def _launch_v5(
     )
 
 
+@cache  # asked in every v6t launch
 def v6t_fits(geo: DenseGeometry) -> bool:
     """Whether v6's ``TMA`` build reads ``geo``'s records: head dim 128 and every field, and
     the record stride, on a multiple of :data:`kvarn_kernels.decode_v6.V6_TMA_ROW_BYTES` (the
@@ -1431,7 +1432,38 @@ def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any,
     * V's, both parities' byte columns of a chunk;
     * 256-byte fields (a block's K channel scales, K zeros, V channel scales) and 128-byte
       ones (a chunk's K token scales, V token scales, V token zeros), as rows of 64-bit words.
+
+    They are built once per (geometry, address, size) and then looked up: an eager decode
+    calls this in every layer. Their base is the cache's address (:class:`_CacheAddress`), not
+    the tensor, so a cached descriptor keeps no cache memory alive, and one found for a new
+    tensor at a freed tensor's address is exactly the one it would get built anew.
     """
+    from kvarn_kernels.decode_v6 import V6_TMA_ROW_BYTES
+
+    if not v6t_fits(geo) or not _tma_addressable(kv_cache):
+        raise ValueError(
+            "v6's TMA build reads a contiguous, 16-byte aligned cache whose records and fields "
+            f"start on multiples of {V6_TMA_ROW_BYTES} bytes (head dim 128): {geo.fmt.name}, record stride "
+            f"{geo.record_stride}: use variant='v6f'"
+        )
+    return _v6_tma_descriptors_at(geo, kv_cache.data_ptr(), kv_cache.numel())
+
+
+@dataclass(frozen=True, slots=True)
+class _CacheAddress:
+    """A tensor descriptor's base as its launch reads it (``data_ptr()`` and ``dtype``)
+    without a reference to the tensor that holds the memory."""
+
+    address: int
+    dtype: torch.dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+@lru_cache(maxsize=256)
+def _v6_tma_descriptors_at(geo: DenseGeometry, address: int, nbytes: int) -> tuple[Any, ...]:
+    """:func:`v6_tma_descriptors` of a checked cache of ``nbytes`` bytes at ``address``."""
     from triton.experimental.gluon.language import (  # type: ignore[import-untyped]
         NVMMASharedLayout,
     )
@@ -1443,14 +1475,8 @@ def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any,
 
     row, d, g = V6_TMA_ROW_BYTES, geo.head_dim, geo.group
     nc = d * geo.value_bits // 8  # V's byte columns
-    if not v6t_fits(geo) or not _tma_addressable(kv_cache):
-        raise ValueError(
-            "v6's TMA build reads a contiguous, 16-byte aligned cache whose records and fields "
-            f"start on multiples of {row} bytes (head dim 128): {geo.fmt.name}, record stride "
-            f"{geo.record_stride}: use variant='v6f'"
-        )
-    words = kv_cache.view(torch.int32)
-    rows = kv_cache.numel() // row
+    words = _CacheAddress(address, torch.int32)
+    rows = nbytes // row
     k_desc = TensorDescriptor(
         words,
         [2, rows, 4, 2, d // 4],
@@ -1465,7 +1491,7 @@ def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any,
         [1, 1, 2, nc, 8],
         NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=5),
     )
-    quads = kv_cache.view(torch.int64)
+    quads = _CacheAddress(address, torch.int64)
     flat = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=64, rank=2)
     s256 = TensorDescriptor(quads, [rows, row // 8], [row // 8, 1], [2, row // 8], flat)
     s128 = TensorDescriptor(quads, [rows, row // 8], [row // 8, 1], [1, row // 8], flat)
