@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         builds[args.tag + name] = json.loads(kw or "{}")
     rows: list[dict[str, Any]] = []
     out = args.out / f"decode_sm_share{args.tag.strip() and '_' + args.tag.strip()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     print(f"{args.format}; main loop µs, graph replay; all SMs | {args.free_sms} SMs free")
     for bsz, ctx in SHAPES:
         inp = bk.decode_inputs(args.format, bsz, ctx)

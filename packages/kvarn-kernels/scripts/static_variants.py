@@ -480,6 +480,8 @@ def _decode_v6(
     fold: bool = False,
     probe: int = 0,
     tma: bool = False,
+    block: bool = False,
+    maxnreg: int | None = None,
 ) -> Any:
     """The Gluon v6 main loop (:mod:`kvarn_kernels.decode_v6`: tokens in the MMA's M) at
     Qwen3-8B's decode shape; ``tma``: its code words copied by the tensor memory accelerator
@@ -491,6 +493,7 @@ def _decode_v6(
     from kvarn_kernels.decode_v6 import decode_v6_kernel
 
     consts = {**_gluon_decode_consts(name, qpk, warps, stages, fold), "PROBE": probe, "TMA": tma}
+    consts["BLOCK_SCALES"] = block
     sig = dict(DECODE_SIG)
     if tma:
         geo = _geo(name)
@@ -502,7 +505,7 @@ def _decode_v6(
             sig[arg] = f"tensordesc<{dtype}[{shape}],{desc.layout!r}>"
     else:
         consts.update({"K_DESC": None, "V_DESC": None, "S256_DESC": None, "S128_DESC": None})
-    return compile_kernel(decode_v6_kernel, sig, consts, warps)
+    return compile_kernel(decode_v6_kernel, sig, consts, warps, maxnreg=maxnreg)
 
 
 # v6 (sixteenth session): v5 transposed, tokens in the MMA's M
@@ -725,3 +728,10 @@ def _merge(parts: int, warps: int = 4) -> Any:
 for _parts in (9, 17, 32, 33, 65):
     variant(f"merge parts{_parts}")(lambda _parts=_parts: _merge(_parts))
     variant(f"merge w8 parts{_parts}")(lambda _parts=_parts: _merge(_parts, 8))
+
+
+# v6t as served on 128-token tiles with 2-bit values (fortieth session): a tile's channel-scale
+# work once for its two chunks, at attention.V6T_BLOCK_MAX_REGISTERS
+variant("v6t_block_scales kvarn_k4v2_g128 d128 qpk4 w1 s2 r168")(
+    lambda: _decode_v6("kvarn_k4v2_g128", fold=True, tma=True, block=True, maxnreg=168)
+)

@@ -34,6 +34,7 @@ import torch
 from kvarn_format import from_cache_order, parse_cache_dtype, record_layout
 from kvarn_format.geometry import shadow_rows
 from kvarn_format.reference import decode_rotated_tiles
+from kvarn_format.registry import DENSE_DTYPES
 from kvarn_kernels import (
     ContextPlan,
     decode_attention,
@@ -1930,8 +1931,11 @@ def test_decode_v5_compiles_for_sm90() -> None:
     spilled registers. v6t (every copy by the tensor memory accelerator) has v6f's MMAs, no
     ``cp.async`` in its loop and at least 3% fewer loop instructions than v6f's (10-11% at
     128-token tiles, 4% at 64: the scales it no longer addresses are a tile's); its barriers
-    are the TMA lowering's (one after each of its 8 copies)."""
-    run = _static_kernels("decode_v5,decode_v6")
+    are the TMA lowering's (one after each of its 8 copies). v6t as served at k4v2_g128 (a
+    tile's channel-scale work once for its two chunks, ``BLOCK_SCALES``) at 168 registers:
+    its loop is a tile's, two chunks, with 16 fewer MMAs than two of v6t's (the column sums
+    of K's scaled query once) and at least 5% fewer instructions a chunk than v6t."""
+    run = _static_kernels("decode_v5,decode_v6,v6t_block_scales")
     rows = [line.split() for line in run.stdout.splitlines() if line.startswith("decode_v")]
     # three formats; 2 and 1 warps, and 3 stages at 4 and 1 warps, at k4v2_g128; v5f at the
     # three formats (152 MMAs: 24 more for its per-row terms) and lazily rescaled at one; v6,
@@ -1956,6 +1960,12 @@ def test_decode_v5_compiles_for_sm90() -> None:
             assert loop < 0.97 * loops[("decode_v6f", row[1])], row
         else:
             assert bar <= 4, row
+    (block,) = [line.split() for line in run.stdout.splitlines() if "v6t_block_scales" in line]
+    regs, spill, _smem, loop, _bar, _lds, _shfl, mma, _ldg = (int(x) for x in block[7:])
+    plain = next(int(r[9]) for r in rows if r[:2] == ["decode_v6t", "kvarn_k4v2_g128"])
+    assert (regs, mma) == (168, 2 * 88 - 16), block
+    assert spill <= 16, block
+    assert loop / 2 < 0.95 * plain, (block, plain)
 
 
 @pytest.mark.parametrize(
@@ -2382,7 +2392,7 @@ def test_v6t_reads_only_128_byte_aligned_records() -> None:
     scale fields 256 and 128 bytes); a padded record (a hybrid model's) does not fit, and its
     descriptors are refused with the way out (a launch of v6t there copies as v6f)."""
     from kvarn_kernels._common import dense_geometry
-    from kvarn_kernels.attention import v6_tma_descriptors, v6t_fits
+    from kvarn_kernels.attention import v6_tma_descriptors, v6t_block_scales, v6t_fits
 
     for name in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64"):
         geo = _geo(name, 128)
@@ -2411,3 +2421,7 @@ def test_v6t_reads_only_128_byte_aligned_records() -> None:
     with pytest.raises(ValueError, match="variant='v6f'"):
         v6_tma_descriptors(padded, torch.zeros(2, 8, 13824 + 64, dtype=torch.uint8))
     assert not v6t_fits(_geo("kvarn_k4v2_g128", 64))  # head dim 64
+    # a tile's channel-scale work once for its two chunks: 128-token tiles, 2-bit values
+    served = {n for n in DENSE_DTYPES if v6t_block_scales(_geo(n, 128))}
+    assert served == {"kvarn_k4v2_g128"}, served
+    assert not v6t_block_scales(padded)

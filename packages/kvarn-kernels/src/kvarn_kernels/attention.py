@@ -1322,6 +1322,7 @@ def _launch_v5(
     tokens_per_program: int = 1,
     query_start_loc: torch.Tensor | None = None,
     max_query_len: int = 1,
+    block_scales: bool | None = None,
 ) -> None:
     """The main loop of ``variant`` (:data:`V5_VARIANTS`: :mod:`kvarn_kernels.decode_v5`,
     ``"v5f"`` its folded form, ``"v6"`` :mod:`kvarn_kernels.decode_v6`) into partials ``0 ..
@@ -1333,7 +1334,10 @@ def _launch_v5(
     (v7 only; the rows :func:`verify_rows` lays out, ``query_start_loc`` the requests', each
     of up to ``max_query_len`` tokens): a program takes up to that many of a request's tokens
     side by side (``decode_v7_kernel``'s ``TOK``). ``"v6t"``: v6f's ``TMA`` build (its
-    descriptors: :func:`v6_tma_descriptors`)."""
+    descriptors: :func:`v6_tma_descriptors`). ``block_scales`` (v6 at one warp, 128-token
+    tiles): ``decode_v6_kernel``'s ``BLOCK_SCALES``; None: on for v6t where
+    :func:`v6t_block_scales` says so (at :data:`V6T_BLOCK_MAX_REGISTERS` unless
+    ``max_registers`` is given), off otherwise."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
     from kvarn_kernels.decode_v6 import decode_v6_kernel
     from kvarn_kernels.decode_v7 import decode_v7_kernel
@@ -1365,7 +1369,15 @@ def _launch_v5(
         # v6t on a cache its boxes cannot address (a hybrid model's padded records, which a
         # plan made from the format alone does not see) copies as v6f: the same partials
         tma = variant == "v6t" and v6t_fits(geo) and _tma_addressable(kv_cache)
-        options.update({"PROBE": probe, "TMA": tma} if v6 else {"LAZY": False})
+        if block_scales is None:  # the variant's own choice
+            block_scales = tma and v6t_block_scales(geo)
+            if block_scales:
+                max_registers = max_registers or V6T_BLOCK_MAX_REGISTERS
+        if block_scales and not (v6 and geo.group == 128 and (num_warps or V5_WARPS) == 1):
+            raise ValueError("block_scales is a one-warp v6 option on 128-token tiles")
+        options.update(
+            {"PROBE": probe, "TMA": tma, "BLOCK_SCALES": block_scales} if v6 else {"LAZY": False}
+        )
         if v6:  # the TMA build's descriptors (None for the others)
             v7_args = v6_tma_descriptors(geo, kv_cache) if tma else (None,) * 4
     launch(
@@ -1415,6 +1427,25 @@ def v6t_fits(geo: DenseGeometry) -> bool:
     return (
         geo.head_dim == row and geo.record_stride % row == 0 and not any(o % row for o in offsets)
     )
+
+
+#: v6t's register cap where it works out a tile's channel scales once
+#: (:func:`v6t_block_scales`): uncapped the compiler takes 225 and fits 9 programs on an SM,
+#: at 168 (12 programs, as plain v6t) it spills 16 bytes. Fortieth session, H100 with an
+#: H200's bandwidth share (``scripts/decode_sm_share.py``, k4v2_g128, main loop, against plain
+#: v6t in the same process, bit-identical partials): 0.96x at B = 64 / 16K (370.6 and 373.3
+#: against 387.3 and 387.4 µs), 0.97x at 256 / 4K; uncapped 1.06x, 160 registers 0.99x.
+V6T_BLOCK_MAX_REGISTERS = 168
+
+
+@cache
+def v6t_block_scales(geo: DenseGeometry) -> bool:
+    """Whether v6t works out a 128-token tile's K channel scales, zeros, scaled query and V
+    channel scales once for the tile's two chunks (``decode_v6_kernel``'s ``BLOCK_SCALES``):
+    on 128-token tiles with 2-bit values, where it measured faster at an H200's bandwidth per
+    SM (:data:`V6T_BLOCK_MAX_REGISTERS`). With 4-bit values it measured 0.99-1.01x (k4v4_g128,
+    same run), so those keep the plain build."""
+    return v6t_fits(geo) and geo.group == 128 and geo.value_bits == 2
 
 
 def _tma_addressable(kv_cache: torch.Tensor) -> bool:
