@@ -122,17 +122,26 @@ def _tma_chunk(it, walk, geo: gl.constexpr):
 
 @gluon.jit
 def _tma_issue(
-    stage, chunk, descs, raw, bars, D: gl.constexpr, NC: gl.constexpr, offs: gl.constexpr
+    stage,
+    chunk,
+    descs,
+    raw,
+    bars,
+    D: gl.constexpr,
+    NC: gl.constexpr,
+    offs: gl.constexpr,
+    BLOCK_FIELDS: gl.constexpr = True,
 ):
     """The ``TMA`` build's copies of a step's chunk into ``stage``, all on the stage's barrier:
     K's 32 token-pair rows in the ``_perm16`` order (the descriptor's dimensions do the
     relabelling), V's two parities' byte columns, the block's K channel scales and zeros and
-    V channel scales (256 bytes each), the chunk's K token scales and V token scales and zeros
-    (128 bytes each). ``chunk``: :func:`_tma_chunk`'s; ``raw``: the stage buffers in that
-    order (:func:`_tma_buffers`)."""
+    V channel scales (256 bytes each; not with ``BLOCK_FIELDS`` off: a tile's second chunk
+    under ``BLOCK_SCALES``, which keeps its first chunk's), the chunk's K token scales and V
+    token scales and zeros (128 bytes each). ``chunk``: :func:`_tma_chunk`'s; ``raw``: the
+    stage buffers in that order (:func:`_tma_buffers`)."""
     row, c, _bi, _packed = chunk
     bar = bars.index(stage)
-    mbarrier.expect(bar, 32 * D + 64 * NC + 3 * 256 + 3 * 128)
+    mbarrier.expect(bar, 32 * D + 64 * NC + 3 * 128 + (3 * 256 if BLOCK_FIELDS else 0))
     OFF_KC: gl.constexpr = offs[0] // 128
     OFF_KS: gl.constexpr = offs[1] // 128
     OFF_KZ: gl.constexpr = offs[2] // 128
@@ -145,12 +154,14 @@ def _tma_issue(
         descs[0], [0, row + OFF_KC + c * 32, 0, 0, 0], bar, raw[0].index(stage)
     )
     tma.async_copy_global_to_shared(descs[1], [row + OFF_VC, c, 0, 0, 0], bar, raw[1].index(stage))
-    tma.async_copy_global_to_shared(descs[2], [row + OFF_KS, 0], bar, raw[2].index(stage))
-    tma.async_copy_global_to_shared(descs[2], [row + OFF_KZ, 0], bar, raw[3].index(stage))
+    if BLOCK_FIELDS:
+        tma.async_copy_global_to_shared(descs[2], [row + OFF_KS, 0], bar, raw[2].index(stage))
+        tma.async_copy_global_to_shared(descs[2], [row + OFF_KZ, 0], bar, raw[3].index(stage))
     tma.async_copy_global_to_shared(descs[3], [row + OFF_KT + c, 0], bar, raw[4].index(stage))
     tma.async_copy_global_to_shared(descs[3], [row + OFF_VS + c, 0], bar, raw[5].index(stage))
     tma.async_copy_global_to_shared(descs[3], [row + OFF_VZ + c, 0], bar, raw[6].index(stage))
-    tma.async_copy_global_to_shared(descs[2], [row + OFF_VCS, 0], bar, raw[7].index(stage))
+    if BLOCK_FIELDS:
+        tma.async_copy_global_to_shared(descs[2], [row + OFF_VCS, 0], bar, raw[7].index(stage))
 
 
 @gluon.jit
@@ -457,7 +468,8 @@ def decode_v6_kernel(
             if TMA:
                 # the stage last read a step ago: its reads before the async proxy's writes
                 fence_async_shared()
-                _tma_issue((it + 1) % 2, nxt, descs, raw, bars, D, NC, offs)
+                # chunk it + 1: under BLOCK_SCALES a tile's second when sub is 0
+                _tma_issue((it + 1) % 2, nxt, descs, raw, bars, D, NC, offs, STEPS == 1 or sub == 1)
                 _row, c_next, bi_next, packed_next = nxt
                 nxt = _tma_chunk(it + 2, walk, geo)
             else:
