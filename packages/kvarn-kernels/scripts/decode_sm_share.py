@@ -15,8 +15,10 @@ are replayed from a CUDA graph captured before it, timed with events on the main
 Each build is ``NAME=JSON``: keyword arguments of ``kvarn_kernels.attention._launch_v5``
 after its positional ones (``{"probe": 2}``, ``{"variant": "v6t"}``, ``{"max_registers":
 144}``, ...; the variant is v6f unless given), so the script runs against any tree that has
-those options. The partials of each build are compared with the first build's (the probes'
-differ: they are not attention). Writes
+those options; with ``"served": true`` the build is the whole ``decode_attention`` call at
+its ``variant`` (the query's rotation, the pool tiles on a side stream, the merge) at the main
+loop's split count. Each build's partials (or output) are compared with the first build's of
+its kind (the probes' differ: they are not attention). Writes
 ``decode_sm_share.json`` to ``--out``. On the GPU machine::
 
     PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools:packages/kvarn-kernels/scripts \\
@@ -31,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +113,43 @@ def held_us(g: Any, free_sms: int) -> tuple[float, int]:
     return us, started
 
 
+def _build(
+    inp: dict[str, Any], splits: int, kw: dict[str, Any]
+) -> tuple[Callable[[], None], tuple[Any, ...], bool]:
+    """One build's launch on the case ``inp``, the tensors it writes, and whether it is the
+    served call (``"served": true`` among its kwargs: ``decode_attention`` whole, with the
+    query's rotation, the pool tiles and the merge, at ``variant``) or the main loop alone
+    (``_launch_v5`` with the other kwargs)."""
+    import torch
+
+    from kvarn_kernels import decode_partials, decode_workspace_numel
+    from kvarn_kernels.attention import _launch_v5
+
+    kw = dict(kw)
+    if kw.pop("served", False):
+        bsz, hq, d = (int(x) for x in inp["q"].shape)
+        variant = kw.pop("variant", "v6f")
+        parts = decode_partials(variant, splits)
+        ws = torch.empty(decode_workspace_numel(bsz, hq, d, parts), device="cuda")
+        out = torch.empty_like(inp["q"])
+
+        def served() -> None:
+            bk.decode_once(inp, out=out, workspace=ws, num_splits=splits, variant=variant, **kw)
+
+        return served, (out,), True
+    b = launch_buffers(inp, splits)
+    kw = {"max_registers": None, "num_warps": None, "num_stages": None, "variant": "v6f", **kw}
+
+    def loop() -> None:
+        _launch_v5(
+            b["geo"], b["q_rot"], inp["kv"], inp["bt"], inp["seq_lens"], inp["b2s"],
+            b["o_part"], b["lse_part"], b["d"] ** -0.5, b["n_rows"], splits,
+            b["hq"], b["hk"], **kw,
+        )  # fmt: skip
+
+    return loop, (b["o_part"], b["lse_part"]), False
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", default="kvarn_k4v2_g128")
@@ -124,8 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("decode_sm_share: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from kvarn_kernels.attention import _launch_v5
-
     builds = {}
     for spec in args.build:
         name, _, kw = spec.partition("=")
@@ -133,51 +171,30 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     out = args.out / f"decode_sm_share{args.tag.strip() and '_' + args.tag.strip()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{args.format}; main loop µs, graph replay; all SMs | {args.free_sms} SMs free")
+    print(f"{args.format}; µs, graph replay; all SMs | {args.free_sms} SMs free")
     for bsz, ctx in SHAPES:
         inp = bk.decode_inputs(args.format, bsz, ctx)
         splits = int(bk.bench_kvarn_decode(inp)["splits"])
-        ref = None
+        refs: dict[bool, tuple[Any, ...]] = {}
         for name, kw in builds.items():
-            b = launch_buffers(inp, splits)
-            kw = {
-                "max_registers": None,
-                "num_warps": None,
-                "num_stages": None,
-                "variant": "v6f",
-                **kw,
-            }
-
-            def fn(
-                b: dict[str, Any] = b,
-                kw: dict[str, Any] = kw,
-                inp: dict[str, Any] = inp,
-                splits: int = splits,
-            ) -> None:
-                _launch_v5(
-                    b["geo"], b["q_rot"], inp["kv"], inp["bt"], inp["seq_lens"], inp["b2s"],
-                    b["o_part"], b["lse_part"], b["d"] ** -0.5, b["n_rows"], splits,
-                    b["hq"], b["hk"], **kw,
-                )  # fmt: skip
-
-            b["o_part"].fill_(float("nan"))  # slots no build writes compare equal
-            b["lse_part"].fill_(float("nan"))
+            fn, results, served = _build(inp, splits, kw)
+            for t in results:  # slots no build writes compare equal
+                t.fill_(float("nan"))
             g = bk.capture_graph(fn)
             free = replay_us(g)
             held, started = held_us(g, args.free_sms)
-            # the partials against the first build's (probes' differ: they are not attention)
-            if ref is None:
-                ref = (b["o_part"].clone(), b["lse_part"].clone())
+            # against the first build of its kind (probes' partials differ: not attention)
+            ref = refs.setdefault(served, tuple(t.clone() for t in results))
             same = all(
                 torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
-                for x, y in zip(ref, (b["o_part"], b["lse_part"]), strict=True)
+                for x, y in zip(ref, results, strict=True)
             )
             row = {"B": bsz, "ctx": ctx, "splits": splits, "build": name, "all_sms_us": free,
                    "held_us": held, "holders_started": started, "equal_to_first": same}  # fmt: skip
             rows.append(row)
             out.write_text(json.dumps(rows, indent=1))
             print(f"B={bsz} ctx={ctx} {name:24s} {free:8.1f} | {held:8.1f} "
-                  f"(holders {started}{'' if same else ', partials differ'})", flush=True)  # fmt: skip
+                  f"(holders {started}{'' if same else ', results differ'})", flush=True)  # fmt: skip
             del g
         del inp
         torch.cuda.empty_cache()
