@@ -66,7 +66,7 @@ def main() -> None:
 
 def whole_ops() -> dict[str, Callable[[], Any]]:
     """Eager calls of the ops whose launches moved to ``launch()`` this session: decode at
-    B = 64 and 4K of context (small, so the GPU keeps up with the host) at v6f's and v4c's
+    B = 64 and 4K of context (small, so the GPU keeps up with the host) at v6f's, v6t's and v4c's
     served plans, and a store flush of 64 tiles."""
     import torch
 
@@ -74,7 +74,7 @@ def whole_ops() -> dict[str, Callable[[], Any]]:
 
     inp = bk.decode_inputs("kvarn_k4v2_g128", 64, 4096)
     ops: dict[str, Callable[[], Any]] = {}
-    for variant in ("v6f", "v4c"):
+    for variant in ("v6f", "v6t", "v4c"):
         out = torch.empty_like(inp["q"])
         ops[f"decode {variant} B=64 4K"] = lambda v=variant, o=out: bk.decode_once(
             inp, variant=v, out=o
