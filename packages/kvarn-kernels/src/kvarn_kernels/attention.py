@@ -1474,8 +1474,8 @@ def v6_tma_descriptors(geo: DenseGeometry, kv_cache: torch.Tensor) -> tuple[Any,
     if not v6t_fits(geo) or not _tma_addressable(kv_cache):
         raise ValueError(
             "v6's TMA build reads a contiguous, 16-byte aligned cache whose records and fields "
-            f"start on multiples of {V6_TMA_ROW_BYTES} bytes (head dim 128): {geo.fmt.name}, record stride "
-            f"{geo.record_stride}: use variant='v6f'"
+            f"start on multiples of {V6_TMA_ROW_BYTES} bytes (head dim 128): {geo.fmt.name}, "
+            f"record stride {geo.record_stride}: use variant='v6f'"
         )
     return _v6_tma_descriptors_at(geo, kv_cache.data_ptr(), kv_cache.numel())
 

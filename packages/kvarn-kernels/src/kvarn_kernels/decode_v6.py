@@ -32,8 +32,9 @@ linear shared layout), so the partials are bit-identical, with 10% fewer loop
 instructions. Where each SM has bandwidth to spare (an H200) the loop's time follows its
 instructions (docs/kernel-notes.md). ``BLOCK_SCALES`` (fortieth session; v6t takes it on
 128-token tiles with 2-bit values, :func:`kvarn_kernels.attention.v6t_block_scales`): a
-tile's channel-scale work once for its two chunks, 6% fewer instructions a chunk. GPU only (Gluon has no interpreter); 4-bit keys with 2- or 4-bit
-values, head dim 128, the in-cache code order, up to 8 query heads per KV head. v6f is
+tile's channel-scale work once for its two chunks, 7% fewer instructions a chunk. GPU only
+(Gluon has no interpreter); 4-bit keys with 2- or 4-bit values, head dim 128, the in-cache
+code order, up to 8 query heads per KV head. v6f is
 ``variant="auto"``'s kernel there since the seventeenth session (docs/kernel-notes.md).
 """
 
