@@ -50,6 +50,7 @@ from kvarn_kernels.attention import (
     V5_VARIANTS,
     V6_VARIANTS,
     decode_partials,
+    v6t_block_scales,
     verify_rows,
     verify_token_groups,
 )
@@ -1712,6 +1713,31 @@ def test_decode_v5_gqa_ratios_and_shadow_rows(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64"])
+def test_decode_v6t_equals_v6f_bit_for_bit(device: torch.device, name: str) -> None:
+    """v6t copies the same words into the same places and does v6f's math in v6f's order, so
+    its output is v6f's bit for bit: as served (at k4v2_g128 with ``BLOCK_SCALES``, a tile's
+    block fields copied and worked out on its first chunk only) and as the plain build, at
+    split counts that put 1 to many tiles in a split and leave splits without records."""
+    lens = [5000, 1, 127, 257, 384, 0, 700, 4096]
+    case = shared_case(name, 128, 8, lens, device=device, seed=21)
+    q = torch.randn(len(lens), 32, 128, device=device).half()
+    args = case.decode_args(name, q, 1.0 / math.sqrt(128))
+    for splits in (1, 3, 7, 40):
+        want = decode_attention(*args, num_splits=splits, variant="v6f")
+        assert torch.equal(decode_attention(*args, num_splits=splits, variant="v6t"), want)
+    if v6t_block_scales(_geo(name, 128)):  # the plain build too, through the launch's option
+        from kvarn_kernels import attention
+
+        plain = functools.partial(attention._launch_v5, block_scales=False)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(attention, "_launch_v5", plain)
+            for splits in (1, 7):
+                out = decode_attention(*args, num_splits=splits, variant="v6t")
+                assert torch.equal(out, decode_attention(*args, num_splits=splits, variant="v6f"))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["v5", "v6"])
 @pytest.mark.parametrize(("warps", "stages"), [(1, 2), (2, 2), (4, 3), (1, 3)])
 def test_decode_v5_warps_and_stages(
@@ -2392,7 +2418,7 @@ def test_v6t_reads_only_128_byte_aligned_records() -> None:
     scale fields 256 and 128 bytes); a padded record (a hybrid model's) does not fit, and its
     descriptors are refused with the way out (a launch of v6t there copies as v6f)."""
     from kvarn_kernels._common import dense_geometry
-    from kvarn_kernels.attention import v6_tma_descriptors, v6t_block_scales, v6t_fits
+    from kvarn_kernels.attention import v6_tma_descriptors, v6t_fits
 
     for name in ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64"):
         geo = _geo(name, 128)
