@@ -299,6 +299,29 @@ def _mma_column_sum2(a, b, zero):
 
 
 @gluon.jit
+def _online_softmax(s_e, s_o, m, l_acc, col_scale, col_scale2, bop: gl.constexpr):
+    """One step of the online softmax over the tokens (M), per query column, on the even and
+    odd tokens' scores ``s_e, s_o`` (``[W, 32, 8]``, before the columns' factor
+    ``col_scale``): the new running max ``m`` and row sum ``l_acc`` (``[W, 8]``), the
+    probabilities as fp16 B operands (layout ``bop``) and the accumulators' rescale ``[W, 1,
+    8]``."""
+    s_max = gl.maximum(gl.max(s_e, axis=1), gl.max(s_o, axis=1))  # [W, 8]
+    m_new = gl.maximum(m, s_max * col_scale2)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m - m_use)
+    m3 = gl.expand_dims(m_use, 1)
+    p_e = gl.exp2(gl.fma(s_e, col_scale, -m3))
+    p_o = gl.exp2(gl.fma(s_o, col_scale, -m3))
+    l_acc = l_acc * alpha + gl.sum(p_e + p_o, axis=1)
+    # the probabilities from the accumulator layout to the B operand's (lane shuffles; a
+    # movmatrix.trans per 8 x 8 block with relabelled registers counted 21 fewer
+    # instructions, not worth a layout claim no interpreter can check)
+    pb_e = gl.convert_layout(p_e.to(gl.float16), bop)
+    pb_o = gl.convert_layout(p_o.to(gl.float16), bop)
+    return m_new, l_acc, pb_e, pb_o, gl.expand_dims(alpha, 1)
+
+
+@gluon.jit
 def decode_v6_kernel(
     Q,
     KV,
@@ -559,22 +582,9 @@ def decode_v6_kernel(
                     packed & (pos + 1 < seq_len), s_o * kt_o.to(gl.float32), float("-inf")
                 )
 
-                # --- online softmax over the tokens (M), per query column ---
-                s_max = gl.maximum(gl.max(s_e, axis=1), gl.max(s_o, axis=1))  # [W, 8]
-                m_new = gl.maximum(m, s_max * col_scale2)
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m - m_use)
-                m3 = gl.expand_dims(m_use, 1)
-                p_e = gl.exp2(gl.fma(s_e, col_scale, -m3))
-                p_o = gl.exp2(gl.fma(s_o, col_scale, -m3))
-                l_acc = l_acc * alpha + gl.sum(p_e + p_o, axis=1)
-                m = m_new
-                # the probabilities from the accumulator layout to the B operand's (lane shuffles;
-                # a movmatrix.trans per 8 x 8 block with relabelled registers counted 21 fewer
-                # instructions, not worth a layout claim no interpreter can check)
-                pb_e = gl.convert_layout(p_e.to(gl.float16), bop)
-                pb_o = gl.convert_layout(p_o.to(gl.float16), bop)
-                a3 = gl.expand_dims(alpha, 1)  # [W, 1, 8]
+                m, l_acc, pb_e, pb_o, a3 = _online_softmax(
+                    s_e, s_o, m, l_acc, col_scale, col_scale2, bop
+                )
                 if FOLD:
                     # (x - magic) vs + vz / 2 against P: x against P vs, plus per column and field
                     # P . vz / 2 - magic sum(P vs), from two column sums for all fields

@@ -54,7 +54,13 @@ from kvarn_kernels.decode_v5 import (
     _perm16,
     _split_chunks,
 )
-from kvarn_kernels.decode_v6 import V6_MAX_QPK, _mma_column_sum, _mma_column_sum2, _operand_a
+from kvarn_kernels.decode_v6 import (
+    V6_MAX_QPK,
+    _mma_column_sum,
+    _mma_column_sum2,
+    _online_softmax,
+    _operand_a,
+)
 
 __all__ = ["V7_MAX_QPK", "decode_v7_kernel"]
 
@@ -552,19 +558,7 @@ def decode_v7_kernel(
         s_e = gl.where(packed & (pos < col_len), s_e * kt_e.to(gl.float32), float("-inf"))
         s_o = gl.where(packed & (pos + 1 < col_len), s_o * kt_o.to(gl.float32), float("-inf"))
 
-        # --- online softmax over the tokens (M), per query column ---
-        s_max = gl.maximum(gl.max(s_e, axis=1), gl.max(s_o, axis=1))  # [W, 8]
-        m_new = gl.maximum(m, s_max * col_scale2)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m - m_use)
-        m3 = gl.expand_dims(m_use, 1)
-        p_e = gl.exp2(gl.fma(s_e, col_scale, -m3))
-        p_o = gl.exp2(gl.fma(s_o, col_scale, -m3))
-        l_acc = l_acc * alpha + gl.sum(p_e + p_o, axis=1)
-        m = m_new
-        pb_e = gl.convert_layout(p_e.to(gl.float16), bop)
-        pb_o = gl.convert_layout(p_o.to(gl.float16), bop)
-        a3 = gl.expand_dims(alpha, 1)  # [W, 1, 8]
+        m, l_acc, pb_e, pb_o, a3 = _online_softmax(s_e, s_o, m, l_acc, col_scale, col_scale2, bop)
         if FOLD:
             # (x - magic) vs + vz / 2 against P: x against P vs, plus per column and field
             # P . vz / 2 - magic sum(P vs), from two column sums for all fields
