@@ -1378,8 +1378,12 @@ def _launch_v5(
         options.update(
             {"PROBE": probe, "TMA": tma, "BLOCK_SCALES": block_scales} if v6 else {"LAZY": False}
         )
-        if v6:  # the TMA build's descriptors (None for the others)
-            v7_args = v6_tma_descriptors(geo, kv_cache) if tma else (None,) * 4
+        if v6:  # the TMA build's descriptors (None for the others; ``tma`` did the checks)
+            v7_args = (
+                _v6_tma_descriptors_at(geo, kv_cache.data_ptr(), kv_cache.numel())
+                if tma
+                else (None,) * 4
+            )
     launch(
         kernel,
         (grid_x, hk, num_splits),
