@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_kernels as bk  # tools/ on PYTHONPATH
-from decode_v6_probe import launch_buffers
+from decode_v6_probe import launch_buffers, launch_main_loop
 from triton.experimental import gluon  # type: ignore[import-untyped]
 from triton.experimental.gluon import language as gl  # type: ignore[import-untyped]
 
@@ -123,7 +123,6 @@ def _build(
     import torch
 
     from kvarn_kernels import decode_partials, decode_workspace_numel
-    from kvarn_kernels.attention import _launch_v5
 
     kw = dict(kw)
     if kw.pop("served", False):
@@ -138,14 +137,9 @@ def _build(
 
         return served, (out,), True
     b = launch_buffers(inp, splits)
-    kw = {"max_registers": None, "num_warps": None, "num_stages": None, "variant": "v6f", **kw}
 
     def loop() -> None:
-        _launch_v5(
-            b["geo"], b["q_rot"], inp["kv"], inp["bt"], inp["seq_lens"], inp["b2s"],
-            b["o_part"], b["lse_part"], b["d"] ** -0.5, b["n_rows"], splits,
-            b["hq"], b["hk"], **kw,
-        )  # fmt: skip
+        launch_main_loop(inp, b, splits, **kw)
 
     return loop, (b["o_part"], b["lse_part"]), False
 

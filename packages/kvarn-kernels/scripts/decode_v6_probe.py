@@ -63,35 +63,24 @@ def launch_buffers(inp: dict[str, Any], splits: int) -> dict[str, Any]:
     }
 
 
-def main_loop_only(inp: dict[str, Any], splits: int, probe: int) -> float:
-    """µs of the v6f main-loop launch alone (graph replay) on the case ``inp``."""
+def launch_main_loop(inp: dict[str, Any], b: dict[str, Any], splits: int, **kw: Any) -> None:
+    """One main-loop launch (``kvarn_kernels.attention._launch_v5``) on the case ``inp`` into
+    the buffers ``b`` (:func:`launch_buffers`): v6f unless ``kw`` names another ``variant``;
+    ``kw``: its keyword options."""
     from kvarn_kernels.attention import _launch_v5
 
+    kw = {"max_registers": None, "num_warps": None, "num_stages": None, "variant": "v6f", **kw}
+    _launch_v5(
+        b["geo"], b["q_rot"], inp["kv"], inp["bt"], inp["seq_lens"], inp["b2s"],
+        b["o_part"], b["lse_part"], b["d"] ** -0.5, b["n_rows"], splits, b["hq"], b["hk"],
+        **kw,
+    )  # fmt: skip
+
+
+def main_loop_only(inp: dict[str, Any], splits: int, probe: int) -> float:
+    """µs of the v6f main-loop launch alone (graph replay) on the case ``inp``."""
     b = launch_buffers(inp, splits)
-
-    def launch() -> None:
-        _launch_v5(
-            b["geo"],
-            b["q_rot"],
-            inp["kv"],
-            inp["bt"],
-            inp["seq_lens"],
-            inp["b2s"],
-            b["o_part"],
-            b["lse_part"],
-            b["d"] ** -0.5,
-            b["n_rows"],
-            splits,
-            b["hq"],
-            b["hk"],
-            None,
-            None,
-            None,
-            "v6f",
-            probe,
-        )
-
-    us, _mode = bk.timed(launch)
+    us, _mode = bk.timed(lambda: launch_main_loop(inp, b, splits, probe=probe))
     return us
 
 

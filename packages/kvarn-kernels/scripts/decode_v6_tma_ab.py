@@ -27,24 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import bench_kernels as bk  # tools/ on PYTHONPATH
-from decode_v6_probe import launch_buffers
+from decode_v6_probe import launch_buffers, launch_main_loop
 
 SHAPES = ((64, 16384), (256, 4096), (64, 65536), (8, 16384), (1, 16384))
 
 
-def launch_once(inp: dict[str, Any], b: dict[str, Any], splits: int, variant: str) -> None:
-    from kvarn_kernels.attention import _launch_v5
-
-    _launch_v5(
-        b["geo"], b["q_rot"], inp["kv"], inp["bt"], inp["seq_lens"], inp["b2s"],
-        b["o_part"], b["lse_part"], b["d"] ** -0.5, b["n_rows"], splits, b["hq"], b["hk"],
-        None, None, None, variant,
-    )  # fmt: skip
-
-
 def timed(inp: dict[str, Any], splits: int, variant: str) -> float:
     b = launch_buffers(inp, splits)
-    return min(float(bk.timed(lambda: launch_once(inp, b, splits, variant))[0]) for _ in range(2))
+    return min(
+        float(bk.timed(lambda: launch_main_loop(inp, b, splits, variant=variant))[0])
+        for _ in range(2)
+    )
 
 
 def partials_equal(inp: dict[str, Any], splits: int) -> bool:
@@ -56,7 +49,7 @@ def partials_equal(inp: dict[str, Any], splits: int) -> bool:
         b = launch_buffers(inp, splits)
         b["o_part"].fill_(float("nan"))
         b["lse_part"].fill_(float("nan"))
-        launch_once(inp, b, splits, variant)
+        launch_main_loop(inp, b, splits, variant=variant)
         outs.append((b["o_part"], b["lse_part"]))
     torch.cuda.synchronize()
     return all(

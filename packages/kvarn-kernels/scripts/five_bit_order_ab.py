@@ -78,8 +78,8 @@ def main() -> None:
             )
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"tag": args.tag, "attention": "FA3" if fa else "torch", "prefill": prefill}
-    result["verify"] = verify
+    attention = "FA3" if fa else "torch"
+    result = {"tag": args.tag, "attention": attention, "prefill": prefill, "verify": verify}
     (args.out / f"five_bit_order_{args.tag}.json").write_text(json.dumps(result, indent=1))
 
 
