@@ -2209,11 +2209,11 @@ def test_verify_plan_without_a_gpu_keeps_v1_rows_and_the_pass(
 
 
 def test_decode_plan_gives_v6f_its_splits_and_pool_partial(h200: torch.device) -> None:
-    """On an H200 every batch plans v6f's TMA build v6t (4 query heads per KV head) plus its pool-phase
-    partial: from 8 requests at three times the split count (one warp per program), below at
-    eight programs per SM and at most 32 splits; at 12 query heads per KV head, smaller
-    batches plan v4c at two programs per SM; the tuning option of another kernel keeps v4c;
-    the workspace follows the plan."""
+    """On an H200 every batch plans v6f's TMA build v6t (4 query heads per KV head) plus its
+    pool-phase partial: from 8 requests at three times the split count (one warp per
+    program), below at eight programs per SM and at most 32 splits; at 12 query heads per KV
+    head, smaller batches plan v4c at two programs per SM; the tuning option of another
+    kernel keeps v4c; the workspace follows the plan."""
     from kvarn_kernels import DecodePlan, choose_decode_splits, decode_plan, decode_workspace_numel
 
     args = ("kvarn_k4v2_g128", 32, 8, 128, 1024, h200)
