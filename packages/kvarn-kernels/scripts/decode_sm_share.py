@@ -5,9 +5,9 @@ On an H100 v6f's main loop at B = 64 / 16K streams ~90% of the copy bandwidth, s
 that shortens its math cannot show there; on an H200 (1.4x the bandwidth, the same 132 SMs at
 the same clock) the same loop reaches 68%, and its time follows its instruction count
 (docs/kernel-notes.md, twenty-second and thirty-ninth sessions: this script reproduced the
-H200's v6f main loop within 3%). Holding SMs idle
-gives the rest more bandwidth each: with ``--free-sms 94`` an H100's 3.04 TB/s is 32 GB/s per
-running SM, an H200's 4.27 TB/s over 132. A holder kernel (one program per held SM, all of
+H200's v6f main loop within 3%). Holding SMs idle gives the rest more bandwidth each: with
+``--free-sms 94`` an H100's 3.04 TB/s is 32 GB/s per running SM, an H200's 4.27 TB/s over
+132. A holder kernel (one program per held SM, all of
 an SM's shared memory, spinning on a flag) is launched on a side stream; the timed launches
 are replayed from a CUDA graph captured before it, timed with events on the main stream only
 (a device-wide sync would wait for the holder), and the holder is released after.
