@@ -18,8 +18,11 @@ after its positional ones (``{"probe": 2}``, ``{"variant": "v6t"}``, ``{"max_reg
 those options; with ``"served": true`` the build is the whole ``decode_attention`` call at
 its ``variant`` (the query's rotation, the pool tiles on a side stream, the merge) at the main
 loop's split count. Each build's partials (or output) are compared with the first build's of
-its kind (the probes' differ: they are not attention). Writes
-``decode_sm_share.json`` to ``--out``. On the GPU machine::
+its kind (the probes' differ: they are not attention); a build may set its own ``"splits"``
+(a split-count sweep; then a served build's output is compared with the first served
+build's at the planned count by its largest difference, a main loop's partials not at all). ``--shapes``
+picks the cases; with ``--free-sms`` at the GPU's SM count nothing is held (an H200's own
+times). Writes ``decode_sm_share.json`` to ``--out``. On the GPU machine::
 
     PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools:packages/kvarn-kernels/scripts \\
         python3 packages/kvarn-kernels/scripts/decode_sm_share.py --out $OUT \\
@@ -93,6 +96,8 @@ def held_us(g: Any, free_sms: int) -> tuple[float, int]:
 
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     hold = n_sm - free_sms
+    if hold <= 0:
+        return replay_us(g), 0
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     count = torch.zeros(1, dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
@@ -150,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--free-sms", type=int, default=94)
     ap.add_argument("--build", action="append", required=True, help="NAME=JSON kwargs")
     ap.add_argument("--tag", default="", help="prefix of this tree's rows")
+    ap.add_argument(
+        "--shapes",
+        default=",".join(f"{b}x{c}" for b, c in SHAPES),
+        help="comma-separated BATCHxCONTEXT cases",
+    )
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
 
@@ -166,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out / f"decode_sm_share{args.tag.strip() and '_' + args.tag.strip()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"{args.format}; µs, graph replay; all SMs | {args.free_sms} SMs free")
-    for bsz, ctx in SHAPES:
+    shapes = [tuple(int(x) for x in case.split("x")) for case in args.shapes.split(",")]
+    for bsz, ctx in shapes:
         inp = bk.decode_inputs(args.format, bsz, ctx)
-        splits = int(bk.bench_kvarn_decode(inp)["splits"])
+        planned = int(bk.bench_kvarn_decode(inp)["splits"])
         refs: dict[bool, tuple[Any, ...]] = {}
         for name, kw in builds.items():
+            kw = dict(kw)
+            splits = int(kw.pop("splits", planned))
             fn, results, served = _build(inp, splits, kw)
             for t in results:  # slots no build writes compare equal
                 t.fill_(float("nan"))
@@ -178,17 +191,26 @@ def main(argv: list[str] | None = None) -> int:
             free = replay_us(g)
             held, started = held_us(g, args.free_sms)
             # against the first build of its kind (probes' partials differ: not attention)
-            ref = refs.setdefault(served, tuple(t.clone() for t in results))
-            same = all(
-                torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
-                for x, y in zip(ref, results, strict=True)
-            )
+            same: bool | None = None
+            diff: float | None = None
+            if splits == planned:
+                ref = refs.setdefault(served, tuple(t.clone() for t in results))
+                same = all(
+                    torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
+                    for x, y in zip(ref, results, strict=True)
+                )
+            elif served and served in refs:  # another split count sums in another order
+                diff = float((refs[served][0].float() - results[0].float()).abs().max())
             row = {"B": bsz, "ctx": ctx, "splits": splits, "build": name, "all_sms_us": free,
-                   "held_us": held, "holders_started": started, "equal_to_first": same}  # fmt: skip
+                   "held_us": held, "holders_started": started, "equal_to_first": same,
+                   "max_diff_to_first": diff}  # fmt: skip
             rows.append(row)
             out.write_text(json.dumps(rows, indent=1))
-            print(f"B={bsz} ctx={ctx} {name:24s} {free:8.1f} | {held:8.1f} "
-                  f"(holders {started}{'' if same else ', results differ'})", flush=True)  # fmt: skip
+            note = {True: "", False: ", results differ", None: ""}[same]
+            if diff is not None:
+                note = f", {diff:.1e} from the first"
+            print(f"B={bsz} ctx={ctx} splits={splits:<3d} {name:24s} {free:8.1f} | {held:8.1f} "
+                  f"(holders {started}{note})", flush=True)  # fmt: skip
             del g
         del inp
         torch.cuda.empty_cache()
