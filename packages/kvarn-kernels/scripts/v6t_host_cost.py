@@ -60,12 +60,18 @@ def main() -> int:
 
     descs = _v6_tma_descriptors_at(b["geo"], inp["kv"].data_ptr(), inp["kv"].numel())
     compiled = next(
-        hit[0]
-        for key, hit in _launch._COMPILED.items()
-        if key[0] is decode_v6_kernel
-        and hit is not None
-        and getattr(hit[0].metadata, "tensordesc_meta", None)
+        (
+            hit[0]
+            for key, hit in _launch._COMPILED.items()
+            if key[0] is decode_v6_kernel
+            and hit is not None
+            and getattr(hit[0].metadata, "tensordesc_meta", None)
+        ),
+        None,
     )
+    if compiled is None:
+        print("no compiled v6t launch with tensor descriptors was kept", file=sys.stderr)
+        return 1
     meta = compiled.metadata.tensordesc_meta
     backend = decode_v6_kernel.device_caches[torch.cuda.current_device()][3]
     parts: dict[str, Callable[[], Any]] = {
