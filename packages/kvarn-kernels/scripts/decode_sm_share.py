@@ -20,9 +20,9 @@ its ``variant`` (the query's rotation, the pool tiles on a side stream, the merg
 loop's split count. Each build's partials (or output) are compared with the first build's of
 its kind (the probes' differ: they are not attention); a build may set its own ``"splits"``
 (a split-count sweep; then a served build's output is compared with the first served
-build's at the planned count by its largest difference, a main loop's partials not at all). ``--shapes``
-picks the cases; with ``--free-sms`` at the GPU's SM count nothing is held (an H200's own
-times). Writes ``decode_sm_share.json`` to ``--out``. On the GPU machine::
+build's at the planned count by its largest difference, a main loop's partials not at
+all). ``--shapes`` picks the cases; with ``--free-sms`` at the GPU's SM count nothing is
+held (an H200's own times). Writes ``decode_sm_share.json`` to ``--out``. On the GPU machine::
 
     PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools:packages/kvarn-kernels/scripts \\
         python3 packages/kvarn-kernels/scripts/decode_sm_share.py --out $OUT \\

@@ -36,8 +36,8 @@ def tprobe_kernel(
     S_L: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, M, 16]
     )
-    A_K: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
-    A_V: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
+    # both A operands (K [BN, D] and V^T [D, BN]) against accumulators of S_L's layout
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
     ROWS: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
     PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, M], gl.float16)
@@ -47,11 +47,10 @@ def tprobe_kernel(
     q = gl.load(Q + pid * M * D + qr[:, None] * D + qc[None, :])
     q_smem = gl.allocate_shared_memory(gl.float16, [M, D], QS, q)
     p_smem = gl.allocate_shared_memory(gl.float16, [BN, M], PS)
-    # K codes [BN, D] in A_K; V^T codes [D, BN] in A_V
-    kt = gl.arange(0, BN, layout=gl.SliceLayout(1, A_K))
-    kd = gl.arange(0, D, layout=gl.SliceLayout(0, A_K))
-    vd = gl.arange(0, D, layout=gl.SliceLayout(1, A_V))
-    vt = gl.arange(0, BN, layout=gl.SliceLayout(0, A_V))
+    kt = gl.arange(0, BN, layout=gl.SliceLayout(1, A_OP))
+    kd = gl.arange(0, D, layout=gl.SliceLayout(0, A_OP))
+    vd = gl.arange(0, D, layout=gl.SliceLayout(1, A_OP))
+    vt = gl.arange(0, BN, layout=gl.SliceLayout(0, A_OP))
     ks_d = gl.load(KS + kd)  # channel scales
     vs_d = gl.load(VS + vd)
     m_i = gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(0, S_L))
