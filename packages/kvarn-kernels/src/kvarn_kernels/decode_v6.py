@@ -299,6 +299,22 @@ def _mma_column_sum2(a, b, zero):
 
 
 @gluon.jit
+def _k_channel_operands(pairs, W: gl.constexpr, D: gl.constexpr, avec, bvec, FOLD: gl.constexpr):
+    """A block's K channel scales and zeros (``pairs``: their ``ks0, ks1, kz0, kz1`` pair
+    registers) as the score step's operands: with ``FOLD`` the scales on the query's k ``[W,
+    D, 1]`` and the zeros along A's k ``[W, 1, D]``, else both on the codes' k ``[W, 1, D]``,
+    the zeros halved (the codes' halving)."""
+    ks0, ks1, kz0, kz1 = pairs
+    if FOLD:
+        ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, bvec), 2)
+        kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1)
+    else:
+        ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)
+        kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
+    return ks, kz
+
+
+@gluon.jit
 def _online_softmax(s_e, s_o, m, l_acc, col_scale, col_scale2, bop: gl.constexpr):
     """One step of the online softmax over the tokens (M), per query column, on the even and
     odd tokens' scores ``s_e, s_o`` (``[W, 32, 8]``, before the columns' factor
@@ -521,13 +537,9 @@ def decode_v6_kernel(
                 v_sink = v_sink ^ vw
             else:
                 if sub == 0:  # with BLOCK_SCALES, the tile's second chunk keeps these
-                    ks0, ks1, kz0, kz1 = _k_scale_pairs(stage, bufs, quads)
-                    if FOLD:  # the channel scales on the query's k: [W, D, 1]; zeros on A's k
-                        ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, bvec), 2)
-                        kz_a = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1)
-                    else:  # on the codes' k: [W, 1, D]
-                        ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)
-                        kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
+                    ks, kz = _k_channel_operands(
+                        _k_scale_pairs(stage, bufs, quads), W, D, avec, bvec, FOLD
+                    )
                 if TMA:
                     kt_e, kt_o, vs, vz = _tma_token_scale_pairs(stage, raw, quads, rows_l, 2)
                 else:
@@ -566,7 +578,7 @@ def decode_v6_kernel(
                         # exact products)
                         q_s = q16 * ks
                         qs = _mma_column_sum(ones_d, q_s, zero_c)
-                        qz = _mma_column_sum(gl.broadcast(kz_a, ones_d)[0], q16, zero_c) * 0.5
+                        qz = _mma_column_sum(gl.broadcast(kz, ones_d)[0], q16, zero_c) * 0.5
                         start_e = gl.broadcast(gl.expand_dims(qz - 512.0 * qs, 1), zero_s)[0]
                         start_o = gl.broadcast(gl.expand_dims(qz - 32.0 * qs, 1), zero_s)[0]
                     s_e = mma_v2(_operand_a(lo0, lo1, W, 32, D, aop), q_s, start_e)

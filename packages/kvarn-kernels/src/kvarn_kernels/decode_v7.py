@@ -49,13 +49,13 @@ from kvarn_kernels.decode_v5 import (
     _axis,
     _chunk,
     _halves,
-    _k_vector,
     _pairs_of_quad,
     _perm16,
     _split_chunks,
 )
 from kvarn_kernels.decode_v6 import (
     V6_MAX_QPK,
+    _k_channel_operands,
     _mma_column_sum,
     _mma_column_sum2,
     _online_softmax,
@@ -506,12 +506,7 @@ def decode_v7_kernel(
         # --- scales ---
         ks0, ks1 = _pairs_of_quad(ks_buf.index(stage).load(quads))
         kz0, kz1 = _pairs_of_quad(kz_buf.index(stage).load(quads))
-        if FOLD:  # the channel scales on the query's k: [W, D, 1]; the zeros along A's k
-            ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, bvec), 2)
-            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1)
-        else:  # on the codes' k: [W, 1, D]
-            ks = gl.expand_dims(_k_vector(ks0, ks1, W, D, avec), 1)
-            kz = gl.expand_dims(_k_vector(kz0, kz1, W, D, avec), 1) * 0.5
+        ks, kz = _k_channel_operands((ks0, ks1, kz0, kz1), W, D, avec, bvec, FOLD)
         ktw = gl.expand_dims(kt_buf.index(stage).load(rows_l), 2)  # [W, 32, 1]
         kt_e, kt_o = _halves_of(ktw)
         if FOLD:  # V's token scales on the probabilities' k [W, 32, 1], the zeros on A's k
