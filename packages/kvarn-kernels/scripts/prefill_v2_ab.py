@@ -38,7 +38,7 @@ SHAPES: tuple[tuple[int, int, int], ...] = (
 
 
 #: The rows ``--short`` keeps (prefixes of the path names).
-SHORT_PATHS = ("dequant", "v3 auto", "v3 ws")
+SHORT_PATHS = ("dequant", "v3 auto", "v3 ws", "v4")
 
 
 @contextlib.contextmanager
@@ -59,6 +59,7 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
 
     from kvarn_kernels import prefill_attention, prefill_v3
     from kvarn_kernels.attention import _num_sms, prefill_v2_splits
+    from kvarn_kernels.prefill_v4 import V4_PROGRAMS_PER_SM
 
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
     args = bk.prefill_args(c)
@@ -68,6 +69,15 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
     fa3 = bk.vllm_fa3()
     auto = prefill_v2_splits(
         int(c["q"].shape[0]), bk.HQ, bk.HK, int(c["bt"].shape[1]), _num_sms(c["q"].device)
+    )
+
+    auto4 = prefill_v2_splits(
+        int(c["q"].shape[0]),
+        bk.HQ,
+        bk.HK,
+        int(c["bt"].shape[1]),
+        _num_sms(c["q"].device) * V4_PROGRAMS_PER_SM,
+        block_m=64,
     )
 
     def fused(**kw: Any) -> Callable[[], Any]:
@@ -112,6 +122,13 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
         ("v3 ws probe: consumers alone", v3_with({"WS_PROBE": 1}), True),
         ("v3 ws probe: producer alone", v3_with({"WS_PROBE": 2}), True),
         ("v3 ws probe: hand-over only", v3_with({"WS_PROBE": 3}), True),
+        (f"v4 auto (splits {auto4})", fused(fused_kernel="v4"), True),
+        (
+            f"v4 splits {max(1, auto4 // 2)}",
+            fused(fused_kernel="v4", num_splits=max(1, auto4 // 2)),
+            True,
+        ),
+        (f"v4 splits {2 * auto4}", fused(fused_kernel="v4", num_splits=2 * auto4), True),
         ("v1 (splits 1)", fused(fused_kernel="v1"), False),
         (f"v1 splits {auto}", fused(fused_kernel="v1", num_splits=auto), True),
     ]

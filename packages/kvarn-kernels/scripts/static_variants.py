@@ -705,6 +705,38 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
     variant(f"prefill_v3_shadow {_n} w4")(lambda _n=_n: _prefill_v3(_n, 4, shadow=27))
 
 
+def _prefill_v4(name: str, shadow: int = 0, ring: int | None = None) -> Any:
+    """The transposed producer-free fused prefill (64 query rows, 4 warps); ``shadow``: the
+    side pool's shadow rows; ``ring``: its ring slots (default :data:`V4_RING`)."""
+    from kvarn_kernels import prefill_v4 as p4
+
+    geo = _geo(name)
+    offs = geo.offsets()
+    consts = dict(
+        HQ=32,
+        HK=8,
+        QPK=4,
+        QPK_P=4,
+        BQ=16,
+        B_P=128,
+        D=128,
+        G=geo.group,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **{k: v for k, v in offs.items() if k not in ("K_ORDER", "V_ORDER")},
+        NUM_SPLITS=8,
+        SHADOW=shadow,
+        RING=p4.V4_RING if ring is None else ring,
+    )
+    sig = {**DECODE_SIG, "QSL": "*i32"}
+    return compile_kernel(p4.prefill_v4_kernel, sig, consts, 4)
+
+
+for _n in ("kvarn_k4v2_g128", "kvarn_k4v2_g64"):
+    variant(f"prefill_v4 {_n} w4")(lambda _n=_n: _prefill_v4(_n))
+variant("prefill_v4_shadow kvarn_k4v2_g128 w4")(lambda: _prefill_v4("kvarn_k4v2_g128", shadow=27))
+
+
 def _merge(parts: int, warps: int = 4) -> Any:
     """The merge and un-rotation of ``parts`` partials as :func:`attention._launch` compiles
     it for decode (16 rows a program, head dim 128, fp16 out), at ``warps`` warps."""

@@ -536,6 +536,7 @@ def _tiny_prefill(device: torch.device) -> list[Any]:
         ({"method": "fused", "fused_kernel": "v9"}, "fused_kernel must be"),
         # head dim 64 (and no sm_90 GPU on the CPU): v3 does not take the call
         ({"method": "fused", "fused_kernel": "v3"}, "fused_kernel='v3' needs an sm_90 GPU"),
+        ({"method": "fused", "fused_kernel": "v4"}, "fused_kernel='v4' needs an sm_90 GPU"),
         ({"method": "fused", "fused_kernel": "v2", "prefetch": False}, "prefetch=False"),
         ({"method": "fused", "block_m": 256}, "block_m must be"),
     ],
@@ -1109,17 +1110,69 @@ def test_prefill_method_picks_fused_for_short_chunks_where_v3_runs(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v4_g64"])
-def test_prefill_v3_saturates_overflowing_records_gpu(device: torch.device, name: str) -> None:
+@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v2_g64"])
+@pytest.mark.parametrize(("hq", "hk"), [(32, 8), (16, 2), (8, 8)])
+def test_prefill_v4_gpu(device: torch.device, name: str, hq: int, hk: int) -> None:
+    """The transposed producer-free prefill (sm_90 only) against the float64 reference, on
+    v3's ragged case (a first chunk, short and long continuations, chunks that start and end
+    inside a tile: pool tiles and packed records), GQA 4, 8 and 1, at the planned split count,
+    one split and 8; and on a side pool with shadow rows, bit for bit the same as without."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        pytest.skip("prefill_v4 runs on sm_90 only")
+    d = 128
+    lens = [2048 + 512, 1030, 300, 4000, 77]
+    qlens = [512, 6, 300, 64, 77]
+    pool_from = tuple(n - ql for n, ql in zip(lens, qlens, strict=True))
+    q = torch.randn(sum(qlens), hq, d, device=device).half()
+    qsl = _qsl(qlens, device)
+    scale = 1.0 / math.sqrt(d)
+
+    def case_with(rows: int) -> PagedCase:
+        return build_case(
+            name, d, hk, lens, device=device, seed=3, pool_from=pool_from, shadow_rows=rows
+        )
+
+    def run(case: PagedCase, **cfg: int) -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        prefill_attention(
+            *case.prefill_args(name, q, qsl, scale),
+            out=out,
+            method="fused",
+            fused_kernel="v4",
+            **cfg,  # type: ignore[arg-type]
+        )
+        return out
+
+    case = case_with(0)
+    ref = prefill_attention_ref(*case.prefill_args(name, q, qsl, scale))
+    for cfg in ({}, {"num_splits": 1}, {"num_splits": 8}):
+        _assert_close(run(case, **cfg), ref)
+    _check_reference_and_shadow_twin(
+        name,
+        _shadow_rows(name, d, "max"),
+        case_with,
+        run,
+        lambda case: prefill_attention_ref(*case.prefill_args(name, q, qsl, scale)),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("name", "kernel"),
+    [("kvarn_k4v2_g128", "v3"), ("kvarn_k4v4_g64", "v3"), ("kvarn_k4v2_g128", "v4")],
+)
+def test_prefill_v3_saturates_overflowing_records_gpu(
+    device: torch.device, name: str, kernel: str
+) -> None:
     """v3's fp16 dequantization (codes unpacked without shifts, each field against its own
     fp16 base; saturated by one ``min.xorsign.abs``) agrees with the float64 reference on
     ordinary records, and on records whose K channel scales were overwritten with +-30000, so
     that ``code * scale`` overflows fp16 on either side, it saturates to +-65504: the output
     stays finite (an infinity of either sign left in K would make the scores NaN) and differs
     from the ordinary case's. Both value widths: 2-bit values at k4v2_g128, 4-bit at
-    k4v4_g64."""
+    k4v4_g64; v4 (the same fp16 dequantization in registers) at k4v2_g128."""
     if torch.cuda.get_device_capability(device) != (9, 0):
-        pytest.skip("prefill_v3 runs on sm_90 only")
+        pytest.skip("prefill_v3 and v4 run on sm_90 only")
     d, hq, hk = 128, 32, 8
     lens, qlens = [2048 + 64, 1030], [64, 6]
     case = build_case(name, d, hk, lens, device=device, seed=5)
@@ -1130,7 +1183,7 @@ def test_prefill_v3_saturates_overflowing_records_gpu(device: torch.device, name
     def run() -> torch.Tensor:
         out = torch.full_like(q, float("nan"))
         prefill_attention(
-            *case.prefill_args(name, q, qsl, scale), out=out, method="fused", fused_kernel="v3"
+            *case.prefill_args(name, q, qsl, scale), out=out, method="fused", fused_kernel=kernel
         )
         return out
 
@@ -1921,6 +1974,22 @@ def test_prefill_v3_compiles_for_sm90() -> None:
         assert "FAILED" not in row, " ".join(row)
         _regs, spill, _smem, _loop, bar, _lds, _shfl, mma, _ldg = (int(x) for x in row[3:])
         assert (spill, bar, mma) == (0, 2, 24), " ".join(row)
+
+
+def test_prefill_v4_compiles_for_sm90() -> None:
+    """The transposed producer-free prefill compiles for sm_90a here, without a GPU, at both
+    tile sizes and with shadow rows: within one warpgroup's 255 registers a thread (two
+    programs an SM), 16 wgmma instructions a chunk (8 for the scores' K = 128, 8 for ``V^T
+    P^T``'s 128 rows), and its codes unpacked into the operands without a layout conversion
+    through shared memory: the loop's shared-memory operations are the ring's reads, the
+    softmax's cross-warp reductions and ``P^T``'s store, which the first count bounds."""
+    run = _static_kernels("prefill_v4")
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith("prefill_v4")]
+    assert len(rows) == 3, run.stdout + run.stderr
+    for row in rows:
+        assert "FAILED" not in row, " ".join(row)
+        regs, _spill, _smem, _loop, _bar, lds, _shfl, mma, _ldg = (int(x) for x in row[3:])
+        assert (mma, regs <= 255, lds <= 100) == (16, True, True), " ".join(row)
 
 
 def test_prefill_v3ws_dequantization_instructions() -> None:

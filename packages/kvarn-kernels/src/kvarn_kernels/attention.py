@@ -1205,8 +1205,9 @@ def _launch_prefill_fused(
     num_warps: int | None,
 ) -> None:
     """A fused prefill kernel into ``num_splits`` partials: ``"prefill_v2"``
-    (:mod:`kvarn_kernels.prefill_v2`) or ``"prefill_v3"`` (:mod:`kvarn_kernels.prefill_v3`,
-    the same grid and arguments; ``block_m`` 64 or 128 picks its warps)."""
+    (:mod:`kvarn_kernels.prefill_v2`), ``"prefill_v3"`` (:mod:`kvarn_kernels.prefill_v3`,
+    the same grid and arguments; ``block_m`` 64 or 128 picks its warps) or ``"prefill_v4"``
+    (:mod:`kvarn_kernels.prefill_v4`, the same at 64 rows)."""
     from kvarn_kernels.prefill_v2 import PREFILL_V2_WARPS, default_block_m, prefill_v2_kernel
 
     t = n_rows // hq
@@ -1214,6 +1215,8 @@ def _launch_prefill_fused(
     qpk = hq // hk
     qpk_p = next_pow2(qpk)
     rows = max(block_m or default_block_m(geo.head_dim), qpk_p)
+    if variant == "prefill_v4":
+        rows = 64
     bq = rows // qpk_p
     b = int(query_start_loc.shape[0]) - 1
     grid = (cdiv(t, bq) + b, hk, num_splits)
@@ -1248,6 +1251,18 @@ def _launch_prefill_fused(
         "NUM_SPLITS": num_splits,
     }
     offsets = geo.offsets()
+    if variant == "prefill_v4":
+        from kvarn_kernels import prefill_v4
+
+        del offsets["K_ORDER"], offsets["V_ORDER"]  # v3's orders (_v4_serves checks them)
+        consts = {
+            **shape,
+            **offsets,
+            "SHADOW": pool_shadow_rows(pool_k, geo.group, kv_cache),
+            "RING": prefill_v4.V4_RING,
+        }
+        launch(prefill_v4.prefill_v4_kernel, grid, args, consts, num_warps=4)
+        return
     if variant == "prefill_v3":
         from kvarn_kernels import prefill_v3
 
@@ -1685,7 +1700,7 @@ def _launch(
         )
         if variant in POOL_SPLIT_VARIANTS:  # v4d: after its main loop, on the same stream
             launch_pool()
-    elif variant in ("prefill_v2", "prefill_v3"):
+    elif variant in ("prefill_v2", "prefill_v3", "prefill_v4"):
         assert query_start_loc is not None and not decode
         _launch_prefill_fused(
             variant,
@@ -1975,6 +1990,14 @@ def _v3_serves(geo: DenseGeometry, device: torch.device) -> bool:
         and (geo.k_order, geo.v_order) == (CodeOrder.TRANSPOSED, CodeOrder.PARITY)
         and _capability(index) == (9, 0)
     )
+
+
+def _v4_serves(geo: DenseGeometry, device: torch.device) -> bool:
+    """Whether the transposed fused prefill (:mod:`kvarn_kernels.prefill_v4`) runs this call:
+    where v3 runs, with 2-bit values."""
+    from kvarn_kernels.prefill_v4 import V4_VALUE_BITS
+
+    return _v3_serves(geo, device) and geo.value_bits in V4_VALUE_BITS
 
 
 def _gluon_timed_on(device: torch.device | None) -> bool:
@@ -2907,7 +2930,10 @@ def prefill_attention(
       ``fused_kernel`` picks the kernel: ``"v3"`` (:mod:`kvarn_kernels.prefill_v3`: Gluon,
       producer warps dequantizing the next chunks while consumer warpgroups run the
       wgmma and the softmax (64-row tiles: one partition); sm_90, 4-bit keys with
-      2- or 4-bit values, head_dim 128), ``"v2"``
+      2- or 4-bit values, head_dim 128), ``"v4"`` (:mod:`kvarn_kernels.prefill_v4`: Gluon,
+      64-row tiles, no producer warps: each warpgroup dequantizes the codes in its registers
+      as the wgmma operand of transposed scores; sm_90, 4-bit keys with 2-bit values,
+      head_dim 128; not yet chosen by ``"auto"``), ``"v2"``
       (:mod:`kvarn_kernels.prefill_v2`: Triton, each chunk dequantized once per 128-row
       tile, head_dim <= 256), ``"v1"`` (the decode kernel's prefill mode, scales folded into
       64-row query tiles; every head dim), ``"auto"`` (the first of v3, v2, v1 that takes
@@ -2927,7 +2953,8 @@ def prefill_attention(
             128, 64 above head dim 128; v3 takes 64 or 128; v1: default 64, 32 for D > 128,
             128 was slower on an H200 and does not compile at D = 256); ``block_n``,
             ``num_warps``: v1 and v2; ``prefetch=False``: v1 only.
-        fused_kernel: ``"fused"`` only: ``"auto"``, ``"v1"``, ``"v2"`` or ``"v3"`` (above).
+        fused_kernel: ``"fused"`` only: ``"auto"``, ``"v1"``, ``"v2"``, ``"v3"`` or ``"v4"``
+            (above).
         fast_unpack: as :func:`decode_attention` (both methods).
         method: ``"dequant"`` or ``"fused"`` (above).
         sdpa_backend: ``"dequant"`` only: ``"auto"`` (varlen FlashAttention on CUDA for
@@ -2964,8 +2991,10 @@ def prefill_attention(
         )
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if fused_kernel not in ("auto", "v1", "v2", "v3"):
-        raise ValueError(f"fused_kernel must be 'auto', 'v1', 'v2' or 'v3', got {fused_kernel!r}")
+    if fused_kernel not in ("auto", "v1", "v2", "v3", "v4"):
+        raise ValueError(
+            f"fused_kernel must be 'auto', 'v1', 'v2', 'v3' or 'v4', got {fused_kernel!r}"
+        )
     if method not in ("dequant", "fused"):
         raise ValueError(f"method must be 'dequant' or 'fused', got {method!r}")
     t, hq, d = (int(s) for s in q.shape)
@@ -3063,6 +3092,19 @@ def prefill_attention(
             raise ValueError(f"fused_kernel='v3' takes block_m 64 or 128, got {block_m}")
         if block_n is not None or num_warps is not None or not prefetch:
             raise ValueError("block_n, num_warps and prefetch=False do not apply to 'v3'")
+    if kernel == "v4":
+        if not _v4_serves(geo, q.device):
+            raise ValueError(
+                "fused_kernel='v4' needs an sm_90 GPU, 4-bit keys with 2-bit values and "
+                "head_dim 128; use 'v3' or 'auto'"
+            )
+        if block_m not in (None, 64) or block_n is not None or num_warps is not None:
+            raise ValueError(
+                "fused_kernel='v4' runs 64-row tiles of 4 warps: drop block_m, "
+                "block_n and num_warps"
+            )
+        if not prefetch:
+            raise ValueError("prefetch=False applies to fused_kernel='v1' only")
     if kernel == "v2":
         if d > PREFILL_V2_MAX_HEAD_DIM:
             raise ValueError(
@@ -3085,6 +3127,17 @@ def prefill_attention(
                 _num_sms(q.device),
                 block_m=block_m or default_block_m(d),
             )
+        elif kernel == "v4":
+            from kvarn_kernels.prefill_v4 import V4_PROGRAMS_PER_SM
+
+            splits = prefill_v2_splits(
+                t,
+                hq,
+                int(pool_k.shape[2]),
+                int(block_table.shape[1]),
+                _num_sms(q.device) * V4_PROGRAMS_PER_SM,
+                block_m=64,
+            )
     workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, splits), q.device)
     _launch(
         geo,
@@ -3106,7 +3159,7 @@ def prefill_attention(
         fast_unpack,
         prefetch,
         block_m,
-        variant={"v2": "prefill_v2", "v3": "prefill_v3"}.get(kernel, "v1"),
+        variant={"v2": "prefill_v2", "v3": "prefill_v3", "v4": "prefill_v4"}.get(kernel, "v1"),
     )
     return out
 

@@ -352,11 +352,33 @@ def _stage_pool(
     cache and the block: with ``SHADOW`` rows, a tile's first ``SHADOW`` rows are in the
     block's record area (K's rows, then V's; ``_common.pool_row_ptrs``), the others in pool
     slots of ``G - SHADOW`` rows."""
-    POOL_K, POOL_V, KV, blk = pool
     i = gl.arange(0, 64, layout=gl.SliceLayout(1, PL))
     dd = gl.arange(0, D, layout=gl.SliceLayout(0, PL))
     t = c * 64 + 2 * (i % 32) + i // 32  # token of stage row i within the tile
     live = live_from + t < kv_len
+    k_src, v_src = _pool_rows(pool, slot, t, h, HK, D, G, SHADOW, STRIDE)
+    kp = gl.load(k_src[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+    vp = gl.load(v_src[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+    k_stage.store(kp * 0.5)
+    v_stage.store(vp * 0.5)
+
+
+@gluon.jit
+def _pool_rows(
+    pool,
+    slot,
+    t,
+    h,
+    HK: gl.constexpr,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    SHADOW: gl.constexpr,
+    STRIDE: gl.constexpr,
+):
+    """The fp16 K and V rows of tokens ``t`` (within the tile) of a pool block in slot
+    ``slot`` (``pool``: the pool's K and V, the paged cache and the block; ``SHADOW``:
+    :func:`_stage_pool`'s)."""
+    POOL_K, POOL_V, KV, blk = pool
     if SHADOW == 0:
         rows = ((slot.to(gl.int64) * G + t) * HK + h) * D
         k_src = POOL_K + rows
@@ -368,10 +390,7 @@ def _stage_pool(
         in_record = gl.where(pooled, 0, t) * D
         k_src = gl.where(pooled, POOL_K + rows, record + in_record)
         v_src = gl.where(pooled, POOL_V + rows, record + SHADOW * D + in_record)
-    kp = gl.load(k_src[:, None] + dd[None, :], mask=live[:, None], other=0.0)
-    vp = gl.load(v_src[:, None] + dd[None, :], mask=live[:, None], other=0.0)
-    k_stage.store(kp * 0.5)
-    v_stage.store(vp * 0.5)
+    return k_src, v_src
 
 
 @gluon.jit
