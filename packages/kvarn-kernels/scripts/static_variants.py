@@ -705,9 +705,9 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
     variant(f"prefill_v3_shadow {_n} w4")(lambda _n=_n: _prefill_v3(_n, 4, shadow=27))
 
 
-def _prefill_v4(name: str, shadow: int = 0, ring: int | None = None) -> Any:
+def _prefill_v4(name: str, shadow: int = 0, lazy: bool | None = None) -> Any:
     """The transposed producer-free fused prefill (64 query rows, 4 warps); ``shadow``: the
-    side pool's shadow rows; ``ring``: its ring slots (default :data:`V4_RING`)."""
+    side pool's shadow rows; ``lazy``: its softmax (default :data:`V4_LAZY_SOFTMAX`)."""
     from kvarn_kernels import prefill_v4 as p4
 
     geo = _geo(name)
@@ -726,7 +726,8 @@ def _prefill_v4(name: str, shadow: int = 0, ring: int | None = None) -> Any:
         **{k: v for k, v in offs.items() if k not in ("K_ORDER", "V_ORDER")},
         NUM_SPLITS=8,
         SHADOW=shadow,
-        RING=p4.V4_RING if ring is None else ring,
+        RING=p4.V4_RING,
+        LAZY=p4.V4_LAZY_SOFTMAX if lazy is None else lazy,
     )
     sig = {**DECODE_SIG, "QSL": "*i32"}
     return compile_kernel(p4.prefill_v4_kernel, sig, consts, 4)
@@ -735,6 +736,9 @@ def _prefill_v4(name: str, shadow: int = 0, ring: int | None = None) -> Any:
 for _n in ("kvarn_k4v2_g128", "kvarn_k4v2_g64"):
     variant(f"prefill_v4 {_n} w4")(lambda _n=_n: _prefill_v4(_n))
 variant("prefill_v4_shadow kvarn_k4v2_g128 w4")(lambda: _prefill_v4("kvarn_k4v2_g128", shadow=27))
+variant("prefill_v4_eager_max kvarn_k4v2_g128 w4")(
+    lambda: _prefill_v4("kvarn_k4v2_g128", lazy=False)
+)
 
 
 def _merge(parts: int, warps: int = 4) -> Any:

@@ -1260,6 +1260,7 @@ def _launch_prefill_fused(
             **offsets,
             "SHADOW": pool_shadow_rows(pool_k, geo.group, kv_cache),
             "RING": prefill_v4.V4_RING,
+            "LAZY": prefill_v4.V4_LAZY_SOFTMAX,
         }
         launch(prefill_v4.prefill_v4_kernel, grid, args, consts, num_warps=4)
         return

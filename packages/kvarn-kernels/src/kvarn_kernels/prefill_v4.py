@@ -68,10 +68,22 @@ from kvarn_kernels.prefill_v3 import (
     _tile_rows,
 )
 
-__all__ = ["V4_PROGRAMS_PER_SM", "V4_RING", "V4_VALUE_BITS", "prefill_v4_kernel"]
+__all__ = [
+    "V4_LAZY_SOFTMAX",
+    "V4_PROGRAMS_PER_SM",
+    "V4_RING",
+    "V4_VALUE_BITS",
+    "prefill_v4_kernel",
+]
 
 #: Ring slots of copied chunks: ``V4_RING - 1`` chunks' copies in flight while one is used.
 V4_RING = 3
+#: The online softmax's reference maxima move only when a chunk's scaled score would pass
+#: one by more than :data:`LAZY_HEADROOM` (the probabilities stay below 2^15 in fp16), and
+#: each thread keeps its own share of the sums until the end: the chunks between take no
+#: cross-warp maximum or sum and no rescale of the accumulators.
+V4_LAZY_SOFTMAX = True
+LAZY_HEADROOM: gl.constexpr = gl.constexpr(15.0)
 #: Programs an SM holds (255 registers a thread, 4 warps: two programs), for the split count.
 V4_PROGRAMS_PER_SM = 2
 #: Value widths v4 is written for (2-bit values: a V byte's 4 fields are a lane's 4 rows).
@@ -311,10 +323,11 @@ def prefill_v4_kernel(
     NUM_SPLITS: gl.constexpr,
     SHADOW: gl.constexpr,
     RING: gl.constexpr,
+    LAZY: gl.constexpr,
 ):
     """:func:`kvarn_kernels.prefill_v3.prefill_v3_kernel`'s grid, arguments and partials at
     64 query rows a program (launched with ``num_warps=4``), transposed (module doc);
-    ``RING``: :data:`V4_RING`."""
+    ``RING``: :data:`V4_RING`; ``LAZY``: :data:`V4_LAZY_SOFTMAX`."""
     W: gl.constexpr = 4
     M: gl.constexpr = 64
     BN: gl.constexpr = 64
@@ -378,6 +391,9 @@ def prefill_v4_kernel(
 
     m_i = gl.full([M], float("-inf"), gl.float32, COLS)
     l_i = gl.zeros([M], gl.float32, COLS)
+    # LAZY: each thread's share of the sums, its two rows of a column added ([w, g, column])
+    l_part = gl.sum(gl.reshape(gl.zeros([BN, M], gl.float32, MMA), [4, 2, 8, M]), axis=1)
+    PART_COLS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, l_part.type.layout))
     acc = gl.zeros([D, M], gl.float32, MMA)
     zero_s = gl.zeros([BN, M], gl.float32, MMA)
     blk_next = _chunk_block(bt_row, blk_lo, RING - 1, n_it, NCH)
@@ -410,18 +426,39 @@ def prefill_v4_kernel(
             t_pos = t0 + key_row
             keep = (t_pos[:, None] <= q_pos[None, :]) & (t_pos < kv_len)[:, None]
             s = gl.where(keep, s, float("-inf"))
-        # col_scale > 0: a column's maximum is col_scale times the raw one
-        m_new = gl.maximum(m_i, gl.max(s, axis=0) * col_scale)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s * col_scale[None, :] - m_use[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
+        if LAZY:
+            # the columns' reference maxima move only when a score would pass them by more
+            # than LAZY_HEADROOM (and on the split's first chunk, which sets them): no
+            # cross-warp maximum, no rescale and no cross-warp sum on the other chunks
+            m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
+            z = s * col_scale[None, :] - m_ref[None, :]
+            top = gl.max(gl.reshape(z, [BN * M]), axis=0)
+            if (it == 0) | (top > LAZY_HEADROOM):
+                m_new = gl.maximum(m_i, gl.max(s, axis=0) * col_scale)
+                m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_ref)
+                acc = acc * alpha[None, :]
+                l_part = l_part * gl.convert_layout(alpha, PART_COLS)[None, None, :]
+                z = s * col_scale[None, :] - m_ref[None, :]
+                m_i = m_new
+            p = gl.exp2(z)
+            l_part = l_part + gl.sum(gl.reshape(p, [4, 2, 8, M]), axis=1)
+        else:
+            # col_scale > 0: a column's maximum is col_scale times the raw one
+            m_new = gl.maximum(m_i, gl.max(s, axis=0) * col_scale)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s * col_scale[None, :] - m_use[None, :])
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            acc = acc * alpha[None, :]
         p_smem.store(p.to(gl.float16))
         fence_async_shared()
         gl.thread_barrier()
-        acc = warpgroup_mma(v, p_smem, acc * alpha[None, :])
+        acc = warpgroup_mma(v, p_smem, acc)
     async_copy.wait_group(0)
+    if LAZY:
+        l_i = gl.convert_layout(gl.sum(gl.sum(l_part, axis=0), axis=0), COLS)
 
     # the split's partials: O = 2 acc / l (k and v halved), the base-2 LSE
     l_safe = gl.where(l_i > 0, l_i, 1.0)
