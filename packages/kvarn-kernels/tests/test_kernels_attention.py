@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -1974,6 +1975,85 @@ def test_prefill_v3_compiles_for_sm90() -> None:
         assert "FAILED" not in row, " ".join(row)
         _regs, spill, _smem, _loop, bar, _lds, _shfl, mma, _ldg = (int(x) for x in row[3:])
         assert (spill, bar, mma) == (0, 2, 24), " ".join(row)
+
+
+def _v4_key(r: int) -> int:
+    """prefill_v4's S^T row (and V^T column) ``r`` -> key of the chunk (its module doc)."""
+    g, w = r % 8, r // 16
+    return 2 * (8 * (g // 2) + 4 * (w // 2) + 2 * (g % 2) + w % 2) + (r // 8) % 2
+
+
+def _v4_k_channel(c: int) -> int:
+    """prefill_v4's K column ``c`` -> channel."""
+    return ((c // 2) % 4) * 32 + (c // 16) * 4 + (c % 2) * 2 + (c // 8) % 2
+
+
+def _v4_v_channel(r: int) -> int:
+    """prefill_v4's V^T row ``r`` -> channel."""
+    return 4 * (8 * ((r // 16) % 4) + r % 8) + 2 * (r // 64) + (r // 8) % 2
+
+
+def _view_gather(bases: list[list[int]], shape: tuple[int, ...]) -> np.ndarray:
+    """The memory offset a linear shared-memory view puts at each logical index (offset bit
+    ``i`` holds logical ``bases[i]``, XOR-combined)."""
+    offsets = np.zeros(shape, dtype=np.int64)
+    for off in range(int(np.prod(shape))):
+        idx = [0] * len(shape)
+        for i, b in enumerate(bases):
+            if off >> i & 1:
+                idx = [x ^ y for x, y in zip(idx, b, strict=True)]
+        offsets[tuple(idx)] = off
+    return offsets
+
+
+def test_prefill_v4_operands_follow_the_relabelling() -> None:
+    """prefill_v4's relabelling, off the GPU (Gluon has no interpreter): its shared-memory
+    views gather the key, K channel and V channel of each operand index, and a numpy mirror
+    of its code path (``_K_WORDS_VIEW``'s rows, ``_UNPACK4``'s and ``_UNPACK2``'s byte
+    pairs, the joins, reshapes and permutations of ``_k_codes`` and ``_v_codes``) puts the
+    code of key ``_v4_key(r)`` and channel ``_v4_k_channel(c)`` at K's ``(r, c)``, and of key
+    ``_v4_key(c)`` and channel ``_v4_v_channel(r)`` at V^T's."""
+    from kvarn_kernels import prefill_v4 as p4
+
+    keys = np.array([_v4_key(r) for r in range(64)])
+    k_channels = np.array([_v4_k_channel(c) for c in range(128)])
+    v_channels = np.array([_v4_v_channel(r) for r in range(128)])
+    assert sorted(keys) == list(range(64)) and sorted(k_channels) == list(range(128))
+    assert sorted(v_channels) == list(range(128))
+    np.testing.assert_array_equal(_view_gather(p4._KEY_VIEW.offset_bases, (64,)), keys)
+    np.testing.assert_array_equal(_view_gather(p4._K_CHANNEL_VIEW.offset_bases, (128,)), k_channels)
+    np.testing.assert_array_equal(_view_gather(p4._V_CHANNEL_VIEW.offset_bases, (128,)), v_channels)
+    rng = np.random.default_rng(0)
+    # K: a chunk's bytes [pair, channel], low nibble the even key; words of 4 channels
+    k = rng.integers(0, 16, size=(64, 128))
+    k_bytes = k[0::2] | (k[1::2] << 4)
+    rows = _view_gather(p4._K_WORDS_VIEW.offset_bases, (32, 32)) // 32  # row i's pair
+    k_words = k_bytes[rows[:, 0]].reshape(32, 32, 4)  # [row, word, byte]
+    # _UNPACK4: nibble h of bytes (s, s + 2) as the pair's halves e; [row, word, e, s, h]
+    x = np.stack(
+        [np.stack([k_words[:, :, [s, s + 2]] >> (4 * h) & 15 for s in (0, 1)], -1) for h in (0, 1)],
+        -1,
+    )
+    x = x.reshape(4, 8, 4, 8, 2, 2, 2).transpose(0, 6, 1, 3, 5, 2, 4).reshape(64, 128)
+    np.testing.assert_array_equal(x, k[keys][:, k_channels])
+    # V: 2-bit bytes [parity, byte column, pair], field f = channel 4 b + f; words of 4 pairs
+    v = rng.integers(0, 4, size=(64, 128))
+    v_bytes = sum(v.reshape(32, 2, 32, 4)[..., f] << (2 * f) for f in range(4))  # [pair, p, b]
+    v_words = v_bytes.transpose(1, 2, 0).reshape(2, 32, 4, 2, 4)  # [p, b, t, u, byte]
+    # _UNPACK2: field f of bytes (s'', s'' + 2) as the halves e; per field [b, t, u, e, s'', p]
+    fields = [
+        np.stack(
+            [
+                np.stack([v_words[p][..., [s2, s2 + 2]] >> (2 * f) & 3 for s2 in (0, 1)], -1)
+                for p in (0, 1)
+            ],
+            -1,
+        )
+        for f in range(4)
+    ]
+    y = np.stack([np.stack(fields[0:2], -1), np.stack(fields[2:4], -1)], -1)
+    y = y.reshape(4, 8, 4, 2, 2, 2, 2, 2, 2).transpose(8, 0, 7, 1, 3, 5, 6, 2, 4).reshape(128, 64)
+    np.testing.assert_array_equal(y, v[keys][:, v_channels].T)
 
 
 def test_prefill_v4_compiles_for_sm90() -> None:
