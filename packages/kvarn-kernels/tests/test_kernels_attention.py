@@ -1985,7 +1985,7 @@ def _v4_key(r: int) -> int:
 
 def _v4_k_channel(c: int) -> int:
     """prefill_v4's K column ``c`` -> channel."""
-    return ((c // 2) % 4) * 32 + (c // 16) * 4 + (c % 2) * 2 + (c // 8) % 2
+    return ((c // 2) % 4) * 32 + (c // 16) * 4 + ((c // 8) % 2) * 2 + c % 2
 
 
 def _v4_v_channel(r: int) -> int:
@@ -2009,8 +2009,8 @@ def _view_gather(bases: list[list[int]], shape: tuple[int, ...]) -> np.ndarray:
 def test_prefill_v4_operands_follow_the_relabelling() -> None:
     """prefill_v4's relabelling, off the GPU (Gluon has no interpreter): its shared-memory
     views gather the key, K channel and V channel of each operand index, and a numpy mirror
-    of its code path (``_K_WORDS_VIEW``'s rows, ``_UNPACK4``'s and ``_UNPACK2``'s byte
-    pairs, the joins, reshapes and permutations of ``_k_codes`` and ``_v_codes``) puts the
+    of its code path (``_K_WORDS_VIEW``'s rows, the byte pairs of K's unpacking
+    (``prefill_v3._unpack_asm``) and V's (``decode_v5._UNPACK2``), the joins, reshapes and permutations of ``_k_codes`` and ``_v_codes``) puts the
     code of key ``_v4_key(r)`` and channel ``_v4_k_channel(c)`` at K's ``(r, c)``, and of key
     ``_v4_key(c)`` and channel ``_v4_v_channel(r)`` at V^T's."""
     from kvarn_kernels import prefill_v4 as p4
@@ -2029,9 +2029,13 @@ def test_prefill_v4_operands_follow_the_relabelling() -> None:
     k_bytes = k[0::2] | (k[1::2] << 4)
     rows = _view_gather(p4._K_WORDS_VIEW.offset_bases, (32, 32)) // 32  # row i's pair
     k_words = k_bytes[rows[:, 0]].reshape(32, 32, 4)  # [row, word, byte]
-    # _UNPACK4: nibble h of bytes (s, s + 2) as the pair's halves e; [row, word, e, s, h]
+    # _unpack_asm(4): nibble h of bytes (2 s, 2 s + 1) as the pair's halves e; [row, word,
+    # e, s, h]
     x = np.stack(
-        [np.stack([k_words[:, :, [s, s + 2]] >> (4 * h) & 15 for s in (0, 1)], -1) for h in (0, 1)],
+        [
+            np.stack([k_words[:, :, [2 * s, 2 * s + 1]] >> (4 * h) & 15 for s in (0, 1)], -1)
+            for h in (0, 1)
+        ],
         -1,
     )
     x = x.reshape(4, 8, 4, 8, 2, 2, 2).transpose(0, 6, 1, 3, 5, 2, 4).reshape(64, 128)

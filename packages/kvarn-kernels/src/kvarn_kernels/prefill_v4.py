@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[i
 )
 
 from kvarn_kernels._common import PREFILL_UNSPECIALIZED
-from kvarn_kernels.decode_v5 import _UNPACK2, _UNPACK4, _halves
+from kvarn_kernels.decode_v5 import _UNPACK2, _halves
 from kvarn_kernels.prefill_v3 import (
     _chunk_block,
     _context_range,
@@ -66,6 +66,7 @@ from kvarn_kernels.prefill_v3 import (
     _row_ids,
     _rows_layout,
     _tile_rows,
+    _unpack_asm,
 )
 
 __all__ = [
@@ -107,7 +108,7 @@ def _token(r):
 @gluon.jit
 def _k_channel(c):
     """K's (and the query's) column ``c`` -> channel (module doc)."""
-    return ((c // 2) % 4) * 32 + (c // 16) * 4 + (c % 2) * 2 + (c // 8) % 2
+    return ((c // 2) % 4) * 32 + (c // 16) * 4 + ((c // 8) % 2) * 2 + c % 2
 
 
 @gluon.jit
@@ -123,7 +124,7 @@ def _v_channel(r):
 _KEY_VIEW: gl.constexpr = gl.SharedLinearLayout(offset_bases=[[8], [16], [1], [32], [2], [4]])
 #: K's 128 channels (fp16 channel scales) in K column order
 _K_CHANNEL_VIEW: gl.constexpr = gl.SharedLinearLayout(
-    offset_bases=[[8], [1], [16], [32], [64], [2], [4]]
+    offset_bases=[[1], [8], [16], [32], [64], [2], [4]]
 )
 #: V's 128 channels in V^T row order
 _V_CHANNEL_VIEW: gl.constexpr = gl.SharedLinearLayout(
@@ -154,9 +155,11 @@ def _dequant16x2(x, magic, scale, zero, mult, sat):
 @gluon.jit
 def _k_codes(words, A_OP: gl.constexpr):
     """A chunk's K code words ``[32 rows 8 w + g, 32 words]`` as the ``[64, 128]`` A operand
-    of ``magic + code / 2`` (magic 512 for the even keys' rows, 32 for the odd ones')."""
+    of ``base + code`` (base 1024 for the even keys' rows, 64 for the odd ones'): each
+    word's bytes (0, 1) and (2, 3) as fp16 pairs (:func:`kvarn_kernels.prefill_v3._unpack_asm`),
+    so a pair holds two adjacent channels, as the channel scales' words do."""
     lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
-        _UNPACK4, "=r,=r,=r,=r,r", [words], dtype=(gl.int32,) * 4, is_pure=True, pack=1
+        _unpack_asm(4), "=r,=r,=r,=r,r", [words], dtype=(gl.int32,) * 4, is_pure=True, pack=1
     )
     # [row, word, e, s, h]: word 8 t + kb, e the pair's half, s the byte pair, h the nibble
     x = gl.join(gl.join(_halves(lo0), _halves(lo1)), gl.join(_halves(hi0), _halves(hi1)))
@@ -219,14 +222,14 @@ def _record_k(ring, r, A_OP: gl.constexpr, KW: gl.constexpr):
     kt = s16.slice(384, 64)._reinterpret(gl.float16, [64], _KEY_VIEW).load(ROWS)
     # rows of even keys read against 512, odd ones against 32
     row = gl.arange(0, 64, layout=ROWS)
-    magic = gl.where((row // 8) % 2 == 0, 512.0, 32.0).to(gl.float16)
+    base = gl.where((row // 8) % 2 == 0, 1024.0, 64.0).to(gl.float16)
     kw = k_raw.index(r)._reinterpret(gl.int32, [32, 32], _K_WORDS_VIEW).load(KW)
     return _dequant16x2(
         _k_codes(kw, A_OP),
-        magic[:, None],
+        base[:, None],
         ks[None, :],
-        (kz * 0.5)[None, :],
-        kt[:, None],
+        kz[None, :],
+        (kt * 0.5)[:, None],
         gl.full([64, 128], 65504.0, gl.float16, A_OP),
     )
 
@@ -389,6 +392,8 @@ def prefill_v4_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
+    # the columns' running maxima (LAZY: their reference maxima, +inf for a column that sees
+    # no key of the split, so that its probabilities are zero without a NaN)
     m_i = gl.full([M], float("-inf"), gl.float32, COLS)
     l_i = gl.zeros([M], gl.float32, COLS)
     # LAZY: each thread's share of the sums, its two rows of a column added ([w, g, column])
@@ -430,16 +435,17 @@ def prefill_v4_kernel(
             # the columns' reference maxima move only when a score would pass them by more
             # than LAZY_HEADROOM (and on the split's first chunk, which sets them): no
             # cross-warp maximum, no rescale and no cross-warp sum on the other chunks
-            m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
-            z = s * col_scale[None, :] - m_ref[None, :]
+            z = s * col_scale[None, :] - m_i[None, :]
             top = gl.max(gl.reshape(z, [BN * M]), axis=0)
             if (it == 0) | (top > LAZY_HEADROOM):
                 m_new = gl.maximum(m_i, gl.max(s, axis=0) * col_scale)
-                m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_ref)
+                # a column without a key on the split's first chunk has none on its others
+                # (they lie further past its position)
+                m_new = gl.where(m_new == float("-inf"), float("inf"), m_new)
+                alpha = gl.where(m_i == m_new, 1.0, gl.exp2(m_i - m_new))
                 acc = acc * alpha[None, :]
                 l_part = l_part * gl.convert_layout(alpha, PART_COLS)[None, None, :]
-                z = s * col_scale[None, :] - m_ref[None, :]
+                z = s * col_scale[None, :] - m_new[None, :]
                 m_i = m_new
             p = gl.exp2(z)
             l_part = l_part + gl.sum(gl.reshape(p, [4, 2, 8, M]), axis=1)
