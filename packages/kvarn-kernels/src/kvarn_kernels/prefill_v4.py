@@ -22,22 +22,26 @@ fragment (a warp's 16 rows x 16 k: lane ``4 g + t`` holds rows ``g, g + 8`` at k
 * S^T row ``r = 16 w + 8 h + g`` is key ``2 P + h`` of the chunk, token pair ``P = 8 (g // 2)
   + 4 (w // 2) + 2 (g % 2) + w % 2`` (:func:`_token`): a K byte holds both keys of a pair (low
   nibble even), so one byte feeds rows ``g`` and ``g + 8`` of one lane;
-* K's column ``c = 16 kb + 8 s + 2 t + e`` is channel ``32 t + 4 kb + 2 e + s``
+* K's column ``c = 16 kb + 8 s + 2 t + e`` is channel ``32 t + 4 kb + 2 s + e``
   (:func:`_k_channel`; the query's columns follow): a lane's 8 code words are one 32-byte run
-  of its pair's row, and a word's bytes (0, 2) and (1, 3) unpack into fp16 pairs
-  (:data:`kvarn_kernels.decode_v5._UNPACK4`);
+  of its pair's row, a word's bytes (0, 1) and (2, 3) unpack into fp16 pairs
+  (:func:`kvarn_kernels.prefill_v3._unpack_asm`), and a pair's two channels are adjacent, as
+  in the channel scales' words;
 * V^T's columns are the keys in S^T's row order (``P^T``'s rows), so a lane's keys are 8
   consecutive pairs of each parity: two code words of one V byte column;
 * V^T row ``r = 64 c + 16 w + 8 a + g`` is channel ``4 (8 w + g) + 2 c + a``
   (:func:`_v_channel`): the 4 fields of a 2-bit byte are a lane's 4 rows.
 
 The softmax runs along the MMA's M (a key's scores sit in one warp, a query row's across the
-warpgroup), so its maxima and sums cross the four warps once a chunk.
+warpgroup), so a column's maximum and sum cross the four warps; with
+:data:`V4_LAZY_SOFTMAX` that happens only on the chunks that move a column's reference
+maximum.
 
-Numerics as v3's ``DEQ16``: ``k / 2`` and ``v / 2`` in fp16 pairs (codes read as ``magic +
-code / 2``; ``(x - magic) * scale + zero`` then the other axis' scale, saturated to +-65504
-with NaN kept), fp32 scores and accumulators, the query row-normalized to fp16. GPU only
-(Gluon has no interpreter); sm_90, 4-bit keys with 2-bit values, head dim 128, the in-cache
+Numerics as v3's ``DEQ16``: ``k / 2`` and ``v / 2`` in fp16 pairs (K's codes read as ``base
++ code``, V's as ``magic + code / 2`` by :data:`kvarn_kernels.decode_v5._UNPACK2`; ``(x -
+base) * scale + zero``, then the other axis' scale (halved for K), saturated to +-65504 with
+NaN kept), fp32 scores and accumulators, the query row-normalized to fp16. GPU only (Gluon
+has no interpreter); sm_90, 4-bit keys with 2-bit values, head dim 128, the in-cache
 code orders v3 reads. Same grid, arguments and partials as v3.
 """
 
@@ -220,7 +224,7 @@ def _record_k(ring, r, A_OP: gl.constexpr, KW: gl.constexpr):
     ks = s16.slice(0, 128)._reinterpret(gl.float16, [128], _K_CHANNEL_VIEW).load(COLS)
     kz = s16.slice(128, 128)._reinterpret(gl.float16, [128], _K_CHANNEL_VIEW).load(COLS)
     kt = s16.slice(384, 64)._reinterpret(gl.float16, [64], _KEY_VIEW).load(ROWS)
-    # rows of even keys read against 512, odd ones against 32
+    # rows of even keys (low nibbles) read against 1024, odd ones against 64
     row = gl.arange(0, 64, layout=ROWS)
     base = gl.where((row // 8) % 2 == 0, 1024.0, 64.0).to(gl.float16)
     kw = k_raw.index(r)._reinterpret(gl.int32, [32, 32], _K_WORDS_VIEW).load(KW)
