@@ -395,7 +395,8 @@ def kernel_category(name: str) -> str:
     ``decode_v5_kernel`` / ``decode_v6_kernel`` / ``decode_v7_kernel``, ``decode_pool_kernel``,
     ``_attn_kernel``, ``_merge_unrotate_kernel`` and ``_verify_rows_kernel`` (decode and
     speculative verify), ``_dequant_context_kernel`` (continuation chunks),
-    ``prefill_v2_kernel`` / ``prefill_v3_kernel`` / ``prefill_v3ws_kernel`` (the fused
+    ``prefill_v2_kernel`` / ``prefill_v3_kernel`` / ``prefill_v3ws_kernel`` /
+    ``prefill_v4_kernel`` (the fused
     prefill, ``method="fused"``), ``_flush_kernel`` (tile quantize + store, direct and pooled) and
     ``_rotate_rows_kernel`` (every Hadamard rotation: the side-pool write, the flush input
     and the continuation queries; one kernel, so the split comes from the host ranges).
@@ -405,7 +406,9 @@ def kernel_category(name: str) -> str:
     decode += ("decode_pool_kernel", "_attn_kernel", "_merge_unrotate_kernel", "_verify_rows")
     if low.startswith(decode):
         return "kvarn decode attention"
-    if low.startswith(("prefill_v2_kernel", "prefill_v3_kernel", "prefill_v3ws_kernel")):
+    if low.startswith(
+        ("prefill_v2_kernel", "prefill_v3_kernel", "prefill_v3ws_kernel", "prefill_v4_kernel")
+    ):
         return "kvarn prefill attention (fused)"
     if low.startswith("_dequant_context_kernel"):
         return "kvarn prefill dequant"
