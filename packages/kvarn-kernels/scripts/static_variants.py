@@ -640,6 +640,26 @@ for _r in (128, 168):
     )
 
 
+def _prefill_consts(name: str, rows: int) -> dict[str, Any]:
+    """The Gluon fused prefills' shape constants at ``rows`` query rows a program (4 heads
+    of a token each, 8 splits)."""
+    geo = _geo(name)
+    return dict(
+        HQ=32,
+        HK=8,
+        QPK=4,
+        QPK_P=4,
+        BQ=rows // 4,
+        B_P=128,  # attention.request_slots: at least 128
+        D=128,
+        G=geo.group,
+        VB=geo.value_bits,
+        STRIDE=geo.record_stride,
+        **{k: v for k, v in geo.offsets().items() if k not in ("K_ORDER", "V_ORDER")},
+        NUM_SPLITS=8,
+    )
+
+
 def _prefill_v3(
     name: str,
     warps: int = 8,
@@ -654,21 +674,8 @@ def _prefill_v3(
     the side pool's shadow rows."""
     from kvarn_kernels import prefill_v3 as p3
 
-    geo = _geo(name)
-    offs = geo.offsets()
     consts = dict(
-        HQ=32,
-        HK=8,
-        QPK=4,
-        QPK_P=4,
-        BQ=4 * warps,
-        B_P=128,  # attention.request_slots: at least 128
-        D=128,
-        G=geo.group,
-        VB=geo.value_bits,
-        STRIDE=geo.record_stride,
-        **{k: v for k, v in offs.items() if k not in ("K_ORDER", "V_ORDER")},
-        NUM_SPLITS=8,
+        **_prefill_consts(name, 16 * warps),
         W=warps,
         DEQ16=deq16,
         SHADOW=shadow,
@@ -710,21 +717,8 @@ def _prefill_v4(name: str, shadow: int = 0, lazy: bool | None = None) -> Any:
     side pool's shadow rows; ``lazy``: its softmax (default :data:`V4_LAZY_SOFTMAX`)."""
     from kvarn_kernels import prefill_v4 as p4
 
-    geo = _geo(name)
-    offs = geo.offsets()
     consts = dict(
-        HQ=32,
-        HK=8,
-        QPK=4,
-        QPK_P=4,
-        BQ=16,
-        B_P=128,
-        D=128,
-        G=geo.group,
-        VB=geo.value_bits,
-        STRIDE=geo.record_stride,
-        **{k: v for k, v in offs.items() if k not in ("K_ORDER", "V_ORDER")},
-        NUM_SPLITS=8,
+        **_prefill_consts(name, 64),
         SHADOW=shadow,
         RING=p4.V4_RING,
         LAZY=p4.V4_LAZY_SOFTMAX if lazy is None else lazy,
