@@ -58,8 +58,7 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
     import torch
 
     from kvarn_kernels import prefill_attention, prefill_v3
-    from kvarn_kernels.attention import _num_sms, prefill_v2_splits
-    from kvarn_kernels.prefill_v4 import V4_PROGRAMS_PER_SM
+    from kvarn_kernels.attention import _num_sms, fused_prefill_splits
 
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
     args = bk.prefill_args(c)
@@ -67,18 +66,9 @@ def run_shape(ctx: int, q_len: int, bsz: int, short: bool = False) -> list[dict[
     out = torch.empty_like(c["q"])
     plan = bk.prefill_plan(c)
     fa3 = bk.vllm_fa3()
-    auto = prefill_v2_splits(
-        int(c["q"].shape[0]), bk.HQ, bk.HK, int(c["bt"].shape[1]), _num_sms(c["q"].device)
-    )
-
-    auto4 = prefill_v2_splits(
-        int(c["q"].shape[0]),
-        bk.HQ,
-        bk.HK,
-        int(c["bt"].shape[1]),
-        _num_sms(c["q"].device) * V4_PROGRAMS_PER_SM,
-        block_m=64,
-    )
+    shape = (int(c["q"].shape[0]), bk.HQ, bk.HK, int(c["bt"].shape[1]), _num_sms(c["q"].device))
+    auto = fused_prefill_splits("v3", *shape, bk.D)
+    auto4 = fused_prefill_splits("v4", *shape, bk.D)
 
     def fused(**kw: Any) -> Callable[[], Any]:
         return lambda: prefill_attention(FMT, c["q"], *args, scale, out=out, method="fused", **kw)

@@ -3114,31 +3114,16 @@ def prefill_attention(
             )
         if not prefetch:
             raise ValueError("prefetch=False applies to fused_kernel='v1' only")
-    splits = num_splits
-    if splits is None:
-        splits = 1
-        if kernel in ("v2", "v3"):
-            from kvarn_kernels.prefill_v2 import default_block_m
-
-            splits = prefill_v2_splits(
-                t,
-                hq,
-                int(pool_k.shape[2]),
-                int(block_table.shape[1]),
-                _num_sms(q.device),
-                block_m=block_m or default_block_m(d),
-            )
-        elif kernel == "v4":
-            from kvarn_kernels.prefill_v4 import V4_PROGRAMS_PER_SM
-
-            splits = prefill_v2_splits(
-                t,
-                hq,
-                int(pool_k.shape[2]),
-                int(block_table.shape[1]),
-                _num_sms(q.device) * V4_PROGRAMS_PER_SM,
-                block_m=64,
-            )
+    splits = num_splits or fused_prefill_splits(
+        kernel,
+        t,
+        hq,
+        int(pool_k.shape[2]),
+        int(block_table.shape[1]),
+        _num_sms(q.device),
+        d,
+        block_m=block_m,
+    )
     workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, splits), q.device)
     _launch(
         geo,
@@ -3192,6 +3177,36 @@ def prefill_v2_splits(
     cap = max(1, cdiv(max_blocks, 4))
     splits = int(max(1, min(want, cap, 64)))
     return 1 << (splits.bit_length() - 1)
+
+
+def fused_prefill_splits(
+    kernel: str,
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    num_sms: int,
+    head_dim: int,
+    *,
+    block_m: int | None = None,
+) -> int:
+    """The default split count of fused prefill kernel ``kernel`` (``"v1"`` .. ``"v4"``):
+    :func:`prefill_v2_splits` at v2's and v3's tile (``block_m``, default
+    :func:`~kvarn_kernels.prefill_v2.default_block_m`) or v4's (64 rows,
+    :data:`~kvarn_kernels.prefill_v4.V4_PROGRAMS_PER_SM` programs an SM); v1 runs one."""
+    if kernel in ("v2", "v3"):
+        from kvarn_kernels.prefill_v2 import default_block_m
+
+        rows = block_m or default_block_m(head_dim)
+        return prefill_v2_splits(
+            num_tokens, num_q_heads, num_kv_heads, max_blocks, num_sms, block_m=rows
+        )
+    if kernel == "v4":
+        from kvarn_kernels.prefill_v4 import V4_PROGRAMS_PER_SM
+
+        sms = num_sms * V4_PROGRAMS_PER_SM
+        return prefill_v2_splits(num_tokens, num_q_heads, num_kv_heads, max_blocks, sms, block_m=64)
+    return 1
 
 
 def _workspace(ws: torch.Tensor | None, need: int, device: torch.device) -> torch.Tensor:
