@@ -141,6 +141,28 @@ def _shadow_rows(name: str, d: int, which: int | str) -> int:
     return shadow_rows(fmt.group, d, record_layout(fmt, d).tile_bytes)
 
 
+def _fused_prefill(
+    case: PagedCase,
+    name: str,
+    q: torch.Tensor,
+    qsl: torch.Tensor,
+    scale: float,
+    kernel: str,
+    **cfg: int,
+) -> torch.Tensor:
+    """``prefill_attention(method="fused", fused_kernel=kernel, **cfg)`` on ``case`` into an
+    output poisoned with NaN (a row the kernel does not write fails the closeness check)."""
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(
+        *case.prefill_args(name, q, qsl, scale),
+        out=out,
+        method="fused",
+        fused_kernel=kernel,
+        **cfg,  # type: ignore[arg-type]
+    )
+    return out
+
+
 def _assert_close(
     out: torch.Tensor, ref: torch.Tensor, *, tot: float = 3e-3, row: float = 3e-2
 ) -> None:
@@ -1076,15 +1098,7 @@ def test_prefill_v3_gpu(
     scale = 1.0 / math.sqrt(d)
     ref = prefill_attention_ref(*case.prefill_args(name, q, qsl, scale))
     for cfg in ({}, {"block_m": 64}, {"num_splits": 1}, {"num_splits": 8, "block_m": 64}):
-        out = torch.full_like(q, float("nan"))
-        prefill_attention(
-            *case.prefill_args(name, q, qsl, scale),
-            out=out,
-            method="fused",
-            fused_kernel="v3",
-            **cfg,  # type: ignore[arg-type]
-        )
-        _assert_close(out, ref)
+        _assert_close(_fused_prefill(case, name, q, qsl, scale, "v3", **cfg), ref)
 
 
 def test_prefill_method_picks_fused_for_short_chunks_where_v3_runs(
@@ -1134,15 +1148,7 @@ def test_prefill_v4_gpu(device: torch.device, name: str, hq: int, hk: int) -> No
         )
 
     def run(case: PagedCase, **cfg: int) -> torch.Tensor:
-        out = torch.full_like(q, float("nan"))
-        prefill_attention(
-            *case.prefill_args(name, q, qsl, scale),
-            out=out,
-            method="fused",
-            fused_kernel="v4",
-            **cfg,  # type: ignore[arg-type]
-        )
-        return out
+        return _fused_prefill(case, name, q, qsl, scale, "v4", **cfg)
 
     case = case_with(0)
     ref = prefill_attention_ref(*case.prefill_args(name, q, qsl, scale))
@@ -1182,11 +1188,7 @@ def test_prefill_v3_saturates_overflowing_records_gpu(
     scale = 1.0 / math.sqrt(d)
 
     def run() -> torch.Tensor:
-        out = torch.full_like(q, float("nan"))
-        prefill_attention(
-            *case.prefill_args(name, q, qsl, scale), out=out, method="fused", fused_kernel=kernel
-        )
-        return out
+        return _fused_prefill(case, name, q, qsl, scale, kernel)
 
     ordinary = run()
     _assert_close(ordinary, prefill_attention_ref(*case.prefill_args(name, q, qsl, scale)))
@@ -1235,15 +1237,7 @@ def test_prefill_v3_shadow_rows_gpu(device: torch.device, name: str, cfg: dict[s
         )
 
     def run(case: PagedCase) -> torch.Tensor:
-        out = torch.full_like(q, float("nan"))
-        prefill_attention(
-            *case.prefill_args(name, q, qsl, scale),
-            out=out,
-            method="fused",
-            fused_kernel="v3",
-            **cfg,  # type: ignore[arg-type]
-        )
-        return out
+        return _fused_prefill(case, name, q, qsl, scale, "v3", **cfg)
 
     _check_reference_and_shadow_twin(
         name,
