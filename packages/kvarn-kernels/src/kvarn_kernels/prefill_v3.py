@@ -774,12 +774,17 @@ def _query_tile(
 
 
 @gluon.jit
-def _query_smem(Q, rows, row_ok, qk_scale, M: gl.constexpr, D: gl.constexpr, OL: gl.constexpr):
+def _query_smem(
+    Q, rows, row_ok, qk_scale, M: gl.constexpr, D: gl.constexpr, OL: gl.constexpr, cols=None
+):
     """The tile's queries, each row divided by its largest magnitude, fp16 in shared memory,
-    and the rows' scale back (``2 x`` that magnitude; the stages hold ``k / 2``)."""
+    and the rows' scale back (``2 x`` that magnitude; the stages hold ``k / 2``). ``cols``:
+    the channel each shared-memory column holds (``[D]`` along ``OL``'s columns; default
+    channel order)."""
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
-    dd = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
-    q = gl.load(Q + rows[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
+    if cols is None:
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
+    q = gl.load(Q + rows[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
     q = q * qk_scale
     qmax = gl.max(gl.abs(q), axis=1)
     qmax = gl.where(qmax > 0, qmax, 1.0)

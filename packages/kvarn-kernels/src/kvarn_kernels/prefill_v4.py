@@ -64,6 +64,7 @@ from kvarn_kernels.prefill_v3 import (
     _chunk_block,
     _context_range,
     _pool_rows,
+    _query_smem,
     _record_loads,
     _ring_copies,
     _ring_issue,
@@ -349,7 +350,6 @@ def prefill_v4_kernel(
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)  # along the query rows
     KW: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     VW: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 4, 1], [4, 1, 1], [2, 1, 0])
-    Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
     P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, M], gl.float16)
 
     pid = gl.program_id(0)
@@ -380,15 +380,10 @@ def prefill_v4_kernel(
         _ring_issue(ring, i, KV, BLOCK_TO_SLOT, blk, i, n_it, h, HK, STRIDE, NCH, LOADS, COPIES)
         async_copy.commit_group()
 
-    # the query rows, each divided by its largest magnitude, in K's column order
+    # the query rows, row-normalized, in K's column order; the scores' factor back (k / 2)
     dq = _k_channel(gl.arange(0, D, layout=gl.SliceLayout(0, OL)))
-    q = gl.load(Q + rows[:, None] * D + dq[None, :], mask=row_ok[:, None], other=0.0) * qk_scale
-    qmax = gl.max(gl.abs(q), axis=1)
-    qmax = gl.where(qmax > 0, qmax, 1.0)
-    q_smem = gl.allocate_shared_memory(
-        gl.float16, [M, D], Q_SMEM, (q / qmax[:, None]).to(gl.float16)
-    )
-    col_scale = gl.convert_layout(2.0 * qmax, COLS)  # the scores' factor back (k / 2)
+    q_smem, col_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL, dq)
+    col_scale = gl.convert_layout(col_scale, COLS)
     p_smem = gl.allocate_shared_memory(gl.float16, [BN, M], P_SMEM)
     m_col = gl.arange(0, M, layout=COLS)
     q_pos = pos_lo + m_col // QPK_P
@@ -412,7 +407,7 @@ def prefill_v4_kernel(
         gl.thread_barrier()  # and every thread's; slot it - 1 read by all
         slot = gl.max(slot_raw.index(r).load(COPIES[2]), axis=0)
         pool = (POOL_K, POOL_V, KV, _chunk_block(bt_row, blk_lo, it, n_it, NCH))
-        start = (blk_lo + it // NCH) * G
+        start = (blk_lo + it // NCH) * G  # the chunk's tile's first key
         if slot >= 0:
             k = _pool_k(pool, slot, it % NCH, start, kv_len, h, GEO, A_OP)
         else:
@@ -429,7 +424,7 @@ def prefill_v4_kernel(
         )
         blk_next = _chunk_block(bt_row, blk_lo, j + 1, n_it, NCH)
         async_copy.commit_group()
-        t0 = (blk_lo + it // NCH) * G + (it % NCH) * BN
+        t0 = start + (it % NCH) * BN
         s = warpgroup_mma_wait(0, deps=[s_tok])
         if t0 + BN - 1 > pos_lo:  # some row must not see some key of the chunk
             t_pos = t0 + key_row
