@@ -166,18 +166,22 @@ def profile_once(
     settings: dict[str, int] | None = None,
 ) -> None:
     """Two fused calls (the first compiles), synchronized: what ``ncu --launch-skip`` and
-    compute-sanitizer take. ``kernel``: ``"v2"``, ``"v3"`` or ``"v3ws"`` (v3's
-    warp-specialized form); ``probe``: v3ws's ``WS_PROBE`` (0: the real kernel); ``settings``:
-    other :mod:`kvarn_kernels.prefill_v3` settings for the calls."""
+    compute-sanitizer take. ``kernel``: ``"v2"``, ``"v3"``, ``"v3ws"`` (v3's
+    warp-specialized form) or ``"v4"``; ``probe``: v3ws's ``WS_PROBE`` (0: the real kernel);
+    ``settings``: other :mod:`kvarn_kernels.prefill_v3` or :mod:`kvarn_kernels.prefill_v4`
+    settings for the calls."""
     import torch
 
-    from kvarn_kernels import prefill_attention, prefill_v3
+    from kvarn_kernels import prefill_attention, prefill_v3, prefill_v4
 
     prefill_v3.V3_WARP_SPECIALIZED = kernel == "v3ws"
     prefill_v3.WS_PROBE = probe
     c = bk.prefill_case(FMT, ctx, q_len, bsz)
     args = bk.prefill_args(c)
-    with module_settings(prefill_v3, settings or {}):
+    settings = settings or {}
+    v3_settings = {k: v for k, v in settings.items() if hasattr(prefill_v3, k)}
+    v4_settings = {k: v for k, v in settings.items() if k not in v3_settings}
+    with module_settings(prefill_v3, v3_settings), module_settings(prefill_v4, v4_settings):
         for _ in range(2):
             prefill_attention(
                 FMT, c["q"], *args, bk.D**-0.5, method="fused", fused_kernel=kernel[:2]
@@ -187,14 +191,16 @@ def profile_once(
 
 def parse_setting(text: str) -> tuple[str, int]:
     """``NAME=INT`` for ``--setting``: an integer or boolean setting of
-    :mod:`kvarn_kernels.prefill_v3` (``V3_DEQ16=0``, ``WS_RING=3``)."""
-    from kvarn_kernels import prefill_v3
+    :mod:`kvarn_kernels.prefill_v3` or :mod:`kvarn_kernels.prefill_v4` (``V3_DEQ16=0``,
+    ``WS_RING=3``, ``V4_LAZY_SOFTMAX=0``)."""
+    from kvarn_kernels import prefill_v3, prefill_v4
 
     name, sep, value = text.partition("=")
-    current = getattr(prefill_v3, name, None)
+    current = getattr(prefill_v3, name, getattr(prefill_v4, name, None))
     if not sep or not isinstance(current, int) or not value.lstrip("-").isdigit():
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected NAME=INT with NAME an integer or boolean setting of prefill_v3"
+            f"{text!r}: expected NAME=INT with NAME an integer or boolean setting of"
+            " prefill_v3 or prefill_v4"
         )
     return name, int(value)
 
@@ -295,7 +301,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--once",
-        choices=("v2", "v3", "v3ws"),
+        choices=("v2", "v3", "v3ws", "v4"),
         help="two calls of this fused kernel at the first shape and nothing else (a profiler's)",
     )
     ap.add_argument(
@@ -312,7 +318,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="NAME=INT",
-        help="with --once: a prefill_v3 setting for the calls (repeatable), e.g. WS_RING=3",
+        help="with --once: a prefill_v3 or prefill_v4 setting (repeatable), e.g. WS_RING=3",
     )
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)

@@ -86,6 +86,7 @@ def analyse(kernel: Any, sass_out: Path | None = None, tag: str = "") -> dict[st
     if sass_out is not None:
         sass_out.mkdir(parents=True, exist_ok=True)
         (sass_out / f"{tag}.sass").write_text(sass)
+        (sass_out / f"{tag}.ptxas.log").write_text(log)  # its warnings (serialized wgmma)
     # instructions: lines "/*0a30*/   IMAD ... ;"
     ins: list[tuple[int, str]] = []
     for line in sass.splitlines():
