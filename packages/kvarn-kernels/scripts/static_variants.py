@@ -640,9 +640,9 @@ for _r in (128, 168):
     )
 
 
-def _prefill_consts(name: str, rows: int) -> dict[str, Any]:
+def _prefill_consts(name: str, rows: int, pdl: bool = True) -> dict[str, Any]:
     """The Gluon fused prefills' shape constants at ``rows`` query rows a program (4 heads
-    of a token each, 8 splits)."""
+    of a token each, 8 splits); ``pdl``: launched as programmatic dependents (as on sm_90)."""
     geo = _geo(name)
     return dict(
         HQ=32,
@@ -657,6 +657,7 @@ def _prefill_consts(name: str, rows: int) -> dict[str, Any]:
         STRIDE=geo.record_stride,
         **{k: v for k, v in geo.offsets().items() if k not in ("K_ORDER", "V_ORDER")},
         NUM_SPLITS=8,
+        PDL=pdl,
     )
 
 
@@ -666,16 +667,17 @@ def _prefill_v3(
     deq16: bool = True,
     ws: bool = False,
     shadow: int = 0,
+    pdl: bool = True,
     **ws_settings: Any,
 ) -> Any:
     """The Gluon fused prefill (asynchronous wgmma), ``16 * warps`` query rows; ``ws``: its
     warp-specialized form (producer warps dequantizing), ``ws_settings`` overriding the
     module's ``WS_`` constants (``PREGS=208``, ``PROBE=1``, ``MAXNREG=...``); ``shadow``:
-    the side pool's shadow rows."""
+    the side pool's shadow rows; ``pdl``: :func:`_prefill_consts`'."""
     from kvarn_kernels import prefill_v3 as p3
 
     consts = dict(
-        **_prefill_consts(name, 16 * warps),
+        **_prefill_consts(name, 16 * warps, pdl),
         W=warps,
         DEQ16=deq16,
         SHADOW=shadow,
@@ -712,13 +714,16 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
     variant(f"prefill_v3_shadow {_n} w4")(lambda _n=_n: _prefill_v3(_n, 4, shadow=27))
 
 
-def _prefill_v4(name: str, shadow: int = 0, lazy: bool | None = None) -> Any:
+def _prefill_v4(
+    name: str, shadow: int = 0, lazy: bool | None = None, pdl: bool = True
+) -> Any:
     """The transposed producer-free fused prefill (64 query rows, 4 warps); ``shadow``: the
-    side pool's shadow rows; ``lazy``: its softmax (default :data:`V4_LAZY_SOFTMAX`)."""
+    side pool's shadow rows; ``lazy``: its softmax (default :data:`V4_LAZY_SOFTMAX`);
+    ``pdl``: :func:`_prefill_consts`'."""
     from kvarn_kernels import prefill_v4 as p4
 
     consts = dict(
-        **_prefill_consts(name, 64),
+        **_prefill_consts(name, 64, pdl),
         SHADOW=shadow,
         RING=p4.V4_RING,
         LAZY=p4.V4_LAZY_SOFTMAX if lazy is None else lazy,
@@ -735,9 +740,10 @@ variant("prefill_v4_eager_max kvarn_k4v2_g128 w4")(
 )
 
 
-def _merge(parts: int, warps: int = 4) -> Any:
+def _merge(parts: int, warps: int = 4, pdl: bool = False) -> Any:
     """The merge and un-rotation of ``parts`` partials as :func:`attention._launch` compiles
-    it for decode (16 rows a program, head dim 128, fp16 out), at ``warps`` warps."""
+    it for decode (16 rows a program, head dim 128, fp16 out), at ``warps`` warps; ``pdl``:
+    as for the fused prefill's (a programmatic dependent)."""
     from kvarn_kernels import attention
 
     sig = {"O_PART": "*fp32", "LSE_PART": "*fp32", "OUT": "*fp16", "S_MAT": "*fp16"}
@@ -750,6 +756,7 @@ def _merge(parts: int, warps: int = 4) -> Any:
         OUT_BF16=False,
         ROWS_PER_TOKEN=0,
         UNROLL=attention._merge_unroll(parts),
+        PDL=pdl,
     )
     return compile_kernel(attention._merge_unrotate_kernel, sig, consts, warps)
 

@@ -21,6 +21,7 @@ takes the JIT's path.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from itertools import repeat
@@ -32,7 +33,11 @@ from triton._C.libtriton import native_specialize_impl  # type: ignore[import-un
 
 from kvarn_kernels._common import triton_interpret
 
-__all__ = ["launch", "launch_key"]
+__all__ = ["PROGRAMMATIC_LAUNCH", "launch", "launch_key", "pdl_supported"]
+
+#: Launch the kernels written for it as programmatic dependents of the kernel before them
+#: (:func:`pdl_supported`): each starts, up to its wait, while its predecessor drains.
+PROGRAMMATIC_LAUNCH = True
 
 #: key -> (compiled kernel, the constexpr values in signature order), or None where a kernel
 #: always takes the JIT's path
@@ -82,6 +87,19 @@ def _tail(kernel: Any, n_args: int, constexprs: Mapping[str, object]) -> tuple[A
     return tuple(constexprs[n] for n in tail)
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Whether a launch on ``device`` may be a programmatic dependent one: sm_90 or newer,
+    compiled (not the interpreter), and :data:`PROGRAMMATIC_LAUNCH` on."""
+    if not PROGRAMMATIC_LAUNCH or device.type != "cuda" or triton_interpret():
+        return False
+    return _sm_major(torch.cuda.current_device() if device.index is None else device.index) >= 9
+
+
+@functools.cache
+def _sm_major(index: int) -> int:
+    return int(torch.cuda.get_device_capability(index)[0])
+
+
 def _hooks_installed() -> bool:
     """True when a launch hook is installed (a profiler's): those calls keep the JIT's path,
     which builds the metadata hooks read. Triton 3.6 keeps the hooks as (usually empty)
@@ -105,17 +123,23 @@ def launch(
     num_warps: int,
     num_stages: int | None = None,
     maxnreg: int | None = None,
+    pdl: bool = False,
 ) -> None:
     """``kernel[grid](*args, **constexprs, num_warps=num_warps, ...)``, through the compiled
     kernel's launcher when a call with the same key has compiled it. ``args`` are the
     kernel's leading runtime parameters in order, ``constexprs`` all the rest by name;
     ``num_stages`` and ``maxnreg``: Triton's launch options of those names, left to
-    Triton's defaults when None."""
+    Triton's defaults when None. ``pdl``: a programmatic dependent launch (Triton's
+    ``launch_pdl``; see :func:`pdl_supported`): the kernel may start while the one before it
+    on the stream finishes, so it must wait (``griddepcontrol.wait``) before reading what
+    that one wrote or writing what it reads."""
     options = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
+    if pdl:
+        options["launch_pdl"] = True
     if triton_interpret() or _hooks_installed():
         kernel[grid](*args, **constexprs, **options)
         return

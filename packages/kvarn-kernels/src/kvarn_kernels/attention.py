@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
+from triton.language.extra.cuda import gdc_wait  # type: ignore[import-untyped]
 
 from kvarn_format import parse_cache_dtype, record_layout
 from kvarn_format.cache_order import CodeOrder
@@ -70,7 +71,7 @@ from kvarn_kernels._common import (
     resolve_format,
     triton_interpret,
 )
-from kvarn_kernels._launch import launch
+from kvarn_kernels._launch import launch, pdl_supported
 from kvarn_kernels.rotation import _check_pool, rotate_f32, sign_matrix
 
 if TYPE_CHECKING:
@@ -696,8 +697,12 @@ def _merge_unrotate_kernel(
     OUT_BF16: tl.constexpr,
     ROWS_PER_TOKEN: tl.constexpr,
     UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge split partials by log-sum-exp, un-rotate (``@ H``) and cast to the output dtype.
+
+    ``PDL``: launched as a programmatic dependent of the kernel that wrote the partials
+    (:func:`kvarn_kernels._launch.launch`), so it waits for that one before anything else.
 
     ``UNROLL`` (0, or the power of two at or above ``NUM_SPLITS``; see
     :data:`MERGE_UNROLL_MAX_SPLITS`): the split loop unrolled :data:`MERGE_CHUNK` splits at a
@@ -707,6 +712,8 @@ def _merge_unrotate_kernel(
     ``ROWS_PER_TOKEN > 0`` (verify): only the first ``TOKENS[0] * ROWS_PER_TOKEN`` rows hold
     partials (``TOKENS`` is ``query_start_loc[B]`` on the device); the rows of a padded batch's
     tail tokens, which no program visited, are written as zeros."""
+    if PDL:
+        gdc_wait()
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
@@ -1203,11 +1210,13 @@ def _launch_prefill_fused(
     block_m: int | None,
     block_n: int | None,
     num_warps: int | None,
+    pdl: bool,
 ) -> None:
     """A fused prefill kernel into ``num_splits`` partials: ``"prefill_v2"``
     (:mod:`kvarn_kernels.prefill_v2`), ``"prefill_v3"`` (:mod:`kvarn_kernels.prefill_v3`,
     the same grid and arguments; ``block_m`` 64 or 128 picks its warps) or ``"prefill_v4"``
-    (:mod:`kvarn_kernels.prefill_v4`, the same at 64 rows)."""
+    (:mod:`kvarn_kernels.prefill_v4`, the same at 64 rows). ``pdl``: v3 and v4 launched as
+    programmatic dependents of the queries' rotation (:func:`kvarn_kernels._launch.launch`)."""
     from kvarn_kernels.prefill_v2 import PREFILL_V2_WARPS, default_block_m, prefill_v2_kernel
 
     t = n_rows // hq
@@ -1261,8 +1270,9 @@ def _launch_prefill_fused(
             "SHADOW": pool_shadow_rows(pool_k, geo.group, kv_cache),
             "RING": prefill_v4.V4_RING,
             "LAZY": prefill_v4.V4_LAZY_SOFTMAX,
+            "PDL": pdl,
         }
-        launch(prefill_v4.prefill_v4_kernel, grid, args, consts, num_warps=4)
+        launch(prefill_v4.prefill_v4_kernel, grid, args, consts, num_warps=4, pdl=pdl)
         return
     if variant == "prefill_v3":
         from kvarn_kernels import prefill_v3
@@ -1275,6 +1285,7 @@ def _launch_prefill_fused(
             "W": rows // 16,
             "DEQ16": prefill_v3.V3_DEQ16,
             "SHADOW": pool_shadow_rows(pool_k, geo.group, kv_cache),
+            "PDL": pdl,
         }
         if prefill_v3.V3_WARP_SPECIALIZED and rows == 128:
             cp = prefill_v3.WS_CONSUMER_PARTITIONS
@@ -1295,9 +1306,10 @@ def _launch_prefill_fused(
                 {**consts, **ws, "W": 8 // cp},
                 num_warps=8 // cp,
                 maxnreg=prefill_v3.WS_MAXNREG,
+                pdl=pdl,
             )
             return
-        launch(prefill_v3.prefill_v3_kernel, grid, args, consts, num_warps=rows // 16)
+        launch(prefill_v3.prefill_v3_kernel, grid, args, consts, num_warps=rows // 16, pdl=pdl)
         return
     launch(
         prefill_v2_kernel,
@@ -1615,6 +1627,8 @@ def _launch(
     if n_rows == 0:
         return
     parts = decode_partials(variant, num_splits)
+    # the fused prefill kernels and their merge start while the kernel before them drains
+    pdl = variant in ("prefill_v3", "prefill_v4") and pdl_supported(q.device)
     q_rot = workspace[: n_rows * d]
     o_part = workspace[n_rows * d : n_rows * d * (1 + parts)]
     lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
@@ -1724,6 +1738,7 @@ def _launch(
             block_m,
             block_n,
             num_warps,
+            pdl,
         )
     else:
         if decode:
@@ -1808,8 +1823,10 @@ def _launch(
             "OUT_BF16": out.dtype == torch.bfloat16,
             "ROWS_PER_TOKEN": 0 if tokens is None else hq,
             "UNROLL": _merge_unroll(parts),
+            "PDL": pdl,
         },
         num_warps=4,
+        pdl=pdl,
     )
 
 

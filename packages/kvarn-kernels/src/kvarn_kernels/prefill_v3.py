@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[i
 
 from kvarn_kernels._common import PREFILL_UNSPECIALIZED
 
-__all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel", "prefill_v3ws_kernel"]
+__all__ = ["V3_HEAD_DIMS", "V3_WARPS", "gdc_wait", "prefill_v3_kernel", "prefill_v3ws_kernel"]
 
 #: Warps per program (``16 * V3_WARPS`` query rows: one or two warpgroups).
 V3_WARPS = 8
@@ -604,10 +604,12 @@ def prefill_v3_kernel(
     W: gl.constexpr,
     DEQ16: gl.constexpr,
     SHADOW: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """As :func:`kvarn_kernels.prefill_v2.prefill_v2_kernel` (the same grid, partials and
     arguments, 64-token chunks), on the asynchronous wgmma: ``W`` warps (4 or 8, launched
-    with ``num_warps=W``) and ``16 W`` query rows."""
+    with ``num_warps=W``) and ``16 W`` query rows. ``PDL``: launched as a programmatic
+    dependent (:func:`gdc_wait` before the queries)."""
     M: gl.constexpr = 16 * W
     BN: gl.constexpr = 64
     NCH: gl.constexpr = G // BN
@@ -628,7 +630,7 @@ def prefill_v3_kernel(
     if first >= q_end:
         return
     q_smem, row_scale, q_pos = _query_tile(
-        Q, rows, row_ok, m, qk_scale, pos_lo, QPK_P, M, D, OL, S_MMA
+        Q, rows, row_ok, m, qk_scale, pos_lo, QPK_P, M, D, OL, S_MMA, PDL
     )
 
     # two stages, each its own allocation (the barrier placement tells allocations apart,
@@ -764,24 +766,47 @@ def _query_tile(
     D: gl.constexpr,
     OL: gl.constexpr,
     S_MMA: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """The tile's queries, row-normalized fp16, in shared memory; the rows' scale (the
-    scores' factor back) and positions in the scores' layout."""
-    q_smem, row_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL)
+    scores' factor back) and positions in the scores' layout. ``PDL``: :func:`_query_smem`'s."""
+    q_smem, row_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL, PDL=PDL)
     row_scale = gl.convert_layout(row_scale, gl.SliceLayout(1, S_MMA))
     q_pos = gl.convert_layout(pos_lo + m // QPK_P, gl.SliceLayout(1, S_MMA))
     return q_smem, row_scale, q_pos
 
 
 @gluon.jit
+def gdc_wait():
+    """Wait for the kernel before this one on the stream to finish and its writes to be
+    visible: a kernel launched as a programmatic dependent (``launch(..., pdl=True)``) may
+    start before its predecessor ends, and must pass this before it reads what that one
+    wrote. A no-op in a kernel launched plainly."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
 def _query_smem(
-    Q, rows, row_ok, qk_scale, M: gl.constexpr, D: gl.constexpr, OL: gl.constexpr, cols=None
+    Q,
+    rows,
+    row_ok,
+    qk_scale,
+    M: gl.constexpr,
+    D: gl.constexpr,
+    OL: gl.constexpr,
+    cols=None,
+    PDL: gl.constexpr = False,
 ):
     """The tile's queries, each row divided by its largest magnitude, fp16 in shared memory,
     and the rows' scale back (``2 x`` that magnitude; the stages hold ``k / 2``). ``cols``:
     the channel each shared-memory column holds (``[D]`` along ``OL``'s columns; default
-    channel order)."""
+    channel order). ``PDL``: launched as a programmatic dependent of the queries' rotation,
+    so wait for it first (the work before, on the cache and the lengths, overlaps its end)."""
     Q_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, D], gl.float16)
+    if PDL:
+        gdc_wait()
     if cols is None:
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
     q = gl.load(Q + rows[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
@@ -1168,6 +1193,7 @@ def prefill_v3ws_kernel(
     RING: gl.constexpr,
     PROBE: gl.constexpr,
     SPREAD: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """:func:`prefill_v3_kernel` (same grid, arguments and partials) with its parts in
     separate warps. ``CP`` consumer partitions of ``W`` warps each (launched with
@@ -1176,7 +1202,8 @@ def prefill_v3ws_kernel(
     warps (``PREGS`` registers each) dequantize the next chunks into ``STAGES`` shared-memory
     stages, their raw bytes copied ahead into a ring of ``RING`` slots; handed over through
     mbarriers. ``RING``, ``PROBE``, ``SPREAD``: :data:`WS_RING`, :data:`WS_PROBE`,
-    :data:`WS_SPREAD_STORES` (defaults: the ``WS_`` constants).
+    :data:`WS_SPREAD_STORES` (defaults: the ``WS_`` constants); ``PDL``: as
+    :func:`prefill_v3_kernel`'s.
     The consumers never wait on the dequantization's instruction chain, only on a stage being
     ready."""
     M: gl.constexpr = 16 * W * CP
@@ -1194,7 +1221,7 @@ def prefill_v3ws_kernel(
     first, q_end, pos_lo, kv_len, _, rows, row_ok, b = _tile_rows(
         pid, h, QSL, SEQ_LENS, num_reqs, HQ, QPK, QPK_P, BQ, B_P, M, W, OL
     )
-    q_smem, row_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL)
+    q_smem, row_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL, PDL=PDL)
     scale_smem = gl.allocate_shared_memory(
         gl.float32, [M], gl.SwizzledSharedLayout(1, 1, 1, [0]), row_scale
     )

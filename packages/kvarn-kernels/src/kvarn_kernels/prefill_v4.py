@@ -332,10 +332,13 @@ def prefill_v4_kernel(
     SHADOW: gl.constexpr,
     RING: gl.constexpr,
     LAZY: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """:func:`kvarn_kernels.prefill_v3.prefill_v3_kernel`'s grid, arguments and partials at
     64 query rows a program (launched with ``num_warps=4``), transposed (module doc);
-    ``RING``: :data:`V4_RING`; ``LAZY``: :data:`V4_LAZY_SOFTMAX`."""
+    ``RING``: :data:`V4_RING`; ``LAZY``: :data:`V4_LAZY_SOFTMAX`; ``PDL``: launched as a programmatic dependent
+    (:func:`kvarn_kernels.prefill_v3.gdc_wait` before the queries, after the ring's first
+    copies)."""
     W: gl.constexpr = 4
     M: gl.constexpr = 64
     BN: gl.constexpr = 64
@@ -382,7 +385,7 @@ def prefill_v4_kernel(
 
     # the query rows, row-normalized, in K's column order; the scores' factor back (k / 2)
     dq = _k_channel(gl.arange(0, D, layout=gl.SliceLayout(0, OL)))
-    q_smem, col_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL, dq)
+    q_smem, col_scale = _query_smem(Q, rows, row_ok, qk_scale, M, D, OL, dq, PDL)
     col_scale = gl.convert_layout(col_scale, COLS)
     p_smem = gl.allocate_shared_memory(gl.float16, [BN, M], P_SMEM)
     m_col = gl.arange(0, M, layout=COLS)
