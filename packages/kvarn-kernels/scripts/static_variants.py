@@ -714,9 +714,7 @@ for _n in ("kvarn_k4v2_g128", "kvarn_k4v4_g64"):
     variant(f"prefill_v3_shadow {_n} w4")(lambda _n=_n: _prefill_v3(_n, 4, shadow=27))
 
 
-def _prefill_v4(
-    name: str, shadow: int = 0, lazy: bool | None = None, pdl: bool = True
-) -> Any:
+def _prefill_v4(name: str, shadow: int = 0, lazy: bool | None = None, pdl: bool = True) -> Any:
     """The transposed producer-free fused prefill (64 query rows, 4 warps); ``shadow``: the
     side pool's shadow rows; ``lazy``: its softmax (default :data:`V4_LAZY_SOFTMAX`);
     ``pdl``: :func:`_prefill_consts`'."""
