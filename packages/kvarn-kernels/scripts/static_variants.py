@@ -482,18 +482,19 @@ def _decode_v6(
     tma: bool = False,
     block: bool = False,
     maxnreg: int | None = None,
+    pdl: bool = False,
 ) -> Any:
     """The Gluon v6 main loop (:mod:`kvarn_kernels.decode_v6`: tokens in the MMA's M) at
     Qwen3-8B's decode shape; ``tma``: its code words copied by the tensor memory accelerator
     (the descriptors' types from :func:`kvarn_kernels.attention.v6_tma_descriptors` on a
-    small CPU cache)."""
+    small CPU cache); ``pdl``: built for a programmatic dependent launch."""
     import torch
 
     from kvarn_kernels.attention import v6_tma_descriptors
     from kvarn_kernels.decode_v6 import decode_v6_kernel
 
     consts = {**_gluon_decode_consts(name, qpk, warps, stages, fold), "PROBE": probe, "TMA": tma}
-    consts["BLOCK_SCALES"] = block
+    consts.update(BLOCK_SCALES=block, PDL=pdl)
     sig = dict(DECODE_SIG)
     if tma:
         geo = _geo(name)

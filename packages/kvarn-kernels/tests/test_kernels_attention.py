@@ -1164,32 +1164,44 @@ def test_prefill_v4_gpu(device: torch.device, name: str, hq: int, hk: int) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["v3", "v4"])
-def test_fused_prefill_programmatic_launch_gpu(device: torch.device, kernel: str) -> None:
-    """The fused prefill launched as programmatic dependents (the kernel and its merge start
-    while the kernel before each drains, and wait before reading its output) gives the plain
-    launches' output bit for bit: eagerly, and replayed from a CUDA graph after the queries
-    changed in place (a kernel that read them before the rotation had written them would
-    return the old call's rows). Each call runs right after a long matmul, so a kernel that
-    does not wait would overtake it."""
+@pytest.mark.parametrize("path", ["prefill v3", "prefill v4", "decode v6f", "decode v6t"])
+def test_programmatic_launch_gpu(device: torch.device, path: str) -> None:
+    """The fused prefill and v6's decode launched as programmatic dependents (the kernel and
+    its merge start while the kernel before each drains, and wait before reading its output)
+    give the plain launches' output bit for bit: eagerly, and replayed from a CUDA graph after
+    the queries changed in place (a kernel that read them before the rotation had written
+    them would return the old call's rows). Each call runs right after a long matmul, so a
+    kernel that does not wait would overtake it."""
     if torch.cuda.get_device_capability(device) != (9, 0):
-        pytest.skip("the fused prefill runs on sm_90 only")
+        pytest.skip("the fused prefill and v6t run on sm_90 only")
     from kvarn_kernels import _launch
 
     name, d, hq, hk = "kvarn_k4v2_g128", 128, 32, 8
-    lens, qlens = [4096 + 64, 1030, 300], [64, 6, 300]
-    case = build_case(name, d, hk, lens, device=device, seed=7, pool_from=(4096, 1024, 0))
-    q = torch.randn(sum(qlens), hq, d, device=device).half()
-    qsl = _qsl(qlens, device)
     scale = 1.0 / math.sqrt(d)
     big = torch.randn(4096, 4096, device=device, dtype=torch.float16)
+    kind, kernel = path.split()
+    if kind == "prefill":
+        lens, qlens = [4096 + 64, 1030, 300], [64, 6, 300]
+        case = build_case(name, d, hk, lens, device=device, seed=7, pool_from=(4096, 1024, 0))
+        q = torch.randn(sum(qlens), hq, d, device=device).half()
+        qsl = _qsl(qlens, device)
+        args = case.prefill_args(name, q, qsl, scale)
+        ref = prefill_attention_ref(*args)
+        cfg: dict[str, Any] = {"method": "fused", "fused_kernel": kernel}
+        attend: Callable[..., Any] = prefill_attention
+    else:
+        lens = [5000, 2000, 129, 3000]
+        case = build_case(name, d, hk, lens, device=device, seed=9, max_blocks=48)
+        q = torch.randn(len(lens), hq, d, device=device).half()
+        args = case.decode_args(name, q, scale)
+        ref = decode_attention_ref(*args)
+        cfg = {"variant": kernel, "num_splits": 4}
+        attend = decode_attention
     out = torch.empty_like(q)
 
     def call() -> None:
         torch.mm(big, big)  # keeps the stream busy up to the rotation
-        prefill_attention(
-            *case.prefill_args(name, q, qsl, scale), out=out, method="fused", fused_kernel=kernel
-        )
+        attend(*args, out=out, **cfg)
 
     assert _launch.pdl_supported(device)
     results = {}
@@ -1210,7 +1222,7 @@ def test_fused_prefill_programmatic_launch_gpu(device: torch.device, kernel: str
             _launch.PROGRAMMATIC_LAUNCH = saved
         results[pdl] = (eager, replayed)
     plain, pdl_out = results[False], results[True]
-    _assert_close(plain[0], prefill_attention_ref(*case.prefill_args(name, q, qsl, scale)))
+    _assert_close(plain[0], ref)
     assert not torch.equal(plain[0], plain[1])  # the replay saw the negated queries
     assert torch.equal(plain[0], pdl_out[0])
     assert torch.equal(plain[1], pdl_out[1])
@@ -1231,15 +1243,15 @@ def test_programmatic_launch_only_on_compiled_sm90() -> None:
 
 
 def test_programmatic_dependents_wait_before_their_inputs() -> None:
-    """Compiled for sm_90a here, without a GPU: the fused prefills and the merge built for a
-    programmatic launch wait (``griddepcontrol.wait``) exactly once, and before their first
-    load of the queries (the prefills) or of anything (the merge); built plainly, they do not
-    wait at all."""
+    """Compiled for sm_90a here, without a GPU: the fused prefills, v6t's decode and the
+    merge built for a programmatic launch wait (``griddepcontrol.wait``) exactly once, the
+    merge before any load; built plainly, they do not wait at all."""
     code = (
         "import sys, static_variants as sv\n"
         "for name, build in ("
         "('v3ws', lambda pdl: sv._prefill_v3('kvarn_k4v2_g128', 8, ws=True, pdl=pdl)),"
         "('v4', lambda pdl: sv._prefill_v4('kvarn_k4v2_g128', pdl=pdl)),"
+        "('v6t', lambda pdl: sv._decode_v6('kvarn_k4v2_g128', fold=True, tma=True, pdl=pdl)),"
         "('merge', lambda pdl: sv._merge(9, pdl=pdl))):\n"
         "    for pdl in (False, True):\n"
         "        ptx = build(pdl).asm['ptx']\n"
@@ -1254,7 +1266,7 @@ def test_programmatic_dependents_wait_before_their_inputs() -> None:
     )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line.split() for line in run.stdout.splitlines()]
-    assert len(rows) == 6, run.stdout
+    assert len(rows) == 8, run.stdout
     for kernel, pdl, waits, first_wait, first_load in rows:
         if pdl == "False":
             assert waits == "0", kernel

@@ -30,10 +30,12 @@ from typing import Any, cast
 import torch
 from triton import knobs  # type: ignore[import-untyped]
 from triton._C.libtriton import native_specialize_impl  # type: ignore[import-untyped]
+from triton.experimental import gluon  # type: ignore[import-untyped]
+from triton.experimental.gluon import language as gl  # type: ignore[import-untyped]
 
 from kvarn_kernels._common import triton_interpret
 
-__all__ = ["PROGRAMMATIC_LAUNCH", "launch", "launch_key", "pdl_supported"]
+__all__ = ["PROGRAMMATIC_LAUNCH", "gdc_wait", "launch", "launch_key", "pdl_supported"]
 
 #: Launch the kernels written for it as programmatic dependents of the kernel before them
 #: (:func:`pdl_supported`): each starts, up to its wait, while its predecessor drains.
@@ -98,6 +100,18 @@ def pdl_supported(device: torch.device) -> bool:
 @functools.cache
 def _sm_major(index: int) -> int:
     return int(torch.cuda.get_device_capability(index)[0])
+
+
+@gluon.jit
+def gdc_wait():  # type: ignore[no-untyped-def]
+    """In a Gluon kernel: wait for the kernel before this one on the stream to finish and its
+    writes to be visible. A kernel launched as a programmatic dependent (``launch(...,
+    pdl=True)``) may start before its predecessor ends and must pass this before it reads
+    what that one wrote (Triton kernels: ``triton.language.extra.cuda.gdc_wait``). A no-op in
+    a kernel launched plainly."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
 
 
 def _hooks_installed() -> bool:

@@ -112,6 +112,10 @@ FIVE_BIT_VARIANTS = ("v7", "v7f")
 GPU_ONLY_DECODE_VARIANTS = V5_VARIANTS
 #: The variants whose pool phase runs in a launch of its own (a partial more to merge).
 POOL_SPLIT_VARIANTS = ("v4d", *V5_VARIANTS)
+#: Variants whose kernel and merge are launched as programmatic dependents where the GPU
+#: takes them (:func:`kvarn_kernels._launch.pdl_supported`): each is dispatched while the
+#: kernel before it drains and waits only before what that one wrote.
+PDL_VARIANTS = ("v6", "v6f", "v6t", "prefill_v3", "prefill_v4")
 
 
 #: The query rows per program ``decode_attention(mma_rows=...)`` takes (v4 variants).
@@ -1351,6 +1355,7 @@ def _launch_v5(
     query_start_loc: torch.Tensor | None = None,
     max_query_len: int = 1,
     block_scales: bool | None = None,
+    pdl: bool = False,
 ) -> None:
     """The main loop of ``variant`` (:data:`V5_VARIANTS`: :mod:`kvarn_kernels.decode_v5`,
     ``"v5f"`` its folded form, ``"v6"`` :mod:`kvarn_kernels.decode_v6`) into partials ``0 ..
@@ -1365,7 +1370,8 @@ def _launch_v5(
     descriptors: :func:`v6_tma_descriptors`). ``block_scales`` (v6 at one warp, 128-token
     tiles): ``decode_v6_kernel``'s ``BLOCK_SCALES``; None: on for v6t where
     :func:`v6t_block_scales` says so (at :data:`V6T_BLOCK_MAX_REGISTERS` unless
-    ``max_registers`` is given), off otherwise."""
+    ``max_registers`` is given), off otherwise. ``pdl`` (v6 only): launched as a programmatic
+    dependent of the queries' rotation."""
     from kvarn_kernels.decode_v5 import V5_WARPS, decode_v5_kernel
     from kvarn_kernels.decode_v6 import decode_v6_kernel
     from kvarn_kernels.decode_v7 import decode_v7_kernel
@@ -1404,7 +1410,9 @@ def _launch_v5(
         if block_scales and not (v6 and geo.group == 128 and (num_warps or V5_WARPS) == 1):
             raise ValueError("block_scales is a one-warp v6 option on 128-token tiles")
         options.update(
-            {"PROBE": probe, "TMA": tma, "BLOCK_SCALES": block_scales} if v6 else {"LAZY": False}
+            {"PROBE": probe, "TMA": tma, "BLOCK_SCALES": block_scales, "PDL": pdl}
+            if v6
+            else {"LAZY": False}
         )
         if v6:  # the TMA build's descriptors (None for the others; ``tma`` did the checks)
             v7_args = (
@@ -1444,6 +1452,7 @@ def _launch_v5(
         },
         num_warps=num_warps or V5_WARPS,
         maxnreg=max_registers,
+        pdl=pdl and v6,
     )
 
 
@@ -1627,8 +1636,9 @@ def _launch(
     if n_rows == 0:
         return
     parts = decode_partials(variant, num_splits)
-    # the fused prefill kernels and their merge start while the kernel before them drains
-    pdl = variant in ("prefill_v3", "prefill_v4") and pdl_supported(q.device)
+    # the fused prefill kernels, v6's decode and their merge start while the kernel before
+    # them drains
+    pdl = variant in PDL_VARIANTS and pdl_supported(q.device)
     q_rot = workspace[: n_rows * d]
     o_part = workspace[n_rows * d : n_rows * d * (1 + parts)]
     lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
@@ -1682,6 +1692,7 @@ def _launch(
                 tokens_per_program=tokens_per_program,
                 query_start_loc=query_start_loc,
                 max_query_len=max_query_len,
+                pdl=pdl,
             )
             with side:
                 launch_pool()

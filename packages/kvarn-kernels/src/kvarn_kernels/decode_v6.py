@@ -52,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[i
     tma,
 )
 
+from kvarn_kernels._launch import gdc_wait
 from kvarn_kernels.decode_v5 import (
     _HALVES,
     _UNPACK4,
@@ -376,6 +377,7 @@ def decode_v6_kernel(
     PROBE: gl.constexpr = 0,
     TMA: gl.constexpr = False,
     BLOCK_SCALES: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):
     """One program per (request, KV head, split), ``W`` warps, 64 tokens per warp and step,
     as :func:`kvarn_kernels.decode_v5.decode_v5_kernel` (same grid, copies, partial outputs
@@ -389,7 +391,8 @@ def decode_v6_kernel(
     a step; one warp per program, two stages. ``BLOCK_SCALES`` (one warp, 128-token tiles): a
     tile's K channel-scale work (the scaled query, the folds' column sums) and V channel
     scales done on its first chunk and kept for its second (a one-warp program's steps walk a
-    split's chunks in order, two to a tile)."""
+    split's chunks in order, two to a tile). ``PDL``: launched as a programmatic dependent of
+    the queries' rotation (:func:`kvarn_kernels._launch.gdc_wait` before the query)."""
     gl.static_assert(W == 1 or W == 2 or W == 4, "v6 runs 1, 2 or 4 warps per program")
     gl.static_assert(
         not TMA or (W == 1 and STAGES == 2 and PROBE == 0), "v6's TMA build: one warp, two stages"
@@ -446,6 +449,8 @@ def decode_v6_kernel(
     seq_len = gl.load(SEQ_LENS + b)
 
     # the query, column-normalized, as the B operand [W, D, 8] in the _perm16 channel order
+    if PDL:
+        gdc_wait()
     qc = _axis(NQ, 2, bop)
     q_ok = qc < q_rows
     q_ptr = Q + (b.to(gl.int64) * HQ + h * QPK + qc) * D + _perm16(_axis(D, 1, bop))

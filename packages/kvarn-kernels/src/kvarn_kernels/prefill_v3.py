@@ -64,8 +64,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[i
 )
 
 from kvarn_kernels._common import PREFILL_UNSPECIALIZED
+from kvarn_kernels._launch import gdc_wait
 
-__all__ = ["V3_HEAD_DIMS", "V3_WARPS", "gdc_wait", "prefill_v3_kernel", "prefill_v3ws_kernel"]
+__all__ = ["V3_HEAD_DIMS", "V3_WARPS", "prefill_v3_kernel", "prefill_v3ws_kernel"]
 
 #: Warps per program (``16 * V3_WARPS`` query rows: one or two warpgroups).
 V3_WARPS = 8
@@ -774,17 +775,6 @@ def _query_tile(
     row_scale = gl.convert_layout(row_scale, gl.SliceLayout(1, S_MMA))
     q_pos = gl.convert_layout(pos_lo + m // QPK_P, gl.SliceLayout(1, S_MMA))
     return q_smem, row_scale, q_pos
-
-
-@gluon.jit
-def gdc_wait():
-    """Wait for the kernel before this one on the stream to finish and its writes to be
-    visible: a kernel launched as a programmatic dependent (``launch(..., pdl=True)``) may
-    start before its predecessor ends, and must pass this before it reads what that one
-    wrote. A no-op in a kernel launched plainly."""
-    gl.inline_asm_elementwise(
-        "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-    )
 
 
 @gluon.jit
