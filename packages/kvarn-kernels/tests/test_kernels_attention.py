@@ -1203,12 +1203,12 @@ def test_programmatic_launch_gpu(device: torch.device, path: str) -> None:
         torch.mm(big, big)  # keeps the stream busy up to the rotation
         attend(*args, out=out, **cfg)
 
-    assert _launch.pdl_supported(device)
     results = {}
     for pdl in (False, True):
         saved = _launch.PROGRAMMATIC_LAUNCH
         _launch.PROGRAMMATIC_LAUNCH = pdl
         try:
+            assert _launch.pdl_supported(device) == pdl
             call()
             eager = out.clone()
             graph = torch.cuda.CUDAGraph()
@@ -1233,10 +1233,11 @@ def test_programmatic_launch_only_on_compiled_sm90() -> None:
     the kernels there, where ``griddepcontrol.wait`` does not exist)."""
     from kvarn_kernels import _launch
 
-    assert not _launch.pdl_supported(torch.device("cpu"))
     saved = _launch.PROGRAMMATIC_LAUNCH
-    _launch.PROGRAMMATIC_LAUNCH = False
     try:
+        _launch.PROGRAMMATIC_LAUNCH = True
+        assert not _launch.pdl_supported(torch.device("cpu"))
+        _launch.PROGRAMMATIC_LAUNCH = False
         assert not _launch.pdl_supported(torch.device("cuda", 0))
     finally:
         _launch.PROGRAMMATIC_LAUNCH = saved

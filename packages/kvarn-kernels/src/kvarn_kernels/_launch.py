@@ -38,8 +38,10 @@ from kvarn_kernels._common import triton_interpret
 __all__ = ["PROGRAMMATIC_LAUNCH", "gdc_wait", "launch", "launch_key", "pdl_supported"]
 
 #: Launch the kernels written for it as programmatic dependents of the kernel before them
-#: (:func:`pdl_supported`): each starts, up to its wait, while its predecessor drains.
-PROGRAMMATIC_LAUNCH = True
+#: (:func:`pdl_supported`): each starts, up to its wait, while its predecessor drains. Off
+#: until a GPU run has checked it (``test_programmatic_launch_gpu``) and timed it
+#: (docs/kernel-notes.md, forty-third session): no device time was left for either.
+PROGRAMMATIC_LAUNCH = False
 
 #: key -> (compiled kernel, the constexpr values in signature order), or None where a kernel
 #: always takes the JIT's path
