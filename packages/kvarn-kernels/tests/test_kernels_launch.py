@@ -33,7 +33,7 @@ class _Compiled:
 
 class _Param:
     def __init__(self, name: str) -> None:
-        self.is_constexpr = name.isupper()
+        self.is_constexpr = name in ("A", "B")
         self.is_const = False
         self.do_not_specialize = False
         self.do_not_specialize_on_alignment = False
@@ -132,6 +132,37 @@ def test_a_new_specialization_goes_through_the_jit(
         assert got == {o: want[name] for o, name in options.items()}
     call(**second)  # now known
     assert len(k.jit_calls) == 2 and len(k.compiled.calls) == 1
+
+
+def test_descriptor_arguments_are_specialized_once_per_object(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``launch(..., descriptors=1)``: the last argument's specialization is computed on its
+    first call only (the caller reuses the object), and the key is the one the per-call form
+    computes, so the second call still reaches the launcher; a new object (another cache's
+    descriptor) is specialized again."""
+    monkeypatch.setattr(_launch, "_DESCRIPTOR_SPECS", {})
+    seen: list[object] = []
+    real = _launch.native_specialize_impl
+
+    def counting(backend: Any, arg: object, *flags: bool) -> Any:
+        seen.append(arg)
+        return real(backend, arg, *flags)
+
+    monkeypatch.setattr(_launch, "native_specialize_impl", counting)
+    k = _Kernel()
+    x = torch.zeros(64)
+    desc, other = torch.zeros(32), torch.zeros(32)  # stand-ins: any object specializes
+    plain = _launch.launch_key(k, (x, 7, desc), {"B": 2, "A": 1}, {"num_warps": 4})
+    seen.clear()
+    for _ in range(3):
+        _launch.launch(k, (1,), (x, 7, desc), {"B": 2, "A": 1}, num_warps=4, descriptors=1)
+    assert sum(a is desc for a in seen) == 1 and sum(a is x for a in seen) == 3
+    assert len(k.jit_calls) == 1 and len(k.compiled.calls) == 2
+    key = _launch.launch_key(k, (x, 7, desc), {"B": 2, "A": 1}, {"num_warps": 4}, 1)
+    assert key == plain
+    _launch.launch(k, (1,), (x, 7, other), {"B": 2, "A": 1}, num_warps=4, descriptors=1)
+    assert sum(a is other for a in seen) == 1
 
 
 def test_signatures_not_matched_stay_on_the_jit(fresh: None) -> None:

@@ -69,16 +69,48 @@ def launch_key(
     args: Sequence[object],
     constexprs: Mapping[str, object],
     options: Mapping[str, int],
+    descriptors: int = 0,
 ) -> tuple[Any, ...]:
     """The cache key of a launch: the kernel, its launch options (``num_warps`` and those
     given of ``num_stages`` and ``maxnreg``), the current device, the constexprs, and each
     runtime argument's specialization as the JIT computes it (Triton's own native function,
-    mapped in C over the arguments)."""
+    mapped in C over the arguments; the last ``descriptors`` arguments' once per object, see
+    :func:`launch`)."""
     dev = torch.cuda.current_device()
     backend = kernel.device_caches[dev][3]
     is_const, specialize, align = _flags(kernel)
-    specs = tuple(map(native_specialize_impl, repeat(backend), args, is_const, specialize, align))
+    if descriptors:
+        n = len(args) - descriptors
+        flags = zip(args[n:], is_const[n:], specialize[n:], align[n:], strict=False)
+        specs = tuple(
+            map(native_specialize_impl, repeat(backend), args[:n], is_const, specialize, align)
+        ) + tuple(_descriptor_spec(backend, *f) for f in flags)
+    else:
+        specs = tuple(
+            map(native_specialize_impl, repeat(backend), args, is_const, specialize, align)
+        )
     return (kernel, tuple(options.items()), dev, tuple(constexprs.items()), specs)
+
+
+#: id -> (descriptor, backend, flags, its specialization). Triton formats a tensor
+#: descriptor's block shape and layout into its specialization on every call (~2 µs a
+#: descriptor on the CI host, ~4 on an H100's: forty-third session); a descriptor the caller
+#: keeps for its cache's lifetime (v6t's four) is formatted once. The entry holds the object,
+#: so its id is not reused while the entry lives; cleared past :data:`_DESCRIPTOR_SPECS_MAX`.
+_DESCRIPTOR_SPECS: dict[int, tuple[object, Any, tuple[bool, bool, bool], Any]] = {}
+_DESCRIPTOR_SPECS_MAX = 4096
+
+
+def _descriptor_spec(backend: Any, arg: object, is_const: bool, spec: bool, align: bool) -> Any:
+    flags = (is_const, spec, align)
+    hit = _DESCRIPTOR_SPECS.get(id(arg))
+    if hit is not None and hit[0] is arg and hit[1] is backend and hit[2] == flags:
+        return hit[3]
+    value = native_specialize_impl(backend, arg, is_const, spec, align)
+    if len(_DESCRIPTOR_SPECS) >= _DESCRIPTOR_SPECS_MAX:
+        _DESCRIPTOR_SPECS.clear()
+    _DESCRIPTOR_SPECS[id(arg)] = (arg, backend, flags, value)
+    return value
 
 
 def _tail(kernel: Any, n_args: int, constexprs: Mapping[str, object]) -> tuple[Any, ...] | None:
@@ -140,6 +172,7 @@ def launch(
     num_stages: int | None = None,
     maxnreg: int | None = None,
     pdl: bool = False,
+    descriptors: int = 0,
 ) -> None:
     """``kernel[grid](*args, **constexprs, num_warps=num_warps, ...)``, through the compiled
     kernel's launcher when a call with the same key has compiled it. ``args`` are the
@@ -148,7 +181,9 @@ def launch(
     Triton's defaults when None. ``pdl``: a programmatic dependent launch (Triton's
     ``launch_pdl``; see :func:`pdl_supported`): the kernel may start while the one before it
     on the stream finishes, so it must wait (``griddepcontrol.wait``) before reading what
-    that one wrote or writing what it reads."""
+    that one wrote or writing what it reads. ``descriptors``: the last that many of ``args``
+    are tensor descriptors the caller reuses from call to call (never changed once made):
+    their specialization is computed once per object."""
     options = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
@@ -159,7 +194,7 @@ def launch(
     if triton_interpret() or _hooks_installed():
         kernel[grid](*args, **constexprs, **options)
         return
-    key = launch_key(kernel, args, constexprs, options)
+    key = launch_key(kernel, args, constexprs, options, descriptors)
     hit = _COMPILED.get(key, _NEW)
     if hit is _NEW:
         compiled = kernel[grid](*args, **constexprs, **options)

@@ -1384,6 +1384,7 @@ def _launch_v5(
     options: dict[str, bool | int] = {"FOLD": variant in ("v5f", "v6f", "v6t", "v7f")}
     grid_x = int(block_table.shape[0])
     v7_args: tuple[Any, ...] = ()  # v7: the query start locations; v6: its descriptors
+    tma = False
     if variant in FIVE_BIT_VARIANTS:
         kernel = decode_v7_kernel
         groups = 1
@@ -1453,6 +1454,8 @@ def _launch_v5(
         num_warps=num_warps or V5_WARPS,
         maxnreg=max_registers,
         pdl=pdl and v6,
+        # v6t's descriptors: built once per cache (_v6_tma_descriptors_at)
+        descriptors=4 if tma else 0,
     )
 
 
