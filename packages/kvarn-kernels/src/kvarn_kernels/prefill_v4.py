@@ -336,9 +336,9 @@ def prefill_v4_kernel(
 ):
     """:func:`kvarn_kernels.prefill_v3.prefill_v3_kernel`'s grid, arguments and partials at
     64 query rows a program (launched with ``num_warps=4``), transposed (module doc);
-    ``RING``: :data:`V4_RING`; ``LAZY``: :data:`V4_LAZY_SOFTMAX`; ``PDL``: launched as a programmatic dependent
-    (:func:`kvarn_kernels._launch.gdc_wait` before the queries, after the ring's first
-    copies)."""
+    ``RING``: :data:`V4_RING`; ``LAZY``: :data:`V4_LAZY_SOFTMAX`; ``PDL``: launched as a
+    programmatic dependent (:func:`kvarn_kernels._launch.gdc_wait` before the queries, after
+    the ring's first copies)."""
     W: gl.constexpr = 4
     M: gl.constexpr = 64
     BN: gl.constexpr = 64
