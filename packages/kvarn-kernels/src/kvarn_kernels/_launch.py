@@ -14,9 +14,9 @@ tensor's dtype and 16-byte alignment, an int's equality to 1, divisibility by 16
 A new key goes through the JIT (which compiles if needed and launches), and its compiled
 kernel is kept; a known key calls the launcher directly. Two calls with one key thus get the
 one binary Triton would have picked. The launch options ``num_warps``, ``num_stages``,
-``maxnreg`` and ``launch_pdl`` are part of the key. Under the interpreter, with a launch hook installed
-(profilers) or for a signature that does not list its runtime parameters first, every call
-takes the JIT's path.
+``maxnreg`` and ``launch_pdl`` are part of the key. Under the interpreter, with a launch hook
+installed (profilers) or for a signature that does not list its runtime parameters first,
+every call takes the JIT's path.
 """
 
 from __future__ import annotations
