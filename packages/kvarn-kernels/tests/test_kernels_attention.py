@@ -1124,6 +1124,26 @@ def test_prefill_method_picks_fused_for_short_chunks_where_v3_runs(
         prefill_method("kvarn_k9v9_g128", 128, 1, cpu)
 
 
+def _ragged_prefill(
+    name: str, hq: int, hk: int, lens: list[int], qlens: list[int], seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, float, Callable[[int], PagedCase]]:
+    """A ragged prefill batch at head dim 128 whose chunks sit in the side pool: the queries,
+    their start locations, the softmax scale and the case at a given count of shadow rows
+    (each request's last ``qlens`` tokens are its chunk; the tiles from the chunk's first on
+    are pool tiles)."""
+    d = 128
+    pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
+    q = torch.randn(sum(qlens), hq, d, device=device).half()
+    qsl = _qsl(qlens, device)
+
+    def case_with(rows: int) -> PagedCase:
+        return build_case(
+            name, d, hk, lens, device=device, seed=seed, pool_from=pool_from, shadow_rows=rows
+        )
+
+    return q, qsl, 1.0 / math.sqrt(d), case_with
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k4v2_g64"])
 @pytest.mark.parametrize(("hq", "hk"), [(32, 8), (16, 2), (8, 8)])
@@ -1134,18 +1154,8 @@ def test_prefill_v4_gpu(device: torch.device, name: str, hq: int, hk: int) -> No
     one split and 8; and on a side pool with shadow rows, bit for bit the same as without."""
     if torch.cuda.get_device_capability(device) != (9, 0):
         pytest.skip("prefill_v4 runs on sm_90 only")
-    d = 128
-    lens = [2048 + 512, 1030, 300, 4000, 77]
-    qlens = [512, 6, 300, 64, 77]
-    pool_from = tuple(n - ql for n, ql in zip(lens, qlens, strict=True))
-    q = torch.randn(sum(qlens), hq, d, device=device).half()
-    qsl = _qsl(qlens, device)
-    scale = 1.0 / math.sqrt(d)
-
-    def case_with(rows: int) -> PagedCase:
-        return build_case(
-            name, d, hk, lens, device=device, seed=3, pool_from=pool_from, shadow_rows=rows
-        )
+    lens, qlens = [2048 + 512, 1030, 300, 4000, 77], [512, 6, 300, 64, 77]
+    q, qsl, scale, case_with = _ragged_prefill(name, hq, hk, lens, qlens, 3, device)
 
     def run(case: PagedCase, **cfg: int) -> torch.Tensor:
         return _fused_prefill(case, name, q, qsl, scale, "v4", **cfg)
@@ -1156,7 +1166,7 @@ def test_prefill_v4_gpu(device: torch.device, name: str, hq: int, hk: int) -> No
         _assert_close(run(case, **cfg), ref)
     _check_reference_and_shadow_twin(
         name,
-        _shadow_rows(name, d, "max"),
+        _shadow_rows(name, 128, "max"),
         case_with,
         run,
         lambda case: prefill_attention_ref(*case.prefill_args(name, q, qsl, scale)),
@@ -1182,10 +1192,8 @@ def test_programmatic_launch_gpu(device: torch.device, path: str) -> None:
     kind, kernel = path.split()
     if kind == "prefill":
         lens, qlens = [4096 + 64, 1030, 300], [64, 6, 300]
-        case = build_case(name, d, hk, lens, device=device, seed=7, pool_from=(4096, 1024, 0))
-        q = torch.randn(sum(qlens), hq, d, device=device).half()
-        qsl = _qsl(qlens, device)
-        args = case.prefill_args(name, q, qsl, scale)
+        q, qsl, scale, case_with = _ragged_prefill(name, hq, hk, lens, qlens, 7, device)
+        args = case_with(0).prefill_args(name, q, qsl, scale)
         ref = prefill_attention_ref(*args)
         cfg: dict[str, Any] = {"method": "fused", "fused_kernel": kernel}
         attend: Callable[..., Any] = prefill_attention
@@ -1337,25 +1345,15 @@ def test_prefill_v3_shadow_rows_gpu(device: torch.device, name: str, cfg: dict[s
     of requests whose chunks end inside a tile, and the tiles of the chunks themselves."""
     if torch.cuda.get_device_capability(device) != (9, 0):
         pytest.skip("prefill_v3 runs on sm_90 only")
-    d, hq, hk = 128, 32, 8
-    lens = [2048 + 300, 1030, 4000, 77]
-    qlens = [300, 6, 64, 77]
-    pool_from = tuple(n - ql for n, ql in zip(lens, qlens, strict=True))
-    q = torch.randn(sum(qlens), hq, d, device=device).half()
-    qsl = _qsl(qlens, device)
-    scale = 1.0 / math.sqrt(d)
-
-    def case_with(rows: int) -> PagedCase:
-        return build_case(
-            name, d, hk, lens, device=device, seed=11, pool_from=pool_from, shadow_rows=rows
-        )
+    lens, qlens = [2048 + 300, 1030, 4000, 77], [300, 6, 64, 77]
+    q, qsl, scale, case_with = _ragged_prefill(name, 32, 8, lens, qlens, 11, device)
 
     def run(case: PagedCase) -> torch.Tensor:
         return _fused_prefill(case, name, q, qsl, scale, "v3", **cfg)
 
     _check_reference_and_shadow_twin(
         name,
-        _shadow_rows(name, d, "max"),
+        _shadow_rows(name, 128, "max"),
         case_with,
         run,
         lambda case: prefill_attention_ref(*case.prefill_args(name, q, qsl, scale)),
