@@ -40,6 +40,7 @@ from kvarn_kernels import (
     ContextPlan,
     decode_attention,
     decode_workspace_numel,
+    plan_fused_prefill,
     plan_prefill_context,
     prefill_attention,
     verify_attention,
@@ -603,6 +604,121 @@ def test_prefill_v2_splits() -> None:
     assert prefill_v2_splits(1, 8, 8, 10_000, 10_000) == 64
     assert prefill_v2_splits(4096, 32, 8, 128, 132) == 1
     assert prefill_v2_splits(64, 32, 8, 128, 132, block_m=64) == 4
+
+
+def _layers_of(
+    name: str, d: int, hq: int, hk: int, lens: list[int], qlens: list[int], device: torch.device
+) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+    """Three layers of one prefill batch (their own caches, pools and queries, the queries a
+    strided view of a fused QKV tensor as vLLM passes them) and the batch's index tensors
+    (block table, query start locations, lengths, block-to-slot map) they share."""
+    pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
+    layers, index = [], ()
+    # one seed, so one block table and pool map; the layers differ in their values' scale
+    for value_scale in (1.0, 0.5, 3.0):
+        case = build_case(
+            name,
+            d,
+            hk,
+            lens,
+            device=device,
+            seed=5,
+            encoder="reference" if INTERPRET else "kernel",
+            pool_from=pool_from,
+            value_scale=value_scale,
+        )
+        qkv = torch.randn(sum(qlens), hq + 2 * hk, d, device=device).half()
+        args = case.prefill_args(name, qkv[:, :hq], _qsl(qlens, device), 1.0 / math.sqrt(d))
+        layers.append(tuple(args[1:5]))
+        index = index or tuple(args[5:9])
+        assert all(torch.equal(a, b) for a, b in zip(index, args[5:9], strict=True))
+    return layers, index
+
+
+@pytest.mark.parametrize("kernel", ["auto", "v1"])
+def test_fused_prefill_plan_replays_each_layer(
+    device: torch.device, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan shared by three layers gives each the unplanned call's output bit for bit and
+    checks the per-layer tensors once per layout: a layer with a new layout (bf16 queries) is
+    checked and prepared again. v1 (the decode kernel's prefill mode) is replayed unprepared."""
+    import kvarn_kernels.fused_prefill as fused_prefill
+
+    name, d, hq, hk, lens, qlens, _ = PREFILL_CPU[0]
+    layers, index = _layers_of(name, d, hq, hk, lens, qlens, device)
+    scale = 1.0 / math.sqrt(d)
+    checks = []
+    check = fused_prefill._check_varlen
+    monkeypatch.setattr(fused_prefill, "_check_varlen", lambda *a: checks.append(1) or check(*a))
+    plan = plan_fused_prefill(*index, fused_kernel=kernel)
+    for q, kv, pool_k, pool_v in layers:
+        planned = prefill_attention(
+            name, q, kv, pool_k, pool_v, *index, scale, method="fused", fused_plan=plan
+        )
+        plain = prefill_attention(
+            name, q, kv, pool_k, pool_v, *index, scale, method="fused", fused_kernel=kernel
+        )
+        assert torch.equal(planned, plain)
+    assert len(checks) == 1 + len(layers)  # the plan's first layer, and each plain call
+    q, kv, pool_k, pool_v = layers[0]
+    q16 = q.bfloat16()
+    planned = prefill_attention(
+        name, q16, kv, pool_k, pool_v, *index, scale, method="fused", fused_plan=plan
+    )
+    assert len(checks) == 2 + len(layers)
+    ref = prefill_attention_ref(name, q16, kv, pool_k, pool_v, *index, scale)
+    _assert_close(planned, ref, tot=8e-3)  # bf16 output rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["v3", "v4", "v2"])
+def test_fused_prefill_plan_gpu(device: torch.device, kernel: str) -> None:
+    """The served fused kernels under a plan shared by three layers (Qwen3-8B's heads, a
+    ragged batch of continuation chunks, strided queries): each layer's output is the
+    unplanned call's bit for bit, and close to the reference."""
+    if kernel != "v2" and torch.cuda.get_device_capability(device) != (9, 0):
+        pytest.skip("prefill v3 and v4 run on sm_90 only")
+    name = "kvarn_k4v2_g128"
+    layers, index = _layers_of(name, 128, 32, 8, [2048 + 64, 1030, 300], [64, 6, 300], device)
+    scale = 1.0 / math.sqrt(128)
+    plan = plan_fused_prefill(*index, fused_kernel=kernel)
+    for q, kv, pool_k, pool_v in layers:
+        planned = prefill_attention(
+            name, q, kv, pool_k, pool_v, *index, scale, method="fused", fused_plan=plan
+        )
+        plain = prefill_attention(
+            name, q, kv, pool_k, pool_v, *index, scale, method="fused", fused_kernel=kernel
+        )
+        assert torch.equal(planned, plain)
+        _assert_close(planned, prefill_attention_ref(name, q, kv, pool_k, pool_v, *index, scale))
+
+
+def test_fused_prefill_plan_validation(device: torch.device) -> None:
+    """A plan refuses other index tensors, the dequantize method and the settings it owns; bad
+    settings fail when planning; a bad layer is refused on its layout's first call."""
+    args = _tiny_prefill(device)
+    index = tuple(args[5:9])
+    plan = plan_fused_prefill(*index)
+    prefill_attention(*args, method="fused", fused_plan=plan)  # the matching plan runs
+    other = (index[0].clone(), *index[1:])
+    with pytest.raises(ValueError, match="fused_plan was built for other"):
+        prefill_attention(*args[:5], *other, args[9], method="fused", fused_plan=plan)
+    with pytest.raises(ValueError, match="fused_plan applies to method='fused' only"):
+        prefill_attention(*args, fused_plan=plan)
+    for kw in ({"num_splits": 2}, {"fused_kernel": "v2"}, {"block_m": 32}, {"prefetch": False}):
+        with pytest.raises(ValueError, match="with a fused_plan, pass"):
+            prefill_attention(*args, method="fused", fused_plan=plan, **kw)  # type: ignore[arg-type]
+    for kw, message in (
+        ({"fused_kernel": "v9"}, "fused_kernel must be"),
+        ({"num_splits": 0}, "num_splits must be"),
+        ({"block_m": 256}, "block_m must be"),
+        ({"fused_kernel": "v4", "block_m": 128}, "fused_kernel='v4' runs 64-row tiles"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            plan_fused_prefill(*index, **kw)  # type: ignore[arg-type]
+    bad_cache = args[2].view(torch.int8)
+    with pytest.raises(ValueError, match="kv_cache"):
+        prefill_attention(*args[:2], bad_cache, *args[3:], method="fused", fused_plan=plan)
 
 
 def test_prefill_context_plan_validation(device: torch.device) -> None:

@@ -13,7 +13,8 @@ Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from po
 :func:`decode_attention` (with :func:`decode_plan`, the kernel and split count it runs for a
 batch shape), :func:`verify_attention` (speculative verify: a few query tokens
 per request in one decode-kernel pass, or one decode row per token; :func:`verify_plan`), :func:`prefill_attention` (with
-:func:`plan_prefill_context`, its per-batch schedule shared by a step's layers), plus
+:func:`plan_prefill_context` and :func:`plan_fused_prefill`, its per-batch schedules shared
+by a step's layers), plus
 :func:`hadamard_matrix` and :func:`warmup` (compiles the serving kernels before serving).
 Pure-torch references live in :mod:`kvarn_kernels.reference`.
 """
@@ -35,6 +36,7 @@ from kvarn_kernels.attention import (
     verify_plan,
 )
 from kvarn_kernels.context import ContextPlan, plan_prefill_context
+from kvarn_kernels.fused_prefill import FusedPrefillPlan, plan_fused_prefill
 from kvarn_kernels.rotation import hadamard_matrix, rotate, write_side_pool
 from kvarn_kernels.store import flush_tiles, flush_token_tiles
 from kvarn_kernels.warmup import warmup
@@ -45,6 +47,7 @@ __all__ = [
     "FUSED_PREFILL_MAX_QUERY",
     "ContextPlan",
     "DecodePlan",
+    "FusedPrefillPlan",
     "choose_decode_splits",
     "decode_attention",
     "decode_partials",
@@ -56,6 +59,7 @@ __all__ = [
     "hadamard_matrix",
     "max_decode_partials",
     "max_verify_partials",
+    "plan_fused_prefill",
     "plan_prefill_context",
     "prefill_attention",
     "prefill_method",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any, cast
 
@@ -35,7 +36,14 @@ from triton.experimental.gluon import language as gl  # type: ignore[import-unty
 
 from kvarn_kernels._common import triton_interpret
 
-__all__ = ["PROGRAMMATIC_LAUNCH", "gdc_wait", "launch", "launch_key", "pdl_supported"]
+__all__ = [
+    "PROGRAMMATIC_LAUNCH",
+    "PreparedLaunch",
+    "gdc_wait",
+    "launch",
+    "launch_key",
+    "pdl_supported",
+]
 
 #: Launch the kernels written for it as programmatic dependents of the kernel before them
 #: (:func:`pdl_supported`): each starts, up to its wait, while its predecessor drains. Off
@@ -222,3 +230,30 @@ def launch(
         *args,
         *tail,
     )
+
+
+@dataclass(frozen=True)
+class PreparedLaunch:
+    """One :func:`launch` with its grid, arguments, constexprs and options worked out, so that
+    a caller repeating it (a step's layers) pays only the launch."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[object, ...]
+    constexprs: Mapping[str, object]
+    num_warps: int
+    maxnreg: int | None = None
+    pdl: bool = False
+
+    def run(self, args: Sequence[object] | None = None) -> None:
+        """Launch it, with ``args`` in place of :attr:`args` when given (the same parameters,
+        e.g. another layer's tensors of the same shapes)."""
+        launch(
+            self.kernel,
+            self.grid,
+            self.args if args is None else args,
+            self.constexprs,
+            num_warps=self.num_warps,
+            maxnreg=self.maxnreg,
+            pdl=self.pdl,
+        )

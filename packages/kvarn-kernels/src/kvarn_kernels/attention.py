@@ -71,11 +71,12 @@ from kvarn_kernels._common import (
     resolve_format,
     triton_interpret,
 )
-from kvarn_kernels._launch import launch, pdl_supported
+from kvarn_kernels._launch import PreparedLaunch, launch, pdl_supported
 from kvarn_kernels.rotation import _check_pool, rotate_f32, sign_matrix
 
 if TYPE_CHECKING:
     from kvarn_kernels.context import ContextPlan, VarlenAttention
+    from kvarn_kernels.fused_prefill import FusedPrefillPlan
 
 __all__ = [
     "DECODE_VARIANTS",
@@ -1193,7 +1194,7 @@ def _launch_pool(
     )
 
 
-def _launch_prefill_fused(
+def _prefill_fused_launch(
     variant: str,
     geo: DenseGeometry,
     q_rot: torch.Tensor,
@@ -1215,8 +1216,8 @@ def _launch_prefill_fused(
     block_n: int | None,
     num_warps: int | None,
     pdl: bool,
-) -> None:
-    """A fused prefill kernel into ``num_splits`` partials: ``"prefill_v2"``
+) -> PreparedLaunch:
+    """The launch of a fused prefill kernel into ``num_splits`` partials: ``"prefill_v2"``
     (:mod:`kvarn_kernels.prefill_v2`), ``"prefill_v3"`` (:mod:`kvarn_kernels.prefill_v3`,
     the same grid and arguments; ``block_m`` 64 or 128 picks its warps) or ``"prefill_v4"``
     (:mod:`kvarn_kernels.prefill_v4`, the same at 64 rows). ``pdl``: v3 and v4 launched as
@@ -1276,8 +1277,7 @@ def _launch_prefill_fused(
             "LAZY": prefill_v4.V4_LAZY_SOFTMAX,
             "PDL": pdl,
         }
-        launch(prefill_v4.prefill_v4_kernel, grid, args, consts, num_warps=4, pdl=pdl)
-        return
+        return PreparedLaunch(prefill_v4.prefill_v4_kernel, grid, args, consts, 4, pdl=pdl)
     if variant == "prefill_v3":
         from kvarn_kernels import prefill_v3
 
@@ -1303,19 +1303,17 @@ def _launch_prefill_fused(
                 "PROBE": prefill_v3.WS_PROBE,
                 "SPREAD": prefill_v3.WS_SPREAD_STORES,
             }
-            launch(
+            return PreparedLaunch(
                 prefill_v3.prefill_v3ws_kernel,
                 grid,
                 args,
                 {**consts, **ws, "W": 8 // cp},
-                num_warps=8 // cp,
+                8 // cp,
                 maxnreg=prefill_v3.WS_MAXNREG,
                 pdl=pdl,
             )
-            return
-        launch(prefill_v3.prefill_v3_kernel, grid, args, consts, num_warps=rows // 16, pdl=pdl)
-        return
-    launch(
+        return PreparedLaunch(prefill_v3.prefill_v3_kernel, grid, args, consts, rows // 16, pdl=pdl)
+    return PreparedLaunch(
         prefill_v2_kernel,
         grid,
         args,
@@ -1328,7 +1326,7 @@ def _launch_prefill_fused(
             "BN": block_n or min(geo.group, 64),
             "FAST_UNPACK": fast,
         },
-        num_warps=num_warps or PREFILL_V2_WARPS,
+        num_warps or PREFILL_V2_WARPS,
     )
 
 
@@ -1729,31 +1727,6 @@ def _launch(
         )
         if variant in POOL_SPLIT_VARIANTS:  # v4d: after its main loop, on the same stream
             launch_pool()
-    elif variant in ("prefill_v2", "prefill_v3", "prefill_v4"):
-        assert query_start_loc is not None and not decode
-        _launch_prefill_fused(
-            variant,
-            geo,
-            q_rot,
-            kv_cache,
-            pool_k,
-            pool_v,
-            block_table,
-            seq_lens,
-            block_to_slot,
-            query_start_loc,
-            o_part,
-            lse_part,
-            softmax_scale,
-            n_rows,
-            num_splits,
-            hq,
-            fast,
-            block_m,
-            block_n,
-            num_warps,
-            pdl,
-        )
     else:
         if decode:
             bq = 1
@@ -1813,18 +1786,35 @@ def _launch(
             },
             num_warps=warps,
         )
-    block_r = 16
     # verify: a padded batch's tail tokens (past query_start_loc[B]) come out as zeros (the
     # pointer is 16-byte aligned or not with B: two compiles, both in the warm-up)
     tokens = query_start_loc[-1:] if decode and query_start_loc is not None else None
-    launch(
+    _merge_launch(o_part, lse_part, out, n_rows, parts, hq, pdl, tokens).run()
+
+
+def _merge_launch(
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    out: torch.Tensor,
+    n_rows: int,
+    parts: int,
+    hq: int,
+    pdl: bool,
+    tokens: torch.Tensor | None = None,
+) -> PreparedLaunch:
+    """The launch of :func:`_merge_unrotate_kernel` on ``n_rows`` rows of ``parts`` partials
+    into ``out``; ``tokens`` (verify): the one-element count of real tokens, past which rows
+    come out as zeros."""
+    d = int(out.shape[-1])
+    block_r = 16
+    return PreparedLaunch(
         _merge_unrotate_kernel,
         (cdiv(n_rows, block_r),),
         (
             o_part,
             lse_part,
             out,
-            sign_matrix(d, q.device, torch.float16),
+            sign_matrix(d, out.device, torch.float16),
             lse_part if tokens is None else tokens,
             n_rows,
             1.0 / math.sqrt(d),
@@ -1839,7 +1829,7 @@ def _launch(
             "UNROLL": _merge_unroll(parts),
             "PDL": pdl,
         },
-        num_warps=4,
+        4,
         pdl=pdl,
     )
 
@@ -2937,6 +2927,7 @@ def prefill_attention(
     max_workspace_bytes: int | None = None,
     varlen_attention: VarlenAttention | None = None,
     context_plan: ContextPlan | None = None,
+    fused_plan: FusedPrefillPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of several query tokens per request over cached context.
 
@@ -3007,29 +2998,21 @@ def prefill_attention(
             ``max_workspace_bytes``, and saves each call the planning and its host-to-device
             copy). It must describe this call's batch: shapes are checked, the lengths on
             the device are not (that would need a host sync).
+        fused_plan: ``"fused"`` only: the batch's
+            :func:`~kvarn_kernels.fused_prefill.plan_fused_prefill`, built once from its
+            ``block_table``, ``query_start_loc``, ``seq_lens`` and ``block_to_slot`` (pass
+            those very tensors) and shared by the layers of a step: each layer's call then
+            skips the checks, the kernel choice and the launch set-up its layout's first
+            call did (it takes ``fused_kernel``, ``num_splits`` and ``block_m``; calls
+            sharing it must run on one stream).
         other arguments: as :func:`decode_attention`.
 
     Returns ``[T, Hq, D]`` in q's dtype, unrotated.
     """
-    geo, out = _check_varlen(
-        fmt, q, kv_cache, pool_k, pool_v, block_table, query_start_loc, seq_lens, block_to_slot, out
-    )
-    if block_m is not None and (
-        block_m not in (16, 32, 64, 128) or (block_m > 64 and q.shape[2] > 128)
-    ):
-        raise ValueError(
-            f"block_m must be 16, 32 or 64 (or 128 for head_dim <= 128), got {block_m}; "
-            "Triton 3.6 fails to compile 128-row tiles at head_dim 256"
-        )
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if fused_kernel not in ("auto", "v1", "v2", "v3", "v4"):
-        raise ValueError(
-            f"fused_kernel must be 'auto', 'v1', 'v2', 'v3' or 'v4', got {fused_kernel!r}"
-        )
     if method not in ("dequant", "fused"):
         raise ValueError(f"method must be 'dequant' or 'fused', got {method!r}")
-    t, hq, d = (int(s) for s in q.shape)
+    if fused_plan is not None and method != "fused":
+        raise ValueError("fused_plan applies to method='fused' only")
     if method == "dequant":
         fused_only = {
             "workspace": workspace is not None,
@@ -3054,6 +3037,19 @@ def prefill_attention(
 
         if sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"sdpa_backend must be one of {SDPA_BACKENDS}, got {sdpa_backend!r}")
+        geo, out = _check_varlen(
+            fmt,
+            q,
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            query_start_loc,
+            seq_lens,
+            block_to_slot,
+            out,
+        )
+        t, d = int(q.shape[0]), int(q.shape[2])
         hk = int(pool_k.shape[2])
         if context_plan is None:
             context_plan = plan_prefill_context(
@@ -3108,77 +3104,48 @@ def prefill_attention(
             "sdpa_backend, seq_lens_cpu, query_start_loc_cpu, max_workspace_bytes, "
             "varlen_attention and context_plan apply to method='dequant' only"
         )
-    kernel = fused_kernel
-    v3_ok = kernel in ("auto", "v3") and _v3_serves(geo, q.device)
-    if kernel == "auto":
-        kernel = "v2" if d <= PREFILL_V2_MAX_HEAD_DIM and prefetch else "v1"
-        if kernel == "v2" and v3_ok and block_n is None:
-            kernel = "v3"
-    if kernel == "v3":
-        if not v3_ok:
-            raise ValueError(
-                "fused_kernel='v3' needs an sm_90 GPU, 4-bit keys with 2- or 4-bit values "
-                "and head_dim 128; use 'v2' or 'auto'"
-            )
-        if block_m is not None and block_m not in (64, 128):
-            raise ValueError(f"fused_kernel='v3' takes block_m 64 or 128, got {block_m}")
-        if block_n is not None or num_warps is not None or not prefetch:
-            raise ValueError("block_n, num_warps and prefetch=False do not apply to 'v3'")
-    if kernel == "v4":
-        if not _v4_serves(geo, q.device):
-            raise ValueError(
-                "fused_kernel='v4' needs an sm_90 GPU, 4-bit keys with 2-bit values and "
-                "head_dim 128; use 'v3' or 'auto'"
-            )
-        if block_m not in (None, 64) or block_n is not None or num_warps is not None:
-            raise ValueError(
-                "fused_kernel='v4' runs 64-row tiles of 4 warps: drop block_m, "
-                "block_n and num_warps"
-            )
-        if not prefetch:
-            raise ValueError("prefetch=False applies to fused_kernel='v1' only")
-    if kernel == "v2":
-        if d > PREFILL_V2_MAX_HEAD_DIM:
-            raise ValueError(
-                f"fused_kernel='v2' takes head_dim <= {PREFILL_V2_MAX_HEAD_DIM}, got {d}; "
-                "use 'v1' or 'auto'"
-            )
-        if not prefetch:
-            raise ValueError("prefetch=False applies to fused_kernel='v1' only")
-    splits = num_splits or fused_prefill_splits(
-        kernel,
-        t,
-        hq,
-        int(pool_k.shape[2]),
-        int(block_table.shape[1]),
-        _num_sms(q.device),
-        d,
-        block_m=block_m,
-    )
-    workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, splits), q.device)
-    _launch(
-        geo,
-        _q_for_kernel(q),
+    from kvarn_kernels.fused_prefill import FusedPrefillPlan
+
+    if fused_plan is None:
+        fused_plan = FusedPrefillPlan(
+            block_table,
+            query_start_loc,
+            seq_lens,
+            block_to_slot,
+            fused_kernel=fused_kernel,
+            num_splits=num_splits,
+            block_m=block_m,
+            block_n=block_n,
+            num_warps=num_warps,
+            fast_unpack=fast_unpack,
+            prefetch=prefetch,
+            workspace=workspace,
+        )
+    elif (
+        any(
+            x is not None for x in (workspace, num_splits, block_n, num_warps, fast_unpack, block_m)
+        )
+        or not prefetch
+        or fused_kernel != "auto"
+    ):
+        raise ValueError(
+            "with a fused_plan, pass fused_kernel, num_splits and block_m to "
+            "plan_fused_prefill instead (workspace, block_n, num_warps, fast_unpack and "
+            "prefetch do not apply)"
+        )
+    return fused_plan.attend(
+        fmt,
+        q,
         kv_cache,
         pool_k,
         pool_v,
         block_table,
+        query_start_loc,
         seq_lens,
         block_to_slot,
-        query_start_loc,
         softmax_scale,
         out,
-        workspace,
-        splits,
-        False,
-        block_n,
-        num_warps,
-        fast_unpack,
-        prefetch,
-        block_m,
-        variant={"v2": "prefill_v2", "v3": "prefill_v3", "v4": "prefill_v4"}.get(kernel, "v1"),
     )
-    return out
 
 
 #: The largest head dim :mod:`kvarn_kernels.prefill_v2` takes (its ``[rows, D]`` fp32

@@ -39,7 +39,7 @@ from kvarn_kernels._common import (
     pool_shadow_rows,
     triton_interpret,
 )
-from kvarn_kernels._launch import launch
+from kvarn_kernels._launch import PreparedLaunch
 
 __all__ = [
     "hadamard_matrix",
@@ -171,13 +171,46 @@ def _launch_rotate(
     shadow: int = 0,
     is_v: bool = False,
 ) -> None:
-    d = x.shape[-1]
     if n_rows == 0:
         return
     if x.dtype == torch.bfloat16 and triton_interpret():
         # NumPy (the interpreter's backend) has no bfloat16 matmul; the widening is exact.
         x = x.float()
-    # x is [rows, D] (plain) or [T, Hk, D] (scatter); rows are t * hk + h.
+    rotate_launch(
+        x,
+        y,
+        n_rows=n_rows,
+        hk=hk,
+        out_f32=out_f32,
+        slot_mapping=slot_mapping,
+        block_to_slot=block_to_slot,
+        group=group,
+        scale=scale,
+        kv_cache=kv_cache,
+        shadow=shadow,
+        is_v=is_v,
+    ).run()
+
+
+def rotate_launch(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    n_rows: int,
+    hk: int,
+    out_f32: bool,
+    slot_mapping: torch.Tensor | None = None,
+    block_to_slot: torch.Tensor | None = None,
+    group: int = 1,
+    scale: float = 1.0,
+    kv_cache: torch.Tensor | None = None,
+    shadow: int = 0,
+    is_v: bool = False,
+) -> PreparedLaunch:
+    """The rotation kernel's launch on ``n_rows > 0`` rows of ``x`` (not bf16 under the
+    interpreter: :func:`_launch_rotate` widens it first) into ``y``, not yet run."""
+    d = x.shape[-1]
+    # x is [rows, D] or [T, Hk, D] (any strides but the last); rows are t * hk + h.
     stride_t = x.stride(0)
     stride_h = x.stride(1) if x.dim() == 3 else 0
     s = sign_matrix(d, x.device, x.dtype)
@@ -185,7 +218,7 @@ def _launch_rotate(
     block_c = min(d, 128)
     scatter = slot_mapping is not None
     dummy = s  # any tensor: the scatter-only pointers are not read in plain mode
-    launch(
+    return PreparedLaunch(
         _rotate_rows_kernel,
         (cdiv(n_rows, block_r),),
         (
