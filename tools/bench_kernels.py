@@ -597,24 +597,26 @@ def bench_prefill(
     block_m: int | None = None,
     **kw: Any,
 ) -> dict[str, Any]:
-    """``kw`` goes to ``prefill_attention`` (``method``, ``sdpa_backend``, ...); for
-    ``method="dequant"`` the batch's ``context_plan`` is built once, as the plugin does."""
+    """``kw`` goes to ``prefill_attention`` (``method``, ``sdpa_backend``, ...). The batch's
+    plan is built once, as the plugin does: the dequantize path's ``context_plan``, or the
+    fused path's ``fused_plan`` (``fused_kernel``, ``num_splits`` and ``block_m`` go to it)."""
     import torch
 
-    from kvarn_kernels import prefill_attention
+    from kvarn_kernels import plan_fused_prefill, prefill_attention
 
     c = prefill_case(fmt_name, ctx_before, q_len, bsz)
     out = torch.empty_like(c["q"])
     if block_m is not None:
         kw["block_m"] = block_m
         kw.setdefault("method", "fused")
-    if kw.get("method", "dequant") == "dequant":
-        # One plan per batch, built before the step and shared by its layers, as the plugin
-        # builds it: the timed call is one layer's.
-        kw.setdefault("context_plan", prefill_plan(c))
-    else:
-        kw.setdefault("method", "fused")
     args = prefill_args(c)
+    # One plan per batch, built before the step and shared by its layers, as the plugin
+    # builds it: the timed call is one layer's.
+    if kw.get("method", "dequant") == "dequant":
+        kw.setdefault("context_plan", prefill_plan(c))
+    elif "fused_plan" not in kw:
+        settings = {k: kw.pop(k) for k in ("fused_kernel", "num_splits", "block_m") if k in kw}
+        kw["fused_plan"] = plan_fused_prefill(*args[3:], **settings)
     return time_prefill(
         lambda: prefill_attention(fmt_name, c["q"], *args, D**-0.5, out=out, **kw),
         ctx_before,

@@ -394,9 +394,9 @@ def test_capture_of_multi_token_batches_is_the_uniform_verify_run(
 
 
 def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path) -> None:
-    """The builder plans each continuation run once (kvarn-kernels' ``ContextPlan``, shared by
-    the layers); first chunks attend to their own K/V and carry none, nor do continuation runs
-    on the fused kernel."""
+    """The builder plans each continuation run once (kvarn-kernels' ``ContextPlan``, or its
+    ``FusedPrefillPlan`` for a run on the fused kernel, shared by the layers); first chunks
+    attend to their own K/V and carry none."""
     from kvarn_vllm.backend import KvarnMetadataBuilder
 
     config = _config(qwen3_dir)
@@ -431,6 +431,18 @@ def test_context_runs_carry_one_plan_for_all_layers(kvarn: None, qwen3_dir: Path
 
     _, context = KvarnMetadataBuilder._prefill_runs(cam, 1, spec, context_method=fused)
     assert (context.context_method, context.context_plan, asked) == ("fused", None, [3])
+    assert context.fused_plan is None  # no block-to-slot map to plan with
+    # with the cache's block-to-slot map, the fused run carries its plan: the run's rows
+    table = torch.full((8,), -1, dtype=torch.int32)
+    _, context = KvarnMetadataBuilder._prefill_runs(
+        cam, 1, spec, context_method=fused, block_to_slot=table
+    )
+    fused_plan = context.fused_plan
+    assert fused_plan is not None and context.context_plan is None
+    assert fused_plan.block_to_slot is table
+    assert torch.equal(fused_plan.block_table, cam.block_table_tensor[2:4])
+    assert fused_plan.query_start_loc.tolist() == [0, 3, 5]
+    assert fused_plan.seq_lens.tolist() == [203, 9]
 
 
 def test_verify_rows_are_verify_runs(kvarn: None, qwen3_dir: Path) -> None:

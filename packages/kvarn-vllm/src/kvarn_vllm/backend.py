@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     from kvarn_kernels.context import ContextPlan, VarlenAttention
+    from kvarn_kernels.fused_prefill import FusedPrefillPlan
 
 __all__ = [
     "BACKENDS",
@@ -274,6 +275,11 @@ class PrefillRun:
     #: here and shared by every layer's ``prefill_attention`` (saves each layer the planning
     #: and its copy).
     context_plan: ContextPlan | None = None
+    #: ``context`` runs on the fused kernel: kvarn-kernels' plan of the run, holding its
+    #: block-table rows, device query offsets and lengths and the block-to-slot map, built
+    #: once here; every layer passes those very tensors with it and skips the checks and
+    #: launch set-up the first layer did.
+    fused_plan: FusedPrefillPlan | None = None
     #: ``verify`` runs: the run's block-table rows and device lengths, copied once per step
     #: into fresh tensors (16-byte aligned: Triton compiles a kernel again for a pointer
     #: that is not, and a slice from a run's first row need not be); the uniform run's are
@@ -401,6 +407,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                     verify_width=rt.verify_width,
                     exact_host_lens=not rt.spec_margin,
                     context_method=rt.context_method,
+                    block_to_slot=table,
                 )
         # The fixed decode workspace exists before any decode kernel runs (or is captured).
         self.runtime.ensure_decode_workspace(num_decodes)
@@ -464,6 +471,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         verify_width: int = 0,
         exact_host_lens: bool = True,
         context_method: Callable[[int], str] | None = None,
+        block_to_slot: torch.Tensor | None = None,
     ) -> list[PrefillRun]:
         """The batch's rows from ``first_row`` on, in runs of one kind: ``first`` chunks,
         ``context`` continuations (planned on the host lengths) and ``verify`` rows.
@@ -480,7 +488,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
         ``verify_width`` tokens count as verify rows when the host lengths are not exact (on
         the device lengths, any row is attended correctly). ``context_method`` gives a
         context run's ``prefill_attention`` method from its longest query (default: the
-        dequantize path); only dequantize runs are planned."""
+        dequantize path). Dequantize runs carry a ``ContextPlan``; fused runs a
+        ``FusedPrefillPlan`` when ``block_to_slot`` (the cache's block-to-slot map) is
+        given."""
         qsl = cam.query_start_loc_cpu.numpy()[: cam.num_reqs + 1]
         seq_cpu = cam.seq_lens_cpu_upper_bound
         if seq_cpu is None:
@@ -513,13 +523,17 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             cu_host = [int(x) - t0 for x in qsl[row : end + 1]]
             seq_host = [int(x) for x in seq[row:end]]
             max_query_len = int(q_lens[row:end].max())
-            plan = verify_table = verify_lens = None
+            plan = fused_plan = verify_table = verify_lens = None
             method = "dequant"
             if kind == "verify":
                 verify_table = cam.block_table_tensor[row:end].clone()
                 verify_lens = cam.seq_lens[row:end].clone()
             if kind == "context" and context_method is not None:
                 method = context_method(max_query_len)
+            if kind == "context" and method == "fused" and block_to_slot is not None:
+                fused_plan = _kernels().plan_fused_prefill(
+                    cam.block_table_tensor[row:end], cu, cam.seq_lens[row:end], block_to_slot
+                )
             if kind == "context" and method == "dequant":
                 plan = _kernels().plan_prefill_context(
                     spec.block_size,
@@ -545,6 +559,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                     cu_host=cu_host,
                     context_method=method,
                     context_plan=plan,
+                    fused_plan=fused_plan,
                     verify_block_table=verify_table,
                     verify_seq_lens=verify_lens,
                 )
@@ -809,7 +824,24 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                     self.scale,
                 )
                 with _prof_range("kvarn: context rows"):
-                    if run.context_method == "fused":
+                    fused = run.fused_plan
+                    if fused is not None:
+                        kk.prefill_attention(
+                            self.fmt,
+                            q[t0:t1],
+                            kv_cache,
+                            pools.k,
+                            pools.v,
+                            fused.block_table,
+                            fused.query_start_loc,
+                            fused.seq_lens,
+                            fused.block_to_slot,
+                            self.scale,
+                            out=out[t0:t1],
+                            method="fused",
+                            fused_plan=fused,
+                        )
+                    elif run.context_method == "fused":
                         kk.prefill_attention(*context, out=out[t0:t1], method="fused")
                     else:
                         kk.prefill_attention(
