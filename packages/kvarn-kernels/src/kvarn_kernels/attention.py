@@ -72,7 +72,7 @@ from kvarn_kernels._common import (
     triton_interpret,
 )
 from kvarn_kernels._launch import PreparedLaunch, launch, pdl_supported
-from kvarn_kernels.rotation import _check_pool, rotate_f32, sign_matrix
+from kvarn_kernels.rotation import _check_pool, query_rotation, sign_matrix
 
 if TYPE_CHECKING:
     from kvarn_kernels.context import ContextPlan, VarlenAttention
@@ -1643,7 +1643,9 @@ def _launch(
     q_rot = workspace[: n_rows * d]
     o_part = workspace[n_rows * d : n_rows * d * (1 + parts)]
     lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
-    rotate_f32(q, out=q_rot)
+    if q.dtype == torch.bfloat16 and triton_interpret():
+        q = q.float()  # NumPy (the interpreter's backend) has no bf16 dot; exact
+    query_rotation(q, q_rot).run()
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
 
     def launch_pool() -> None:  # the pool tiles of the POOL_SPLIT_VARIANTS, partial num_splits

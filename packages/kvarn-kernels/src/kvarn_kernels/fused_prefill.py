@@ -42,7 +42,7 @@ from kvarn_kernels.attention import (
     decode_workspace_numel,
     fused_prefill_splits,
 )
-from kvarn_kernels.rotation import rotate_launch
+from kvarn_kernels.rotation import query_rotation
 
 __all__ = ["FUSED_KERNELS", "FusedPrefillPlan", "plan_fused_prefill"]
 
@@ -286,10 +286,7 @@ class FusedPrefillPlan:
         widen = q.dtype == torch.bfloat16 and triton_interpret()
         pdl = variant in PDL_VARIANTS and pdl_supported(q.device)
         fast = (not triton_interpret()) if self._fast_unpack is None else self._fast_unpack
-        # the queries' [T, Hq, D] rows rotated where they lie (no copy of a strided q)
-        rotate = rotate_launch(
-            _rotation_input(q, widen), q_rot.view(n_rows, d), n_rows=n_rows, hk=hq, out_f32=True
-        )
+        rotate = query_rotation(_rotation_input(q, widen), q_rot)
         launches = (
             rotate,
             _prefill_fused_launch(

@@ -43,6 +43,7 @@ from kvarn_kernels._launch import PreparedLaunch
 
 __all__ = [
     "hadamard_matrix",
+    "query_rotation",
     "rotate",
     "rotate_f32",
     "rotate_into",
@@ -294,6 +295,16 @@ def rotate_f32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
         raise ValueError(f"out must be a contiguous fp32 tensor of {x2.numel()} elements")
     _launch_rotate(x2, out, n_rows=x2.shape[0], hk=1, out_f32=True)
     return out.reshape(x.shape)
+
+
+def query_rotation(q: torch.Tensor, q_rot: torch.Tensor) -> PreparedLaunch:
+    """The launch rotating ``[T, H, D]`` queries into ``q_rot``'s ``T * H`` contiguous fp32
+    rows (``x @ H`` without the fp16 cast, as :func:`rotate_f32`), reading ``q`` through its
+    strides: a query that is a view of a fused QKV tensor (vLLM's) is not copied first.
+    ``q``'s rows must be contiguous (``stride(-1) == 1``) and, under the interpreter, not bf16
+    (NumPy has no bf16 dot: widen first)."""
+    t, h, d = (int(s) for s in q.shape)
+    return rotate_launch(q, q_rot.view(t * h, d), n_rows=t * h, hk=h, out_f32=True)
 
 
 def rotate_into(x: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
