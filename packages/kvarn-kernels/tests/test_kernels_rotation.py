@@ -70,6 +70,34 @@ def test_rotate_matches_reference(
     assert float((ulps > 0).float().mean()) < 2e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rotate_reads_strided_token_views(device: torch.device, dtype: torch.dtype) -> None:
+    """A ``[T, H, D]`` view of a fused QKV tensor (as vLLM passes K, V and Q) rotates to its
+    contiguous copy's result bit for bit, through ``rotate`` and ``rotate_f32``, and neither
+    copies it first (the rotation's launch gets the view itself)."""
+    import kvarn_kernels.rotation as rotation
+    from kvarn_kernels.rotation import rotate_f32
+
+    qkv = torch.randn(9, 12, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    qkv = qkv.to(device)
+    view = qkv[:, 8:10]  # two heads out of twelve
+    read: list[int] = []
+    launch_rotate = rotation._launch_rotate
+
+    def spy(x: torch.Tensor, *args: object, **kw: object) -> None:
+        read.append(x.data_ptr())
+        launch_rotate(x, *args, **kw)  # type: ignore[arg-type]
+
+    for fn in (rotate, rotate_f32):
+        want = fn(view.contiguous())
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rotation, "_launch_rotate", spy)
+            read.clear()
+            got = fn(view)
+        assert torch.equal(got, want) and got.shape == view.shape and got.is_contiguous()
+        assert read == [view.data_ptr()]
+
+
 def test_write_side_pool_scatters_rotated_tokens(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(7)
     g, hk, d = 64, 2, 64

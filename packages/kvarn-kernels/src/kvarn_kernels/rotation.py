@@ -268,33 +268,40 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
     ``x`` may be fp16, bf16 or fp32; products are exact and sums are fp32, then the result is
     rounded to fp16 with saturation (the side pool's representation). Returns a new contiguous
-    fp16 tensor of ``x``'s shape.
+    fp16 tensor of ``x``'s shape. A ``[T, H, D]`` ``x`` with contiguous rows (a view of a
+    fused QKV tensor) is read where it lies, not copied first.
     """
     d = _check_rotate_input(x, allow_f32=True)
-    x2 = x.reshape(-1, d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    y = torch.empty(x2.shape, dtype=torch.float16, device=x.device)
-    _launch_rotate(x2, y, n_rows=x2.shape[0], hk=1, out_f32=False)
-    return y.reshape(x.shape)
+    rows, hk = _readable_rows(x, d)
+    y = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    _launch_rotate(rows, y.view(-1, d), n_rows=x.numel() // d, hk=hk, out_f32=False)
+    return y
 
 
 def rotate_f32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ H`` in fp32 without the fp16 cast (the attention ops rotate queries with this).
+    """``x @ H`` in fp32 without the fp16 cast (the attention ops rotate queries so).
 
-    ``x`` is ``[..., D]`` fp16/bf16/fp32; ``out`` (optional) a contiguous fp32 tensor with
-    ``x.numel()`` elements.
+    ``x`` is ``[..., D]`` fp16/bf16/fp32, read where it lies as :func:`rotate` reads it;
+    ``out`` (optional) a contiguous fp32 tensor with ``x.numel()`` elements.
     """
     d = _check_rotate_input(x, allow_f32=True)
-    x2 = x.reshape(-1, d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    rows, hk = _readable_rows(x, d)
     if out is None:
-        out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
-    elif out.dtype != torch.float32 or out.numel() != x2.numel() or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp32 tensor of {x2.numel()} elements")
-    _launch_rotate(x2, out, n_rows=x2.shape[0], hk=1, out_f32=True)
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    elif out.dtype != torch.float32 or out.numel() != x.numel() or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 tensor of {x.numel()} elements")
+    _launch_rotate(rows, out.view(-1, d), n_rows=x.numel() // d, hk=hk, out_f32=True)
     return out.reshape(x.shape)
+
+
+def _readable_rows(x: torch.Tensor, d: int) -> tuple[torch.Tensor, int]:
+    """``x`` as the rotation kernel reads it, and its rows per token (``HK``): a ``[T, H, D]``
+    tensor with contiguous rows as it is (any token and head strides), anything else as
+    ``[rows, D]`` (a copy where the rows cannot be viewed so)."""
+    if x.dim() == 3 and x.stride(-1) == 1:
+        return x, int(x.shape[1])
+    rows = x.reshape(-1, d)
+    return (rows if rows.stride(-1) == 1 else rows.contiguous()), 1
 
 
 def query_rotation(q: torch.Tensor, q_rot: torch.Tensor) -> PreparedLaunch:
