@@ -211,8 +211,8 @@ DECODE_PARAMS = [(*c, 0) for c in DECODE_CPU] + [
 
 def test_strided_queries_are_rotated_where_they_lie(device: torch.device) -> None:
     """Queries that are a view of a fused QKV tensor (as vLLM passes them) give the contiguous
-    copy's output bit for bit in decode, verify and both prefill paths; the fused kernels'
-    rotation (decode, verify, fused prefill) reads the view itself, with no copy first."""
+    copy's output bit for bit in decode, verify and both prefill paths, and the rotation reads
+    the view itself, with no copy first."""
     import kvarn_kernels.rotation as rotation
 
     name, d, hq, hk = "kvarn_k4v2_g64", 64, 4, 2
@@ -222,34 +222,27 @@ def test_strided_queries_are_rotated_where_they_lie(device: torch.device) -> Non
     qkv = qkv.to(device)
     strided = qkv[:, :hq]
     qsl = torch.tensor([0, 6, 10], dtype=torch.int32, device=device)
-    read: list[torch.Tensor] = []
-    spied = rotation.query_rotation
+    read: list[int] = []
+    spied = rotation.rotate_launch
 
-    def spy(q: torch.Tensor, q_rot: torch.Tensor) -> Any:
-        read.append(q)
-        return spied(q, q_rot)
+    def spy(x: torch.Tensor, y: torch.Tensor, **kw: Any) -> Any:
+        read.append(x.data_ptr())
+        return spied(x, y, **kw)
 
-    calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = [
-        (lambda q: decode_attention(*case.decode_args(name, q[:2], 0.125), variant="v4c"), True),
-        (
-            lambda q: verify_attention(*case.prefill_args(name, q, qsl, 0.125), max_query_len=6),
-            True,
-        ),
-        (lambda q: prefill_attention(*case.prefill_args(name, q, qsl, 0.125)), False),
-        (
-            lambda q: prefill_attention(*case.prefill_args(name, q, qsl, 0.125), method="fused"),
-            True,
-        ),
+    calls: list[Callable[[torch.Tensor], torch.Tensor]] = [
+        lambda q: decode_attention(*case.decode_args(name, q[:2], 0.125), variant="v4c"),
+        lambda q: verify_attention(*case.prefill_args(name, q, qsl, 0.125), max_query_len=6),
+        lambda q: prefill_attention(*case.prefill_args(name, q, qsl, 0.125)),
+        lambda q: prefill_attention(*case.prefill_args(name, q, qsl, 0.125), method="fused"),
     ]
-    for call, in_place in calls:
+    for call in calls:
         want = call(strided.contiguous())
         with pytest.MonkeyPatch.context() as mp:
-            for module in ("attention", "fused_prefill"):
-                mp.setattr(f"kvarn_kernels.{module}.query_rotation", spy)
+            mp.setattr(rotation, "rotate_launch", spy)
             read.clear()
             got = call(strided)
         assert torch.equal(got, want)
-        assert [r.data_ptr() for r in read] == ([qkv.data_ptr()] if in_place else [])
+        assert read[:1] == [qkv.data_ptr()]  # the queries' rotation comes first
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)

@@ -502,7 +502,7 @@ def prefill_dequant_attention(
 
     # Queries: rotated, softmax scale folded in, fp16 (the workspace dtype).
     q16 = torch.empty((t, hq, d), dtype=torch.float16, device=q.device)
-    rotate_into(q.reshape(t * hq, d), q16.view(t * hq, d), float(softmax_scale))
+    rotate_into(q, q16, float(softmax_scale))  # q read where it lies (a QKV view: no copy)
     # One group: the attention library's output is used as is; several: gathered in o16.
     o16: torch.Tensor | None = None if len(plan.groups) == 1 else torch.zeros_like(q16)
     for grp in plan.groups:

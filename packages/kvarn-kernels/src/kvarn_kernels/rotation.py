@@ -315,19 +315,18 @@ def query_rotation(q: torch.Tensor, q_rot: torch.Tensor) -> PreparedLaunch:
 
 
 def rotate_into(x: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``out = scale * (x @ H)`` for contiguous ``[rows, D]`` views; ``out`` fp16 (saturated),
-    bf16 or fp32. Internal helper of the attention ops (no argument checks beyond shapes)."""
+    """``out = scale * (x @ H)`` into a contiguous ``out`` of ``x``'s shape, fp16 (saturated),
+    bf16 or fp32; ``x`` read where it lies as :func:`rotate` reads it. Internal helper of the
+    attention ops (no argument checks beyond shapes)."""
     if x.shape != out.shape or not out.is_contiguous():
         raise ValueError("rotate_into needs a contiguous out of x's shape")
     d = int(x.shape[-1])
-    x2 = x.reshape(-1, d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    rows, hk = _readable_rows(x, d)
     _launch_rotate(
-        x2,
+        rows,
         out.view(-1, d),
-        n_rows=x2.shape[0],
-        hk=1,
+        n_rows=x.numel() // d,
+        hk=hk,
         out_f32=out.dtype == torch.float32,
         scale=scale,
     )
