@@ -3,9 +3,10 @@
 ``prefill_attention(method="fused")`` rotates the queries, runs a fused kernel into split
 partials and merges them: three launches. Around them an unprepared call checks eleven
 tensors, picks the kernel and split count, builds three constexpr tables and slices a fresh
-workspace: ~60 µs of Python a call on a 2-core CPU, more than the three launches themselves
-(docs/kernel-notes.md, forty-fourth session). vLLM runs this attention eagerly, once per
-layer, so a step with a continuation chunk paid it 36 times for one batch.
+workspace: ~75 µs of Python a call on a 2-core CPU (``scripts/fused_plan_host_cost.py``,
+docs/kernel-notes.md, forty-fourth session). vLLM runs this attention eagerly, once per
+layer, so a step with a continuation chunk paid it 36 times for one batch; a planned call
+pays ~8.
 
 A :class:`FusedPrefillPlan` holds one batch's index tensors and settings. The first call
 with a given layout of the per-layer tensors (the queries, cache, pools and output: shapes,
@@ -104,11 +105,6 @@ class FusedPrefillPlan:
             raise ValueError(
                 f"fused_kernel must be 'auto', 'v1', 'v2', 'v3' or 'v4', got {fused_kernel!r}"
             )
-        if fused_kernel == "v3":
-            if block_m is not None and block_m not in (64, 128):
-                raise ValueError(f"fused_kernel='v3' takes block_m 64 or 128, got {block_m}")
-            if block_n is not None or num_warps is not None or not prefetch:
-                raise ValueError("block_n, num_warps and prefetch=False do not apply to 'v3'")
         if fused_kernel == "v4" and (
             block_m not in (None, 64) or block_n is not None or num_warps is not None
         ):
@@ -247,11 +243,16 @@ class FusedPrefillPlan:
             kernel = "v2" if d <= PREFILL_V2_MAX_HEAD_DIM and prefetch else "v1"
             if kernel == "v2" and v3_ok and self._block_n is None:
                 kernel = "v3"
-        if kernel == "v3" and not v3_ok:
-            raise ValueError(
-                "fused_kernel='v3' needs an sm_90 GPU, 4-bit keys with 2- or 4-bit values "
-                "and head_dim 128; use 'v2' or 'auto'"
-            )
+        if kernel == "v3":  # asked for, or picked by "auto"
+            if not v3_ok:
+                raise ValueError(
+                    "fused_kernel='v3' needs an sm_90 GPU, 4-bit keys with 2- or 4-bit values "
+                    "and head_dim 128; use 'v2' or 'auto'"
+                )
+            if block_m is not None and block_m not in (64, 128):
+                raise ValueError(f"fused_kernel='v3' takes block_m 64 or 128, got {block_m}")
+            if self._block_n is not None or self._num_warps is not None or not prefetch:
+                raise ValueError("block_n, num_warps and prefetch=False do not apply to 'v3'")
         if kernel == "v4" and not _v4_serves(geo, q.device):
             raise ValueError(
                 "fused_kernel='v4' needs an sm_90 GPU, 4-bit keys with 2-bit values and "
