@@ -235,12 +235,13 @@ def test_every_kvarn_triton_kernel_has_a_kvarn_category(prof: ModuleType) -> Non
     )
     # a launch's grid may index tensors (``k[(x.shape[0], h)](``): up to the line's last ``](``
     launched = set(re.findall(r"^\s+(\w+)\[.*\]\(", src, re.M))
-    # and launches through kvarn_kernels._launch.launch(kernel, grid, ...)
-    launched |= set(re.findall(r"\blaunch\(\s*(?:\w+\.)*(\w+),", src))
+    # and launches through kvarn_kernels._launch.launch(kernel, grid, ...) or prepared ones,
+    # PreparedLaunch(kernel, grid, ...)
+    launched |= set(re.findall(r"\b(?:launch|PreparedLaunch)\(\s*(?:\w+\.)*(\w+),", src))
     jitted = set(re.findall(r"@(?:triton|gluon)\.jit[^\n]*\n(?:@[^\n]*\n)*def (\w+)\(", src))
     kernels = launched & jitted
     expected = {"decode_v4_kernel", "decode_pool_kernel", "_flush_kernel", "_rotate_rows_kernel"}
-    assert expected | {"prefill_v2_kernel", "prefill_v3_kernel"} <= kernels
+    assert expected | {"prefill_v2_kernel", "prefill_v3_kernel", "prefill_v4_kernel"} <= kernels
     for name in kernels:
         assert prof.kernel_category(name).startswith("kvarn"), name
 
