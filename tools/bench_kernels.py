@@ -1128,7 +1128,9 @@ def markdown(res: dict[str, Any], command: str) -> str:
         "causal work (context x chunk + half the chunk squared); the SDPA row runs non-causal "
         "over the whole context (~6% more work), because SDPA's causal mask is top-left "
         "aligned. `(FA3)`: the plugin's path, the context dequantized then attended by vLLM's "
-        "FA3; `(fused)`: the fused kernel; `fa3_fp8`: FA3 on an e4m3 cache with the query "
+        "FA3; `(fused)`: the fused kernel. Both are planned once per batch, as the plugin "
+        "plans them (`plan_prefill_context`, `plan_fused_prefill`), and the timed call is one "
+        "layer's; `fa3_fp8`: FA3 on an e4m3 cache with the query "
         "quantized in the call; `turboquant_*`: vLLM's TurboQuant attention "
         "(`TurboQuantAttentionImpl.forward`, its decode kernel per request for chunks of up "
         "to 128 tokens, else dequantize then FlashAttention).",
