@@ -755,6 +755,8 @@ def test_fused_prefill_plan_validation(device: torch.device) -> None:
     bad_cache = args[2].view(torch.int8)
     with pytest.raises(ValueError, match="kv_cache"):
         prefill_attention(*args[:2], bad_cache, *args[3:], method="fused", fused_plan=plan)
+    with pytest.raises(ValueError, match="dense formats"):  # not a format (nor hashable)
+        prefill_attention([args[0]], *args[1:], method="fused", fused_plan=plan)
 
 
 def test_prefill_context_plan_validation(device: torch.device) -> None:

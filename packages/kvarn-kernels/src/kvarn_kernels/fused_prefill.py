@@ -172,7 +172,10 @@ class FusedPrefillPlan:
             *_layout(pool_v),
             *_layout(out),
         )
-        prepared = self._prepared.get(layout)
+        try:
+            prepared = self._prepared.get(layout)
+        except TypeError:  # an unhashable fmt: _prepare's checks name what is wrong with it
+            prepared = None
         if prepared is None:
             prepared = self._prepare(fmt, q, kv_cache, pool_k, pool_v, softmax_scale, out)
             self._prepared[layout] = prepared
