@@ -16,7 +16,9 @@ kernel is kept; a known key calls the launcher directly. Two calls with one key 
 one binary Triton would have picked. The launch options ``num_warps``, ``num_stages``,
 ``maxnreg`` and ``launch_pdl`` are part of the key. Under the interpreter, with a launch hook
 installed (profilers) or for a signature that does not list its runtime parameters first,
-every call takes the JIT's path.
+every call takes the JIT's path. :class:`PreparedLaunch` holds one launch's grid, arguments
+and constexprs for a caller that repeats it with other tensors (the fused prefill's plan:
+:mod:`kvarn_kernels.fused_prefill`).
 """
 
 from __future__ import annotations
