@@ -811,38 +811,24 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                             **fixed,
                         )
                     continue
-                context = (
-                    self.fmt,
-                    q[t0:t1],
-                    kv_cache,
-                    pools.k,
-                    pools.v,
-                    meta.block_table[run.req_start : run.req_end],
-                    run.cu_seqlens,
-                    meta.seq_lens[run.req_start : run.req_end],
-                    meta.block_to_slot,
-                    self.scale,
+                fused = run.fused_plan
+                # the batch's index tensors: a plan's own, which it checks by identity
+                index = (
+                    (fused.block_table, fused.query_start_loc, fused.seq_lens, fused.block_to_slot)
+                    if fused is not None
+                    else (
+                        meta.block_table[run.req_start : run.req_end],
+                        run.cu_seqlens,
+                        meta.seq_lens[run.req_start : run.req_end],
+                        meta.block_to_slot,
+                    )
                 )
+                context = (self.fmt, q[t0:t1], kv_cache, pools.k, pools.v, *index, self.scale)
                 with _prof_range("kvarn: context rows"):
-                    fused = run.fused_plan
-                    if fused is not None:
+                    if run.context_method == "fused":
                         kk.prefill_attention(
-                            self.fmt,
-                            q[t0:t1],
-                            kv_cache,
-                            pools.k,
-                            pools.v,
-                            fused.block_table,
-                            fused.query_start_loc,
-                            fused.seq_lens,
-                            fused.block_to_slot,
-                            self.scale,
-                            out=out[t0:t1],
-                            method="fused",
-                            fused_plan=fused,
+                            *context, out=out[t0:t1], method="fused", fused_plan=fused
                         )
-                    elif run.context_method == "fused":
-                        kk.prefill_attention(*context, out=out[t0:t1], method="fused")
                     else:
                         kk.prefill_attention(
                             *context,
