@@ -38,6 +38,7 @@ from kvarn_format.reference import decode_rotated_tiles
 from kvarn_format.registry import DENSE_DTYPES
 from kvarn_kernels import (
     ContextPlan,
+    FusedPrefillPlan,
     decode_attention,
     decode_workspace_numel,
     plan_fused_prefill,
@@ -671,6 +672,29 @@ def _layers_of(
     return layers, index
 
 
+def _planned_layers(
+    plan: FusedPrefillPlan,
+    kernel: str,
+    name: str,
+    layers: list[tuple[torch.Tensor, ...]],
+    index: tuple[torch.Tensor, ...],
+    scale: float,
+) -> list[torch.Tensor]:
+    """Each layer's output under ``plan``, asserted bit for bit the unplanned call's (with
+    ``fused_kernel=kernel``)."""
+    outs = []
+    for q, kv, pool_k, pool_v in layers:
+        planned = prefill_attention(
+            name, q, kv, pool_k, pool_v, *index, scale, method="fused", fused_plan=plan
+        )
+        plain = prefill_attention(
+            name, q, kv, pool_k, pool_v, *index, scale, method="fused", fused_kernel=kernel
+        )
+        assert torch.equal(planned, plain)
+        outs.append(planned)
+    return outs
+
+
 @pytest.mark.parametrize("kernel", ["auto", "v1"])
 def test_fused_prefill_plan_replays_each_layer(
     device: torch.device, kernel: str, monkeypatch: pytest.MonkeyPatch
@@ -687,14 +711,7 @@ def test_fused_prefill_plan_replays_each_layer(
     check = fused_prefill._check_varlen
     monkeypatch.setattr(fused_prefill, "_check_varlen", lambda *a: checks.append(1) or check(*a))
     plan = plan_fused_prefill(*index, fused_kernel=kernel)
-    for q, kv, pool_k, pool_v in layers:
-        planned = prefill_attention(
-            name, q, kv, pool_k, pool_v, *index, scale, method="fused", fused_plan=plan
-        )
-        plain = prefill_attention(
-            name, q, kv, pool_k, pool_v, *index, scale, method="fused", fused_kernel=kernel
-        )
-        assert torch.equal(planned, plain)
+    _planned_layers(plan, kernel, name, layers, index, scale)
     assert len(checks) == 1 + len(layers)  # the plan's first layer, and each plain call
     q, kv, pool_k, pool_v = layers[0]
     q16 = q.bfloat16()
@@ -718,14 +735,8 @@ def test_fused_prefill_plan_gpu(device: torch.device, kernel: str) -> None:
     layers, index = _layers_of(name, 128, 32, 8, [2048 + 64, 1030, 300], [64, 6, 300], device)
     scale = 1.0 / math.sqrt(128)
     plan = plan_fused_prefill(*index, fused_kernel=kernel)
-    for q, kv, pool_k, pool_v in layers:
-        planned = prefill_attention(
-            name, q, kv, pool_k, pool_v, *index, scale, method="fused", fused_plan=plan
-        )
-        plain = prefill_attention(
-            name, q, kv, pool_k, pool_v, *index, scale, method="fused", fused_kernel=kernel
-        )
-        assert torch.equal(planned, plain)
+    outs = _planned_layers(plan, kernel, name, layers, index, scale)
+    for (q, kv, pool_k, pool_v), planned in zip(layers, outs, strict=True):
         _assert_close(planned, prefill_attention_ref(name, q, kv, pool_k, pool_v, *index, scale))
 
 

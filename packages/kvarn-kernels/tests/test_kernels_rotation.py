@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -82,16 +84,16 @@ def test_rotate_reads_strided_token_views(device: torch.device, dtype: torch.dty
     qkv = qkv.to(device)
     view = qkv[:, 8:10]  # two heads out of twelve
     read: list[int] = []
-    launch_rotate = rotation._launch_rotate
+    rotate_launch = rotation.rotate_launch
 
-    def spy(x: torch.Tensor, *args: object, **kw: object) -> None:
+    def spy(x: torch.Tensor, y: torch.Tensor, **kw: Any) -> Any:
         read.append(x.data_ptr())
-        launch_rotate(x, *args, **kw)  # type: ignore[arg-type]
+        return rotate_launch(x, y, **kw)
 
     for fn in (rotate, rotate_f32):
         want = fn(view.contiguous())
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(rotation, "_launch_rotate", spy)
+            mp.setattr(rotation, "rotate_launch", spy)
             read.clear()
             got = fn(view)
         assert torch.equal(got, want) and got.shape == view.shape and got.is_contiguous()

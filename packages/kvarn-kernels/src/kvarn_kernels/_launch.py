@@ -249,7 +249,9 @@ class PreparedLaunch:
 
     def run(self, args: Sequence[object] | None = None) -> None:
         """Launch it, with ``args`` in place of :attr:`args` when given (the same parameters,
-        e.g. another layer's tensors of the same shapes)."""
+        e.g. another layer's tensors of the same shapes); an empty grid launches nothing."""
+        if 0 in self.grid:
+            return
         launch(
             self.kernel,
             self.grid,

@@ -1643,8 +1643,6 @@ def _launch(
     q_rot = workspace[: n_rows * d]
     o_part = workspace[n_rows * d : n_rows * d * (1 + parts)]
     lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
-    if q.dtype == torch.bfloat16 and triton_interpret():
-        q = q.float()  # NumPy (the interpreter's backend) has no bf16 dot; exact
     query_rotation(q, q_rot).run()
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
 

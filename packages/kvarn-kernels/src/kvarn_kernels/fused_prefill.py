@@ -43,7 +43,7 @@ from kvarn_kernels.attention import (
     decode_workspace_numel,
     fused_prefill_splits,
 )
-from kvarn_kernels.rotation import query_rotation
+from kvarn_kernels.rotation import query_rotation, rotation_input
 
 __all__ = ["FUSED_KERNELS", "FusedPrefillPlan", "plan_fused_prefill"]
 
@@ -65,8 +65,6 @@ class _Prepared:
     #: the rotation of the queries into the workspace, the fused kernel and the merge; None
     #: for an empty batch and for v1 (replayed through ``attention._launch``)
     launches: tuple[PreparedLaunch, PreparedLaunch, PreparedLaunch] | None
-    #: under the interpreter, bf16 queries are widened to fp32 first (NumPy has no bf16 dot)
-    widen: bool
 
 
 class FusedPrefillPlan:
@@ -182,7 +180,8 @@ class FusedPrefillPlan:
         if prepared.launches is not None:
             rotate, main, merge = prepared.launches
             r, m, g = rotate.args, main.args, merge.args
-            rotate.run((_rotation_input(q, prepared.widen), *r[1:]))
+            # what query_rotation's launch read in the layout's first call, for this q
+            rotate.run((rotation_input(_q_for_kernel(q)), *r[1:]))
             scale = float(softmax_scale) * _LOG2E
             main.run((m[0], kv_cache, pool_k, pool_v, *m[4:10], scale, *m[11:]))
             merge.run((g[0], g[1], out, *g[3:]))
@@ -277,22 +276,20 @@ class FusedPrefillPlan:
             block_m=block_m,
         )
         if t == 0:
-            return _Prepared(geo, kernel, splits, None, None, False)
+            return _Prepared(geo, kernel, splits, None, None)
         workspace = _workspace(self._workspace, decode_workspace_numel(t, hq, d, splits), q.device)
         if kernel == "v1":
-            return _Prepared(geo, kernel, splits, workspace, None, False)
+            return _Prepared(geo, kernel, splits, workspace, None)
         variant = "prefill_" + kernel
         n_rows = t * hq
         parts = decode_partials(variant, splits)
         q_rot = workspace[: n_rows * d]
         o_part = workspace[n_rows * d : n_rows * d * (1 + parts)]
         lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
-        widen = q.dtype == torch.bfloat16 and triton_interpret()
         pdl = variant in PDL_VARIANTS and pdl_supported(q.device)
         fast = (not triton_interpret()) if self._fast_unpack is None else self._fast_unpack
-        rotate = query_rotation(_rotation_input(q, widen), q_rot)
         launches = (
-            rotate,
+            query_rotation(_q_for_kernel(q), q_rot),
             _prefill_fused_launch(
                 variant,
                 geo,
@@ -318,19 +315,11 @@ class FusedPrefillPlan:
             ),
             _merge_launch(o_part, lse_part, out, n_rows, parts, hq, pdl),
         )
-        return _Prepared(geo, kernel, splits, workspace, launches, widen)
+        return _Prepared(geo, kernel, splits, workspace, launches)
 
 
 def _layout(t: torch.Tensor) -> tuple[object, ...]:
     return (t.shape, t.stride(), t.dtype, t.device)
-
-
-def _rotation_input(q: torch.Tensor, widen: bool) -> torch.Tensor:
-    """The tensor the rotation reads for ``q``: ``q`` itself when its rows are contiguous;
-    the same function of every layer's ``q`` of one layout, so of one layout too."""
-    if widen:
-        return q.float().contiguous()
-    return q if q.stride(-1) == 1 else q.contiguous()
 
 
 def plan_fused_prefill(

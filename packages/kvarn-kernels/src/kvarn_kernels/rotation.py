@@ -157,40 +157,14 @@ def _block_r(n_rows: int) -> int:
     return 16 if n_rows <= small else (32 if n_rows <= large else 64)
 
 
-def _launch_rotate(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    n_rows: int,
-    hk: int,
-    out_f32: bool,
-    slot_mapping: torch.Tensor | None = None,
-    block_to_slot: torch.Tensor | None = None,
-    group: int = 1,
-    scale: float = 1.0,
-    kv_cache: torch.Tensor | None = None,
-    shadow: int = 0,
-    is_v: bool = False,
-) -> None:
-    if n_rows == 0:
-        return
+def rotation_input(x: torch.Tensor) -> torch.Tensor:
+    """What the rotation kernel reads for ``x``: ``x`` itself, or under the interpreter a bf16
+    ``x`` widened to fp32 (NumPy, the interpreter's backend, has no bf16 matmul; exact). The
+    same function of every tensor of one layout, so a prepared launch may take the next
+    layer's ``rotation_input(x)`` in its place."""
     if x.dtype == torch.bfloat16 and triton_interpret():
-        # NumPy (the interpreter's backend) has no bfloat16 matmul; the widening is exact.
-        x = x.float()
-    rotate_launch(
-        x,
-        y,
-        n_rows=n_rows,
-        hk=hk,
-        out_f32=out_f32,
-        slot_mapping=slot_mapping,
-        block_to_slot=block_to_slot,
-        group=group,
-        scale=scale,
-        kv_cache=kv_cache,
-        shadow=shadow,
-        is_v=is_v,
-    ).run()
+        return x.float()
+    return x
 
 
 def rotate_launch(
@@ -208,8 +182,9 @@ def rotate_launch(
     shadow: int = 0,
     is_v: bool = False,
 ) -> PreparedLaunch:
-    """The rotation kernel's launch on ``n_rows > 0`` rows of ``x`` (not bf16 under the
-    interpreter: :func:`_launch_rotate` widens it first) into ``y``, not yet run."""
+    """The rotation kernel's launch on ``n_rows`` rows of ``x`` (read as
+    :func:`rotation_input` gives it) into ``y``, not yet run (an empty one runs nothing)."""
+    x = rotation_input(x)
     d = x.shape[-1]
     # x is [rows, D] or [T, Hk, D] (any strides but the last); rows are t * hk + h.
     stride_t = x.stride(0)
@@ -274,7 +249,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     d = _check_rotate_input(x, allow_f32=True)
     rows, hk = _readable_rows(x, d)
     y = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-    _launch_rotate(rows, y.view(-1, d), n_rows=x.numel() // d, hk=hk, out_f32=False)
+    rotate_launch(rows, y.view(-1, d), n_rows=x.numel() // d, hk=hk, out_f32=False).run()
     return y
 
 
@@ -290,7 +265,7 @@ def rotate_f32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     elif out.dtype != torch.float32 or out.numel() != x.numel() or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous fp32 tensor of {x.numel()} elements")
-    _launch_rotate(rows, out.view(-1, d), n_rows=x.numel() // d, hk=hk, out_f32=True)
+    rotate_launch(rows, out.view(-1, d), n_rows=x.numel() // d, hk=hk, out_f32=True).run()
     return out.reshape(x.shape)
 
 
@@ -308,8 +283,7 @@ def query_rotation(q: torch.Tensor, q_rot: torch.Tensor) -> PreparedLaunch:
     """The launch rotating ``[T, H, D]`` queries into ``q_rot``'s ``T * H`` contiguous fp32
     rows (``x @ H`` without the fp16 cast, as :func:`rotate_f32`), reading ``q`` through its
     strides: a query that is a view of a fused QKV tensor (vLLM's) is not copied first.
-    ``q``'s rows must be contiguous (``stride(-1) == 1``) and, under the interpreter, not bf16
-    (NumPy has no bf16 dot: widen first)."""
+    ``q``'s rows must be contiguous (``stride(-1) == 1``)."""
     t, h, d = (int(s) for s in q.shape)
     return rotate_launch(q, q_rot.view(t * h, d), n_rows=t * h, hk=h, out_f32=True)
 
@@ -322,14 +296,14 @@ def rotate_into(x: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torch
         raise ValueError("rotate_into needs a contiguous out of x's shape")
     d = int(x.shape[-1])
     rows, hk = _readable_rows(x, d)
-    _launch_rotate(
+    rotate_launch(
         rows,
         out.view(-1, d),
         n_rows=x.numel() // d,
         hk=hk,
         out_f32=out.dtype == torch.float32,
         scale=scale,
-    )
+    ).run()
     return out
 
 
@@ -425,7 +399,7 @@ def write_side_pool(
     if debug_checks_enabled(check) and t:
         _check_slots(slot_mapping, block_to_slot, g)
     for x, pool, is_v in ((k, pool_k, False), (v, pool_v, True)):
-        _launch_rotate(
+        rotate_launch(
             x,
             pool,
             n_rows=t * hk,
@@ -437,7 +411,7 @@ def write_side_pool(
             kv_cache=kv_cache if shadow else None,
             shadow=shadow,
             is_v=is_v,
-        )
+        ).run()
 
 
 def _check_slots(slot_mapping: torch.Tensor, block_to_slot: torch.Tensor, g: int) -> None:
