@@ -62,6 +62,8 @@ class _Kernel:
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_launch, "_COMPILED", {})
+    monkeypatch.setattr(_launch, "_UNWRAPPED", {})
+    monkeypatch.setattr(_launch, "_ENCODED", {})
     monkeypatch.setattr(_launch, "triton_interpret", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(_launch, "_raw_stream", lambda dev: 1234)
@@ -163,6 +165,81 @@ def test_descriptor_arguments_are_specialized_once_per_object(
     assert key == plain
     _launch.launch(k, (1,), (x, 7, other), {"B": 2, "A": 1}, num_warps=4, descriptors=1)
     assert sum(a is other for a in seen) == 1
+
+
+class _DescriptorRun:
+    """A stand-in for Triton 3.6's ``CudaLauncher`` of the stand-in kernel with a tensor
+    descriptor as its third runtime parameter: its ``launch`` is Triton's own descriptor
+    wrapper (``wrap_handle_tensordesc``) around a recorder of what reaches the launcher
+    module."""
+
+    global_scratch_size = 0
+    profile_scratch_size = 0
+    launch_cooperative_grid = False
+    launch_pdl = True
+
+    def __init__(self, meta: object) -> None:
+        from triton.backends.nvidia import driver  # type: ignore[import-untyped]
+
+        self.module_calls: list[tuple[Any, ...]] = []
+        signature = {0: "*fp32", 1: "i32", 2: "tensordesc<fp16[64, 64]>"}
+        signature |= {3: "constexpr", 4: "constexpr"}
+        self.launch = driver.wrap_handle_tensordesc(self._module_launch, signature, [meta])
+
+    def _module_launch(self, *a: Any) -> None:
+        self.module_calls.append(a)
+
+    def __call__(self, gx: int, gy: int, gz: int, stream: int, function: Any, *a: Any) -> None:
+        # as CudaLauncher.__call__: the launch flags and (no) scratch buffers go first
+        self.launch(gx, gy, gz, stream, function, False, True, None, None, *a)
+
+
+def test_descriptors_are_encoded_once_per_object(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``launch(..., descriptors=1)`` on a compiled kernel with a tensor descriptor: the
+    launcher module gets exactly the arguments Triton's wrapper builds, but the descriptor's
+    ``CUtensorMap`` is encoded on its first launch only (a new object is encoded again)."""
+    from triton.backends.nvidia import driver
+
+    encodings: list[object] = []
+
+    def encode(desc: object, meta: object) -> list[object]:
+        encodings.append(desc)
+        return [("tensor map of", id(desc)), 64, 64, 1]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    k = _Kernel()
+    run = _DescriptorRun({"swizzle": 128})
+    k.compiled.run = run  # type: ignore[assignment, method-assign]
+    x, desc, other = torch.zeros(64), torch.zeros(32), torch.zeros(32)  # stand-ins
+
+    def go(d: object) -> None:
+        _launch.launch(k, (2,), (x, 7, d), {"A": 1, "B": 2}, num_warps=4, descriptors=1)
+
+    go(desc)  # a new key: through the JIT
+    assert len(k.jit_calls) == 1 and not run.module_calls
+    # Triton's own wrapper, for reference (it encodes on every call)
+    run(2, 1, 1, 1234, "fn-handle", "meta", None, None, None, x, 7, desc, 1, 2)
+    (expected,) = run.module_calls
+    assert expected[13:] == (x, 7, ("tensor map of", id(desc)), 64, 64, 1, 1, 2)
+    for _ in range(3):
+        go(desc)
+    assert run.module_calls == [expected] * 4
+    assert encodings == [desc, desc]  # Triton's wrapper's, then one for the three launches
+    go(other)
+    assert run.module_calls[-1] == (*expected[:15], ("tensor map of", id(other)), *expected[16:])
+    assert encodings[-1] is other and len(encodings) == 3
+
+
+def test_descriptor_launchers_of_another_shape_keep_tritons_path(fresh: None) -> None:
+    """A compiled kernel whose launcher is not Triton 3.6's descriptor wrapper (another
+    Triton, scratch memory to allocate) is launched through ``compiled.run`` as before."""
+    k = _Kernel()
+    x, desc = torch.zeros(64), torch.zeros(32)
+    for _ in range(2):
+        _launch.launch(k, (1,), (x, 7, desc), {"A": 1, "B": 2}, num_warps=4, descriptors=1)
+    assert len(k.compiled.calls) == 1 and _launch._UNWRAPPED[k.compiled] is None
 
 
 def test_signatures_not_matched_stay_on_the_jit(fresh: None) -> None:

@@ -16,7 +16,9 @@ kernel is kept; a known key calls the launcher directly. Two calls with one key 
 one binary Triton would have picked. The launch options ``num_warps``, ``num_stages``,
 ``maxnreg`` and ``launch_pdl`` are part of the key. Under the interpreter, with a launch hook
 installed (profilers) or for a signature that does not list its runtime parameters first,
-every call takes the JIT's path. :class:`PreparedLaunch` holds one launch's grid, arguments
+every call takes the JIT's path. A kernel taking tensor descriptors the caller keeps (v6t's)
+gets them encoded once per object, not by Triton's launcher wrapper on every call
+(:class:`_DescriptorLauncher`). :class:`PreparedLaunch` holds one launch's grid, arguments
 and constexprs for a caller that repeats it with other tensors (the fused prefill's plan:
 :mod:`kvarn_kernels.fused_prefill`).
 """
@@ -219,6 +221,11 @@ def launch(
     gx = grid[0]
     gy = grid[1] if len(grid) > 1 else 1
     gz = grid[2] if len(grid) > 2 else 1
+    if descriptors:
+        direct = _descriptor_launcher(compiled, len(args) - descriptors, descriptors)
+        if direct is not None:
+            direct.launch(gx, gy, gz, stream, compiled, args, tail)
+            return
     compiled.run(
         gx,
         gy,
@@ -232,6 +239,115 @@ def launch(
         *args,
         *tail,
     )
+
+
+@dataclass(frozen=True)
+class _DescriptorLauncher:
+    """A compiled kernel's launcher module, called with its tensor descriptors encoded once.
+
+    Triton 3.6 wraps the launcher of a kernel that takes tensor descriptors in a Python loop
+    over every argument that encodes each descriptor's ``CUtensorMap`` on every call
+    (``wrap_handle_tensordesc`` -> ``make_tensordesc_arg`` -> ``fill_tma_descriptor``): ~9 µs
+    for v6t's four on an H100 host, plus the loop (docs/kernel-notes.md, forty-third
+    session). A descriptor the caller keeps (v6t's, one set per cache) encodes to the same
+    bytes every time, so its encoding is kept with the object (:data:`_ENCODED`) and the
+    launcher gets the arguments Triton's wrapper would have built."""
+
+    raw: Any  # the compiled launcher module's ``launch``
+    cooperative: bool
+    pdl: bool
+    metas: tuple[Any, ...]  # Triton's per-descriptor encoding metadata (or None)
+
+    def launch(
+        self,
+        gx: int,
+        gy: int,
+        gz: int,
+        stream: int,
+        compiled: Any,
+        args: Sequence[object],
+        tail: tuple[Any, ...],
+    ) -> None:
+        first = len(args) - len(self.metas)
+        encoded: list[object] = []
+        for desc, meta in zip(args[first:], self.metas, strict=True):
+            encoded.extend(_encoded(desc, meta))
+        self.raw(
+            gx,
+            gy,
+            gz,
+            stream,
+            compiled.function,
+            self.cooperative,
+            self.pdl,
+            None,  # no global scratch (checked when the launcher was unwrapped)
+            None,  # no profile scratch
+            compiled.packed_metadata,
+            None,  # launch metadata: hooks are not installed on this path
+            None,
+            None,
+            *args[:first],
+            *encoded,
+            *tail,
+        )
+
+
+#: compiled kernel -> its :class:`_DescriptorLauncher`, or None where the launcher is not
+#: the shape this module knows (it then keeps Triton's wrapper)
+_UNWRAPPED: dict[Any, _DescriptorLauncher | None] = {}
+
+
+def _descriptor_launcher(compiled: Any, first: int, count: int) -> _DescriptorLauncher | None:
+    """The direct launcher of ``compiled``, whose arguments ``first`` to ``first + count``
+    are its only tensor descriptors; None (Triton's own path) unless the launcher is Triton
+    3.6's ``CudaLauncher`` around ``wrap_handle_tensordesc``'s wrapper with exactly those
+    descriptor positions and no scratch memory to allocate."""
+    if compiled in _UNWRAPPED:
+        return _UNWRAPPED[compiled]
+    direct = None
+    run = compiled.run
+    wrapper = getattr(run, "launch", None)
+    cells = dict(
+        zip(
+            getattr(getattr(wrapper, "__code__", None), "co_freevars", ()),
+            getattr(wrapper, "__closure__", None) or (),
+            strict=True,
+        )
+    )
+    try:
+        raw = cells["launcher"].cell_contents
+        positions = cells["tensordesc_indices"].cell_contents
+        metas = tuple(cells["tensordesc_meta"].cell_contents)
+    except (KeyError, ValueError):
+        raw = None
+    if (
+        raw is not None
+        and set(positions) == set(range(first, first + count))
+        and len(metas) == count
+        and not run.global_scratch_size
+        and not run.profile_scratch_size
+    ):
+        direct = _DescriptorLauncher(raw, run.launch_cooperative_grid, run.launch_pdl, metas)
+    _UNWRAPPED[compiled] = direct
+    return direct
+
+
+#: id -> (descriptor, its encoding metadata, the arguments it expands to); bounded and
+#: holding the objects as :data:`_DESCRIPTOR_SPECS` does
+_ENCODED: dict[int, tuple[object, Any, list[object]]] = {}
+
+
+def _encoded(desc: object, meta: Any) -> list[object]:
+    hit = _ENCODED.get(id(desc))
+    if hit is not None and hit[0] is desc and hit[1] is meta:
+        return hit[2]
+    from triton.backends.nvidia import driver  # type: ignore[import-untyped]
+
+    value = list(driver.make_tensordesc_arg(desc, meta))
+    if len(_ENCODED) >= _DESCRIPTOR_SPECS_MAX:
+        _ENCODED.clear()
+    _ENCODED[id(desc)] = (desc, meta, value)
+    return value
 
 
 @dataclass(frozen=True)
