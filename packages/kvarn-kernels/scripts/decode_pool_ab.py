@@ -50,12 +50,12 @@ def configure(bn: int, warps: int, max_registers: int | None, stages: int) -> No
 
 def pool_alone(inp: dict[str, Any], splits: int) -> float:
     """µs of the pool launch alone (graph replay), as configured."""
-    from kvarn_kernels.attention import _launch_pool
+    from kvarn_kernels.attention import _pool_launch
 
     b = launch_buffers(inp, splits)
 
     def launch() -> None:
-        _launch_pool(
+        _pool_launch(
             b["geo"],
             b["q_rot"],
             inp["kv"],
@@ -70,7 +70,7 @@ def pool_alone(inp: dict[str, Any], splits: int) -> float:
             b["n_rows"],
             splits,
             b["hq"],
-        )
+        ).run()
 
     us, _mode = bk.timed(launch)
     return us

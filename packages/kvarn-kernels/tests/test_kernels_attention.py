@@ -2054,9 +2054,9 @@ def test_decode_v6t_equals_v6f_bit_for_bit(device: torch.device, name: str) -> N
     if v6t_block_scales(_geo(name, 128)):  # the plain build too, through the launch's option
         from kvarn_kernels import attention
 
-        plain = functools.partial(attention._launch_v5, block_scales=False)
+        plain = functools.partial(attention._v5_launch, block_scales=False)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(attention, "_launch_v5", plain)
+            mp.setattr(attention, "_v5_launch", plain)
             for splits in (1, 7):
                 out = decode_attention(*args, num_splits=splits, variant="v6t")
                 assert torch.equal(out, decode_attention(*args, num_splits=splits, variant="v6f"))

@@ -360,8 +360,11 @@ class PreparedLaunch:
     args: tuple[object, ...]
     constexprs: Mapping[str, object]
     num_warps: int
+    num_stages: int | None = None
     maxnreg: int | None = None
     pdl: bool = False
+    #: the last that many of :attr:`args` are tensor descriptors (:func:`launch`)
+    descriptors: int = 0
 
     def run(self, args: Sequence[object] | None = None) -> None:
         """Launch it, with ``args`` in place of :attr:`args` when given (the same parameters,
@@ -374,6 +377,8 @@ class PreparedLaunch:
             self.args if args is None else args,
             self.constexprs,
             num_warps=self.num_warps,
+            num_stages=self.num_stages,
             maxnreg=self.maxnreg,
             pdl=self.pdl,
+            descriptors=self.descriptors,
         )

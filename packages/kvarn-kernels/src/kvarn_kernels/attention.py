@@ -1035,7 +1035,7 @@ def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_spli
     return rows * head_dim + num_splits * rows * (head_dim + 1)
 
 
-def _launch_v4(
+def _v4_launch(
     geo: DenseGeometry,
     q_rot: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -1061,12 +1061,12 @@ def _launch_v4(
     mma_rows: int | None = None,
     pool_split: bool = False,
     max_registers: int | None = None,
-) -> None:
-    """Launch the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
+) -> PreparedLaunch:
+    """The launch of the v4 decode kernel (:mod:`kvarn_kernels.decode_v4`) into the split workspace;
     ``round7``: with round 7's batched pool phase and wide scale loads (``variant="v4b"``);
     ``masked_scales``: with them, the tile scales of pool blocks masked at the load
     (``variant="v4c"``); ``pool_split`` (``variant="v4d"``): the main loop alone (the caller
-    launches :func:`_launch_pool` into partial ``num_splits``).
+    launches :func:`_pool_launch` into partial ``num_splits``).
     With ``query_start_loc`` (``[B + 1]``, speculative verify) request ``b`` has the query rows
     ``query_start_loc[b] ..`` (at most ``max_query_len``) and ``hq`` query heads."""
     from kvarn_kernels.decode_v4 import decode_v4_config, decode_v4_kernel
@@ -1080,7 +1080,7 @@ def _launch_v4(
     ntg = verify_token_groups(hq, hk, max_query_len) if multi else 1
     cfg = decode_v4_config(geo.head_dim, geo.group, verify=multi)
     warps = num_warps or cfg["num_warps"]
-    launch(
+    return PreparedLaunch(
         decode_v4_kernel,
         (t * ntg, hk, num_splits),
         (
@@ -1123,13 +1123,13 @@ def _launch_v4(
             "NTG": ntg,
             "PHASES": 1 if pool_split else 0,
         },
-        num_warps=warps,
+        warps,
         num_stages=num_stages or cfg["num_stages"],
         maxnreg=max_registers,  # registers per thread (the main loop's launch only)
     )
 
 
-def _launch_pool(
+def _pool_launch(
     geo: DenseGeometry,
     q_rot: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -1144,8 +1144,8 @@ def _launch_pool(
     n_rows: int,
     part: int,
     hq: int,
-) -> None:
-    """Attention over each request's fp16 pool tiles into partial ``part``
+) -> PreparedLaunch:
+    """The launch of attention over each request's fp16 pool tiles into partial ``part``
     (:mod:`kvarn_kernels.decode_pool`, one program per request and KV head)."""
     from kvarn_kernels.decode_pool import (
         POOL_CHUNK_TOKENS,
@@ -1157,7 +1157,7 @@ def _launch_pool(
 
     hk = int(pool_k.shape[2])
     qpk = hq // hk
-    launch(
+    return PreparedLaunch(
         decode_pool_kernel,
         (int(block_table.shape[0]), hk),
         (
@@ -1188,7 +1188,7 @@ def _launch_pool(
             "SCAN": 64,
             "STAGES": POOL_STAGES,
         },
-        num_warps=POOL_WARPS,
+        POOL_WARPS,
         num_stages=POOL_STAGES,
         maxnreg=POOL_MAX_REGISTERS,
     )
@@ -1330,7 +1330,12 @@ def _prefill_fused_launch(
     )
 
 
-def _launch_v5(
+def _launch_v5(*args: Any, **kwargs: Any) -> None:
+    """Launch :func:`_v5_launch`'s main loop now (the probe and A/B scripts' entry)."""
+    _v5_launch(*args, **kwargs).run()
+
+
+def _v5_launch(
     geo: DenseGeometry,
     q_rot: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -1354,8 +1359,8 @@ def _launch_v5(
     max_query_len: int = 1,
     block_scales: bool | None = None,
     pdl: bool = False,
-) -> None:
-    """The main loop of ``variant`` (:data:`V5_VARIANTS`: :mod:`kvarn_kernels.decode_v5`,
+) -> PreparedLaunch:
+    """The launch of the main loop of ``variant`` (:data:`V5_VARIANTS`: :mod:`kvarn_kernels.decode_v5`,
     ``"v5f"`` its folded form, ``"v6"`` :mod:`kvarn_kernels.decode_v6`) into partials ``0 ..
     num_splits - 1``; the pool phase follows as v4d's (partial ``num_splits``).
     ``max_registers`` caps the main loop's registers per thread (``maxnreg``);
@@ -1419,7 +1424,7 @@ def _launch_v5(
                 if tma
                 else (None,) * 4
             )
-    launch(
+    return PreparedLaunch(
         kernel,
         (grid_x, hk, num_splits),
         (
@@ -1449,7 +1454,7 @@ def _launch_v5(
             "STAGES": num_stages or 2,
             **options,
         },
-        num_warps=num_warps or V5_WARPS,
+        num_warps or V5_WARPS,
         maxnreg=max_registers,
         pdl=pdl and v6,
         # v6t's descriptors: built once per cache (_v6_tma_descriptors_at)
@@ -1597,6 +1602,53 @@ def _forked(device: torch.device) -> Iterator[contextlib.AbstractContextManager[
         current.wait_stream(side)
 
 
+@dataclass(frozen=True)
+class _AttentionLaunches:
+    """The launches of one attention call (:func:`_attention_launches`), in order: the
+    queries' rotation, the attention kernel, the pool tiles' kernel where the variant splits
+    them off (:data:`POOL_SPLIT_VARIANTS`), and the merge."""
+
+    rotation: PreparedLaunch
+    main: PreparedLaunch
+    pool: PreparedLaunch | None
+    #: the pool kernel runs on a side stream next to the main loop (the v5 kernels), not after
+    #: it (v4d)
+    pool_on_side: bool
+    merge: PreparedLaunch
+
+    def run(
+        self,
+        device: torch.device,
+        launches: tuple[PreparedLaunch, ...] | None = None,
+    ) -> None:
+        """Run them on ``device`` (the current stream; ``launches``: the same four, or three
+        without a pool kernel, with other arguments, e.g. :meth:`PreparedLaunch.with_args`)."""
+        rotation, main, *pool, merge = launches or self.launches
+        rotation.run()
+        if pool and self.pool_on_side:
+            # The pool tiles (the fp16 sink and in-progress tiles, their own partial) do not
+            # wait for the main loop: on a side stream their programs run next to the main
+            # launch's, instead of in a launch of their own after its last wave. Launched
+            # second: v4's pool phase (255 registers a thread) launched first held the SMs
+            # before the main loop's first wave (twenty-second session: 0.97-0.98x at
+            # B >= 64); decode_pool's order is not re-timed.
+            with _forked(device) as side:
+                main.run()
+                with side:
+                    pool[0].run()
+        else:
+            main.run()
+            for p in pool:  # v4d: after its main loop, on the same stream
+                p.run()
+        merge.run()
+
+    @property
+    def launches(self) -> tuple[PreparedLaunch, ...]:
+        """The launches in order (three without a pool kernel)."""
+        pool = () if self.pool is None else (self.pool,)
+        return (self.rotation, self.main, *pool, self.merge)
+
+
 def _launch(
     geo: DenseGeometry,
     q: torch.Tensor,
@@ -1625,8 +1677,68 @@ def _launch(
     tokens_per_program: int = 1,
 ) -> None:
     """Rotate the queries, run the attention kernel into the split workspace, merge and
-    un-rotate. ``decode`` with a ``query_start_loc`` (the v4 kernels only): speculative verify rows,
-    at most ``max_query_len`` per request. ``tokens_per_program``: v7's (:func:`_launch_v5`)."""
+    un-rotate: :func:`_attention_launches`, run."""
+    launches = _attention_launches(
+        geo,
+        q,
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        query_start_loc,
+        softmax_scale,
+        out,
+        workspace,
+        num_splits,
+        decode,
+        block_n,
+        num_warps,
+        fast_unpack,
+        prefetch,
+        block_m,
+        variant,
+        num_stages,
+        max_query_len,
+        mma_rows,
+        max_registers,
+        tokens_per_program,
+    )
+    if launches is not None:
+        launches.run(q.device)
+
+
+def _attention_launches(
+    geo: DenseGeometry,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    softmax_scale: float,
+    out: torch.Tensor,
+    workspace: torch.Tensor,
+    num_splits: int,
+    decode: bool,
+    block_n: int | None,
+    num_warps: int | None,
+    fast_unpack: bool | None = None,
+    prefetch: bool = True,
+    block_m: int | None = None,
+    variant: str = "v1",
+    num_stages: int | None = None,
+    max_query_len: int = 1,
+    mma_rows: int | None = None,
+    max_registers: int | None = None,
+    tokens_per_program: int = 1,
+) -> _AttentionLaunches | None:
+    """The launches of a decode, verify or (v1) prefill call, not yet run; None for no rows.
+    ``decode`` with a ``query_start_loc`` (the v4 kernels only): speculative verify rows, at
+    most ``max_query_len`` per request. ``tokens_per_program``: v7's (:func:`_v5_launch`)."""
     t, hq, d = (int(s) for s in q.shape)
     if _fused_kernel_refuses(d, q.device.type, variant, prefetch):
         raise NotImplementedError(HEAD_DIM_512_GPU_MESSAGE)
@@ -1635,7 +1747,7 @@ def _launch(
     qpk_p = next_pow2(qpk)
     n_rows = t * hq
     if n_rows == 0:
-        return
+        return None
     parts = decode_partials(variant, num_splits)
     # the fused prefill kernels, v6's decode and their merge start while the kernel before
     # them drains
@@ -1643,11 +1755,9 @@ def _launch(
     q_rot = workspace[: n_rows * d]
     o_part = workspace[n_rows * d : n_rows * d * (1 + parts)]
     lse_part = workspace[n_rows * d * (1 + parts) : n_rows * (d * (1 + parts) + parts)]
-    query_rotation(q, q_rot).run()
     fast = (not triton_interpret()) if fast_unpack is None else fast_unpack
-
-    def launch_pool() -> None:  # the pool tiles of the POOL_SPLIT_VARIANTS, partial num_splits
-        _launch_pool(
+    pool = (
+        _pool_launch(
             geo,
             q_rot,
             kv_cache,
@@ -1663,42 +1773,35 @@ def _launch(
             num_splits,
             hq,
         )
-
+        if variant in POOL_SPLIT_VARIANTS  # the pool tiles' own partial, num_splits
+        else None
+    )
     if variant in V5_VARIANTS:
-        # The pool tiles (the fp16 sink and in-progress tiles, their own partial) do not wait
-        # for the main loop: on a side stream their programs run next to the main launch's,
-        # instead of in a launch of their own after its last wave. Launched second: v4's pool
-        # phase (255 registers a thread) launched first held the SMs before the main loop's
-        # first wave (twenty-second session: 0.97-0.98x at B >= 64); decode_pool's order is
-        # not re-timed.
-        with _forked(q.device) as side:
-            _launch_v5(
-                geo,
-                q_rot,
-                kv_cache,
-                block_table,
-                seq_lens,
-                block_to_slot,
-                o_part,
-                lse_part,
-                softmax_scale,
-                n_rows,
-                num_splits,
-                hq,
-                hk,
-                max_registers,
-                num_warps,
-                num_stages,
-                variant,
-                tokens_per_program=tokens_per_program,
-                query_start_loc=query_start_loc,
-                max_query_len=max_query_len,
-                pdl=pdl,
-            )
-            with side:
-                launch_pool()
+        main = _v5_launch(
+            geo,
+            q_rot,
+            kv_cache,
+            block_table,
+            seq_lens,
+            block_to_slot,
+            o_part,
+            lse_part,
+            softmax_scale,
+            n_rows,
+            num_splits,
+            hq,
+            hk,
+            max_registers,
+            num_warps,
+            num_stages,
+            variant,
+            tokens_per_program=tokens_per_program,
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
+            pdl=pdl,
+        )
     elif variant in V4_VARIANTS:
-        _launch_v4(
+        main = _v4_launch(
             geo,
             q_rot,
             kv_cache,
@@ -1725,8 +1828,6 @@ def _launch(
             mma_rows=mma_rows,
             max_registers=max_registers,
         )
-        if variant in POOL_SPLIT_VARIANTS:  # v4d: after its main loop, on the same stream
-            launch_pool()
     else:
         if decode:
             bq = 1
@@ -1740,8 +1841,7 @@ def _launch(
             b = int(query_start_loc.shape[0]) - 1
             grid_x = cdiv(t, bq) + b
         bn = block_n or _chunk_tokens(d, geo.group)
-        warps = num_warps or (4 if d <= 128 and decode else 8)
-        launch(
+        main = PreparedLaunch(
             _attn_kernel,
             (grid_x, hk, num_splits),
             (
@@ -1784,12 +1884,18 @@ def _launch(
                 "FAST_UNPACK": fast,
                 "PREFETCH": prefetch,
             },
-            num_warps=warps,
+            num_warps or (4 if d <= 128 and decode else 8),
         )
     # verify: a padded batch's tail tokens (past query_start_loc[B]) come out as zeros (the
     # pointer is 16-byte aligned or not with B: two compiles, both in the warm-up)
     tokens = query_start_loc[-1:] if decode and query_start_loc is not None else None
-    _merge_launch(o_part, lse_part, out, n_rows, parts, hq, pdl, tokens).run()
+    return _AttentionLaunches(
+        query_rotation(q, q_rot),
+        main,
+        pool,
+        variant in V5_VARIANTS,
+        _merge_launch(o_part, lse_part, out, n_rows, parts, hq, pdl, tokens),
+    )
 
 
 def _merge_launch(
