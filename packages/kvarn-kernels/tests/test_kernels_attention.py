@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from kvarn_kernels import (
     FusedPrefillPlan,
     decode_attention,
     decode_workspace_numel,
+    plan_decode_batch,
     plan_fused_prefill,
     plan_prefill_context,
     prefill_attention,
@@ -768,6 +769,161 @@ def test_fused_prefill_plan_validation(device: torch.device) -> None:
         prefill_attention(*args[:2], bad_cache, *args[3:], method="fused", fused_plan=plan)
     with pytest.raises(ValueError, match="dense formats"):  # not a format (nor hashable)
         prefill_attention([args[0]], *args[1:], method="fused", fused_plan=plan)
+
+
+def _decode_layers(
+    name: str, d: int, hq: int, hk: int, lens: list[int], device: torch.device
+) -> tuple[list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+    """Three layers of one decode batch (their own caches and pools, the queries a strided
+    view of a fused QKV tensor) and the index tensors they share (block table, lengths,
+    block-to-slot map)."""
+    layers, index = [], ()
+    for value_scale in (1.0, 0.5, 3.0):  # one seed: one block table and pool map
+        case = shared_case(
+            name,
+            d,
+            hk,
+            lens,
+            device=device,
+            seed=6,
+            encoder="reference" if INTERPRET else "kernel",
+            value_scale=value_scale,
+        )
+        qkv = torch.randn(len(lens), hq + 2 * hk, d, device=device).half()
+        args = case.decode_args(name, qkv[:, :hq], 1.0 / math.sqrt(d))
+        layers.append(tuple(args[1:5]))
+        index = index or (args[5], args[6], args[7])
+        assert all(torch.equal(a, b) for a, b in zip(index, args[5:8], strict=True))
+    return layers, index
+
+
+@pytest.mark.parametrize("variant", ["v4c", "v1"])
+def test_decode_batch_plan_replays_each_layer(
+    device: torch.device, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan shared by three layers gives each the unplanned call's output bit for bit and
+    runs the checks once per layout of the per-layer tensors: bf16 queries are checked and
+    prepared again, and close to the reference."""
+    import kvarn_kernels.decode_batch as decode_batch
+
+    name, d, hq, hk = "kvarn_k4v2_g128", 64, 8, 2
+    layers, index = _decode_layers(name, d, hq, hk, [300, 1, 129], device)
+    scale = 1.0 / math.sqrt(d)
+    setups = []
+    setup = decode_batch._decode_setup
+    monkeypatch.setattr(decode_batch, "_decode_setup", lambda *a: setups.append(1) or setup(*a))
+    plan = plan_decode_batch(*index, variant=variant, num_splits=3)
+    for q, kv, pool_k, pool_v in layers:
+        planned = decode_attention(name, q, kv, pool_k, pool_v, *index, scale, batch_plan=plan)
+        plain = decode_attention(
+            name, q, kv, pool_k, pool_v, *index, scale, variant=variant, num_splits=3
+        )
+        assert torch.equal(planned, plain)
+    assert len(setups) == 1
+    q, kv, pool_k, pool_v = layers[1]
+    q16 = q.bfloat16()
+    planned = decode_attention(name, q16, kv, pool_k, pool_v, *index, scale, batch_plan=plan)
+    assert len(setups) == 2
+    ref = decode_attention_ref(name, q16, kv, pool_k, pool_v, *index, scale)
+    _assert_close(planned, ref, tot=8e-3)  # bf16 output rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["auto", "v6t", "v6f", "v5", "v4c"])
+def test_decode_batch_plan_gpu(device: torch.device, variant: str) -> None:
+    """The served decode variants under a plan shared by three layers (Qwen3-8B's heads, a
+    ragged batch, strided queries): each layer's output is the unplanned call's bit for bit
+    and close to the reference."""
+    if variant in ("v6t", "v6f", "v5") and torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("the Gluon decode kernels run on sm_90 and newer")
+    name, d = "kvarn_k4v2_g128", 128
+    layers, index = _decode_layers(name, d, 32, 8, [5000, 1, 127, 257, 0, 4096], device)
+    scale = 1.0 / math.sqrt(d)
+    plan = plan_decode_batch(*index, variant=variant)
+    for q, kv, pool_k, pool_v in layers:
+        planned = decode_attention(name, q, kv, pool_k, pool_v, *index, scale, batch_plan=plan)
+        plain = decode_attention(name, q, kv, pool_k, pool_v, *index, scale, variant=variant)
+        assert torch.equal(planned, plain)
+        _assert_close(planned, decode_attention_ref(name, q, kv, pool_k, pool_v, *index, scale))
+
+
+def test_decode_batch_plan_validation(device: torch.device) -> None:
+    """A plan refuses other index tensors and the options it owns; a bad layer is refused on
+    its layout's first call."""
+    name, d = "kvarn_k4v2_g128", 64
+    layers, index = _decode_layers(name, d, 8, 2, [300, 1, 129], device)
+    q, kv, pool_k, pool_v = layers[0]
+    plan = plan_decode_batch(*index)
+    call = (name, q, kv, pool_k, pool_v)
+    decode_attention(*call, *index, 0.125, batch_plan=plan)  # the matching plan runs
+    with pytest.raises(ValueError, match="batch_plan was built for other"):
+        decode_attention(*call, index[0].clone(), *index[1:], 0.125, batch_plan=plan)
+    for kw in ({"num_splits": 2}, {"variant": "v1"}, {"mma_rows": 8}, {"prefetch": False}):
+        with pytest.raises(ValueError, match="with a batch_plan, pass"):
+            decode_attention(*call, *index, 0.125, batch_plan=plan, **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_splits must be"):
+        plan_decode_batch(*index, num_splits=0)
+    with pytest.raises(ValueError, match="kv_cache"):
+        decode_attention(
+            name, q, kv.view(torch.int8), pool_k, pool_v, *index, 0.125, batch_plan=plan
+        )
+    with pytest.raises(ValueError, match="variant must be"):
+        decode_attention(*call, *index, 0.125, batch_plan=plan_decode_batch(*index, variant="v0"))
+
+
+def _same_argument(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (
+            b.data_ptr(),
+            b.shape,
+            b.stride(),
+            b.dtype,
+        )
+    return a is b or a == b
+
+
+@pytest.mark.parametrize("variant", ["v6t", "v6f", "v5", "v4d", "v4c", "v1"])
+def test_decode_batch_plan_launches_what_unplanned_calls_launch(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served variants' launches (Gluon kernels, which the interpreter cannot run: here
+    recorded, not run) get from a plan, layer by layer, the very arguments, grids,
+    constexprs and options an unplanned call gives them, with each layer's own cache, pools,
+    queries, output and (v6t) tensor descriptors. CPU only: nothing is launched."""
+    from kvarn_kernels import _launch, attention
+
+    launched: list[tuple[object, ...]] = []
+
+    def record(
+        kernel: object, grid: object, args: Sequence[object], consts: object, **kw: object
+    ) -> None:
+        launched.append((kernel, grid, tuple(args), consts, kw))
+
+    monkeypatch.setattr(_launch, "launch", record)
+    monkeypatch.setattr(attention, "triton_interpret", lambda: False)  # Gluon variants allowed
+    name, d, hq, hk = "kvarn_k4v2_g128", 128, 32, 8
+    cpu = torch.device("cpu")
+    layers, index = _decode_layers(name, d, hq, hk, [300, 1, 129], cpu)
+    scale = 1.0 / math.sqrt(d)
+    ws = torch.empty(attention.decode_workspace_numel(3, hq, d, 4))
+    plan = plan_decode_batch(*index, variant=variant, num_splits=3, workspace=ws)
+    for q, kv, pool_k, pool_v in layers:
+        out = torch.empty(q.shape, dtype=q.dtype)
+        call = (name, q, kv, pool_k, pool_v, *index, scale)
+        decode_attention(*call, out=out, batch_plan=plan)
+        planned, launched[:] = launched[:], []
+        decode_attention(*call, out=out, variant=variant, num_splits=3, workspace=ws)
+        plain, launched[:] = launched[:], []
+        assert len(planned) == len(plain) == (3 if variant in ("v4c", "v1") else 4)
+        for got, want in zip(planned, plain, strict=True):
+            assert got[0] is want[0] and got[1] == want[1] and got[3:] == want[3:]
+            assert len(got[2]) == len(want[2])
+            assert all(map(_same_argument, got[2], want[2])), (variant, got[0])
+        for tensor in (kv, out):  # this layer's own, in place of the first layer's
+            assert any(a is tensor for launch in planned for a in launch[2])
+        if variant == "v6t":
+            descriptors = attention.v6_tma_descriptors(_geo(name, d), kv)
+            assert planned[1][2][-4:] == descriptors
 
 
 def test_prefill_context_plan_validation(device: torch.device) -> None:

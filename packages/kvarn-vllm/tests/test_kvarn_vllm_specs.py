@@ -360,6 +360,15 @@ def test_capture_build_applies_no_side_pool_work(kvarn: None, qwen3_dir: Path) -
     assert meta.num_decodes == 1 and not meta.prefill_runs and meta.direct is None
     assert int(meta.block_to_slot[1]) == -1, "capture must not apply queued plans"
     assert meta.runtime.decode_workspace is not None
+    # the decode rows' launches are prepared once for the layers: the runner's own tensors
+    # (what the graph replays) and the fixed workspace and plan the runtime picked
+    decode = meta.decode_batch_plan
+    assert decode is not None and decode.block_to_slot is meta.block_to_slot
+    assert decode.block_table.data_ptr() == cam.block_table_tensor.data_ptr()
+    assert decode.seq_lens.data_ptr() == cam.seq_lens.data_ptr()
+    assert decode._workspace is meta.runtime.decode_workspace
+    chosen = rt.decode_plan(1)
+    assert (decode.variant, decode.num_splits) == (chosen.variant, chosen.num_splits)
     meta = builder.build(0, cam)
     assert int(meta.block_to_slot[1]) == rt.tracker.slot_of(1)
     assert meta.direct is None

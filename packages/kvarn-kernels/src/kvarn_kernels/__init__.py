@@ -11,7 +11,7 @@ Serving data model (per attention layer):
 Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from pool slots),
 :func:`flush_token_tiles` (store straight from a step's rotated K/V rows),
 :func:`decode_attention` (with :func:`decode_plan`, the kernel and split count it runs for a
-batch shape), :func:`verify_attention` (speculative verify: a few query tokens
+batch shape, and :func:`plan_decode_batch`, its launches prepared once for a step's layers), :func:`verify_attention` (speculative verify: a few query tokens
 per request in one decode-kernel pass, or one decode row per token; :func:`verify_plan`), :func:`prefill_attention` (with
 :func:`plan_prefill_context` and :func:`plan_fused_prefill`, its per-batch schedules shared
 by a step's layers), plus
@@ -36,6 +36,7 @@ from kvarn_kernels.attention import (
     verify_plan,
 )
 from kvarn_kernels.context import ContextPlan, plan_prefill_context
+from kvarn_kernels.decode_batch import DecodeBatchPlan, plan_decode_batch
 from kvarn_kernels.fused_prefill import FusedPrefillPlan, plan_fused_prefill
 from kvarn_kernels.rotation import hadamard_matrix, rotate, write_side_pool
 from kvarn_kernels.store import flush_tiles, flush_token_tiles
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FUSED_PREFILL_MAX_QUERY",
     "ContextPlan",
+    "DecodeBatchPlan",
     "DecodePlan",
     "FusedPrefillPlan",
     "choose_decode_splits",
@@ -59,6 +61,7 @@ __all__ = [
     "hadamard_matrix",
     "max_decode_partials",
     "max_verify_partials",
+    "plan_decode_batch",
     "plan_fused_prefill",
     "plan_prefill_context",
     "prefill_attention",

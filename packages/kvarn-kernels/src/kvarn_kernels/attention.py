@@ -40,7 +40,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
-from itertools import pairwise
+from itertools import pairwise, repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,6 +76,7 @@ from kvarn_kernels.rotation import _check_pool, query_rotation, sign_matrix
 
 if TYPE_CHECKING:
     from kvarn_kernels.context import ContextPlan, VarlenAttention
+    from kvarn_kernels.decode_batch import DecodeBatchPlan
     from kvarn_kernels.fused_prefill import FusedPrefillPlan
 
 __all__ = [
@@ -1619,12 +1620,13 @@ class _AttentionLaunches:
     def run(
         self,
         device: torch.device,
-        launches: tuple[PreparedLaunch, ...] | None = None,
+        args: Sequence[Sequence[object]] | None = None,
     ) -> None:
-        """Run them on ``device`` (the current stream; ``launches``: the same four, or three
-        without a pool kernel, with other arguments, e.g. :meth:`PreparedLaunch.with_args`)."""
-        rotation, main, *pool, merge = launches or self.launches
-        rotation.run()
+        """Run them on ``device`` (the current stream), each with its :attr:`launches`
+        entry's arguments or, given ``args`` (one tuple per launch, in order), those (the same
+        parameters: another layer's tensors of the same layout)."""
+        rotation, main, *pool, merge = zip(self.launches, args or repeat(None), strict=False)
+        _run(rotation)
         if pool and self.pool_on_side:
             # The pool tiles (the fp16 sink and in-progress tiles, their own partial) do not
             # wait for the main loop: on a side stream their programs run next to the main
@@ -1633,20 +1635,24 @@ class _AttentionLaunches:
             # before the main loop's first wave (twenty-second session: 0.97-0.98x at
             # B >= 64); decode_pool's order is not re-timed.
             with _forked(device) as side:
-                main.run()
+                _run(main)
                 with side:
-                    pool[0].run()
+                    _run(pool[0])
         else:
-            main.run()
+            _run(main)
             for p in pool:  # v4d: after its main loop, on the same stream
-                p.run()
-        merge.run()
+                _run(p)
+        _run(merge)
 
     @property
     def launches(self) -> tuple[PreparedLaunch, ...]:
         """The launches in order (three without a pool kernel)."""
         pool = () if self.pool is None else (self.pool,)
         return (self.rotation, self.main, *pool, self.merge)
+
+
+def _run(launch_and_args: tuple[PreparedLaunch, Sequence[object] | None]) -> None:
+    launch_and_args[0].run(launch_and_args[1])
 
 
 def _launch(
@@ -2253,6 +2259,7 @@ def decode_attention(
     num_stages: int | None = None,
     mma_rows: int | None = None,
     max_registers: int | None = None,
+    batch_plan: DecodeBatchPlan | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request over packed records and the side pool.
 
@@ -2332,9 +2339,130 @@ def decode_attention(
             (Triton's ``maxnreg``; experimental). Round 6 found caps slower where they made
             v4 spill; v4d with 4 rows at 168 registers took 1.17x / 1.11x the time of
             uncapped v4d with 8 rows at k4v2_g128 B = 64 / 256 (eleventh session).
+        batch_plan: the batch's :class:`kvarn_kernels.DecodeBatchPlan`
+            (:func:`kvarn_kernels.plan_decode_batch`), shared by the layers of a step: pass
+            its own ``block_table``, ``seq_lens`` and ``block_to_slot``, and no tuning
+            options (the plan holds them). A layout's first call is checked as an unplanned
+            one; later layers only launch.
 
     Returns ``[B, Hq, D]`` in q's dtype, unrotated. No host sync, no data-dependent host logic.
     """
+    if batch_plan is not None:
+        if (
+            any(
+                x is not None
+                for x in (
+                    workspace,
+                    num_splits,
+                    block_n,
+                    num_warps,
+                    fast_unpack,
+                    num_stages,
+                    mma_rows,
+                    max_registers,
+                )
+            )
+            or not prefetch
+            or variant != "auto"
+        ):
+            raise ValueError(
+                "with a batch_plan, pass variant, num_splits, mma_rows and workspace to "
+                "plan_decode_batch instead (the other tuning options do not apply)"
+            )
+        return batch_plan.attend(
+            fmt,
+            q,
+            kv_cache,
+            pool_k,
+            pool_v,
+            block_table,
+            seq_lens,
+            block_to_slot,
+            softmax_scale,
+            out,
+        )
+    setup = _decode_setup(
+        fmt,
+        q,
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        out,
+        workspace,
+        num_splits,
+        block_n,
+        num_warps,
+        fast_unpack,
+        prefetch,
+        variant,
+        num_stages,
+        mma_rows,
+        max_registers,
+    )
+    _launch(
+        setup.geo,
+        _q_for_kernel(q),
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        seq_lens,
+        block_to_slot,
+        None,
+        softmax_scale,
+        setup.out,
+        setup.workspace,
+        setup.num_splits,
+        True,
+        block_n,
+        num_warps,
+        fast_unpack,
+        prefetch,
+        variant=setup.variant,
+        num_stages=num_stages,
+        mma_rows=mma_rows,
+        max_registers=max_registers,
+    )
+    return setup.out
+
+
+@dataclass(frozen=True)
+class _DecodeSetup:
+    """A decode call's checked inputs and choices (:func:`_decode_setup`)."""
+
+    geo: DenseGeometry
+    out: torch.Tensor
+    variant: str
+    num_splits: int
+    workspace: torch.Tensor
+
+
+def _decode_setup(
+    fmt: KVarNFormat | str,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    out: torch.Tensor | None,
+    workspace: torch.Tensor | None,
+    num_splits: int | None,
+    block_n: int | None,
+    num_warps: int | None,
+    fast_unpack: bool | None,
+    prefetch: bool,
+    variant: str,
+    num_stages: int | None,
+    mma_rows: int | None,
+    max_registers: int | None,
+) -> _DecodeSetup:
+    """:func:`decode_attention`'s checks, its kernel variant and split count, and its output
+    and workspace (allocated where not given)."""
     geo, out = _check_common(
         fmt, q, kv_cache, pool_k, pool_v, block_table, seq_lens, block_to_slot, out, "[B, Hq, D]"
     )
@@ -2364,32 +2492,7 @@ def decode_attention(
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     need = decode_workspace_numel(bsz, hq, d, decode_partials(variant, splits))
-    workspace = _workspace(workspace, need, q.device)
-    _launch(
-        geo,
-        _q_for_kernel(q),
-        kv_cache,
-        pool_k,
-        pool_v,
-        block_table,
-        seq_lens,
-        block_to_slot,
-        None,
-        softmax_scale,
-        out,
-        workspace,
-        splits,
-        True,
-        block_n,
-        num_warps,
-        fast_unpack,
-        prefetch,
-        variant=variant,
-        num_stages=num_stages,
-        mma_rows=mma_rows,
-        max_registers=max_registers,
-    )
-    return out
+    return _DecodeSetup(geo, out, variant, splits, _workspace(workspace, need, q.device))
 
 
 def _default_splits(

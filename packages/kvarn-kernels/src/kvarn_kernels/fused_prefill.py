@@ -3,7 +3,7 @@
 ``prefill_attention(method="fused")`` rotates the queries, runs a fused kernel into split
 partials and merges them: three launches. Around them an unprepared call checks eleven
 tensors, picks the kernel and split count, builds three constexpr tables and slices a fresh
-workspace: ~75 µs of Python a call on a 2-core CPU (``scripts/fused_plan_host_cost.py``,
+workspace: ~75 µs of Python a call on a 2-core CPU (``scripts/plan_host_cost.py``,
 docs/kernel-notes.md, forty-fourth session). vLLM runs this attention eagerly, once per
 layer, so a step with a continuation chunk paid it 36 times for one batch; a planned call
 pays ~8.

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     from kvarn_kernels.context import ContextPlan, VarlenAttention
+    from kvarn_kernels.decode_batch import DecodeBatchPlan
     from kvarn_kernels.fused_prefill import FusedPrefillPlan
 
 __all__ = [
@@ -307,6 +308,9 @@ class KvarnMetadata(AttentionMetadata):
     #: Tiles this step's forward quantizes from its own K/V, or None (never in capture builds
     #: or pure-decode batches).
     direct: DirectTiles | None = None
+    #: The decode rows' launches, prepared by the first layer and replayed by the others
+    #: (vLLM runs them eagerly in every step with a prefill in it); None without decode rows.
+    decode_batch_plan: DecodeBatchPlan | None = None
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
@@ -410,7 +414,19 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                     block_to_slot=table,
                 )
         # The fixed decode workspace exists before any decode kernel runs (or is captured).
-        self.runtime.ensure_decode_workspace(num_decodes)
+        workspace = self.runtime.ensure_decode_workspace(num_decodes)
+        decode_batch_plan = None
+        if num_decodes:
+            plan = self.runtime.decode_plan(num_decodes)
+            decode_batch_plan = _kernels().plan_decode_batch(
+                cam.block_table_tensor[:num_decodes],
+                cam.seq_lens[:num_decodes],
+                table,
+                variant=plan.variant,
+                num_splits=plan.num_splits,
+                mma_rows=self.runtime.decode_mma_rows,
+                workspace=workspace,
+            )
         return KvarnMetadata(
             runtime=self.runtime,
             block_to_slot=table,
@@ -424,6 +440,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             max_seq_len=cam.max_seq_len,
             prefill_runs=runs,
             direct=direct,
+            decode_batch_plan=decode_batch_plan,
         )
 
     def _uniform_verify(self, cam: CommonAttentionMetadata) -> bool:
@@ -753,9 +770,9 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
         out = output[:n].view(n, self.num_heads, self.head_size)
         kk = _kernels()
 
-        nd, ndt = meta.num_decodes, meta.num_decode_tokens
-        if nd:
-            plan = meta.runtime.decode_plan(nd)
+        ndt = meta.num_decode_tokens
+        decode = meta.decode_batch_plan
+        if decode is not None:
             with _prof_range("kvarn: decode"):
                 kk.decode_attention(
                     self.fmt,
@@ -763,15 +780,12 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                     kv_cache,
                     pools.k,
                     pools.v,
-                    meta.block_table[:nd],
-                    meta.seq_lens[:nd],
-                    meta.block_to_slot,
+                    decode.block_table,
+                    decode.seq_lens,
+                    decode.block_to_slot,
                     self.scale,
                     out=out[:ndt],
-                    workspace=meta.runtime.decode_workspace,
-                    num_splits=plan.num_splits,
-                    variant=plan.variant,
-                    mma_rows=meta.runtime.decode_mma_rows,
+                    batch_plan=decode,
                 )
         if meta.prefill_runs:
             k = key[:n].view(n, self.num_kv_heads, self.head_size)

@@ -1,0 +1,119 @@
+"""Python host time of the planned calls against unplanned ones, with every kernel launch
+stubbed out (CPU, no GPU needed; docs/kernel-notes.md, forty-fourth and forty-fifth sessions).
+
+* ``prefill``: 64 query tokens of Qwen3-8B's heads (32 over 8 KV heads, head dim 128) after
+  1,024 cached tokens of ``kvarn_k4v2_g128``, ``fused_kernel="v3"`` forced (the served kernel
+  on sm_90), unplanned and with a :class:`kvarn_kernels.FusedPrefillPlan`;
+* ``decode``: 8 requests of 1,024 tokens, the same heads and format, each served decode
+  variant forced (v4c, v6f, v6t: the Gluon ones resolve as on a GPU, since nothing runs),
+  unplanned and with a :class:`kvarn_kernels.DecodeBatchPlan`.
+
+The queries are contiguous and a strided view of a fused QKV tensor (as vLLM passes them).
+Prints the best of three runs of ``--calls`` calls in µs a call::
+
+    TRITON_INTERPRET=1 PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src \\
+        python3 packages/kvarn-kernels/scripts/plan_host_cost.py [--op prefill|decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def best_us(fn: Callable[[], Any], calls: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--op", choices=("prefill", "decode", "both"), default="both")
+    a = ap.parse_args()
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the case is built without a GPU
+
+    import torch
+
+    import kvarn_kernels._launch as launcher
+    import kvarn_kernels.attention as attention
+    import kvarn_kernels.fused_prefill as fused_prefill
+    from kvarn_kernels import (
+        decode_attention,
+        plan_decode_batch,
+        plan_fused_prefill,
+        prefill_attention,
+    )
+    from kvarn_kernels.testing import build_case
+
+    name, d, hq, hk = "kvarn_k4v2_g128", 128, 32, 8
+
+    def no_launch(*args: object, **kw: object) -> None:
+        return None
+
+    launcher.launch = no_launch  # type: ignore[assignment]
+    fused_prefill._v3_serves = lambda geo, device: True  # type: ignore[attr-defined]
+    fused_prefill._num_sms = lambda device: 132  # type: ignore[attr-defined]
+    attention.triton_interpret = lambda: False  # type: ignore[attr-defined]  # Gluon variants
+    print("| call | queries | unplanned µs | planned µs |")
+    print("|---|---|---|---|")
+    if a.op in ("prefill", "both"):
+        case = build_case(name, d, hk, [1024 + 64], device="cpu", seed=1, encoder="reference")
+        qkv = torch.randn(64, hq + 2 * hk, d).half()
+        qsl = torch.tensor([0, 64], dtype=torch.int32)
+        for label, q in _queries(qkv, hq):
+            args = case.prefill_args(name, q, qsl, d**-0.5)
+            out = torch.empty(q.shape, dtype=q.dtype)
+            plan = plan_fused_prefill(*args[5:9], fused_kernel="v3")
+            unplanned = best_us(
+                lambda args=args, out=out: prefill_attention(
+                    *args, out=out, method="fused", fused_kernel="v3"
+                ),
+                a.calls,
+            )
+            planned = best_us(
+                lambda args=args, out=out, plan=plan: prefill_attention(
+                    *args, out=out, method="fused", fused_plan=plan
+                ),
+                a.calls,
+            )
+            print(f"| prefill v3 | {label} | {unplanned:.1f} | {planned:.1f} |")
+    if a.op in ("decode", "both"):
+        case = build_case(name, d, hk, [1024] * 8, device="cpu", seed=1, encoder="reference")
+        qkv = torch.randn(8, hq + 2 * hk, d).half()
+        ws = torch.empty(attention.decode_workspace_numel(8, hq, d, 8))
+        for variant in ("v4c", "v6f", "v6t"):
+            for label, q in _queries(qkv, hq):
+                args = case.decode_args(name, q, d**-0.5)
+                out = torch.empty(q.shape, dtype=q.dtype)
+                plan = plan_decode_batch(*args[5:8], variant=variant, num_splits=4, workspace=ws)
+                unplanned = best_us(
+                    lambda args=args, out=out, variant=variant: decode_attention(
+                        *args, out=out, variant=variant, num_splits=4, workspace=ws
+                    ),
+                    a.calls,
+                )
+                planned = best_us(
+                    lambda args=args, out=out, plan=plan: decode_attention(
+                        *args, out=out, batch_plan=plan
+                    ),
+                    a.calls,
+                )
+                print(f"| decode {variant} | {label} | {unplanned:.1f} | {planned:.1f} |")
+
+
+def _queries(qkv: Any, hq: int) -> tuple[tuple[str, Any], ...]:
+    return (("contiguous", qkv[:, :hq].contiguous()), ("strided (QKV view)", qkv[:, :hq]))
+
+
+if __name__ == "__main__":
+    main()
