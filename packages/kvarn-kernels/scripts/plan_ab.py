@@ -1,0 +1,196 @@
+"""Eager calls with and without a per-batch plan, in one run (GPU only): the fused prefill
+(``FusedPrefillPlan``) and decode (``DecodeBatchPlan``).
+
+A step of a 36-layer model (``kvarn_k4v2_g128``, Qwen3-8B's heads): each layer has its own
+cache and pools (copies of one) and its queries are a strided view of a fused QKV tensor, as
+vLLM passes them. The 36 calls are queued back to back, as vLLM runs attention between its
+piecewise CUDA graphs, and timed per layer, unplanned and with one plan built per step (its
+build counted in the step); every planned output is compared with the unplanned one bit for
+bit. For scale: one call's GPU time (CUDA-graph replay) and, where vLLM is importable, FA3
+fp16's eager call on the same shape.
+
+* ``prefill``: a short continuation chunk, 64 tokens after 16,320, B = 1 and 4, the fused
+  kernels given by ``--kernels`` (docs/kernel-notes.md, forty-fourth session);
+* ``decode``: the decode rows of a mixed step, B = 8 and 64 at 4K, the served variant
+  (``"auto"``; forty-fifth session).
+
+Writes ``plan_ab.json`` to ``--out``::
+
+    PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src:tools \\
+        python3 packages/kvarn-kernels/scripts/plan_ab.py --out $OUT [--op prefill|decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import bench_kernels as bk  # tools/ on PYTHONPATH
+
+FMT = "kvarn_k4v2_g128"
+LAYERS = 36
+ROUNDS = 3
+
+
+def step_us(step: Callable[[], None], steps: int = 20) -> float:
+    """µs per layer of ``step`` (one call per layer) queued back to back, best of rounds."""
+    import torch
+
+    step()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / steps / LAYERS * 1e6)
+    return best
+
+
+def prefill_rows(bsz: int, kernel: str) -> list[dict[str, Any]]:
+    import torch
+
+    from kvarn_kernels import plan_fused_prefill, prefill_attention
+
+    c = bk.prefill_case(FMT, 16320, 64, bsz)
+    t = int(c["q"].shape[0])
+    layers = _layers(c["q"].shape[0], c["kv"], c["pool_k"], c["pool_v"])
+    index = (c["bt"], c["qsl"], c["seqs"], c["b2s"])
+    outs = {p: torch.empty(LAYERS, t, bk.HQ, bk.D, device="cuda").half() for p in (0, 1)}
+    scale = bk.D**-0.5
+
+    def layers_into(out: Any, **how: Any) -> None:
+        for i, (q, kv, pk, pv) in enumerate(layers):
+            prefill_attention(FMT, q, kv, pk, pv, *index, scale, out=out[i], method="fused", **how)
+
+    def one_call() -> None:
+        q0, kv0, pk0, pv0 = layers[0]
+        prefill_attention(
+            FMT,
+            q0,
+            kv0,
+            pk0,
+            pv0,
+            *index,
+            scale,
+            out=outs[0][0],
+            method="fused",
+            fused_kernel=kernel,
+        )
+
+    return _compare(
+        f"prefill {kernel} 64 after 16K, B={bsz}",
+        lambda: layers_into(outs[0], fused_kernel=kernel),
+        # one plan a step, its build counted
+        lambda: layers_into(outs[1], fused_plan=plan_fused_prefill(*index, fused_kernel=kernel)),
+        outs,
+        one_call,
+        lambda: bk.bench_fa3_prefill(16320, 64, bsz),
+    )
+
+
+def decode_rows(bsz: int) -> list[dict[str, Any]]:
+    import torch
+
+    from kvarn_kernels import decode_attention, plan_decode_batch
+
+    c = bk.decode_inputs(FMT, bsz, 4096)
+    layers = _layers(bsz, c["kv"], c["pool_k"], c["pool_v"])
+    index = (c["bt"], c["seq_lens"], c["b2s"])
+    outs = {p: torch.empty(LAYERS, bsz, bk.HQ, bk.D, device="cuda").half() for p in (0, 1)}
+    scale = bk.D**-0.5
+
+    def layers_into(out: Any, **how: Any) -> None:
+        for i, (q, kv, pk, pv) in enumerate(layers):
+            decode_attention(FMT, q, kv, pk, pv, *index, scale, out=out[i], **how)
+
+    def one_call() -> None:
+        q0, kv0, pk0, pv0 = layers[0]
+        decode_attention(FMT, q0, kv0, pk0, pv0, *index, scale, out=outs[0][0])
+
+    return _compare(
+        f"decode auto 4K, B={bsz}",
+        lambda: layers_into(outs[0]),
+        lambda: layers_into(outs[1], batch_plan=plan_decode_batch(*index)),
+        outs,
+        one_call,
+        lambda: bk.bench_fa3_decode(bsz, int(c["seq"])),
+    )
+
+
+def _layers(tokens: int, kv: Any, pool_k: Any, pool_v: Any) -> list[tuple[Any, ...]]:
+    """36 layers: their own copies of the cache and pools, their queries a strided view of a
+    fused QKV tensor."""
+    import torch
+
+    qkv = torch.randn(LAYERS, tokens, bk.HQ + 2 * bk.HK, bk.D, device="cuda").half()
+    return [(qkv[i, :, : bk.HQ], kv.clone(), pool_k.clone(), pool_v.clone()) for i in range(LAYERS)]
+
+
+def _compare(
+    label: str,
+    unplanned: Callable[[], None],
+    planned: Callable[[], None],
+    outs: dict[int, Any],
+    one_call: Callable[[], None],
+    fa3: Callable[[], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Rows of one case: the step unplanned and planned (µs a layer), whether their outputs
+    are equal, one call's GPU time and FA3 fp16's eager call."""
+    import torch
+
+    rows: list[dict[str, Any]] = []
+    for name, step in (("unplanned", unplanned), ("planned", planned)):
+        rows.append({"case": label, "path": name, "eager_us": step_us(step)})
+        bk.log(f"{label} {name}: {rows[-1]}")
+    rows.append({"case": label, "equal": bool(torch.equal(outs[0], outs[1]))})
+    gpu_us, mode = bk.timed(one_call, graph=True)
+    rows.append({"case": label, "path": "GPU time (graph)", "us": gpu_us, "mode": mode})
+    rows.append({"case": label, "path": "FA3 fp16", **bk.guarded(fa3)})
+    bk.log(f"{label}: {rows[-3:]}")
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| case | eager µs/layer unplanned | planned | planned / unplanned | GPU µs (graph) "
+        "| FA3 fp16 µs (prefill eager, decode graph) | equal |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        mine = {r.get("path", "equal"): r for r in rows if r["case"] == case}
+        u, p = mine["unplanned"]["eager_us"], mine["planned"]["eager_us"]
+        fa = mine["FA3 fp16"].get("us")
+        lines.append(
+            f"| {case} | {u:.1f} | {p:.1f} | {p / u:.3f} | {mine['GPU time (graph)']['us']:.1f} "
+            f"| {'-' if fa is None else f'{fa:.1f}'} | {mine['equal']['equal']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--op", choices=("prefill", "decode", "both"), default="both")
+    ap.add_argument("--kernels", default="v3,v4", help="fused_kernel values, comma-separated")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    if a.op in ("decode", "both"):
+        for bsz in (8, 64):
+            rows += decode_rows(bsz)
+    if a.op in ("prefill", "both"):
+        for bsz in (1, 4):
+            for kernel in a.kernels.split(","):
+                rows += prefill_rows(bsz, kernel)
+    (a.out / "plan_ab.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
