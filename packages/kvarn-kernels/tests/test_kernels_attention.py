@@ -811,7 +811,9 @@ def test_decode_batch_plan_replays_each_layer(
     scale = 1.0 / math.sqrt(d)
     setups = []
     setup = decode_batch._decode_setup
-    monkeypatch.setattr(decode_batch, "_decode_setup", lambda *a: setups.append(1) or setup(*a))
+    monkeypatch.setattr(
+        decode_batch, "_decode_setup", lambda *a, **kw: setups.append(1) or setup(*a, **kw)
+    )
     plan = plan_decode_batch(*index, variant=variant, num_splits=3)
     for q, kv, pool_k, pool_v in layers:
         planned = decode_attention(name, q, kv, pool_k, pool_v, *index, scale, batch_plan=plan)
@@ -869,6 +871,9 @@ def test_decode_batch_plan_validation(device: torch.device) -> None:
         )
     with pytest.raises(ValueError, match="variant must be"):
         decode_attention(*call, *index, 0.125, batch_plan=plan_decode_batch(*index, variant="v0"))
+    for planned in (plan, None):  # a scale that is no number would key a layout per call
+        with pytest.raises(ValueError, match="softmax_scale must be finite"):
+            decode_attention(*call, *index, float("nan"), batch_plan=planned)
 
 
 def _same_argument(a: object, b: object) -> bool:

@@ -2392,15 +2392,16 @@ def decode_attention(
         block_to_slot,
         out,
         workspace,
-        num_splits,
-        block_n,
-        num_warps,
-        fast_unpack,
-        prefetch,
-        variant,
-        num_stages,
-        mma_rows,
-        max_registers,
+        softmax_scale,
+        num_splits=num_splits,
+        variant=variant,
+        mma_rows=mma_rows,
+        block_n=block_n,
+        num_warps=num_warps,
+        fast_unpack=fast_unpack,
+        prefetch=prefetch,
+        num_stages=num_stages,
+        max_registers=max_registers,
     )
     _launch(
         setup.geo,
@@ -2451,18 +2452,22 @@ def _decode_setup(
     block_to_slot: torch.Tensor,
     out: torch.Tensor | None,
     workspace: torch.Tensor | None,
+    softmax_scale: float,
+    *,
     num_splits: int | None,
-    block_n: int | None,
-    num_warps: int | None,
-    fast_unpack: bool | None,
-    prefetch: bool,
     variant: str,
-    num_stages: int | None,
     mma_rows: int | None,
-    max_registers: int | None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    fast_unpack: bool | None = None,
+    prefetch: bool = True,
+    num_stages: int | None = None,
+    max_registers: int | None = None,
 ) -> _DecodeSetup:
     """:func:`decode_attention`'s checks, its kernel variant and split count, and its output
     and workspace (allocated where not given)."""
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     geo, out = _check_common(
         fmt, q, kv_cache, pool_k, pool_v, block_table, seq_lens, block_to_slot, out, "[B, Hq, D]"
     )
