@@ -40,7 +40,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
-from itertools import pairwise, repeat
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -1625,9 +1625,11 @@ class _AttentionLaunches:
         """Run them on ``device`` (the current stream), each with its :attr:`launches`
         entry's arguments or, given ``args`` (one tuple per launch, in order), those (the same
         parameters: another layer's tensors of the same layout)."""
-        rotation, main, *pool, merge = zip(self.launches, args or repeat(None), strict=False)
-        _run(rotation)
-        if pool and self.pool_on_side:
+        given = tuple(args) if args is not None else (None,) * len(self.launches)
+        self.rotation.run(given[0])
+        if self.pool is None:
+            self.main.run(given[1])
+        elif self.pool_on_side:
             # The pool tiles (the fp16 sink and in-progress tiles, their own partial) do not
             # wait for the main loop: on a side stream their programs run next to the main
             # launch's, instead of in a launch of their own after its last wave. Launched
@@ -1635,24 +1637,19 @@ class _AttentionLaunches:
             # before the main loop's first wave (twenty-second session: 0.97-0.98x at
             # B >= 64); decode_pool's order is not re-timed.
             with _forked(device) as side:
-                _run(main)
+                self.main.run(given[1])
                 with side:
-                    _run(pool[0])
-        else:
-            _run(main)
-            for p in pool:  # v4d: after its main loop, on the same stream
-                _run(p)
-        _run(merge)
+                    self.pool.run(given[2])
+        else:  # v4d: after its main loop, on the same stream
+            self.main.run(given[1])
+            self.pool.run(given[2])
+        self.merge.run(given[-1])
 
     @property
     def launches(self) -> tuple[PreparedLaunch, ...]:
         """The launches in order (three without a pool kernel)."""
         pool = () if self.pool is None else (self.pool,)
         return (self.rotation, self.main, *pool, self.merge)
-
-
-def _run(launch_and_args: tuple[PreparedLaunch, Sequence[object] | None]) -> None:
-    launch_and_args[0].run(launch_and_args[1])
 
 
 def _launch(
