@@ -1652,62 +1652,10 @@ class _AttentionLaunches:
         return (self.rotation, self.main, *pool, self.merge)
 
 
-def _launch(
-    geo: DenseGeometry,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    pool_k: torch.Tensor,
-    pool_v: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_to_slot: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    softmax_scale: float,
-    out: torch.Tensor,
-    workspace: torch.Tensor,
-    num_splits: int,
-    decode: bool,
-    block_n: int | None,
-    num_warps: int | None,
-    fast_unpack: bool | None = None,
-    prefetch: bool = True,
-    block_m: int | None = None,
-    variant: str = "v1",
-    num_stages: int | None = None,
-    max_query_len: int = 1,
-    mma_rows: int | None = None,
-    max_registers: int | None = None,
-    tokens_per_program: int = 1,
-) -> None:
+def _launch(geo: DenseGeometry, q: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     """Rotate the queries, run the attention kernel into the split workspace, merge and
-    un-rotate: :func:`_attention_launches`, run."""
-    launches = _attention_launches(
-        geo,
-        q,
-        kv_cache,
-        pool_k,
-        pool_v,
-        block_table,
-        seq_lens,
-        block_to_slot,
-        query_start_loc,
-        softmax_scale,
-        out,
-        workspace,
-        num_splits,
-        decode,
-        block_n,
-        num_warps,
-        fast_unpack,
-        prefetch,
-        block_m,
-        variant,
-        num_stages,
-        max_query_len,
-        mma_rows,
-        max_registers,
-        tokens_per_program,
-    )
+    un-rotate: :func:`_attention_launches` (the same parameters), run on ``q``'s device."""
+    launches = _attention_launches(geo, q, *args, **kwargs)
     if launches is not None:
         launches.run(q.device)
 
