@@ -44,6 +44,7 @@ from kvarn_kernels import (
     plan_decode_batch,
     plan_fused_prefill,
     plan_prefill_context,
+    plan_verify_batch,
     prefill_attention,
     verify_attention,
 )
@@ -876,10 +877,58 @@ def test_decode_batch_plan_validation(device: torch.device) -> None:
             decode_attention(*call, *index, float("nan"), batch_plan=planned)
 
 
-def _same_argument(a: object, b: object) -> bool:
+@pytest.mark.parametrize("variant", ["v4c", "v1"])
+def test_verify_batch_plan_replays_each_layer(device: torch.device, variant: str) -> None:
+    """A verify plan shared by three layers gives each the unplanned call's output bit for bit
+    (v1: the tokens' decode rows worked out once); close to the reference."""
+    name, d, hq, hk, lens, qlens = "kvarn_k4v2_g128", 64, 8, 2, [300, 9, 129], [3, 1, 4]
+    layers, index = _layers_of(name, d, hq, hk, lens, qlens, device)
+    scale = 1.0 / math.sqrt(d)
+    plan = plan_verify_batch(*index, max_query_len=4, variant=variant, num_splits=3)
+    for q, kv, pool_k, pool_v in layers:
+        call = (name, q, kv, pool_k, pool_v, *index, scale)
+        planned = verify_attention(*call, max_query_len=4, batch_plan=plan)
+        plain = verify_attention(*call, max_query_len=4, variant=variant, num_splits=3)
+        assert torch.equal(planned, plain)
+        _assert_close(planned, prefill_attention_ref(*call))
+    assert "1 layouts prepared" in repr(plan)
+    with pytest.raises(ValueError, match="batch_plan was built for other index tensors"):
+        verify_attention(
+            *call[:5], index[0].clone(), *index[1:], scale, max_query_len=4, batch_plan=plan
+        )
+    with pytest.raises(ValueError, match="max_query_len=3 but the batch_plan was built for 4"):
+        verify_attention(*call, max_query_len=3, batch_plan=plan)
+    with pytest.raises(ValueError, match="with a batch_plan, pass"):
+        verify_attention(*call, max_query_len=4, batch_plan=plan, num_splits=2)
+    with pytest.raises(ValueError, match="max_query_len must be"):
+        plan_verify_batch(*index, max_query_len=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("name", "variant"),
+    [("kvarn_k4v2_g128", "auto"), ("kvarn_k5v5_g64", "auto"), ("kvarn_k4v2_g128", "v1")],
+)
+def test_verify_batch_plan_gpu(device: torch.device, name: str, variant: str) -> None:
+    """The served verify kernels (v4c; v7f for 5-bit codes on an H200) under a plan shared by
+    three layers: each layer's output is the unplanned call's bit for bit."""
+    layers, index = _layers_of(name, 128, 32, 8, [5000, 9, 700], [4, 1, 3], device)
+    scale = 1.0 / math.sqrt(128)
+    plan = plan_verify_batch(*index, max_query_len=4, variant=variant)
+    for q, kv, pool_k, pool_v in layers:
+        call = (name, q, kv, pool_k, pool_v, *index, scale)
+        planned = verify_attention(*call, max_query_len=4, batch_plan=plan)
+        assert torch.equal(planned, verify_attention(*call, max_query_len=4, variant=variant))
+        _assert_close(planned, prefill_attention_ref(*call))
+
+
+def _same_argument(a: object, b: object, same: dict[int, int]) -> bool:
+    """Whether launch argument ``a`` is ``b``: a tensor the same view of the same memory (or
+    of the memory ``same`` maps ``b``'s to), anything else equal."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        pointer = same.get(b.data_ptr(), b.data_ptr())
         return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (
-            b.data_ptr(),
+            pointer,
             b.shape,
             b.stride(),
             b.dtype,
@@ -887,14 +936,22 @@ def _same_argument(a: object, b: object) -> bool:
     return a is b or a == b
 
 
-@pytest.mark.parametrize("variant", ["v6t", "v6f", "v5", "v4d", "v4c", "v1"])
-def test_decode_batch_plan_launches_what_unplanned_calls_launch(
-    variant: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("op", "name", "variant"),
+    [
+        *(("decode", "kvarn_k4v2_g128", v) for v in ("v6t", "v6f", "v5", "v4d", "v4c", "v1")),
+        *(("verify", "kvarn_k4v2_g128", v) for v in ("v4c", "v1")),
+        ("verify", "kvarn_k5v5_g64", "v7f"),
+    ],
+)
+def test_batch_plans_launch_what_unplanned_calls_launch(
+    op: str, name: str, variant: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The served variants' launches (Gluon kernels, which the interpreter cannot run: here
-    recorded, not run) get from a plan, layer by layer, the very arguments, grids,
-    constexprs and options an unplanned call gives them, with each layer's own cache, pools,
-    queries, output and (v6t) tensor descriptors. CPU only: nothing is launched."""
+    recorded, not run) get from a decode or verify plan, layer by layer, the very arguments,
+    grids, constexprs and options an unplanned call gives them, with each layer's own cache,
+    pools, queries, output and (v6t) tensor descriptors; a verify plan works out the tokens'
+    decode rows (v1, v7) in its first layer only. CPU only: nothing is launched."""
     from kvarn_kernels import _launch, attention
 
     launched: list[tuple[object, ...]] = []
@@ -904,26 +961,48 @@ def test_decode_batch_plan_launches_what_unplanned_calls_launch(
     ) -> None:
         launched.append((kernel, grid, tuple(args), consts, kw))
 
-    monkeypatch.setattr(_launch, "launch", record)
+    monkeypatch.setattr(_launch, "launch", record)  # every prepared launch
+    monkeypatch.setattr(attention, "launch", record)  # verify_rows'
     monkeypatch.setattr(attention, "triton_interpret", lambda: False)  # Gluon variants allowed
-    name, d, hq, hk = "kvarn_k4v2_g128", 128, 32, 8
+    d, hq, hk, lens = 128, 32, 8, [300, 1, 129]
     cpu = torch.device("cpu")
-    layers, index = _decode_layers(name, d, hq, hk, [300, 1, 129], cpu)
     scale = 1.0 / math.sqrt(d)
-    ws = torch.empty(attention.decode_workspace_numel(3, hq, d, 4))
-    plan = plan_decode_batch(*index, variant=variant, num_splits=3, workspace=ws)
-    for q, kv, pool_k, pool_v in layers:
+    if op == "decode":
+        layers, index = _decode_layers(name, d, hq, hk, lens, cpu)
+        ws = torch.empty(attention.decode_workspace_numel(3, hq, d, 4))
+        plan: Any = plan_decode_batch(*index, variant=variant, num_splits=3, workspace=ws)
+        options: dict[str, Any] = {}
+    else:
+        layers, index = _layers_of(name, d, hq, hk, lens, [3, 1, 4], cpu)
+        ws = torch.empty(attention.decode_workspace_numel(8, hq, d, 4))
+        plan = plan_verify_batch(
+            *index, max_query_len=4, variant=variant, num_splits=3, workspace=ws
+        )
+        options = {"max_query_len": 4}
+    attend = decode_attention if op == "decode" else verify_attention
+    rows_of_plan: list[object] = []  # the plan's decode rows of the tokens (v1, v7)
+    for layer, (q, kv, pool_k, pool_v) in enumerate(layers):
         out = torch.empty(q.shape, dtype=q.dtype)
         call = (name, q, kv, pool_k, pool_v, *index, scale)
-        decode_attention(*call, out=out, batch_plan=plan)
+        attend(*call, out=out, batch_plan=plan, **options)  # type: ignore[operator]
         planned, launched[:] = launched[:], []
-        decode_attention(*call, out=out, variant=variant, num_splits=3, workspace=ws)
+        attend(*call, out=out, variant=variant, num_splits=3, workspace=ws, **options)  # type: ignore[operator]
         plain, launched[:] = launched[:], []
+        # the tokens' decode rows: the plan's (its first layer's launch) for the call's own
+        rows = [(i, lc) for i, lc in enumerate(plain) if lc[0] is attention._verify_rows_kernel]
+        same: dict[int, int] = {}
+        if rows:
+            (at, rows_launch), *_ = rows
+            del plain[at]
+            if layer == 0:
+                rows_of_plan[:] = planned.pop(at)[2][3:5]
+            for mine, theirs in zip(rows_of_plan, rows_launch[2][3:5], strict=True):
+                same[theirs.data_ptr()] = mine.data_ptr()  # type: ignore[attr-defined]
         assert len(planned) == len(plain) == (3 if variant in ("v4c", "v1") else 4)
         for got, want in zip(planned, plain, strict=True):
             assert got[0] is want[0] and got[1] == want[1] and got[3:] == want[3:]
             assert len(got[2]) == len(want[2])
-            assert all(map(_same_argument, got[2], want[2])), (variant, got[0])
+            assert all(_same_argument(a, b, same) for a, b in zip(got[2], want[2], strict=True))
         for tensor in (kv, out):  # this layer's own, in place of the first layer's
             assert any(a is tensor for launch in planned for a in launch[2])
         if variant == "v6t":

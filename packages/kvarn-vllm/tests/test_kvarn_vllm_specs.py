@@ -398,6 +398,13 @@ def test_capture_of_multi_token_batches_is_the_uniform_verify_run(
     (run,) = meta.prefill_runs
     assert run.kind == "verify" and run.tok_end == 12 and meta.num_decodes == 0
     assert run.verify_block_table.data_ptr() == uniform.block_table_tensor.data_ptr()
+    # the run's kvarn-kernels plan: its own tensors, the runtime's workspace and split count
+    plan = run.verify_plan
+    assert plan is not None and plan.block_table is run.verify_block_table
+    assert plan.query_start_loc is run.cu_seqlens and plan.seq_lens is run.verify_seq_lens
+    assert plan.block_to_slot is meta.block_to_slot and plan.max_query_len == 4
+    assert plan._workspace is rt.decode_workspace
+    assert plan.num_splits == rt.verify_plan(run.req_end).num_splits
     with pytest.raises(RuntimeError, match="not a uniform verify batch"):
         builder.build_for_cudagraph_capture(_batch([0, 4, 6], [9, 6], 32))
 

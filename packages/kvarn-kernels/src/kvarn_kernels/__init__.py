@@ -12,7 +12,8 @@ Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from po
 :func:`flush_token_tiles` (store straight from a step's rotated K/V rows),
 :func:`decode_attention` (with :func:`decode_plan`, the kernel and split count it runs for a
 batch shape, and :func:`plan_decode_batch`, its launches prepared once for a step's layers), :func:`verify_attention` (speculative verify: a few query tokens
-per request in one decode-kernel pass, or one decode row per token; :func:`verify_plan`), :func:`prefill_attention` (with
+per request in one decode-kernel pass, or one decode row per token; :func:`verify_plan`, and
+:func:`plan_verify_batch`), :func:`prefill_attention` (with
 :func:`plan_prefill_context` and :func:`plan_fused_prefill`, its per-batch schedules shared
 by a step's layers), plus
 :func:`hadamard_matrix` and :func:`warmup` (compiles the serving kernels before serving).
@@ -36,7 +37,12 @@ from kvarn_kernels.attention import (
     verify_plan,
 )
 from kvarn_kernels.context import ContextPlan, plan_prefill_context
-from kvarn_kernels.decode_batch import DecodeBatchPlan, plan_decode_batch
+from kvarn_kernels.decode_batch import (
+    DecodeBatchPlan,
+    VerifyBatchPlan,
+    plan_decode_batch,
+    plan_verify_batch,
+)
 from kvarn_kernels.fused_prefill import FusedPrefillPlan, plan_fused_prefill
 from kvarn_kernels.rotation import hadamard_matrix, rotate, write_side_pool
 from kvarn_kernels.store import flush_tiles, flush_token_tiles
@@ -50,6 +56,7 @@ __all__ = [
     "DecodeBatchPlan",
     "DecodePlan",
     "FusedPrefillPlan",
+    "VerifyBatchPlan",
     "choose_decode_splits",
     "decode_attention",
     "decode_partials",
@@ -64,6 +71,7 @@ __all__ = [
     "plan_decode_batch",
     "plan_fused_prefill",
     "plan_prefill_context",
+    "plan_verify_batch",
     "prefill_attention",
     "prefill_method",
     "rotate",

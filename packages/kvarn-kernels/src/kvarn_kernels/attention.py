@@ -76,7 +76,7 @@ from kvarn_kernels.rotation import _check_pool, query_rotation, sign_matrix
 
 if TYPE_CHECKING:
     from kvarn_kernels.context import ContextPlan, VarlenAttention
-    from kvarn_kernels.decode_batch import DecodeBatchPlan
+    from kvarn_kernels.decode_batch import DecodeBatchPlan, VerifyBatchPlan
     from kvarn_kernels.fused_prefill import FusedPrefillPlan
 
 __all__ = [
@@ -1609,6 +1609,7 @@ class _AttentionLaunches:
     queries' rotation, the attention kernel, the pool tiles' kernel where the variant splits
     them off (:data:`POOL_SPLIT_VARIANTS`), and the merge."""
 
+    geo: DenseGeometry
     rotation: PreparedLaunch
     main: PreparedLaunch
     pool: PreparedLaunch | None
@@ -1841,6 +1842,7 @@ def _attention_launches(
     # pointer is 16-byte aligned or not with B: two compiles, both in the warm-up)
     tokens = query_start_loc[-1:] if decode and query_start_loc is not None else None
     return _AttentionLaunches(
+        geo,
         query_rotation(q, q_rot),
         main,
         pool,
@@ -2320,9 +2322,7 @@ def decode_attention(
             kv_cache,
             pool_k,
             pool_v,
-            block_table,
-            seq_lens,
-            block_to_slot,
+            (block_table, seq_lens, block_to_slot),
             softmax_scale,
             out,
         )
@@ -2924,6 +2924,7 @@ def verify_attention(
     num_splits: int | None = None,
     variant: str = "auto",
     check: bool | None = None,
+    batch_plan: VerifyBatchPlan | None = None,
 ) -> torch.Tensor:
     """Speculative verify: a few query tokens per request (1 + drafts), causal, in one pass.
 
@@ -2957,9 +2958,109 @@ def verify_attention(
             capture).
         fmt, kv_cache, pool_k, pool_v, block_table, block_to_slot, softmax_scale, out,
             num_splits: as :func:`decode_attention`.
+        batch_plan: the batch's :class:`kvarn_kernels.VerifyBatchPlan`
+            (:func:`kvarn_kernels.plan_verify_batch`), shared by the layers of a step: pass its
+            own index tensors and ``max_query_len``, and no ``variant``, ``num_splits`` or
+            ``workspace`` (the plan holds them). A layout's first call is checked as an
+            unplanned one (and works out the tokens' decode rows for v1 and v7 once); later
+            layers only launch.
 
     Returns ``[T, Hq, D]`` in q's dtype, unrotated.
     """
+    if batch_plan is not None:
+        if workspace is not None or num_splits is not None or variant != "auto":
+            raise ValueError(
+                "with a batch_plan, pass variant, num_splits and workspace to "
+                "plan_verify_batch instead"
+            )
+        if max_query_len != batch_plan.max_query_len:
+            raise ValueError(
+                f"max_query_len={max_query_len} but the batch_plan was built for "
+                f"{batch_plan.max_query_len}"
+            )
+        return batch_plan.attend(
+            fmt,
+            q,
+            kv_cache,
+            pool_k,
+            pool_v,
+            (block_table, query_start_loc, seq_lens, block_to_slot),
+            softmax_scale,
+            out,
+        )
+    setup = _verify_setup(
+        fmt,
+        q,
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        block_to_slot,
+        softmax_scale,
+        out,
+        workspace,
+        max_query_len=max_query_len,
+        num_splits=num_splits,
+        variant=variant,
+        check=check,
+    )
+    launches = _verify_launches(
+        setup,
+        q,
+        kv_cache,
+        pool_k,
+        pool_v,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        block_to_slot,
+        softmax_scale,
+        max_query_len,
+    )
+    if launches is not None:
+        launches.run(q.device)
+    return setup.out
+
+
+@dataclass(frozen=True)
+class _VerifySetup:
+    """A verify call's checked inputs and choices (:func:`_verify_setup`)."""
+
+    geo: DenseGeometry
+    out: torch.Tensor
+    variant: str
+    num_splits: int
+    workspace: torch.Tensor
+    #: v1 and v7: the decode rows of the tokens (:func:`verify_rows`: their block-table rows
+    #: and lengths), worked out once per batch; None for the v4 kernels
+    rows: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _verify_setup(
+    fmt: KVarNFormat | str,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    softmax_scale: float,
+    out: torch.Tensor | None,
+    workspace: torch.Tensor | None,
+    *,
+    max_query_len: int,
+    num_splits: int | None,
+    variant: str,
+    check: bool | None = None,
+) -> _VerifySetup:
+    """:func:`verify_attention`'s checks, kernel, split count, output and workspace (allocated
+    where not given), and for the v1 and v7 kernels the tokens' decode rows (a launch)."""
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     geo, out = _check_varlen(
         fmt, q, kv_cache, pool_k, pool_v, block_table, query_start_loc, seq_lens, block_to_slot, out
     )
@@ -2992,70 +3093,57 @@ def verify_attention(
     )
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
+    rows = None
     if variant == "v1" or variant in FIVE_BIT_VARIANTS:  # one decode row per query token
-        table, lens = verify_rows(block_table, query_start_loc, seq_lens, t)
-    if variant in FIVE_BIT_VARIANTS:  # a request's tokens side by side in v7's columns
-        need = decode_workspace_numel(t, hq, d, decode_partials(variant, splits))
-        _launch(
-            geo,
-            _q_for_kernel(q),
-            kv_cache,
-            pool_k,
-            pool_v,
-            table,
-            lens,
-            block_to_slot,
-            query_start_loc,
-            softmax_scale,
-            out,
-            _workspace(workspace, need, q.device),
-            splits,
-            True,
-            None,
-            None,
-            variant=variant,
-            max_query_len=max_query_len,
-            tokens_per_program=_v7_verify_tokens(hq // hk, max_query_len),
-        )
-        return out
-    if variant == "v1":
-        return decode_attention(
-            geo.fmt,
-            q,
-            kv_cache,
-            pool_k,
-            pool_v,
-            table,
-            lens,
-            block_to_slot,
-            softmax_scale,
-            out=out,
-            workspace=workspace,
-            num_splits=splits,
-            variant=variant,
-        )
-    workspace = _workspace(workspace, decode_workspace_numel(t, hq, d, splits), q.device)
-    _launch(
-        geo,
+        rows = verify_rows(block_table, query_start_loc, seq_lens, t)
+    need = decode_workspace_numel(t, hq, d, decode_partials(variant, splits))
+    return _VerifySetup(geo, out, variant, splits, _workspace(workspace, need, q.device), rows)
+
+
+def _verify_launches(
+    setup: _VerifySetup,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    softmax_scale: float,
+    max_query_len: int,
+) -> _AttentionLaunches | None:
+    """The launches of a verify call set up by :func:`_verify_setup`, not yet run."""
+    variant = setup.variant
+    table, lens = setup.rows or (block_table, seq_lens)
+    # v1: each token a decode row; v4: a request's tokens in the MMA rows; v7: side by side
+    # in its columns
+    starts = None if variant == "v1" else query_start_loc
+    options: dict[str, Any] = {}
+    if variant in FIVE_BIT_VARIANTS:
+        qpk = int(q.shape[1]) // int(pool_k.shape[2])
+        options["tokens_per_program"] = _v7_verify_tokens(qpk, max_query_len)
+    return _attention_launches(
+        setup.geo,
         _q_for_kernel(q),
         kv_cache,
         pool_k,
         pool_v,
-        block_table,
-        seq_lens,
+        table,
+        lens,
         block_to_slot,
-        query_start_loc,
+        starts,
         softmax_scale,
-        out,
-        workspace,
-        splits,
+        setup.out,
+        setup.workspace,
+        setup.num_splits,
         True,
         None,
         None,
         variant=variant,
-        max_query_len=max_query_len,
+        max_query_len=1 if starts is None else max_query_len,
+        **options,
     )
-    return out
 
 
 def prefill_attention(

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     from kvarn_kernels.context import ContextPlan, VarlenAttention
-    from kvarn_kernels.decode_batch import DecodeBatchPlan
+    from kvarn_kernels.decode_batch import DecodeBatchPlan, VerifyBatchPlan
     from kvarn_kernels.fused_prefill import FusedPrefillPlan
 
 __all__ = [
@@ -290,6 +290,11 @@ class PrefillRun:
     #: The uniform verify run of a batch a FULL CUDA graph may capture: it runs in the
     #: runtime's fixed workspace at the runtime's split count (nothing allocated in a capture).
     uniform: bool = False
+    #: ``verify`` runs: kvarn-kernels' plan of the run (its index tensors above, the
+    #: block-to-slot map, the server's fixed tokens per request; for the uniform run the
+    #: runtime's workspace and split count), built once here; the first layer checks and sets
+    #: up the launches, the others only launch.
+    verify_plan: VerifyBatchPlan | None = None
 
 
 @dataclass(slots=True)
@@ -415,6 +420,9 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                 )
         # The fixed decode workspace exists before any decode kernel runs (or is captured).
         workspace = self.runtime.ensure_decode_workspace(num_decodes)
+        for run in runs:
+            if run.kind == "verify":
+                run.verify_plan = self._verify_plan(run, table, workspace)
         decode_batch_plan = None
         if num_decodes:
             plan = self.runtime.decode_plan(num_decodes)
@@ -442,6 +450,27 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
             direct=direct,
             decode_batch_plan=decode_batch_plan,
         )
+
+    def _verify_plan(
+        self, run: PrefillRun, block_to_slot: torch.Tensor, workspace: torch.Tensor
+    ) -> VerifyBatchPlan:
+        """kvarn-kernels' plan of a verify run: a fixed ``max_query_len`` per server (1 +
+        drafts: one compile, not one per length); the uniform run (which a FULL graph may
+        capture) in the runtime's workspace at its split count."""
+        assert run.verify_block_table is not None and run.verify_seq_lens is not None
+        rt = self.runtime
+        fixed: dict[str, Any] = {}
+        if run.uniform:
+            fixed = {"workspace": workspace, "num_splits": rt.verify_plan(run.req_end).num_splits}
+        plan: VerifyBatchPlan = _kernels().plan_verify_batch(
+            run.verify_block_table,
+            run.cu_seqlens,
+            run.verify_seq_lens,
+            block_to_slot,
+            max_query_len=max(rt.verify_width, run.max_query_len),
+            **fixed,
+        )
+        return plan
 
     def _uniform_verify(self, cam: CommonAttentionMetadata) -> bool:
         """Whether this batch is one a FULL CUDA graph of uniform verify batches captures or
@@ -799,14 +828,8 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                 if run.kind == "verify":
                     # each query token up to itself, on the device lengths (the host ones may
                     # be optimistic); the context read once per request
-                    assert run.verify_block_table is not None and run.verify_seq_lens is not None
-                    fixed: dict[str, Any] = {}
-                    if run.uniform:
-                        rt = meta.runtime
-                        fixed = {
-                            "workspace": rt.decode_workspace,
-                            "num_splits": rt.verify_plan(run.req_end).num_splits,
-                        }
+                    plan = run.verify_plan
+                    assert plan is not None
                     with _prof_range("kvarn: verify"):
                         kk.verify_attention(
                             self.fmt,
@@ -814,15 +837,14 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                             kv_cache,
                             pools.k,
                             pools.v,
-                            run.verify_block_table,
-                            run.cu_seqlens,
-                            run.verify_seq_lens,
-                            meta.block_to_slot,
+                            plan.block_table,
+                            plan.query_start_loc,
+                            plan.seq_lens,
+                            plan.block_to_slot,
                             self.scale,
-                            # fixed per server (1 + drafts): one compile, not one per length
-                            max_query_len=max(meta.runtime.verify_width, run.max_query_len),
+                            max_query_len=plan.max_query_len,
                             out=out[t0:t1],
-                            **fixed,
+                            batch_plan=plan,
                         )
                     continue
                 fused = run.fused_plan
