@@ -6,13 +6,15 @@ stubbed out (CPU, no GPU needed; docs/kernel-notes.md, forty-fourth and forty-fi
   on sm_90), unplanned and with a :class:`kvarn_kernels.FusedPrefillPlan`;
 * ``decode``: 8 requests of 1,024 tokens, the same heads and format, each served decode
   variant forced (v4c, v6f, v6t: the Gluon ones resolve as on a GPU, since nothing runs),
-  unplanned and with a :class:`kvarn_kernels.DecodeBatchPlan`.
+  unplanned and with a :class:`kvarn_kernels.DecodeBatchPlan`;
+* ``verify``: 8 requests of 4 draft-verify tokens after 1,024, v4c, unplanned and with a
+  :class:`kvarn_kernels.VerifyBatchPlan`.
 
 The queries are contiguous and a strided view of a fused QKV tensor (as vLLM passes them).
 Prints the best of three runs of ``--calls`` calls in µs a call::
 
     TRITON_INTERPRET=1 PYTHONPATH=packages/kvarn-format/src:packages/kvarn-kernels/src \\
-        python3 packages/kvarn-kernels/scripts/plan_host_cost.py [--op prefill|decode]
+        python3 packages/kvarn-kernels/scripts/plan_host_cost.py [--op prefill|decode|verify]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def best_us(fn: Callable[[], Any], calls: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=3000)
-    ap.add_argument("--op", choices=("prefill", "decode", "both"), default="both")
+    ap.add_argument("--op", choices=("prefill", "decode", "verify", "all"), default="all")
     a = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the case is built without a GPU
 
@@ -51,7 +53,9 @@ def main() -> None:
         decode_attention,
         plan_decode_batch,
         plan_fused_prefill,
+        plan_verify_batch,
         prefill_attention,
+        verify_attention,
     )
     from kvarn_kernels.testing import build_case
 
@@ -66,7 +70,7 @@ def main() -> None:
     attention.triton_interpret = lambda: False  # type: ignore[attr-defined]  # Gluon variants
     print("| call | queries | unplanned µs | planned µs |")
     print("|---|---|---|---|")
-    if a.op in ("prefill", "both"):
+    if a.op in ("prefill", "all"):
         case = build_case(name, d, hk, [1024 + 64], device="cpu", seed=1, encoder="reference")
         qkv = torch.randn(64, hq + 2 * hk, d).half()
         qsl = torch.tensor([0, 64], dtype=torch.int32)
@@ -87,7 +91,7 @@ def main() -> None:
                 a.calls,
             )
             print(f"| prefill v3 | {label} | {unplanned:.1f} | {planned:.1f} |")
-    if a.op in ("decode", "both"):
+    if a.op in ("decode", "all"):
         case = build_case(name, d, hk, [1024] * 8, device="cpu", seed=1, encoder="reference")
         qkv = torch.randn(8, hq + 2 * hk, d).half()
         ws = torch.empty(attention.decode_workspace_numel(8, hq, d, 8))
@@ -109,6 +113,31 @@ def main() -> None:
                     a.calls,
                 )
                 print(f"| decode {variant} | {label} | {unplanned:.1f} | {planned:.1f} |")
+    if a.op in ("verify", "all"):
+        lens = [1024 + 4] * 8
+        case = build_case(name, d, hk, lens, device="cpu", seed=1, encoder="reference")
+        qkv = torch.randn(32, hq + 2 * hk, d).half()
+        qsl = torch.arange(0, 33, 4, dtype=torch.int32)
+        ws = torch.empty(attention.decode_workspace_numel(32, hq, d, 8))
+        for label, q in _queries(qkv, hq):
+            args = case.prefill_args(name, q, qsl, d**-0.5)
+            out = torch.empty(q.shape, dtype=q.dtype)
+            plan = plan_verify_batch(
+                *args[5:9], max_query_len=4, variant="v4c", num_splits=4, workspace=ws
+            )
+            unplanned = best_us(
+                lambda args=args, out=out: verify_attention(
+                    *args, max_query_len=4, out=out, variant="v4c", num_splits=4, workspace=ws
+                ),
+                a.calls,
+            )
+            planned = best_us(
+                lambda args=args, out=out, plan=plan: verify_attention(
+                    *args, max_query_len=4, out=out, batch_plan=plan
+                ),
+                a.calls,
+            )
+            print(f"| verify v4c | {label} | {unplanned:.1f} | {planned:.1f} |")
 
 
 def _queries(qkv: Any, hq: int) -> tuple[tuple[str, Any], ...]:
