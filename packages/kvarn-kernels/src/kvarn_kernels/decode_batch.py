@@ -56,6 +56,9 @@ class _BatchPlan:
     """What a decode and a verify plan share: the index tensors checked by identity, the
     launches prepared per layout, and their replay with each layer's own tensors."""
 
+    #: the index tensors' names, in the order the op takes them (error messages)
+    _index_names: tuple[str, ...] = ()
+
     def __init__(self, index: tuple[torch.Tensor, ...], workspace: torch.Tensor | None) -> None:
         self._index = index
         self._workspace = workspace
@@ -109,8 +112,6 @@ class _BatchPlan:
             prepared.launches.run(q.device, _for_layer(prepared, q, kv_cache, pool_k, pool_v, out))
         return out
 
-    _index_names: tuple[str, ...] = ()
-
     def _prepare(
         self,
         fmt: KVarNFormat | str,
@@ -121,6 +122,7 @@ class _BatchPlan:
         softmax_scale: float,
         out: torch.Tensor,
     ) -> _AttentionLaunches | None:
+        """Check a layout's first call as the unplanned op does and set up its launches."""
         raise NotImplementedError
 
 
