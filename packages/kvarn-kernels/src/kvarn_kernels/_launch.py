@@ -50,9 +50,10 @@ __all__ = [
 ]
 
 #: Launch the kernels written for it as programmatic dependents of the kernel before them
-#: (:func:`pdl_supported`): each starts, up to its wait, while its predecessor drains. Off
-#: until a GPU run has checked it (``test_programmatic_launch_gpu``) and timed it
-#: (docs/kernel-notes.md, forty-third session): no device time was left for either.
+#: (:func:`pdl_supported`): each starts, up to its wait, while its predecessor drains. Off:
+#: correct (``test_programmatic_launch_gpu`` passed on an H100) but not worth it there, graph
+#: replay 0.99-1.00x of plain launches for the fused prefill and 0.986x at best for decode
+#: at B = 1 (``scripts/pdl_ab.py``, docs/kernel-notes.md, forty-fifth session).
 PROGRAMMATIC_LAUNCH = False
 
 #: key -> (compiled kernel, the constexpr values in signature order), or None where a kernel
