@@ -76,21 +76,15 @@ def main() -> None:
         qsl = torch.tensor([0, 64], dtype=torch.int32)
         for label, q in _queries(qkv, hq):
             args = case.prefill_args(name, q, qsl, d**-0.5)
-            out = torch.empty(q.shape, dtype=q.dtype)
             plan = plan_fused_prefill(*args[5:9], fused_kernel="v3")
-            unplanned = best_us(
-                lambda args=args, out=out: prefill_attention(
-                    *args, out=out, method="fused", fused_kernel="v3"
-                ),
+            _row(
+                f"prefill v3 | {label}",
+                prefill_attention,
+                args,
+                {"method": "fused", "fused_kernel": "v3"},
+                {"method": "fused", "fused_plan": plan},
                 a.calls,
             )
-            planned = best_us(
-                lambda args=args, out=out, plan=plan: prefill_attention(
-                    *args, out=out, method="fused", fused_plan=plan
-                ),
-                a.calls,
-            )
-            print(f"| prefill v3 | {label} | {unplanned:.1f} | {planned:.1f} |")
     if a.op in ("decode", "all"):
         case = build_case(name, d, hk, [1024] * 8, device="cpu", seed=1, encoder="reference")
         qkv = torch.randn(8, hq + 2 * hk, d).half()
@@ -98,21 +92,15 @@ def main() -> None:
         for variant in ("v4c", "v6f", "v6t"):
             for label, q in _queries(qkv, hq):
                 args = case.decode_args(name, q, d**-0.5)
-                out = torch.empty(q.shape, dtype=q.dtype)
                 plan = plan_decode_batch(*args[5:8], variant=variant, num_splits=4, workspace=ws)
-                unplanned = best_us(
-                    lambda args=args, out=out, variant=variant: decode_attention(
-                        *args, out=out, variant=variant, num_splits=4, workspace=ws
-                    ),
+                _row(
+                    f"decode {variant} | {label}",
+                    decode_attention,
+                    args,
+                    {"variant": variant, "num_splits": 4, "workspace": ws},
+                    {"batch_plan": plan},
                     a.calls,
                 )
-                planned = best_us(
-                    lambda args=args, out=out, plan=plan: decode_attention(
-                        *args, out=out, batch_plan=plan
-                    ),
-                    a.calls,
-                )
-                print(f"| decode {variant} | {label} | {unplanned:.1f} | {planned:.1f} |")
     if a.op in ("verify", "all"):
         lens = [1024 + 4] * 8
         case = build_case(name, d, hk, lens, device="cpu", seed=1, encoder="reference")
@@ -121,23 +109,31 @@ def main() -> None:
         ws = torch.empty(attention.decode_workspace_numel(32, hq, d, 8))
         for label, q in _queries(qkv, hq):
             args = case.prefill_args(name, q, qsl, d**-0.5)
-            out = torch.empty(q.shape, dtype=q.dtype)
             plan = plan_verify_batch(
                 *args[5:9], max_query_len=4, variant="v4c", num_splits=4, workspace=ws
             )
-            unplanned = best_us(
-                lambda args=args, out=out: verify_attention(
-                    *args, max_query_len=4, out=out, variant="v4c", num_splits=4, workspace=ws
-                ),
+            _row(
+                f"verify v4c | {label}",
+                verify_attention,
+                args,
+                {"max_query_len": 4, "variant": "v4c", "num_splits": 4, "workspace": ws},
+                {"max_query_len": 4, "batch_plan": plan},
                 a.calls,
             )
-            planned = best_us(
-                lambda args=args, out=out, plan=plan: verify_attention(
-                    *args, max_query_len=4, out=out, batch_plan=plan
-                ),
-                a.calls,
-            )
-            print(f"| verify v4c | {label} | {unplanned:.1f} | {planned:.1f} |")
+
+
+def _row(
+    call: str,
+    op: Callable[..., Any],
+    args: tuple[Any, ...],
+    unplanned: dict[str, Any],
+    planned: dict[str, Any],
+    calls: int,
+) -> None:
+    """Print one table row: ``op(*args, out=..., **unplanned)`` against ``**planned``."""
+    out = args[1].new_empty(args[1].shape)  # contiguous, the queries' dtype
+    us = [best_us(lambda kw=kw: op(*args, out=out, **kw), calls) for kw in (unplanned, planned)]
+    print(f"| {call} | {us[0]:.1f} | {us[1]:.1f} |")
 
 
 def _queries(qkv: Any, hq: int) -> tuple[tuple[str, Any], ...]:

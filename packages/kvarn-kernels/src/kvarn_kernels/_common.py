@@ -40,6 +40,7 @@ __all__ = [
     "pool_row_ptrs",
     "pool_shadow_rows",
     "resolve_format",
+    "tensor_layouts",
     "triton_interpret",
 ]
 
@@ -86,6 +87,13 @@ def debug_checks_enabled(flag: bool | None) -> bool:
     if flag is not None:
         return flag
     return os.environ.get("KVARN_KERNELS_DEBUG", "0") not in ("", "0")
+
+
+def tensor_layouts(*tensors: torch.Tensor) -> tuple[object, ...]:
+    """Each tensor's shape, strides, dtype and device, in one flat tuple: the part of a
+    per-batch plan's key (:mod:`kvarn_kernels.fused_prefill`, :mod:`kvarn_kernels.decode_batch`)
+    that says whether a layer's tensors take the launches prepared for another's."""
+    return tuple(x for t in tensors for x in (t.shape, t.stride(), t.dtype, t.device))
 
 
 def resolve_format(fmt: KVarNFormat | str) -> DenseFormat:

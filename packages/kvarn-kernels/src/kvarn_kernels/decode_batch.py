@@ -25,6 +25,7 @@ import torch
 
 from kvarn_format.registry import KVarNFormat
 from kvarn_kernels import _launch as launcher
+from kvarn_kernels._common import tensor_layouts
 from kvarn_kernels.attention import (
     _attention_launches,
     _AttentionLaunches,
@@ -92,11 +93,7 @@ class _BatchPlan:
             launcher.PROGRAMMATIC_LAUNCH,
             float(softmax_scale),
             _tma_addressable(kv_cache),  # whether v6t reads this cache by TMA
-            *_layout(q),
-            *_layout(kv_cache),
-            *_layout(pool_k),
-            *_layout(pool_v),
-            *_layout(out),
+            *tensor_layouts(q, kv_cache, pool_k, pool_v, out),
         )
         try:
             prepared = self._prepared.get(layout)
@@ -315,10 +312,6 @@ def _for_layer(
             args = (*args[: -launch.descriptors], *descs)
         layer.append(args)
     return layer
-
-
-def _layout(t: torch.Tensor) -> tuple[object, ...]:
-    return (t.shape, t.stride(), t.dtype, t.device)
 
 
 def plan_decode_batch(

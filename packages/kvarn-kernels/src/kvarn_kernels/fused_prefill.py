@@ -24,7 +24,7 @@ import torch
 
 from kvarn_format.registry import KVarNFormat
 from kvarn_kernels import _launch as launcher
-from kvarn_kernels._common import DenseGeometry, triton_interpret
+from kvarn_kernels._common import DenseGeometry, tensor_layouts, triton_interpret
 from kvarn_kernels._launch import PreparedLaunch, pdl_supported
 from kvarn_kernels.attention import (
     _LOG2E,
@@ -164,11 +164,7 @@ class FusedPrefillPlan:
         layout = (
             fmt,
             launcher.PROGRAMMATIC_LAUNCH,
-            *_layout(q),
-            *_layout(kv_cache),
-            *_layout(pool_k),
-            *_layout(pool_v),
-            *_layout(out),
+            *tensor_layouts(q, kv_cache, pool_k, pool_v, out),
         )
         try:
             prepared = self._prepared.get(layout)
@@ -316,10 +312,6 @@ class FusedPrefillPlan:
             _merge_launch(o_part, lse_part, out, n_rows, parts, hq, pdl),
         )
         return _Prepared(geo, kernel, splits, workspace, launches)
-
-
-def _layout(t: torch.Tensor) -> tuple[object, ...]:
-    return (t.shape, t.stride(), t.dtype, t.device)
 
 
 def plan_fused_prefill(
