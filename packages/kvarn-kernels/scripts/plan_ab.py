@@ -123,6 +123,49 @@ def decode_rows(bsz: int) -> list[dict[str, Any]]:
     )
 
 
+def profile_planned_decode(bsz: int, out_dir: Path, steps: int = 20) -> None:
+    """cProfile of ``steps`` planned decode steps (36 layers each, 4K): where the host time of
+    a planned call goes. Prints the functions by own time and writes the full listing."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from kvarn_kernels import decode_attention, plan_decode_batch
+
+    c = bk.decode_inputs(FMT, bsz, 4096)
+    layers = _layers(bsz, c["kv"], c["pool_k"], c["pool_v"])
+    index = (c["bt"], c["seq_lens"], c["b2s"])
+    out = torch.empty(LAYERS, bsz, bk.HQ, bk.D, device="cuda").half()
+    scale = bk.D**-0.5
+
+    def step() -> None:
+        plan = plan_decode_batch(*index)
+        for i, (q, kv, pk, pv) in enumerate(layers):
+            decode_attention(FMT, q, kv, pk, pv, *index, scale, out=out[i], batch_plan=plan)
+
+    plain_us = step_us(step)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    (out_dir / f"decode_plan_profile_B{bsz}.txt").write_text(text.getvalue())
+    calls = steps * LAYERS
+    print(f"planned decode B={bsz} 4K: {plain_us:.1f} µs a layer without the profiler")
+    print("| function | own µs a layer | cumulative µs a layer |")
+    print("|---|---|---|")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # type: ignore[attr-defined]
+    for (file, line, name), (_cc, _nc, tt, ct, _callers) in rows:
+        where = f"{Path(file).name}:{line}({name})"
+        print(f"| {where} | {tt / calls * 1e6:.2f} | {ct / calls * 1e6:.2f} |")
+
+
 def _layers(tokens: int, kv: Any, pool_k: Any, pool_v: Any) -> list[tuple[Any, ...]]:
     """36 layers: their own copies of the cache and pools, their queries a strided view of a
     fused QKV tensor."""
@@ -178,8 +221,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--op", choices=("prefill", "decode", "both"), default="both")
     ap.add_argument("--kernels", default="v3,v4", help="fused_kernel values, comma-separated")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        metavar="B",
+        help="only cProfile the planned decode step at B requests (host time by function)",
+    )
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.profile:
+        profile_planned_decode(a.profile, a.out)
+        return
     rows: list[dict[str, Any]] = []
     if a.op in ("decode", "both"):
         for bsz in (8, 64):
