@@ -259,6 +259,67 @@ def test_interpreter_always_takes_the_jit(fresh: None, monkeypatch: pytest.Monke
     assert len(k.jit_calls) == 3 and not _launch._COMPILED
 
 
+def test_replacing_specializes_only_the_replaced_arguments(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``PreparedLaunch.run_replacing``: once the prepared arguments have compiled, a call
+    with other tensors of the same specialization reaches the compiled kernel's launcher with
+    them in place, specializing only those (no key built); a replacement that specializes
+    otherwise (here a pointer not 16-byte aligned) goes through ``launch()`` and so the JIT,
+    and comes back to the launcher with its own compiled kernel from then on."""
+    seen: list[object] = []
+    real = _launch.native_specialize_impl
+
+    def counting(backend: Any, arg: object, *flags: bool) -> Any:
+        seen.append(arg)
+        return real(backend, arg, *flags)
+
+    monkeypatch.setattr(_launch, "native_specialize_impl", counting)
+    k = _Kernel()
+    x, other = torch.zeros(64), torch.zeros(64)
+    prepared = _launch.PreparedLaunch(k, (2,), (x, 7, 0.5), {"A": 1, "B": 2}, 4)
+    prepared.run_replacing({})  # not compiled yet: through the JIT
+    assert len(k.jit_calls) == 1 and not k.compiled.calls
+    seen.clear()
+    prepared.run_replacing({0: other})
+    prepared.run_replacing({0: other})
+    # bound once (the prepared arguments' key: three), then only the replaced tensor
+    assert seen == [x, 7, 0.5, other, other]
+    assert len(k.jit_calls) == 1
+    assert [c[9:] for c in k.compiled.calls] == [(other, 7, 0.5, 1, 2)] * 2
+    unaligned = torch.zeros(65)[1:]
+    prepared.run_replacing({0: unaligned})
+    assert len(k.jit_calls) == 2 and k.jit_calls[-1][1] == (unaligned, 7, 0.5)
+    prepared.run_replacing({0: unaligned})  # now compiled under its own key
+    assert len(k.jit_calls) == 2 and k.compiled.calls[-1][9] is unaligned
+
+
+def test_replacing_keeps_the_jit_where_launch_does(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run_replacing`` takes ``launch()``'s path for a kernel that always goes through the
+    JIT (a signature it does not match), under the interpreter, and with launch hooks
+    installed (a profiler's), and launches nothing for an empty grid."""
+    k = _Kernel()
+    x, other = torch.zeros(4), torch.zeros(4)
+    jit_only = _launch.PreparedLaunch(k, (1,), (x, 3, 0.5), {"A": 1}, 4)  # B left to a default
+    for _ in range(3):
+        jit_only.run_replacing({0: other})
+    assert len(k.jit_calls) == 3 and not k.compiled.calls
+    assert jit_only._bound == [None]  # known to stay on the JIT, not looked up again
+    prepared = _launch.PreparedLaunch(k, (1,), (x, 3, 0.5), {"A": 1, "B": 2}, 4)
+    prepared.run_replacing({})
+    monkeypatch.setattr(_launch, "_hooks_installed", lambda: True)
+    prepared.run_replacing({0: other})
+    assert len(k.jit_calls) == 5 and not k.compiled.calls
+    monkeypatch.setattr(_launch, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(_launch, "triton_interpret", lambda: True)
+    prepared.run_replacing({0: other})
+    assert len(k.jit_calls) == 6 and not k.compiled.calls
+    _launch.PreparedLaunch(k, (0, 4), (x, 3, 0.5), {"A": 1, "B": 2}, 4).run_replacing({})
+    assert len(k.jit_calls) == 6
+
+
 @pytest.mark.gpu
 def test_direct_launches_compute_what_the_jit_does(device: torch.device) -> None:
     """On the GPU: a rotation launched again with one specialization reaches the compiled

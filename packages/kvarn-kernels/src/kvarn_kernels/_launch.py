@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, cast
 
@@ -197,13 +197,7 @@ def launch(
     that one wrote or writing what it reads. ``descriptors``: the last that many of ``args``
     are tensor descriptors the caller reuses from call to call (never changed once made):
     their specialization is computed once per object."""
-    options = {"num_warps": num_warps}
-    if num_stages is not None:
-        options["num_stages"] = num_stages
-    if maxnreg is not None:
-        options["maxnreg"] = maxnreg
-    if pdl:
-        options["launch_pdl"] = True
+    options = _options(num_warps, num_stages, maxnreg, pdl)
     if triton_interpret() or _hooks_installed():
         kernel[grid](*args, **constexprs, **options)
         return
@@ -218,7 +212,34 @@ def launch(
         kernel[grid](*args, **constexprs, **options)
         return
     compiled, tail = cast(tuple[Any, tuple[Any, ...]], hit)
-    stream = _raw_stream(key[2])
+    _run_compiled(compiled, tail, key[2], grid, args, descriptors)
+
+
+def _options(
+    num_warps: int, num_stages: int | None, maxnreg: int | None, pdl: bool
+) -> dict[str, int]:
+    """The launch options of a key (:func:`launch_key`): those given, by Triton's names."""
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    if pdl:
+        options["launch_pdl"] = True
+    return options
+
+
+def _run_compiled(
+    compiled: Any,
+    tail: tuple[Any, ...],
+    dev: int,
+    grid: tuple[int, ...],
+    args: Sequence[object],
+    descriptors: int,
+) -> None:
+    """Launch ``compiled`` on device ``dev``'s current stream through its launcher (the
+    direct descriptor path where it applies), as the JIT would have."""
+    stream = _raw_stream(dev)
     gx = grid[0]
     gy = grid[1] if len(grid) > 1 else 1
     gz = grid[2] if len(grid) > 2 else 1
@@ -352,6 +373,17 @@ def _encoded(desc: object, meta: Any) -> list[object]:
 
 
 @dataclass(frozen=True)
+class _Bound:
+    """A prepared launch's compiled kernel, from its own arguments' key: the device, the
+    compiled kernel and its constexpr tail, and each runtime argument's specialization."""
+
+    dev: int
+    compiled: Any
+    tail: tuple[Any, ...]
+    specs: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
 class PreparedLaunch:
     """One :func:`launch` with its grid, arguments, constexprs and options worked out, so that
     a caller repeating it (a step's layers) pays only the launch."""
@@ -366,6 +398,8 @@ class PreparedLaunch:
     pdl: bool = False
     #: the last that many of :attr:`args` are tensor descriptors (:func:`launch`)
     descriptors: int = 0
+    #: the :class:`_Bound` of :attr:`args`, once known (:meth:`run_replacing`)
+    _bound: list[_Bound | None] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def run(self, args: Sequence[object] | None = None) -> None:
         """Launch it, with ``args`` in place of :attr:`args` when given (the same parameters,
@@ -383,3 +417,49 @@ class PreparedLaunch:
             pdl=self.pdl,
             descriptors=self.descriptors,
         )
+
+    def run_replacing(self, replacements: Mapping[int, object]) -> None:
+        """:meth:`run` with :attr:`args` but the arguments at the positions ``replacements``
+        maps (another layer's tensors of the same layout). Once :attr:`args` have compiled,
+        only the replaced arguments' specializations are computed: where each equals the one
+        it replaces, the key would be :attr:`args`' own, so the launch goes to that compiled
+        kernel without building the key (a decode call's four launches, each layer of a
+        step); else it is an ordinary :func:`launch`."""
+        if 0 in self.grid:
+            return
+        args = list(self.args)
+        for i, a in replacements.items():
+            args[i] = a
+        bound = self._bound[0] if self._bound else self._bind()
+        if (
+            bound is None
+            or triton_interpret()
+            or _hooks_installed()
+            or torch.cuda.current_device() != bound.dev
+        ):
+            self.run(args)
+            return
+        backend = self.kernel.device_caches[bound.dev][3]
+        is_const, specialize, align = _flags(self.kernel)
+        first_descriptor = len(args) - self.descriptors
+        for i in replacements:
+            spec = native_specialize_impl if i < first_descriptor else _descriptor_spec
+            if spec(backend, args[i], is_const[i], specialize[i], align[i]) != bound.specs[i]:
+                self.run(args)
+                return
+        _run_compiled(bound.compiled, bound.tail, bound.dev, self.grid, args, self.descriptors)
+
+    def _bind(self) -> _Bound | None:
+        """The compiled kernel of :attr:`args`' key, kept (None, also kept, for a kernel that
+        always takes the JIT's path); None while it has not compiled, or while
+        :func:`launch` takes the JIT's path (the interpreter, a profiler's hooks)."""
+        if triton_interpret() or _hooks_installed():
+            return None
+        options = _options(self.num_warps, self.num_stages, self.maxnreg, self.pdl)
+        key = launch_key(self.kernel, self.args, self.constexprs, options, self.descriptors)
+        hit = _COMPILED.get(key, _NEW)
+        if hit is _NEW:  # not compiled yet: bind on a later call
+            return None
+        bound = None if hit is None else _Bound(key[2], *cast(tuple[Any, Any], hit), key[4])
+        self._bound.append(bound)
+        return bound

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from itertools import pairwise
@@ -1577,9 +1577,20 @@ def _v6_tma_descriptors_at(geo: DenseGeometry, address: int, nbytes: int) -> tup
     return k_desc, v_desc, s256, s128
 
 
-#: Per device, the stream :func:`_forked` runs its side launches on (made once: a stream made
-#: during CUDA-graph capture would still work, but the warm-up before capture makes it).
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+@dataclass(frozen=True)
+class _SideStream:
+    """A device's side stream for :func:`_forked`, with the fork and join events it records
+    every time: made once (a stream made during CUDA-graph capture would still work, but the
+    warm-up before capture makes it). An event may be recorded again once waited on: a wait
+    takes the work recorded at the time of the wait, so reusing the two saves creating and
+    destroying two events a call, which ``Stream.wait_stream`` does."""
+
+    stream: torch.cuda.Stream
+    fork: torch.cuda.Event
+    join: torch.cuda.Event
+
+
+_SIDE_STREAMS: dict[int, _SideStream] = {}
 
 
 @contextlib.contextmanager
@@ -1594,13 +1605,22 @@ def _forked(device: torch.device) -> Iterator[contextlib.AbstractContextManager[
     index = device.index if device.index is not None else torch.cuda.current_device()
     side = _SIDE_STREAMS.get(index)
     if side is None:
-        side = _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(device=index))  # type: ignore[no-untyped-call]
+        side = _SIDE_STREAMS.setdefault(
+            index,
+            _SideStream(
+                torch.cuda.Stream(device=index),  # type: ignore[no-untyped-call]
+                torch.cuda.Event(),  # type: ignore[no-untyped-call]
+                torch.cuda.Event(),  # type: ignore[no-untyped-call]
+            ),
+        )
     current = torch.cuda.current_stream(index)
-    side.wait_stream(current)
+    side.fork.record(current)
+    side.stream.wait_event(side.fork)
     try:
-        yield torch.cuda.stream(side)
+        yield torch.cuda.stream(side.stream)
     finally:
-        current.wait_stream(side)
+        side.join.record(side.stream)
+        current.wait_event(side.join)
 
 
 @dataclass(frozen=True)
@@ -1621,15 +1641,23 @@ class _AttentionLaunches:
     def run(
         self,
         device: torch.device,
-        args: Sequence[Sequence[object]] | None = None,
+        replacements: Sequence[Mapping[int, object]] | None = None,
     ) -> None:
         """Run them on ``device`` (the current stream), each with its :attr:`launches`
-        entry's arguments or, given ``args`` (one tuple per launch, in order), those (the same
-        parameters: another layer's tensors of the same layout)."""
-        given = tuple(args) if args is not None else (None,) * len(self.launches)
-        self.rotation.run(given[0])
+        entry's arguments or, given ``replacements`` (one per launch, in order), those with
+        the arguments at the mapped positions replaced (another layer's tensors of the same
+        layout: :meth:`~kvarn_kernels._launch.PreparedLaunch.run_replacing`)."""
+        launches = self.launches
+
+        def start(i: int) -> None:
+            if replacements is None:
+                launches[i].run()
+            else:
+                launches[i].run_replacing(replacements[i])
+
+        start(0)
         if self.pool is None:
-            self.main.run(given[1])
+            start(1)
         elif self.pool_on_side:
             # The pool tiles (the fp16 sink and in-progress tiles, their own partial) do not
             # wait for the main loop: on a side stream their programs run next to the main
@@ -1638,13 +1666,13 @@ class _AttentionLaunches:
             # before the main loop's first wave (twenty-second session: 0.97-0.98x at
             # B >= 64); decode_pool's order is not re-timed.
             with _forked(device) as side:
-                self.main.run(given[1])
+                start(1)
                 with side:
-                    self.pool.run(given[2])
+                    start(2)
         else:  # v4d: after its main loop, on the same stream
-            self.main.run(given[1])
-            self.pool.run(given[2])
-        self.merge.run(given[-1])
+            start(1)
+            start(2)
+        start(len(launches) - 1)
 
     @property
     def launches(self) -> tuple[PreparedLaunch, ...]:

@@ -43,14 +43,23 @@ __all__ = ["DecodeBatchPlan", "VerifyBatchPlan", "plan_decode_batch", "plan_veri
 
 @dataclass(frozen=True)
 class _Prepared:
-    """What one layout of the per-layer tensors runs (None: an empty batch), and the first
-    call's tensors that those launches hold (replaced by each later call's own)."""
+    """What one layout of the per-layer tensors runs (None: an empty batch), and where the
+    first call's cache, pools and output sit in the arguments of each launch after the
+    rotation: argument position -> index into ``(kv_cache, pool_k, pool_v, out)`` (each later
+    call puts its own there)."""
 
     launches: _AttentionLaunches | None
-    kv_cache: torch.Tensor
-    pool_k: torch.Tensor
-    pool_v: torch.Tensor
-    out: torch.Tensor
+    positions: tuple[dict[int, int], ...]
+
+    @classmethod
+    def of(cls, launches: _AttentionLaunches | None, *layer: torch.Tensor) -> _Prepared:
+        """``launches`` prepared with ``layer`` (the cache, pools and output)."""
+        which = {id(t): j for j, t in enumerate(layer)}
+        positions = tuple(
+            {i: which[id(a)] for i, a in enumerate(launch.args) if id(a) in which}
+            for launch in (launches.launches[1:] if launches is not None else ())
+        )
+        return cls(launches, positions)
 
 
 class _BatchPlan:
@@ -101,7 +110,7 @@ class _BatchPlan:
             prepared = None
         if prepared is None:
             launches = self._prepare(fmt, q, kv_cache, pool_k, pool_v, softmax_scale, out)
-            prepared = _Prepared(launches, kv_cache, pool_k, pool_v, out)
+            prepared = _Prepared.of(launches, kv_cache, pool_k, pool_v, out)
             self._prepared[layout] = prepared
             if launches is not None:
                 launches.run(q.device)
@@ -291,27 +300,22 @@ def _for_layer(
     pool_k: torch.Tensor,
     pool_v: torch.Tensor,
     out: torch.Tensor,
-) -> list[tuple[object, ...]]:
-    """The prepared launches' arguments with this layer's tensors where the first call's
-    were."""
+) -> list[dict[int, object]]:
+    """Each prepared launch's replacements for this layer: its tensors where the first
+    call's were."""
     assert prepared.launches is not None
-    rotation, *rest = prepared.launches.launches
-    swap: dict[int, object] = {
-        id(prepared.kv_cache): kv_cache,
-        id(prepared.pool_k): pool_k,
-        id(prepared.pool_v): pool_v,
-        id(prepared.out): out,
-    }
+    layer = (kv_cache, pool_k, pool_v, out)
     # the rotation reads what query_rotation's launch read in the layout's first call
-    layer = [(rotation_input(_q_for_kernel(q)), *rotation.args[1:])]
-    for launch in rest:
-        args = tuple(swap.get(id(a), a) for a in launch.args)
+    replacements: list[dict[int, object]] = [{0: rotation_input(_q_for_kernel(q))}]
+    for launch, positions in zip(prepared.launches.launches[1:], prepared.positions, strict=True):
+        swap: dict[int, object] = {i: layer[j] for i, j in positions.items()}
         if launch.descriptors:  # v6t: this cache's own descriptors
             geo = prepared.launches.geo
             descs = _v6_tma_descriptors_at(geo, kv_cache.data_ptr(), kv_cache.numel())
-            args = (*args[: -launch.descriptors], *descs)
-        layer.append(args)
-    return layer
+            first = len(launch.args) - launch.descriptors
+            swap.update(enumerate(descs, first))
+        replacements.append(swap)
+    return replacements
 
 
 def plan_decode_batch(

@@ -175,12 +175,11 @@ class FusedPrefillPlan:
             self._prepared[layout] = prepared
         if prepared.launches is not None:
             rotate, main, merge = prepared.launches
-            r, m, g = rotate.args, main.args, merge.args
             # what query_rotation's launch read in the layout's first call, for this q
-            rotate.run((rotation_input(_q_for_kernel(q)), *r[1:]))
+            rotate.run_replacing({0: rotation_input(_q_for_kernel(q))})
             scale = float(softmax_scale) * _LOG2E
-            main.run((m[0], kv_cache, pool_k, pool_v, *m[4:10], scale, *m[11:]))
-            merge.run((g[0], g[1], out, *g[3:]))
+            main.run_replacing({1: kv_cache, 2: pool_k, 3: pool_v, 10: scale})
+            merge.run_replacing({2: out})
         elif prepared.workspace is not None:  # v1: the decode kernel's prefill mode
             _launch(
                 prepared.geo,
