@@ -8,7 +8,10 @@ stubbed out (CPU, no GPU needed; docs/kernel-notes.md, forty-fourth and forty-fi
   variant forced (v4c, v6f, v6t: the Gluon ones resolve as on a GPU, since nothing runs),
   unplanned and with a :class:`kvarn_kernels.DecodeBatchPlan`;
 * ``verify``: 8 requests of 4 draft-verify tokens after 1,024, v4c, unplanned and with a
-  :class:`kvarn_kernels.VerifyBatchPlan`.
+  :class:`kvarn_kernels.VerifyBatchPlan`;
+* ``launch``: one prepared launch of v6f's main loop (the decode case's), its compiled
+  kernel's launcher stubbed: ``launch()`` with another layer's tensors against
+  ``PreparedLaunch.run_replacing`` (forty-sixth session).
 
 The queries are contiguous and a strided view of a fused QKV tensor (as vLLM passes them).
 Prints the best of three runs of ``--calls`` calls in µs a call::
@@ -23,7 +26,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 
 def best_us(fn: Callable[[], Any], calls: int) -> float:
@@ -40,7 +43,7 @@ def best_us(fn: Callable[[], Any], calls: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=3000)
-    ap.add_argument("--op", choices=("prefill", "decode", "verify", "all"), default="all")
+    ap.add_argument("--op", choices=("prefill", "decode", "verify", "launch", "all"), default="all")
     a = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the case is built without a GPU
 
@@ -61,9 +64,12 @@ def main() -> None:
 
     name, d, hq, hk = "kvarn_k4v2_g128", 128, 32, 8
 
-    def no_launch(*args: object, **kw: object) -> None:
-        return None
+    recorded: list[tuple[Any, ...]] = []
 
+    def no_launch(*args: object, **kw: object) -> None:
+        recorded.append((*args, kw))
+
+    real_launch = launcher.launch
     launcher.launch = no_launch  # type: ignore[assignment]
     fused_prefill._v3_serves = lambda geo, device: True  # type: ignore[attr-defined]
     fused_prefill._num_sms = lambda device: 132  # type: ignore[attr-defined]
@@ -120,6 +126,49 @@ def main() -> None:
                 {"max_query_len": 4, "batch_plan": plan},
                 a.calls,
             )
+    if a.op in ("launch", "all"):
+        recorded.clear()
+        case = build_case(name, d, hk, [1024] * 8, device="cpu", seed=1, encoder="reference")
+        ws = torch.empty(attention.decode_workspace_numel(8, hq, d, 8))
+        args = case.decode_args(name, torch.randn(8, hq, d).half(), d**-0.5)
+        decode_attention(*args, variant="v6f", num_splits=4, workspace=ws)
+        launcher.launch = real_launch
+        _launch_row(recorded[1], a.calls)  # rotation, main loop, pool, merge
+
+
+def _launch_row(main_loop: tuple[Any, ...], calls: int) -> None:
+    """``launch()`` against ``run_replacing`` for one prepared launch whose key is known,
+    with the launcher stubbed and the GPU-side lookups faked (current device 0, Triton's base
+    backend): the host work in front of the launcher."""
+    import torch
+    from triton.backends.compiler import BaseBackend  # type: ignore[import-untyped]
+
+    import kvarn_kernels._launch as launcher
+
+    kernel, grid, args, constexprs, kw = main_loop
+    kernel.device_caches = {0: (None, None, None, BaseBackend, None)}
+    launcher.triton_interpret = lambda: False  # type: ignore[attr-defined]
+    launcher._raw_stream = lambda dev: 0  # type: ignore[attr-defined]
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+
+    class Compiled:
+        function = packed_metadata = None
+
+        def run(self, *a: object) -> None:
+            return None
+
+    p = launcher.PreparedLaunch(kernel, grid, tuple(args), constexprs, **kw)
+    options = launcher._options(p.num_warps, p.num_stages, p.maxnreg, p.pdl)
+    key = launcher.launch_key(kernel, p.args, constexprs, options)
+    launcher._COMPILED[key] = (Compiled(), launcher._tail(kernel, len(p.args), constexprs))
+    tensors = [i for i, x in enumerate(p.args) if isinstance(x, torch.Tensor)][:4]
+    layer = {i: cast(torch.Tensor, p.args[i]).clone() for i in tensors}
+    replaced = [layer.get(i, x) for i, x in enumerate(p.args)]
+    us = [best_us(fn, calls) for fn in (lambda: p.run(replaced), lambda: p.run_replacing(layer))]
+    print(
+        f"| v6f main-loop launch, {len(layer)} of {len(p.args)} arguments replaced | - "
+        f"| {us[0]:.1f} (launch()) | {us[1]:.1f} (run_replacing) |"
+    )
 
 
 def _row(
