@@ -123,27 +123,50 @@ def decode_rows(bsz: int) -> list[dict[str, Any]]:
     )
 
 
-def profile_planned_decode(bsz: int, out_dir: Path, steps: int = 20) -> None:
-    """cProfile of ``steps`` planned decode steps (36 layers each, 4K): where the host time of
-    a planned call goes. Prints the functions by own time and writes the full listing."""
+def profile_mixed_step(bsz: int, out_dir: Path, steps: int = 20) -> None:
+    """cProfile of ``steps`` eager steps of 36 layers, each layer as a mixed step runs it:
+    the side-pool write of ``bsz`` decode tokens, their planned decode (4K), and a planned
+    fused prefill of 64 tokens after 16,320 (B = 1, the served kernel). Where the host time
+    of a mixed step goes: prints the functions by own time (µs a layer) and writes the full
+    listing."""
     import cProfile
     import io
     import pstats
 
     import torch
 
-    from kvarn_kernels import decode_attention, plan_decode_batch
+    from kvarn_kernels import (
+        decode_attention,
+        plan_decode_batch,
+        plan_fused_prefill,
+        prefill_attention,
+        write_side_pool,
+    )
 
     c = bk.decode_inputs(FMT, bsz, 4096)
     layers = _layers(bsz, c["kv"], c["pool_k"], c["pool_v"])
     index = (c["bt"], c["seq_lens"], c["b2s"])
+    g = int(c["pool_k"].shape[1])
+    last = (c["seq_lens"].long() - 1) // g  # each request's in-progress block and row
+    blocks = c["bt"].long().gather(1, last[:, None])[:, 0]
+    slots = (blocks * g + (c["seq_lens"].long() - 1) % g).to(torch.int32)
+    kv_new = torch.randn(LAYERS, 2, bsz, bk.HK, bk.D, device="cuda").half()
     out = torch.empty(LAYERS, bsz, bk.HQ, bk.D, device="cuda").half()
+    p = bk.prefill_case(FMT, 16320, 64, 1)
+    p_index = (p["bt"], p["qsl"], p["seqs"], p["b2s"])
+    p_out = torch.empty_like(p["q"])
     scale = bk.D**-0.5
 
     def step() -> None:
         plan = plan_decode_batch(*index)
+        fused = plan_fused_prefill(*p_index)
         for i, (q, kv, pk, pv) in enumerate(layers):
+            write_side_pool(kv_new[i, 0], kv_new[i, 1], pk, pv, slots, c["b2s"], group=g)
             decode_attention(FMT, q, kv, pk, pv, *index, scale, out=out[i], batch_plan=plan)
+            prefill_attention(
+                FMT, p["q"], p["kv"], p["pool_k"], p["pool_v"], *p_index, scale,
+                out=p_out, method="fused", fused_plan=fused,
+            )  # fmt: skip
 
     plain_us = step_us(step)
     prof = cProfile.Profile()
@@ -154,10 +177,11 @@ def profile_planned_decode(bsz: int, out_dir: Path, steps: int = 20) -> None:
     prof.disable()
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("tottime").print_stats(40)
-    (out_dir / f"decode_plan_profile_B{bsz}.txt").write_text(text.getvalue())
+    stats.sort_stats("tottime").print_stats(60)
+    stats.sort_stats("cumulative").print_stats(60)
+    (out_dir / f"mixed_step_profile_B{bsz}.txt").write_text(text.getvalue())
     calls = steps * LAYERS
-    print(f"planned decode B={bsz} 4K: {plain_us:.1f} µs a layer without the profiler")
+    print(f"mixed step, B={bsz} decode rows + 64 prefill tokens: {plain_us:.1f} µs a layer")
     print("| function | own µs a layer | cumulative µs a layer |")
     print("|---|---|---|")
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # type: ignore[attr-defined]
@@ -225,12 +249,12 @@ def main() -> None:
         "--profile",
         type=int,
         metavar="B",
-        help="only cProfile the planned decode step at B requests (host time by function)",
+        help="only cProfile a mixed step's layers, B decode rows (host time by function)",
     )
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     if a.profile:
-        profile_planned_decode(a.profile, a.out)
+        profile_mixed_step(a.profile, a.out)
         return
     rows: list[dict[str, Any]] = []
     if a.op in ("decode", "both"):
