@@ -11,7 +11,7 @@ import torch
 from kvarn_format import parse_cache_dtype, record_layout
 from kvarn_format.geometry import shadow_rows
 from kvarn_format.hadamard import hadamard_matrix as np_hadamard
-from kvarn_kernels import hadamard_matrix, rotate, write_side_pool
+from kvarn_kernels import hadamard_matrix, plan_side_pool_write, rotate, write_side_pool
 from kvarn_kernels.reference import pool_tile, rotate_ref, write_side_pool_ref
 
 
@@ -242,3 +242,65 @@ def test_write_side_pool_shadow_rows_validation(device: torch.device) -> None:
     small = torch.zeros(1, g - limit - 1, hk, d, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="holds at most"):
         write_side_pool(k, k, small, small.clone(), slots, b2s, kv_cache=kv, group=g)
+
+
+@pytest.mark.parametrize("shadow", [False, True])
+def test_side_pool_write_plan_writes_each_layer_as_unplanned(
+    device: torch.device, shadow: bool
+) -> None:
+    """A :class:`SidePoolWritePlan` replayed by three layers (their own pools and caches; K/V
+    strided views of a fused QKV tensor, then a contiguous bf16 layout, which prepares again)
+    writes exactly what unplanned :func:`write_side_pool` calls write, shadow rows included."""
+    gen = torch.Generator().manual_seed(5)
+    name, hk, d = "kvarn_k4v2_g64", 2, 64
+    g = parse_cache_dtype(name).group
+    stride = record_layout(parse_cache_dtype(name), d).tile_bytes
+    r = shadow_rows(g, d, stride) if shadow else 0
+    t = 90
+    b2s = torch.tensor([3, -1, 0, 2, 1, -1], dtype=torch.int32, device=device)
+    pooled = torch.tensor([0, 2, 3, 4])
+    positions = (pooled[:, None] * g + torch.arange(g)[None, :]).flatten()
+    slots = positions[torch.randperm(positions.numel(), generator=gen)[:t]]
+    slots[::7] = -1
+    slots = slots.to(device)
+    plan = plan_side_pool_write(slots, b2s, group=g)
+
+    def layer_tensors(dtype: torch.dtype, fused: bool) -> tuple[torch.Tensor, ...]:
+        qkv = torch.randn(t, 4 + 2 * hk, d, generator=gen).to(dtype).to(device)
+        k, v = qkv[:, 4 : 4 + hk], qkv[:, 4 + hk :]
+        if not fused:
+            k, v = k.contiguous(), v.contiguous()
+        pool = torch.randn(4, g - r, hk, d, generator=gen).half().to(device)
+        kv = torch.randint(0, 256, (6, hk, stride), dtype=torch.uint8, generator=gen).to(device)
+        return k, v, pool, pool.clone() + 1, kv
+
+    for dtype, fused in ((torch.float16, True), (torch.float16, True), (torch.bfloat16, False)):
+        k, v, pool_k, pool_v, kv = layer_tensors(dtype, fused)
+        want = [x.clone() for x in (pool_k, pool_v, kv)]
+        cache = {"kv_cache": kv} if shadow else {}
+        want_cache = {"kv_cache": want[2]} if shadow else {}
+        write_side_pool(k, v, want[0], want[1], slots, b2s, group=g, **want_cache)
+        plan.write(k, v, pool_k, pool_v, slots, b2s, **cache)
+        for got, ref in zip((pool_k, pool_v, kv), want, strict=True):
+            assert torch.equal(got.cpu(), ref.cpu())
+    assert "2 layouts prepared" in repr(plan)
+
+
+def test_side_pool_write_plan_validation(device: torch.device) -> None:
+    """The plan refuses other index tensors and a group below 1; a layout's first call runs
+    write_side_pool's checks, and the debug check runs on every call it is asked for."""
+    g, hk, d = 64, 1, 64
+    k = torch.randn(2, hk, d).half().to(device)
+    pool = torch.full((1, g, hk, d), float("nan"), dtype=torch.float16, device=device)
+    b2s = torch.tensor([0, -1], dtype=torch.int32, device=device)
+    slots = torch.tensor([3, g + 5], dtype=torch.int64, device=device)  # 2nd token: block 1
+    with pytest.raises(ValueError, match="group must be >= 1"):
+        plan_side_pool_write(slots, b2s, group=0)
+    plan = plan_side_pool_write(slots, b2s)
+    with pytest.raises(ValueError, match="other index tensors"):
+        plan.write(k, k, pool, pool.clone(), slots.clone(), b2s)
+    with pytest.raises(ValueError, match="k must have dtype"):
+        plan.write(k.float(), k.float(), pool, pool.clone(), slots, b2s)
+    plan.write(k, k, pool, pool.clone(), slots, b2s, check=False)  # prepares this layout
+    with pytest.raises(ValueError, match="without a side-pool slot"):
+        plan.write(k, k, pool, pool.clone(), slots, b2s, check=True)

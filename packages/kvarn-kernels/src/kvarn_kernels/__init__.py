@@ -8,7 +8,8 @@ Serving data model (per attention layer):
   first ``R`` rows of each pool tile (shadow rows, default 0) live in its block's record area;
 * ``block_to_slot: int32 [num_blocks]``: a block's pool slot, or -1 when it is a packed record.
 
-Ops: :func:`rotate`, :func:`write_side_pool`, :func:`flush_tiles` (store from pool slots),
+Ops: :func:`rotate`, :func:`write_side_pool` (with :func:`plan_side_pool_write`, a step's
+writes prepared once for its layers), :func:`flush_tiles` (store from pool slots),
 :func:`flush_token_tiles` (store straight from a step's rotated K/V rows),
 :func:`decode_attention` (with :func:`decode_plan`, the kernel and split count it runs for a
 batch shape, and :func:`plan_decode_batch`, its launches prepared once for a step's layers), :func:`verify_attention` (speculative verify: a few query tokens
@@ -44,7 +45,13 @@ from kvarn_kernels.decode_batch import (
     plan_verify_batch,
 )
 from kvarn_kernels.fused_prefill import FusedPrefillPlan, plan_fused_prefill
-from kvarn_kernels.rotation import hadamard_matrix, rotate, write_side_pool
+from kvarn_kernels.rotation import (
+    SidePoolWritePlan,
+    hadamard_matrix,
+    plan_side_pool_write,
+    rotate,
+    write_side_pool,
+)
 from kvarn_kernels.store import flush_tiles, flush_token_tiles
 from kvarn_kernels.warmup import warmup
 
@@ -56,6 +63,7 @@ __all__ = [
     "DecodeBatchPlan",
     "DecodePlan",
     "FusedPrefillPlan",
+    "SidePoolWritePlan",
     "VerifyBatchPlan",
     "choose_decode_splits",
     "decode_attention",
@@ -71,6 +79,7 @@ __all__ = [
     "plan_decode_batch",
     "plan_fused_prefill",
     "plan_prefill_context",
+    "plan_side_pool_write",
     "plan_verify_batch",
     "prefill_attention",
     "prefill_method",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
+from typing import cast
 
 import numpy as np
 import torch
@@ -37,12 +38,15 @@ from kvarn_kernels._common import (
     debug_checks_enabled,
     pool_row_ptrs,
     pool_shadow_rows,
+    tensor_layouts,
     triton_interpret,
 )
 from kvarn_kernels._launch import PreparedLaunch
 
 __all__ = [
+    "SidePoolWritePlan",
     "hadamard_matrix",
+    "plan_side_pool_write",
     "query_rotation",
     "rotate",
     "rotate_f32",
@@ -356,6 +360,24 @@ def write_side_pool(
     as ``fp16(saturate(x @ H))``: at ``pool[block_to_slot[s // G], s % G - R]``, or in the
     block's record area for rows ``< R``.
     """
+    for launch in _side_pool_launches(
+        k, v, pool_k, pool_v, slot_mapping, block_to_slot, kv_cache, group, check
+    ):
+        launch.run()
+
+
+def _side_pool_launches(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_to_slot: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    group: int | None,
+    check: bool | None,
+) -> tuple[PreparedLaunch, PreparedLaunch]:
+    """:func:`write_side_pool`'s checks, then its two launches (K's and V's), not yet run."""
     _, rows, hk, d = _check_pool(pool_k, pool_v)
     g = rows if group is None else group
     shadow = pool_shadow_rows(pool_k, g, kv_cache)
@@ -398,7 +420,7 @@ def write_side_pool(
     t = int(k.shape[0])
     if debug_checks_enabled(check) and t:
         _check_slots(slot_mapping, block_to_slot, g)
-    for x, pool, is_v in ((k, pool_k, False), (v, pool_v, True)):
+    return tuple(  # type: ignore[return-value]
         rotate_launch(
             x,
             pool,
@@ -411,7 +433,88 @@ def write_side_pool(
             kv_cache=kv_cache if shadow else None,
             shadow=shadow,
             is_v=is_v,
-        ).run()
+        )
+        for x, pool, is_v in ((k, pool_k, False), (v, pool_v, True))
+    )
+
+
+class SidePoolWritePlan:
+    """One step's :func:`write_side_pool` calls, one per layer: the step's slot mapping and
+    block-to-slot map, and the launches prepared for each layout of the per-layer tensors.
+
+    vLLM writes each layer's new K/V eagerly in every step a FULL CUDA graph does not replay
+    (every step with a prefill in it), through the same slot mapping. The first call with a
+    given layout of K, V, the pools and the cache (shapes, strides, dtypes, devices) runs
+    every check of :func:`write_side_pool` and prepares its two launches; each later call
+    with that layout compares the layout and launches with its own tensors in their place
+    (:meth:`~kvarn_kernels._launch.PreparedLaunch.run_replacing`). Build it with
+    :func:`plan_side_pool_write` and pass the very index tensors it holds to each call.
+    """
+
+    def __init__(
+        self, slot_mapping: torch.Tensor, block_to_slot: torch.Tensor, *, group: int | None = None
+    ) -> None:
+        if group is not None and group < 1:
+            raise ValueError(f"group must be >= 1, got {group}")
+        self.slot_mapping = slot_mapping
+        self.block_to_slot = block_to_slot
+        self.group = group
+        self._prepared: dict[tuple[object, ...], tuple[PreparedLaunch, PreparedLaunch]] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"SidePoolWritePlan({int(self.slot_mapping.shape[0])} tokens, "
+            f"{len(self._prepared)} layouts prepared)"
+        )
+
+    def write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pool_k: torch.Tensor,
+        pool_v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_to_slot: torch.Tensor,
+        *,
+        kv_cache: torch.Tensor | None = None,
+        check: bool | None = None,
+    ) -> None:
+        """One layer's :func:`write_side_pool` (its arguments; ``slot_mapping`` and
+        ``block_to_slot`` must be the plan's own)."""
+        if slot_mapping is not self.slot_mapping or block_to_slot is not self.block_to_slot:
+            raise ValueError(
+                "the plan was built for other index tensors: pass plan.slot_mapping and "
+                "plan.block_to_slot, or build one for this step"
+            )
+        layout = (
+            *tensor_layouts(k, v, pool_k, pool_v),
+            None if kv_cache is None else tensor_layouts(kv_cache),
+        )
+        prepared = self._prepared.get(layout)
+        if prepared is None:
+            prepared = _side_pool_launches(
+                k, v, pool_k, pool_v, slot_mapping, block_to_slot, kv_cache, self.group, check
+            )
+            self._prepared[layout] = prepared
+            for launch in prepared:
+                launch.run()
+            return
+        if debug_checks_enabled(check) and int(k.shape[0]):
+            _check_slots(slot_mapping, block_to_slot, cast(int, prepared[0].constexprs["G"]))
+        for launch, x, pool in zip(prepared, (k, v), (pool_k, pool_v), strict=True):
+            layer: dict[int, object] = {0: rotation_input(x), 1: pool}
+            if launch.constexprs["SHADOW"]:  # the cache the shadow rows go to
+                layer[5] = kv_cache
+            launch.run_replacing(layer)
+
+
+def plan_side_pool_write(
+    slot_mapping: torch.Tensor, block_to_slot: torch.Tensor, *, group: int | None = None
+) -> SidePoolWritePlan:
+    """A :class:`SidePoolWritePlan` for one step's :func:`write_side_pool` calls: pass its
+    :meth:`~SidePoolWritePlan.write` these very tensors in every layer. ``group``: as
+    :func:`write_side_pool`'s (checked on the first call, with the pools)."""
+    return SidePoolWritePlan(slot_mapping, block_to_slot, group=group)
 
 
 def _check_slots(slot_mapping: torch.Tensor, block_to_slot: torch.Tensor, g: int) -> None:
