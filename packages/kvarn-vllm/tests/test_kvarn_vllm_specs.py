@@ -374,6 +374,59 @@ def test_capture_build_applies_no_side_pool_work(kvarn: None, qwen3_dir: Path) -
     assert meta.direct is None
 
 
+def test_kv_cache_update_prepares_the_pool_write_once_a_step(kvarn: None, qwen3_dir: Path) -> None:
+    """``do_kv_cache_update`` makes the step's side-pool write plan on the first layer, for
+    the slot mapping vLLM passes it, and the other layers given that tensor replay it; each
+    layer's pool then holds what an unplanned ``write_side_pool`` writes. A step passing
+    another slot mapping gets a plan of its own."""
+    from vllm.forward_context import set_forward_context
+
+    from kvarn_kernels import write_side_pool
+    from kvarn_vllm.backend import KvarnMetadataBuilder
+    from kvarn_vllm.tracker import NewRequest, SidePoolTracker, StepInput
+
+    config = _config(qwen3_dir)
+    config.cache_config.num_gpu_blocks = 8
+    layers = _attention_layers(config, 2)
+    spec = layers[0].get_kv_cache_spec(config)
+    for layer in layers:
+        layer.kv_cache = torch.zeros((8, spec.num_kv_heads, spec.tile_stride), dtype=torch.uint8)
+    shape = (3, spec.num_kv_heads, spec.head_size)
+    names = [layer.layer_name for layer in layers]
+    builder = KvarnMetadataBuilder(spec, names, config, torch.device("cpu"))
+    rt = builder.runtime
+    rt.tracker = SidePoolTracker(rt.num_slots, 128)
+    rt.group_id = 0
+    rt.tracker.step(StepInput(new=[NewRequest("a", [1], 0)], num_scheduled={"a": 3}))
+    meta = builder.build(0, _batch([0, 3], [3], 32))
+    gen = torch.Generator().manual_seed(3)
+    steps: list[object] = []
+    for _ in range(2):
+        slots = torch.tensor([128, 129, 250], dtype=torch.int64)  # block 1: shadow rows, pool
+        plans = []
+        with set_forward_context(dict.fromkeys(names, meta), config):
+            for layer in layers:
+                key = torch.randn(shape, generator=gen).to(torch.bfloat16)
+                value = torch.randn(shape, generator=gen).to(torch.bfloat16)
+                pools = rt.pools_for(layer.layer_name)
+                want_k, want_v = pools.k.clone(), pools.v.clone()
+                want_kv = layer.kv_cache.clone()
+                write_side_pool(
+                    key, value, want_k, want_v, slots, meta.block_to_slot,
+                    kv_cache=want_kv, group=128,
+                )  # fmt: skip
+                layer.impl.do_kv_cache_update(layer, key, value, layer.kv_cache, slots)
+                assert torch.equal(pools.k, want_k) and torch.equal(pools.v, want_v)
+                assert torch.equal(layer.kv_cache, want_kv)
+                assert bool((pools.k != 0).any()), "a token went to the pool"
+                assert bool((layer.kv_cache[1] != 0).any()), "two went to the record area"
+                plans.append(meta.pool_write_plan)
+        assert plans[0] is not None and plans[0] is plans[1]
+        assert plans[0].slot_mapping is slots and plans[0].block_to_slot is meta.block_to_slot
+        steps.append(plans[0])
+    assert steps[0] is not steps[1], "another slot mapping: another plan"
+
+
 def test_capture_of_multi_token_batches_is_the_uniform_verify_run(
     kvarn: None, qwen3_dir: Path
 ) -> None:

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from kvarn_kernels.context import ContextPlan, VarlenAttention
     from kvarn_kernels.decode_batch import DecodeBatchPlan, VerifyBatchPlan
     from kvarn_kernels.fused_prefill import FusedPrefillPlan
+    from kvarn_kernels.rotation import SidePoolWritePlan
 
 __all__ = [
     "BACKENDS",
@@ -316,6 +317,9 @@ class KvarnMetadata(AttentionMetadata):
     #: The decode rows' launches, prepared by the first layer and replayed by the others
     #: (vLLM runs them eagerly in every step with a prefill in it); None without decode rows.
     decode_batch_plan: DecodeBatchPlan | None = None
+    #: The side-pool write's launches, made by the first layer's ``do_kv_cache_update`` for
+    #: the slot mapping vLLM passes it and replayed by the layers passing the same tensor.
+    pool_write_plan: SidePoolWritePlan | None = None
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
@@ -756,7 +760,14 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                     head_lens=direct.head_lens,
                 )
         with _prof_range("kvarn: pool write"):
-            kk.write_side_pool(
+            plan = meta.pool_write_plan
+            if plan is None or plan.slot_mapping is not slot_mapping:
+                # vLLM passes each layer of a KV-cache group the same slot mapping
+                plan = kk.plan_side_pool_write(
+                    slot_mapping, meta.block_to_slot, group=self.fmt.group
+                )
+                meta.pool_write_plan = plan
+            plan.write(
                 key[:n],
                 value[:n],
                 pools.k,
@@ -764,7 +775,6 @@ class KvarnAttentionImpl(AttentionImpl[KvarnMetadata]):
                 slot_mapping,
                 meta.block_to_slot,
                 kv_cache=kv_cache,  # each pool tile's shadow rows go to its block's record area
-                group=self.fmt.group,
                 # Direct tiles' tokens have no slot by design: the debug check would flag them.
                 check=False if direct is not None else None,
             )
