@@ -12,7 +12,9 @@ fp16's eager call on the same shape.
 * ``prefill``: a short continuation chunk, 64 tokens after 16,320, B = 1 and 4, the fused
   kernels given by ``--kernels`` (docs/kernel-notes.md, forty-fourth session);
 * ``decode``: the decode rows of a mixed step, B = 8 and 64 at 4K, the served variant
-  (``"auto"``; forty-fifth session).
+  (``"auto"``; forty-fifth session);
+* ``pool``: the side-pool write of 8 decode tokens (``SidePoolWritePlan``; forty-sixth
+  session). ``--op both`` runs prefill and decode, ``all`` the three.
 
 Writes ``plan_ab.json`` to ``--out``::
 
@@ -139,17 +141,14 @@ def profile_mixed_step(bsz: int, out_dir: Path, steps: int = 20) -> None:
         decode_attention,
         plan_decode_batch,
         plan_fused_prefill,
+        plan_side_pool_write,
         prefill_attention,
-        write_side_pool,
     )
 
     c = bk.decode_inputs(FMT, bsz, 4096)
     layers = _layers(bsz, c["kv"], c["pool_k"], c["pool_v"])
     index = (c["bt"], c["seq_lens"], c["b2s"])
-    g = int(c["pool_k"].shape[1])
-    last = (c["seq_lens"].long() - 1) // g  # each request's in-progress block and row
-    blocks = c["bt"].long().gather(1, last[:, None])[:, 0]
-    slots = (blocks * g + (c["seq_lens"].long() - 1) % g).to(torch.int32)
+    slots, g = _decode_slots(c)
     kv_new = torch.randn(LAYERS, 2, bsz, bk.HK, bk.D, device="cuda").half()
     out = torch.empty(LAYERS, bsz, bk.HQ, bk.D, device="cuda").half()
     p = bk.prefill_case(FMT, 16320, 64, 1)
@@ -160,8 +159,9 @@ def profile_mixed_step(bsz: int, out_dir: Path, steps: int = 20) -> None:
     def step() -> None:
         plan = plan_decode_batch(*index)
         fused = plan_fused_prefill(*p_index)
+        writes = plan_side_pool_write(slots, c["b2s"], group=g)
         for i, (q, kv, pk, pv) in enumerate(layers):
-            write_side_pool(kv_new[i, 0], kv_new[i, 1], pk, pv, slots, c["b2s"], group=g)
+            writes.write(kv_new[i, 0], kv_new[i, 1], pk, pv, slots, c["b2s"])
             decode_attention(FMT, q, kv, pk, pv, *index, scale, out=out[i], batch_plan=plan)
             prefill_attention(
                 FMT, p["q"], p["kv"], p["pool_k"], p["pool_v"], *p_index, scale,
@@ -188,6 +188,59 @@ def profile_mixed_step(bsz: int, out_dir: Path, steps: int = 20) -> None:
     for (file, line, name), (_cc, _nc, tt, ct, _callers) in rows:
         where = f"{Path(file).name}:{line}({name})"
         print(f"| {where} | {tt / calls * 1e6:.2f} | {ct / calls * 1e6:.2f} |")
+
+
+def pool_write_rows(bsz: int) -> list[dict[str, Any]]:
+    """The side-pool write of ``bsz`` decode tokens in each of 36 layers (their own pools),
+    unplanned and through one :class:`SidePoolWritePlan` a step."""
+    import torch
+
+    from kvarn_kernels import plan_side_pool_write, write_side_pool
+
+    c = bk.decode_inputs(FMT, bsz, 4096)
+    layers = _layers(bsz, c["kv"], c["pool_k"], c["pool_v"])
+    slots, g = _decode_slots(c)
+    kv_new = torch.randn(LAYERS, 2, bsz, bk.HK, bk.D, device="cuda").half()
+    pools = {p: [(pk.clone(), pv.clone()) for _q, _kv, pk, pv in layers] for p in (0, 1)}
+
+    def unplanned() -> None:
+        for i, (pk, pv) in enumerate(pools[0]):
+            write_side_pool(kv_new[i, 0], kv_new[i, 1], pk, pv, slots, c["b2s"], group=g)
+
+    def planned() -> None:
+        plan = plan_side_pool_write(slots, c["b2s"], group=g)
+        for i, (pk, pv) in enumerate(pools[1]):
+            plan.write(kv_new[i, 0], kv_new[i, 1], pk, pv, slots, c["b2s"])
+
+    label = f"pool write, B={bsz}"
+    rows: list[dict[str, Any]] = []
+    for name, step in (("unplanned", unplanned), ("planned", planned)):
+        rows.append({"case": label, "path": name, "eager_us": step_us(step)})
+    equal = all(
+        torch.equal(a, b)
+        for x, y in zip(pools[0], pools[1], strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
+    rows.append({"case": label, "equal": equal})
+    pk0, pv0 = pools[0][0]
+    gpu_us, mode = bk.timed(
+        lambda: write_side_pool(kv_new[0, 0], kv_new[0, 1], pk0, pv0, slots, c["b2s"], group=g)
+    )
+    rows.append({"case": label, "path": "GPU time (graph)", "us": gpu_us, "mode": mode})
+    rows.append({"case": label, "path": "FA3 fp16"})
+    bk.log(f"{label}: {rows}")
+    return rows
+
+
+def _decode_slots(c: dict[str, Any]) -> tuple[Any, int]:
+    """Each decode request's next token's vLLM slot (its in-progress block's last row), and
+    the tile size."""
+    import torch
+
+    g = int(c["pool_k"].shape[1])
+    last = (c["seq_lens"].long() - 1) // g
+    blocks = c["bt"].long().gather(1, last[:, None])[:, 0]
+    return (blocks * g + (c["seq_lens"].long() - 1) % g).to(torch.int32), g
 
 
 def _layers(tokens: int, kv: Any, pool_k: Any, pool_v: Any) -> list[tuple[Any, ...]]:
@@ -243,7 +296,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--op", choices=("prefill", "decode", "both"), default="both")
+    ap.add_argument("--op", choices=("prefill", "decode", "pool", "both", "all"), default="both")
     ap.add_argument("--kernels", default="v3,v4", help="fused_kernel values, comma-separated")
     ap.add_argument(
         "--profile",
@@ -257,10 +310,12 @@ def main() -> None:
         profile_mixed_step(a.profile, a.out)
         return
     rows: list[dict[str, Any]] = []
-    if a.op in ("decode", "both"):
+    if a.op in ("decode", "both", "all"):
         for bsz in (8, 64):
             rows += decode_rows(bsz)
-    if a.op in ("prefill", "both"):
+    if a.op in ("pool", "all"):
+        rows += pool_write_rows(8)
+    if a.op in ("prefill", "both", "all"):
         for bsz in (1, 4):
             for kernel in a.kernels.split(","):
                 rows += prefill_rows(bsz, kernel)
