@@ -9,6 +9,9 @@ stubbed out (CPU, no GPU needed; docs/kernel-notes.md, forty-fourth and forty-fi
   unplanned and with a :class:`kvarn_kernels.DecodeBatchPlan`;
 * ``verify``: 8 requests of 4 draft-verify tokens after 1,024, v4c, unplanned and with a
   :class:`kvarn_kernels.VerifyBatchPlan`;
+* ``pool``: the side-pool write of 8 tokens, unplanned and with a
+  :class:`kvarn_kernels.SidePoolWritePlan` (K/V contiguous and strided views of a fused QKV
+  tensor);
 * ``launch``: one prepared launch of v6f's main loop (the decode case's), its compiled
   kernel's launcher stubbed: ``launch()`` with another layer's tensors against
   ``PreparedLaunch.run_replacing`` (forty-sixth session).
@@ -43,7 +46,9 @@ def best_us(fn: Callable[[], Any], calls: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=3000)
-    ap.add_argument("--op", choices=("prefill", "decode", "verify", "launch", "all"), default="all")
+    ap.add_argument(
+        "--op", choices=("prefill", "decode", "verify", "pool", "launch", "all"), default="all"
+    )
     a = ap.parse_args()
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the case is built without a GPU
 
@@ -56,9 +61,11 @@ def main() -> None:
         decode_attention,
         plan_decode_batch,
         plan_fused_prefill,
+        plan_side_pool_write,
         plan_verify_batch,
         prefill_attention,
         verify_attention,
+        write_side_pool,
     )
     from kvarn_kernels.testing import build_case
 
@@ -126,6 +133,26 @@ def main() -> None:
                 {"max_query_len": 4, "batch_plan": plan},
                 a.calls,
             )
+    if a.op in ("pool", "all"):
+        g = 128
+        pool_k = torch.zeros(16, g, hk, d).half()
+        pool_v = torch.zeros_like(pool_k)
+        b2s = torch.arange(64, dtype=torch.int32) % 16
+        slots = torch.arange(8, dtype=torch.int32) * g + 5
+        qkv = torch.randn(8, hq + 2 * hk, d).half()
+        writes = plan_side_pool_write(slots, b2s, group=g)
+        for label, (k, v) in (
+            ("contiguous", (qkv[:, hq : hq + hk].contiguous(), qkv[:, hq + hk :].contiguous())),
+            ("strided (QKV view)", (qkv[:, hq : hq + hk], qkv[:, hq + hk :])),
+        ):
+            us = [
+                best_us(fn, a.calls)
+                for fn in (
+                    lambda k=k, v=v: write_side_pool(k, v, pool_k, pool_v, slots, b2s, group=g),
+                    lambda k=k, v=v: writes.write(k, v, pool_k, pool_v, slots, b2s),
+                )
+            ]
+            print(f"| pool write | {label} | {us[0]:.1f} | {us[1]:.1f} |")
     if a.op in ("launch", "all"):
         recorded.clear()
         case = build_case(name, d, hk, [1024] * 8, device="cpu", seed=1, encoder="reference")
