@@ -177,6 +177,7 @@ def _launch_row(main_loop: tuple[Any, ...], calls: int) -> None:
     launcher.triton_interpret = lambda: False  # type: ignore[attr-defined]
     launcher._raw_stream = lambda dev: 0  # type: ignore[attr-defined]
     torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    launcher._current_device = lambda: 0  # type: ignore[attr-defined]
 
     class Compiled:
         function = packed_metadata = None

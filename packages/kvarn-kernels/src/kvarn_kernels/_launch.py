@@ -16,11 +16,13 @@ kernel is kept; a known key calls the launcher directly. Two calls with one key 
 one binary Triton would have picked. The launch options ``num_warps``, ``num_stages``,
 ``maxnreg`` and ``launch_pdl`` are part of the key. Under the interpreter, with a launch hook
 installed (profilers) or for a signature that does not list its runtime parameters first,
-every call takes the JIT's path. A kernel taking tensor descriptors the caller keeps (v6t's)
-gets them encoded once per object, not by Triton's launcher wrapper on every call
-(:class:`_DescriptorLauncher`). :class:`PreparedLaunch` holds one launch's grid, arguments
-and constexprs for a caller that repeats it with other tensors (the fused prefill's plan:
-:mod:`kvarn_kernels.fused_prefill`).
+every call takes the JIT's path. The launcher module is called directly
+(:class:`_DirectLauncher`), and a kernel taking tensor descriptors the caller keeps (v6t's)
+gets them encoded once per object, not by Triton's launcher wrapper on every call.
+:class:`PreparedLaunch` holds one launch's grid, arguments and constexprs for a caller that
+repeats it with other tensors (the per-step plans: :mod:`kvarn_kernels.fused_prefill`,
+:mod:`kvarn_kernels.decode_batch`, :class:`kvarn_kernels.SidePoolWritePlan`); once compiled,
+it specializes only the arguments a layer replaces.
 """
 
 from __future__ import annotations
@@ -169,6 +171,13 @@ def _hooks_installed() -> bool:
     return any(getattr(h, "calls", h is not None) for h in hooks)
 
 
+def _current_device() -> int:
+    """``torch.cuda.current_device()`` without its lazy-init checks (CUDA is initialized
+    wherever a kernel has compiled: the only callers)."""
+    get = getattr(torch._C, "_cuda_getDevice", None)
+    return int(get()) if get is not None else torch.cuda.current_device()
+
+
 def _raw_stream(dev: int) -> int:
     """The current CUDA stream's handle, as Triton's driver reads it."""
     get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -243,11 +252,10 @@ def _run_compiled(
     gx = grid[0]
     gy = grid[1] if len(grid) > 1 else 1
     gz = grid[2] if len(grid) > 2 else 1
-    if descriptors:
-        direct = _descriptor_launcher(compiled, len(args) - descriptors, descriptors)
-        if direct is not None:
-            direct.launch(gx, gy, gz, stream, compiled, args, tail)
-            return
+    direct = _direct_launcher(compiled, len(args) - descriptors, descriptors)
+    if direct is not None:
+        direct.launch(gx, gy, gz, stream, compiled, args, tail)
+        return
     compiled.run(
         gx,
         gy,
@@ -264,8 +272,10 @@ def _run_compiled(
 
 
 @dataclass(frozen=True)
-class _DescriptorLauncher:
-    """A compiled kernel's launcher module, called with its tensor descriptors encoded once.
+class _DirectLauncher:
+    """A compiled kernel's launcher module, called directly: past ``CudaLauncher.__call__``'s
+    Python (its two scratch allocations, none for our kernels) and with any tensor
+    descriptors encoded once.
 
     Triton 3.6 wraps the launcher of a kernel that takes tensor descriptors in a Python loop
     over every argument that encodes each descriptor's ``CUtensorMap`` on every call
@@ -314,42 +324,51 @@ class _DescriptorLauncher:
         )
 
 
-#: compiled kernel -> its :class:`_DescriptorLauncher`, or None where the launcher is not
+#: compiled kernel -> its :class:`_DirectLauncher`, or None where the launcher is not
 #: the shape this module knows (it then keeps Triton's wrapper)
-_UNWRAPPED: dict[Any, _DescriptorLauncher | None] = {}
+_UNWRAPPED: dict[Any, _DirectLauncher | None] = {}
 
 
-def _descriptor_launcher(compiled: Any, first: int, count: int) -> _DescriptorLauncher | None:
+def _direct_launcher(compiled: Any, first: int, count: int) -> _DirectLauncher | None:
     """The direct launcher of ``compiled``, whose arguments ``first`` to ``first + count``
-    are its only tensor descriptors; None (Triton's own path) unless the launcher is Triton
-    3.6's ``CudaLauncher`` around ``wrap_handle_tensordesc``'s wrapper with exactly those
-    descriptor positions and no scratch memory to allocate."""
+    are its only tensor descriptors (none when ``count`` is 0); None (Triton's own path)
+    unless the launcher is Triton 3.6's ``CudaLauncher`` with no scratch memory to allocate,
+    around the launcher module itself (no descriptors) or ``wrap_handle_tensordesc``'s
+    wrapper with exactly those descriptor positions."""
     if compiled in _UNWRAPPED:
         return _UNWRAPPED[compiled]
     direct = None
     run = compiled.run
     wrapper = getattr(run, "launch", None)
-    cells = dict(
-        zip(
-            getattr(getattr(wrapper, "__code__", None), "co_freevars", ()),
-            getattr(wrapper, "__closure__", None) or (),
-            strict=True,
+    code = getattr(wrapper, "__code__", None)
+    raw: Any = None
+    positions: Any = ()
+    metas: tuple[Any, ...] = ()
+    if count == 0:
+        # without descriptors the launch is the compiled module's own (C, so no __code__)
+        raw = wrapper if wrapper is not None and code is None else None
+    else:
+        cells = dict(
+            zip(
+                getattr(code, "co_freevars", ()),
+                getattr(wrapper, "__closure__", None) or (),
+                strict=True,
+            )
         )
-    )
-    try:
-        raw = cells["launcher"].cell_contents
-        positions = cells["tensordesc_indices"].cell_contents
-        metas = tuple(cells["tensordesc_meta"].cell_contents)
-    except (KeyError, ValueError):
-        raw = None
+        try:
+            raw = cells["launcher"].cell_contents
+            positions = cells["tensordesc_indices"].cell_contents
+            metas = tuple(cells["tensordesc_meta"].cell_contents)
+        except (KeyError, ValueError):
+            raw = None
     if (
         raw is not None
         and set(positions) == set(range(first, first + count))
         and len(metas) == count
-        and not run.global_scratch_size
-        and not run.profile_scratch_size
+        and not getattr(run, "global_scratch_size", 1)
+        and not getattr(run, "profile_scratch_size", 1)
     ):
-        direct = _DescriptorLauncher(raw, run.launch_cooperative_grid, run.launch_pdl, metas)
+        direct = _DirectLauncher(raw, run.launch_cooperative_grid, run.launch_pdl, metas)
     _UNWRAPPED[compiled] = direct
     return direct
 
@@ -381,6 +400,8 @@ class _Bound:
     compiled: Any
     tail: tuple[Any, ...]
     specs: tuple[Any, ...]
+    backend: Any  # the kernel's compile backend on ``dev`` (what specializes an argument)
+    flags: tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]  # :func:`_flags`
 
 
 @dataclass(frozen=True)
@@ -435,12 +456,12 @@ class PreparedLaunch:
             bound is None
             or triton_interpret()
             or _hooks_installed()
-            or torch.cuda.current_device() != bound.dev
+            or _current_device() != bound.dev
         ):
             self.run(args)
             return
-        backend = self.kernel.device_caches[bound.dev][3]
-        is_const, specialize, align = _flags(self.kernel)
+        backend = bound.backend
+        is_const, specialize, align = bound.flags
         first_descriptor = len(args) - self.descriptors
         for i in replacements:
             spec = native_specialize_impl if i < first_descriptor else _descriptor_spec
@@ -460,6 +481,16 @@ class PreparedLaunch:
         hit = _COMPILED.get(key, _NEW)
         if hit is _NEW:  # not compiled yet: bind on a later call
             return None
-        bound = None if hit is None else _Bound(key[2], *cast(tuple[Any, Any], hit), key[4])
+        bound = (
+            None
+            if hit is None
+            else _Bound(
+                key[2],
+                *cast(tuple[Any, Any], hit),
+                key[4],
+                self.kernel.device_caches[key[2]][3],
+                _flags(self.kernel),
+            )
+        )
         self._bound.append(bound)
         return bound
