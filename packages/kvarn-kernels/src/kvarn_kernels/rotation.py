@@ -420,8 +420,9 @@ def _side_pool_launches(
     t = int(k.shape[0])
     if debug_checks_enabled(check) and t:
         _check_slots(slot_mapping, block_to_slot, g)
-    return tuple(  # type: ignore[return-value]
-        rotate_launch(
+
+    def scatter(x: torch.Tensor, pool: torch.Tensor, is_v: bool) -> PreparedLaunch:
+        return rotate_launch(
             x,
             pool,
             n_rows=t * hk,
@@ -434,8 +435,8 @@ def _side_pool_launches(
             shadow=shadow,
             is_v=is_v,
         )
-        for x, pool, is_v in ((k, pool_k, False), (v, pool_v, True))
-    )
+
+    return scatter(k, pool_k, False), scatter(v, pool_v, True)
 
 
 class SidePoolWritePlan:
