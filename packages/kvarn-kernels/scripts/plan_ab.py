@@ -233,7 +233,7 @@ def pool_write_rows(bsz: int) -> list[dict[str, Any]]:
 
 
 def _decode_slots(c: dict[str, Any]) -> tuple[Any, int]:
-    """Each decode request's next token's vLLM slot (its in-progress block's last row), and
+    """Each decode request's newest token's vLLM slot (its row in the in-progress block), and
     the tile size."""
     import torch
 
