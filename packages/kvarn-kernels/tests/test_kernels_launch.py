@@ -243,52 +243,6 @@ def test_descriptor_launchers_of_another_shape_keep_tritons_path(fresh: None) ->
     assert len(k.compiled.calls) == 1 and _launch._UNWRAPPED[k.compiled] is None
 
 
-class _ModuleLaunch:
-    """A stand-in for the compiled launcher module's C ``launch`` (no ``__code__``)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def __call__(self, *a: Any) -> None:
-        self.calls.append(a)
-
-
-class _PlainRun:
-    """Triton 3.6's ``CudaLauncher`` of a kernel without descriptors: ``launch`` is the
-    module's own function."""
-
-    launch_cooperative_grid = False
-    launch_pdl = False
-
-    def __init__(self, scratch: int) -> None:
-        self.launch = _ModuleLaunch()
-        self.global_scratch_size = scratch
-        self.profile_scratch_size = 0
-        self.wrapped_calls: list[tuple[Any, ...]] = []
-
-    def __call__(self, *a: Any) -> None:
-        self.wrapped_calls.append(a)
-
-
-@pytest.mark.parametrize("scratch", [0, 128])
-def test_plain_kernels_call_the_launcher_module(fresh: None, scratch: int) -> None:
-    """A compiled kernel without descriptors is launched through its launcher module with the
-    arguments ``CudaLauncher.__call__`` would pass it (no scratch buffers); one that needs
-    global scratch memory keeps ``CudaLauncher`` (which allocates it)."""
-    k = _Kernel()
-    run = _PlainRun(scratch)
-    k.compiled.run = run  # type: ignore[assignment,method-assign]
-    x = torch.zeros(64)
-    for _ in range(3):
-        _launch.launch(k, (5, 2), (x, 7, 0.5), {"A": 1, "B": 2}, num_warps=4)
-    want = (5, 2, 1, 1234, "fn-handle", False, False, None, None, "meta", None, None, None)
-    if scratch:
-        assert not run.launch.calls and len(run.wrapped_calls) == 2
-        assert _launch._UNWRAPPED[k.compiled] is None
-    else:
-        assert run.launch.calls == [(*want, x, 7, 0.5, 1, 2)] * 2 and not run.wrapped_calls
-
-
 def test_signatures_not_matched_stay_on_the_jit(fresh: None) -> None:
     k = _Kernel()
     x = torch.zeros(4)

@@ -16,13 +16,13 @@ kernel is kept; a known key calls the launcher directly. Two calls with one key 
 one binary Triton would have picked. The launch options ``num_warps``, ``num_stages``,
 ``maxnreg`` and ``launch_pdl`` are part of the key. Under the interpreter, with a launch hook
 installed (profilers) or for a signature that does not list its runtime parameters first,
-every call takes the JIT's path. The launcher module is called directly
-(:class:`_DirectLauncher`), and a kernel taking tensor descriptors the caller keeps (v6t's)
-gets them encoded once per object, not by Triton's launcher wrapper on every call.
-:class:`PreparedLaunch` holds one launch's grid, arguments and constexprs for a caller that
-repeats it with other tensors (the per-step plans: :mod:`kvarn_kernels.fused_prefill`,
-:mod:`kvarn_kernels.decode_batch`, :class:`kvarn_kernels.SidePoolWritePlan`); once compiled,
-it specializes only the arguments a layer replaces.
+every call takes the JIT's path. A kernel taking tensor descriptors the caller keeps (v6t's)
+gets them encoded once per object, not by Triton's launcher wrapper on every call
+(:class:`_DescriptorLauncher`). :class:`PreparedLaunch` holds one launch's grid, arguments
+and constexprs for a caller that repeats it with other tensors (the per-step plans:
+:mod:`kvarn_kernels.fused_prefill`, :mod:`kvarn_kernels.decode_batch`,
+:class:`kvarn_kernels.SidePoolWritePlan`); once compiled, it specializes only the arguments
+a layer replaces.
 """
 
 from __future__ import annotations
@@ -252,10 +252,11 @@ def _run_compiled(
     gx = grid[0]
     gy = grid[1] if len(grid) > 1 else 1
     gz = grid[2] if len(grid) > 2 else 1
-    direct = _direct_launcher(compiled, len(args) - descriptors, descriptors)
-    if direct is not None:
-        direct.launch(gx, gy, gz, stream, compiled, args, tail)
-        return
+    if descriptors:
+        direct = _descriptor_launcher(compiled, len(args) - descriptors, descriptors)
+        if direct is not None:
+            direct.launch(gx, gy, gz, stream, compiled, args, tail)
+            return
     compiled.run(
         gx,
         gy,
@@ -272,10 +273,8 @@ def _run_compiled(
 
 
 @dataclass(frozen=True)
-class _DirectLauncher:
-    """A compiled kernel's launcher module, called directly: past ``CudaLauncher.__call__``'s
-    Python (its two scratch allocations, none for our kernels) and with any tensor
-    descriptors encoded once.
+class _DescriptorLauncher:
+    """A compiled kernel's launcher module, called with its tensor descriptors encoded once.
 
     Triton 3.6 wraps the launcher of a kernel that takes tensor descriptors in a Python loop
     over every argument that encodes each descriptor's ``CUtensorMap`` on every call
@@ -324,51 +323,42 @@ class _DirectLauncher:
         )
 
 
-#: compiled kernel -> its :class:`_DirectLauncher`, or None where the launcher is not
+#: compiled kernel -> its :class:`_DescriptorLauncher`, or None where the launcher is not
 #: the shape this module knows (it then keeps Triton's wrapper)
-_UNWRAPPED: dict[Any, _DirectLauncher | None] = {}
+_UNWRAPPED: dict[Any, _DescriptorLauncher | None] = {}
 
 
-def _direct_launcher(compiled: Any, first: int, count: int) -> _DirectLauncher | None:
+def _descriptor_launcher(compiled: Any, first: int, count: int) -> _DescriptorLauncher | None:
     """The direct launcher of ``compiled``, whose arguments ``first`` to ``first + count``
-    are its only tensor descriptors (none when ``count`` is 0); None (Triton's own path)
-    unless the launcher is Triton 3.6's ``CudaLauncher`` with no scratch memory to allocate,
-    around the launcher module itself (no descriptors) or ``wrap_handle_tensordesc``'s
-    wrapper with exactly those descriptor positions."""
+    are its only tensor descriptors; None (Triton's own path) unless the launcher is Triton
+    3.6's ``CudaLauncher`` around ``wrap_handle_tensordesc``'s wrapper with exactly those
+    descriptor positions and no scratch memory to allocate."""
     if compiled in _UNWRAPPED:
         return _UNWRAPPED[compiled]
     direct = None
     run = compiled.run
     wrapper = getattr(run, "launch", None)
-    code = getattr(wrapper, "__code__", None)
-    raw: Any = None
-    positions: Any = ()
-    metas: tuple[Any, ...] = ()
-    if count == 0:
-        # without descriptors the launch is the compiled module's own (C, so no __code__)
-        raw = wrapper if wrapper is not None and code is None else None
-    else:
-        cells = dict(
-            zip(
-                getattr(code, "co_freevars", ()),
-                getattr(wrapper, "__closure__", None) or (),
-                strict=True,
-            )
+    cells = dict(
+        zip(
+            getattr(getattr(wrapper, "__code__", None), "co_freevars", ()),
+            getattr(wrapper, "__closure__", None) or (),
+            strict=True,
         )
-        try:
-            raw = cells["launcher"].cell_contents
-            positions = cells["tensordesc_indices"].cell_contents
-            metas = tuple(cells["tensordesc_meta"].cell_contents)
-        except (KeyError, ValueError):
-            raw = None
+    )
+    try:
+        raw = cells["launcher"].cell_contents
+        positions = cells["tensordesc_indices"].cell_contents
+        metas = tuple(cells["tensordesc_meta"].cell_contents)
+    except (KeyError, ValueError):
+        raw = None
     if (
         raw is not None
         and set(positions) == set(range(first, first + count))
         and len(metas) == count
-        and not getattr(run, "global_scratch_size", 1)
-        and not getattr(run, "profile_scratch_size", 1)
+        and not run.global_scratch_size
+        and not run.profile_scratch_size
     ):
-        direct = _DirectLauncher(raw, run.launch_cooperative_grid, run.launch_pdl, metas)
+        direct = _DescriptorLauncher(raw, run.launch_cooperative_grid, run.launch_pdl, metas)
     _UNWRAPPED[compiled] = direct
     return direct
 
