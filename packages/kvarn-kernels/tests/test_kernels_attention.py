@@ -654,6 +654,7 @@ def _layers_of(
     pool_from = [n - ql for n, ql in zip(lens, qlens, strict=True)]
     layers, index = [], ()
     # one seed, so one block table and pool map; the layers differ in their values' scale
+    gen = torch.Generator().manual_seed(23)  # and seeded queries: a reproducible error
     for value_scale in (1.0, 0.5, 3.0):
         case = build_case(
             name,
@@ -666,7 +667,7 @@ def _layers_of(
             pool_from=pool_from,
             value_scale=value_scale,
         )
-        qkv = torch.randn(sum(qlens), hq + 2 * hk, d, device=device).half()
+        qkv = torch.randn(sum(qlens), hq + 2 * hk, d, generator=gen).half().to(device)
         args = case.prefill_args(name, qkv[:, :hq], _qsl(qlens, device), 1.0 / math.sqrt(d))
         layers.append(tuple(args[1:5]))
         index = index or tuple(args[5:9])
@@ -894,7 +895,9 @@ def test_verify_batch_plan_replays_each_layer(device: torch.device, variant: str
         planned = verify_attention(*call, max_query_len=4, batch_plan=plan)
         plain = verify_attention(*call, max_query_len=4, variant=variant, num_splits=3)
         assert torch.equal(planned, plain)
-        _assert_close(planned, prefill_attention_ref(*call))
+        # the layer at 3x with key outliers: k4v2's own error, planned or not (it reached
+        # 6.3e-3 on unseeded queries in a CI run, the unplanned output bit for bit the same)
+        _assert_close(planned, prefill_attention_ref(*call), tot=8e-3, row=6e-2)
     assert "1 layouts prepared" in repr(plan)
     with pytest.raises(ValueError, match="batch_plan was built for other index tensors"):
         verify_attention(
