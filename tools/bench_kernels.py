@@ -122,6 +122,22 @@ def host_us(fn: Callable[[], Any], calls: int = 300, sync_every: int = 20) -> fl
     return 1e6 * total / calls
 
 
+def cuda_profile(fn: Callable[[], Any], calls: int, warmup: int = 3) -> Any:
+    """torch.profiler's CUDA activity over ``calls`` calls of ``fn``, after ``warmup`` calls
+    outside it, each side synchronized."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof
+
+
 def ceilings() -> dict[str, float]:
     import torch
     import triton

@@ -86,15 +86,7 @@ def main_loop_only(inp: dict[str, Any], splits: int, probe: int) -> float:
 
 def kernel_shares(inp: dict[str, Any]) -> list[dict[str, Any]]:
     """Each GPU kernel's mean µs per served launch (20 launches under the torch profiler)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    bk.decode_once(inp)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            bk.decode_once(inp)
-        torch.cuda.synchronize()
+    prof = bk.cuda_profile(lambda: bk.decode_once(inp), 20, warmup=1)
     rows = []
     for ev in prof.key_averages():
         dev_us = float(getattr(ev, "device_time_total", 0.0) or 0.0)

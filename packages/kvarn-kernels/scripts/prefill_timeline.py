@@ -31,16 +31,7 @@ REPLAYS = 30
 def kernel_events(graph_replay: Callable[[], None], replays: int) -> list[dict[str, Any]]:
     """The CUDA kernels of ``replays`` replays, sorted by start (chrome-trace ``ts``/``dur``
     in µs)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(5):
-        graph_replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph_replay()
-        torch.cuda.synchronize()
+    prof = bk.cuda_profile(graph_replay, replays, warmup=5)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())

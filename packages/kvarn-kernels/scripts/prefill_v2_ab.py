@@ -210,7 +210,6 @@ def kernel_breakdown(ctx: int, q_len: int, bsz: int, calls: int = 20) -> list[di
     its hand-over-only probe, the dequantize path and FA3 fp16 at one shape: where the
     fixed part of a fused call goes (docs/kernel-notes.md, twenty-seventh session)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from kvarn_kernels import attention, prefill_attention, prefill_v3
 
@@ -248,13 +247,7 @@ def kernel_breakdown(ctx: int, q_len: int, bsz: int, calls: int = 20) -> list[di
     ]
     rows: list[dict[str, Any]] = []
     for name, fn in paths:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
+        prof = bk.cuda_profile(fn, calls)
         for e in prof.key_averages():
             if e.device_type.name != "CUDA" or e.count < calls:
                 continue
