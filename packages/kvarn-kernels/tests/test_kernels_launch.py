@@ -70,6 +70,20 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_launch, "_raw_stream", lambda dev: 1234)
 
 
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every argument ``_launch`` specializes, in order (Triton's function still does it)."""
+    args: list[object] = []
+    real = _launch.native_specialize_impl
+
+    def counting(backend: Any, arg: object, *flags: bool) -> Any:
+        args.append(arg)
+        return real(backend, arg, *flags)
+
+    monkeypatch.setattr(_launch, "native_specialize_impl", counting)
+    return args
+
+
 def test_second_call_goes_to_the_launcher(fresh: None) -> None:
     k = _Kernel()
     x = torch.zeros(64)
@@ -138,21 +152,13 @@ def test_a_new_specialization_goes_through_the_jit(
 
 
 def test_descriptor_arguments_are_specialized_once_per_object(
-    fresh: None, monkeypatch: pytest.MonkeyPatch
+    fresh: None, seen: list[object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``launch(..., descriptors=1)``: the last argument's specialization is computed on its
     first call only (the caller reuses the object), and the key is the one the per-call form
     computes, so the second call still reaches the launcher; a new object (another cache's
     descriptor) is specialized again."""
     monkeypatch.setattr(_launch, "_DESCRIPTOR_SPECS", {})
-    seen: list[object] = []
-    real = _launch.native_specialize_impl
-
-    def counting(backend: Any, arg: object, *flags: bool) -> Any:
-        seen.append(arg)
-        return real(backend, arg, *flags)
-
-    monkeypatch.setattr(_launch, "native_specialize_impl", counting)
     k = _Kernel()
     x = torch.zeros(64)
     desc, other = torch.zeros(32), torch.zeros(32)  # stand-ins: any object specializes
@@ -260,22 +266,12 @@ def test_interpreter_always_takes_the_jit(fresh: None, monkeypatch: pytest.Monke
     assert len(k.jit_calls) == 3 and not _launch._COMPILED
 
 
-def test_replacing_specializes_only_the_replaced_arguments(
-    fresh: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_replacing_specializes_only_the_replaced_arguments(fresh: None, seen: list[object]) -> None:
     """``PreparedLaunch.run_replacing``: once the prepared arguments have compiled, a call
     with other tensors of the same specialization reaches the compiled kernel's launcher with
     them in place, specializing only those (no key built); a replacement that specializes
     otherwise (here a pointer not 16-byte aligned) goes through ``launch()`` and so the JIT,
     and comes back to the launcher with its own compiled kernel from then on."""
-    seen: list[object] = []
-    real = _launch.native_specialize_impl
-
-    def counting(backend: Any, arg: object, *flags: bool) -> Any:
-        seen.append(arg)
-        return real(backend, arg, *flags)
-
-    monkeypatch.setattr(_launch, "native_specialize_impl", counting)
     k = _Kernel()
     x, other = torch.zeros(64), torch.zeros(64)
     prepared = _launch.PreparedLaunch(k, (2,), (x, 7, 0.5), {"A": 1, "B": 2}, 4)
